@@ -1,0 +1,33 @@
+"""The KV entry as ADR-8 names it, shared by the replica, the router and the clients."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Operation(str, Enum):
+    PUT = "PUT"
+    DEL = "DEL"
+    PURGE = "PURGE"
+
+    @classmethod
+    def from_header(cls, value: str | None) -> "Operation":
+        """`KV-Operation` header value; absent means PUT (ADR-8)."""
+        if not value:
+            return cls.PUT
+        try:
+            return cls(value.strip().upper())
+        except ValueError:
+            return cls.PUT
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    bucket: str
+    key: str
+    value: bytes | None
+    revision: int
+    created: int  # ns since the epoch
+    delta: int = 0
+    operation: Operation = Operation.PUT
+    source: str = "local"  # local, a peer's name, or "leader"
