@@ -1,0 +1,60 @@
+"""Fixtures that start real nats-server processes (see DESIGN.md, "Tests run against real servers").
+
+The fixtures are synchronous (starting a process needs no event loop), so module-scoped ones
+work with function-scoped asyncio tests. Teardown stops each server by its own PID, also
+when the test failed.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+from kvcache.natsserver import NatsServer
+from topology import Cluster, start_cluster, start_leaf, start_single
+
+
+@pytest.fixture
+def nats_server(tmp_path) -> Iterator[NatsServer]:
+    """A fresh single JetStream server for one test."""
+    server = start_single(tmp_path)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def nats_server_module(tmp_path_factory) -> Iterator[NatsServer]:
+    """A single JetStream server shared by the tests of one module."""
+    server = start_single(tmp_path_factory.mktemp("nats"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def nats_cluster(tmp_path_factory) -> Iterator[Cluster]:
+    """A 3-node JetStream cluster `hub` (servers hub-0..hub-2) in domain `hub`,
+    every member listening for leaf nodes. Tests that kill members should restart them."""
+    cluster = start_cluster(tmp_path_factory.mktemp("cluster"), n=3, domain="hub")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def leaf_servers(tmp_path_factory, nats_cluster: Cluster) -> Iterator[dict[str, NatsServer]]:
+    """Two leaf nodes, `leaf1` and `leaf2`, each a JetStream server in its own domain
+    (named like the server) connected to `nats_cluster`; a dict name -> NatsServer."""
+    base = tmp_path_factory.mktemp("leaves")
+    leaves: dict[str, NatsServer] = {}
+    try:
+        for name in ("leaf1", "leaf2"):
+            leaves[name] = start_leaf(base, nats_cluster, domain=name)
+        yield leaves
+    finally:
+        for leaf in leaves.values():
+            leaf.stop()

@@ -1,0 +1,143 @@
+"""Real nats-server topologies for the tests: a single server, a JetStream cluster, leaf nodes.
+
+Everything listens on 127.0.0.1 with free ports and keeps its state under the given
+directory. Readiness is checked through each server's HTTP monitor, never by sleeping.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from kvcache.natsserver import ClusterConfig, NatsServer, free_port
+
+HOST = "127.0.0.1"
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> object:
+    """Poll `predicate` until it returns something truthy; fail with `what` at the deadline."""
+    deadline = time.monotonic() + timeout
+    last_exc: BaseException | None = None
+    while True:
+        try:
+            result = predicate()
+            if result:
+                return result
+        except Exception as exc:  # noqa: BLE001 - surfaced in the timeout message
+            last_exc = exc
+        if time.monotonic() >= deadline:
+            detail = f" (last error: {last_exc!r})" if last_exc else ""
+            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}{detail}")
+        time.sleep(interval)
+
+
+def start_single(tmp_path: Path, name: str = "single", domain: str | None = None) -> NatsServer:
+    """One JetStream server; the caller stops it."""
+    base = Path(tmp_path) / name
+    return NatsServer(base / "js", host=HOST, server_name=name, domain=domain).start()
+
+
+@dataclass
+class Cluster:
+    """A started JetStream cluster whose members all accept leaf node connections."""
+
+    name: str
+    domain: str | None
+    servers: list[NatsServer] = field(default_factory=list)
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    @property
+    def leafnode_urls(self) -> list[str]:
+        return [u for s in self.servers if (u := s.leafnode_url)]
+
+    def server(self, name: str) -> NatsServer:
+        """The member with this `server_name` (as reported by stream_info().cluster.leader)."""
+        for s in self.servers:
+            if s.server_name == name:
+                return s
+        raise KeyError(name)
+
+    def meta_leader(self) -> str | None:
+        """Name of the JetStream meta leader if every running member agrees on one."""
+        leaders = set()
+        for s in self.servers:
+            if not s.running:
+                continue
+            meta = s.monitor("/jsz").get("meta_cluster") or {}
+            leaders.add(meta.get("leader") or "")
+        if len(leaders) == 1 and (leader := leaders.pop()):
+            return leader
+        return None
+
+    def wait_ready(self, timeout: float = 30) -> str:
+        """Wait for an agreed meta leader and a healthy JetStream on every running member."""
+        wait_until(self.meta_leader, timeout, f"JetStream meta leader in cluster {self.name}")
+        wait_until(
+            lambda: all(s.monitor("/healthz").get("status") == "ok" for s in self.servers if s.running),
+            timeout,
+            f"healthz ok on every member of cluster {self.name}",
+        )
+        leader = self.meta_leader()
+        assert leader
+        return leader
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+
+def start_cluster(tmp_path: Path, n: int = 3, domain: str | None = "hub", name: str = "hub") -> Cluster:
+    """An n-node JetStream cluster (server names `<name>-0`...), ready for R-n streams."""
+    base = Path(tmp_path) / name
+    route_ports = [free_port(HOST) for _ in range(n)]
+    routes = [f"nats-route://{HOST}:{p}" for p in route_ports]
+    cluster = Cluster(name=name, domain=domain)
+    for i, rport in enumerate(route_ports):
+        sname = f"{name}-{i}"
+        cluster.servers.append(
+            NatsServer(
+                base / sname / "js",
+                host=HOST,
+                server_name=sname,
+                domain=domain,
+                cluster=ClusterConfig(name=name, port=rport, routes=routes),
+                leafnodes_listen_port=free_port(HOST),
+                conf_dir=base,
+            )
+        )
+    try:
+        for s in cluster.servers:
+            s.start()
+        cluster.wait_ready()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def start_leaf(tmp_path: Path, hub: Cluster, domain: str, name: str | None = None, timeout: float = 15) -> NatsServer:
+    """A standalone JetStream server in its own domain, leaf-connected to every hub member."""
+    name = name or domain
+    base = Path(tmp_path) / name
+    leaf = NatsServer(
+        base / "js",
+        host=HOST,
+        server_name=name,
+        domain=domain,
+        leaf_remotes=hub.leafnode_urls,
+    )
+    leaf.start()
+    try:
+        wait_until(
+            lambda: leaf.monitor("/leafz").get("leafnodes", 0) >= 1,
+            timeout,
+            f"leaf {name} connected to hub {hub.name}",
+        )
+    except BaseException:
+        leaf.stop()
+        raise
+    return leaf
