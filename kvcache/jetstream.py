@@ -1,0 +1,139 @@
+"""The JetStream JSON API as kvcache uses it (ADR-1), and the wire details it depends on.
+
+We speak the API directly rather than through nats-py's JetStream context: the feed needs
+consumer settings nats-py's helpers do not expose together (pull, AckNone, several filters,
+explicit start sequence), and the router needs raw Direct Get replies with their status.
+"""
+from __future__ import annotations
+
+import calendar
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import nats.errors
+from nats.aio.client import Client as NATS
+
+from .errors import BucketNotFound, UpstreamError
+
+STREAM_NOT_FOUND = 10059
+
+
+def api_prefix(domain: str | None = None) -> str:
+    return f"$JS.{domain}.API" if domain else "$JS.API"
+
+
+async def api_request(nc: NATS, subject: str, payload: dict[str, Any] | None,
+                      timeout: float) -> dict[str, Any]:
+    """One JSON API call; an error document becomes UpstreamError with its description."""
+    data = json.dumps(payload, separators=(",", ":")).encode() if payload is not None else b""
+    try:
+        msg = await nc.request(subject, data, timeout=timeout)
+    except nats.errors.NoRespondersError:
+        raise UpstreamError(f"no JetStream responders for {subject} (is JetStream enabled?)") from None
+    except nats.errors.TimeoutError:
+        raise UpstreamError(f"JetStream API timed out: {subject}") from None
+    except nats.errors.Error as e:
+        raise UpstreamError(f"JetStream API failed: {subject}: {e}") from None
+    try:
+        doc = json.loads(msg.data)
+    except ValueError:
+        raise UpstreamError(f"JetStream API returned invalid JSON for {subject}") from None
+    err = doc.get("error")
+    if err:
+        raise ApiError(err.get("code", 0), err.get("err_code", 0), err.get("description", "error"))
+    return doc
+
+
+class ApiError(UpstreamError):
+    def __init__(self, code: int, err_code: int, description: str) -> None:
+        super().__init__(f"{description} (code {code}, err_code {err_code})")
+        self.code = code
+        self.err_code = err_code
+        self.description = description
+
+
+async def stream_info(nc: NATS, stream: str, timeout: float, prefix: str = "$JS.API") -> dict[str, Any]:
+    try:
+        return await api_request(nc, f"{prefix}.STREAM.INFO.{stream}", None, timeout)
+    except ApiError as e:
+        if e.err_code == STREAM_NOT_FOUND or e.code == 404:
+            raise BucketNotFound(f"stream {stream} not found") from None
+        raise
+
+
+def kv_stream(bucket: str) -> str:
+    return f"KV_{bucket}"
+
+
+def kv_subject(bucket: str, key: str) -> str:
+    return f"$KV.{bucket}.{key}"
+
+
+# ---------------------------------------------------------------------------- ack metadata
+
+@dataclass(slots=True)
+class AckMeta:
+    stream: str
+    consumer: str
+    stream_seq: int
+    consumer_seq: int
+    timestamp: int
+    pending: int
+
+
+def parse_ack(reply: str) -> AckMeta | None:
+    """`$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>`, or the
+    longer form `$JS.ACK.<domain>.<account hash>.<stream>...<pending>.<token>` (ADR-15)."""
+    t = reply.split(".")
+    n = len(t)
+    if n == 9 and t[0] == "$JS" and t[1] == "ACK":
+        i = 2
+    elif n >= 12 and t[0] == "$JS" and t[1] == "ACK":
+        i = 4
+    else:
+        return None
+    try:
+        return AckMeta(t[i], t[i + 1], int(t[i + 3]), int(t[i + 4]), int(t[i + 5]), int(t[i + 6]))
+    except ValueError:
+        return None
+
+
+# ---------------------------------------------------------------------------- times and headers
+
+_GO_TIME = re.compile(r"^(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:\.(\d{1,9}))?\s*(Z|[+-]\d\d:?\d\d)?")
+
+
+def parse_time_ns(text: str) -> int:
+    """Nanoseconds since the epoch from Go's `2022-08-06 00:29:27.587861324 +0000 UTC`
+    (Direct Get's Nats-Time-Stamp) or RFC 3339 (the JSON API); 0 when unparseable."""
+    m = _GO_TIME.match(text.strip())
+    if not m:
+        return 0
+    y, mo, d, h, mi, s, frac, tz = m.groups()
+    secs = calendar.timegm((int(y), int(mo), int(d), int(h), int(mi), int(s), 0, 0, 0))
+    if tz and tz != "Z":
+        sign = 1 if tz[0] == "+" else -1
+        tzd = tz[1:].replace(":", "")
+        secs -= sign * (int(tzd[:2]) * 3600 + int(tzd[2:]) * 60)
+    return secs * 1_000_000_000 + int((frac or "0").ljust(9, "0"))
+
+
+def parse_header_block(raw: bytes) -> dict[str, str]:
+    """`NATS/1.0 [status [desc]]\\r\\nName: value\\r\\n...` as a dict; status under `Status`."""
+    out: dict[str, str] = {}
+    lines = raw.decode("utf-8", "replace").split("\r\n")
+    first = lines[0]
+    if first.startswith("NATS/1.0"):
+        rest = first[8:].strip()
+        if rest:
+            code, _, desc = rest.partition(" ")
+            out["Status"] = code
+            if desc:
+                out["Description"] = desc
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if sep and name:
+            out[name.strip()] = value.strip()
+    return out

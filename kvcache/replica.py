@@ -1,0 +1,280 @@
+"""The LMDB replica: one environment, a named database per bucket plus a meta database.
+
+Records are `revision u64 | created_ns u64 | full_key_len u32 | [full key] | value`.
+LMDB keys are at most 511 bytes while NATS keys may be longer, so a long key is stored under
+`NUL '#' sha256(key)` (NUL never occurs in a NATS subject) and its full text rides in the record.
+
+Reads open and close their own short transaction and never span an `await`: a read
+transaction held open pins old pages and makes the file grow under a busy writer.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import time
+from dataclasses import asdict, dataclass
+from typing import Iterable, Iterator
+
+import lmdb
+
+from .errors import ReplicaError
+
+FORMAT_VERSION = 1
+RECORD = struct.Struct("<QQI")
+MAX_LMDB_KEY = 511
+LONG_KEY_PREFIX = b"\x00#"
+META_DB = b"__meta__"
+FORMAT_KEY = b"__format__"
+MAX_DBS = 128
+
+
+@dataclass
+class BucketMeta:
+    """Per-bucket position and health, written in the same transaction as the data it describes."""
+
+    stream: str = ""
+    stream_created: str = ""  # the stream's creation time: a new value means a recreated stream
+    applied_seq: int = 0
+    synced: bool = False
+    fresh_at_ns: int = 0  # last moment the replica was known to be caught up with the stream
+    last_update_ns: int = 0
+    resyncs: int = 0
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes | None) -> "BucketMeta":
+        if not raw:
+            return cls()
+        data = json.loads(raw)
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass(slots=True)
+class Record:
+    key: str
+    value: bytes
+    revision: int
+    created: int
+
+
+def lmdb_key(key: str) -> bytes:
+    raw = key.encode()
+    if len(raw) <= MAX_LMDB_KEY and not raw.startswith(b"\x00"):
+        return raw
+    return LONG_KEY_PREFIX + hashlib.sha256(raw).digest()
+
+
+def encode_record(key_bytes: bytes, lkey: bytes, value: bytes, revision: int, created: int) -> bytes:
+    if lkey is key_bytes or lkey == key_bytes:
+        return RECORD.pack(revision, created, 0) + value
+    return RECORD.pack(revision, created, len(key_bytes)) + key_bytes + value
+
+
+def decode_record(lkey: bytes, raw: bytes) -> Record:
+    revision, created, klen = RECORD.unpack_from(raw)
+    start = RECORD.size
+    if klen:
+        key = raw[start : start + klen].decode()
+        start += klen
+    else:
+        key = lkey.decode()
+    return Record(key, raw[start:], revision, created)
+
+
+def decode_key(lkey: bytes, raw: bytes) -> str:
+    if not lkey.startswith(LONG_KEY_PREFIX):
+        return lkey.decode()
+    _, _, klen = RECORD.unpack_from(raw)
+    return raw[RECORD.size : RECORD.size + klen].decode()
+
+
+class Replica:
+    """Owner of the LMDB environment. One writer (the sidecar); any number of readers."""
+
+    def __init__(self, path: str, map_size: int = 1 << 30, max_map_size: int = 1 << 40,
+                 readonly: bool = False) -> None:
+        self.path = path
+        self.readonly = readonly
+        self.max_map_size = max_map_size
+        self._dbs: dict[str, object] = {}
+        try:
+            if not readonly:
+                os.makedirs(path, exist_ok=True)
+            self.env = lmdb.open(
+                path, map_size=map_size, max_dbs=MAX_DBS, readonly=readonly,
+                # Durability comes from NATS: after an OS crash we resume from an older
+                # applied sequence, which is still consistent because data and position
+                # share each transaction. Process crashes lose nothing either way.
+                sync=False, metasync=False, readahead=False, max_readers=1024,
+                create=not readonly, lock=True,
+            )
+        except lmdb.Error as e:
+            raise ReplicaError(f"cannot open replica at {path}: {e}") from None
+        self._meta = self.env.open_db(META_DB, create=not readonly) if not readonly else self._open_ro(META_DB)
+        if not readonly:
+            self._check_format()
+
+    # ------------------------------------------------------------------ layout
+
+    def _open_ro(self, name: bytes):
+        try:
+            with self.env.begin() as txn:
+                return self.env.open_db(name, txn=txn, create=False)
+        except lmdb.NotFoundError:
+            return None
+
+    def _check_format(self) -> None:
+        """A replica written by another format version is dropped and rebuilt from NATS."""
+        with self.env.begin(db=self._meta) as txn:
+            fmt = txn.get(FORMAT_KEY)
+        if fmt is not None and fmt != str(FORMAT_VERSION).encode():
+            self.wipe()
+        with self.env.begin(db=self._meta, write=True) as txn:
+            txn.put(FORMAT_KEY, str(FORMAT_VERSION).encode())
+
+    def wipe(self) -> None:
+        with self.env.begin(write=True) as txn:
+            names = [k for k, _ in txn.cursor()]
+            for name in names:
+                if name == META_DB:
+                    continue
+                txn.drop(self.env.open_db(name, txn=txn), delete=True)
+            txn.drop(self._meta, delete=False)
+        self._dbs.clear()
+
+    def db(self, bucket: str):
+        db = self._dbs.get(bucket)
+        if db is None:
+            name = b"kv:" + bucket.encode()
+            db = self._open_ro(name) if self.readonly else self.env.open_db(name)
+            if db is not None:
+                self._dbs[bucket] = db
+        return db
+
+    # ------------------------------------------------------------------ reads
+
+    def get(self, bucket: str, key: str) -> Record | None:
+        db = self.db(bucket)
+        if db is None:
+            return None
+        lkey = lmdb_key(key)
+        with self.env.begin(db=db, buffers=False) as txn:
+            raw = txn.get(lkey)
+        return decode_record(lkey, raw) if raw is not None else None
+
+    def get_raw(self, txn: lmdb.Transaction, db, key: str) -> bytes | None:
+        """Value only, inside the caller's read transaction (the server's batched path)."""
+        raw = txn.get(lmdb_key(key), db=db)
+        if raw is None:
+            return None
+        klen = RECORD.unpack_from(raw)[2]
+        return raw[RECORD.size + klen :]
+
+    def read_txn(self) -> lmdb.Transaction:
+        return self.env.begin(buffers=False)
+
+    def count(self, bucket: str) -> int:
+        db = self.db(bucket)
+        if db is None:
+            return 0
+        with self.env.begin(db=db) as txn:
+            return txn.stat(db)["entries"]
+
+    def iter_keys(self, bucket: str, after: bytes | None = None,
+                  limit: int | None = None) -> Iterator[tuple[bytes, str]]:
+        """(lmdb key, full key) in LMDB order, starting after `after`; one transaction."""
+        db = self.db(bucket)
+        if db is None:
+            return
+        n = 0
+        with self.env.begin(db=db, buffers=False) as txn:
+            cur = txn.cursor()
+            ok = cur.set_range(after) if after is not None else cur.first()
+            if ok and after is not None and cur.key() == after:
+                ok = cur.next()
+            while ok:
+                lkey = cur.key()
+                yield lkey, decode_key(lkey, cur.value()) if lkey.startswith(LONG_KEY_PREFIX) else lkey.decode()
+                n += 1
+                if limit is not None and n >= limit:
+                    return
+                ok = cur.next()
+
+    def meta(self, bucket: str) -> BucketMeta:
+        if self._meta is None:
+            return BucketMeta()
+        with self.env.begin(db=self._meta) as txn:
+            return BucketMeta.decode(txn.get(bucket.encode()))
+
+    # ------------------------------------------------------------------ writes
+
+    def apply(self, bucket: str, puts: Iterable[tuple[str, bytes, int, int]],
+              deletes: Iterable[str], meta: BucketMeta) -> None:
+        """Apply one batch and its position in a single transaction, growing the map if full.
+
+        `puts` is (key, value, revision, created_ns); deletes are keys. Order between the two
+        does not matter: the feed folds each batch so a key appears in at most one of them.
+        """
+        puts, deletes = list(puts), list(deletes)
+        db = self.db(bucket)
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    for key, value, revision, created in puts:
+                        kb = key.encode()
+                        lkey = lmdb_key(key)
+                        txn.put(lkey, encode_record(kb, lkey, value, revision, created), db=db)
+                    for key in deletes:
+                        txn.delete(lmdb_key(key), db=db)
+                    txn.put(bucket.encode(), meta.encode(), db=self._meta)
+                return
+            except lmdb.MapFullError:
+                self._grow()
+            except lmdb.Error as e:
+                raise ReplicaError(f"replica write failed for bucket {bucket}: {e}") from None
+
+    def delete_lkeys(self, bucket: str, lkeys: Iterable[bytes]) -> int:
+        db = self.db(bucket)
+        n = 0
+        with self.env.begin(write=True, db=db) as txn:
+            for lk in lkeys:
+                n += txn.delete(lk)
+        return n
+
+    def put_meta(self, bucket: str, meta: BucketMeta) -> None:
+        with self.env.begin(write=True, db=self._meta) as txn:
+            txn.put(bucket.encode(), meta.encode())
+
+    def clear_bucket(self, bucket: str) -> None:
+        db = self.db(bucket)
+        with self.env.begin(write=True) as txn:
+            txn.drop(db, delete=False)
+
+    def _grow(self) -> None:
+        size = self.env.info()["map_size"]
+        if size >= self.max_map_size:
+            raise ReplicaError(
+                f"replica map is full at {size >> 20} MiB and max_map_size_mb forbids growing"
+            )
+        self.env.set_mapsize(min(size * 2, self.max_map_size))
+
+    def map_size(self) -> int:
+        return self.env.info()["map_size"]
+
+    def sync(self) -> None:
+        self.env.sync(True)
+
+    def close(self) -> None:
+        try:
+            self.env.sync(True)
+        except lmdb.Error:
+            pass
+        self.env.close()
+
+
+def now_ns() -> int:
+    return time.time_ns()

@@ -1,0 +1,230 @@
+"""Fallback reads: what the replica cannot answer is fetched from NATS with Direct Get (ADR-31).
+
+A Peer is one (connection, stream) pair that can answer reads for a bucket. Single keys use
+the subject-appended form `$JS.API.DIRECT.GET.<stream>.<subject>`; MGET misses use `multi_last`
+batches (at most 1024 subjects a request, pinned to one snapshot with `up_to_seq`). Streams
+without `allow_direct` have no Direct Get responders, so such a peer uses the leader API
+`$JS.API.STREAM.MSG.GET`, which is also what `CONSISTENCY strong` reads use (read-after-write).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from . import jetstream as jsapi
+from .entry import Entry, Operation
+from .errors import UpstreamError
+
+MULTI_LAST_MAX = 1024
+NO_MESSAGE = 10037
+EWMA_DECAY = 0.2
+
+
+@dataclass
+class PeerStats:
+    requests: int = 0
+    errors: int = 0
+    hedges: int = 0
+    ewma_us: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        us = seconds * 1e6
+        # Peak-sensitive: a slower sample is taken at once, a faster one decays in.
+        self.ewma_us = us if us > self.ewma_us else self.ewma_us + EWMA_DECAY * (us - self.ewma_us)
+
+
+@dataclass
+class Peer:
+    name: str
+    nc: NATS
+    stream: str
+    bucket: str
+    domain: str | None = None
+    direct: bool = True
+    state: str = "up"
+    stats: PeerStats = field(default_factory=PeerStats)
+
+    @property
+    def api(self) -> str:
+        return jsapi.api_prefix(self.domain)
+
+    # ------------------------------------------------------------------ single key
+
+    async def get(self, key: str, timeout: float, leader: bool = False) -> Entry | None:
+        self.stats.requests += 1
+        start = time.perf_counter()
+        try:
+            if self.direct and not leader:
+                try:
+                    entry = await self._direct_get(key, timeout)
+                except nats.errors.NoRespondersError:
+                    # The stream has no allow_direct (nats-py's default for new buckets).
+                    self.direct = False
+                    entry = await self._leader_get(key, timeout)
+            else:
+                entry = await self._leader_get(key, timeout)
+        except UpstreamError:
+            self.stats.errors += 1
+            raise
+        except (nats.errors.Error, OSError) as e:
+            self.stats.errors += 1
+            raise UpstreamError(f"peer {self.name}: {type(e).__name__}: {e}") from None
+        self.stats.observe(time.perf_counter() - start)
+        return entry
+
+    async def _direct_get(self, key: str, timeout: float) -> Entry | None:
+        subject = f"{self.api}.DIRECT.GET.{self.stream}.{jsapi.kv_subject(self.bucket, key)}"
+        try:
+            msg = await self.nc.request(subject, b"", timeout=timeout)
+        except nats.errors.TimeoutError:
+            raise UpstreamError(f"peer {self.name}: Direct Get timed out after {timeout:.1f}s") from None
+        return self._entry_from_msg(msg, key)
+
+    def _entry_from_msg(self, msg: Msg, key: str | None = None) -> Entry | None:
+        hdrs = msg.headers or {}
+        status = hdrs.get("Status")
+        if status:
+            if status == "404":
+                return None
+            raise UpstreamError(
+                f"peer {self.name}: Direct Get failed: {status} {hdrs.get('Description', '')}".rstrip())
+        if key is None:
+            key = hdrs.get("Nats-Subject", "").split(".", 2)[-1]
+        return self._entry(key, msg.data, hdrs, int(hdrs.get("Nats-Sequence", 0) or 0),
+                           jsapi.parse_time_ns(hdrs.get("Nats-Time-Stamp", "")))
+
+    async def _leader_get(self, key: str, timeout: float) -> Entry | None:
+        try:
+            doc = await jsapi.api_request(
+                self.nc, f"{self.api}.STREAM.MSG.GET.{self.stream}",
+                {"last_by_subj": jsapi.kv_subject(self.bucket, key)}, timeout)
+        except jsapi.ApiError as e:
+            if e.err_code == NO_MESSAGE or e.code == 404:
+                return None
+            raise
+        m = doc.get("message", {})
+        hdrs = jsapi.parse_header_block(base64.b64decode(m["hdrs"])) if m.get("hdrs") else {}
+        data = base64.b64decode(m.get("data", "")) if m.get("data") else b""
+        return self._entry(key, data, hdrs, m.get("seq", 0), jsapi.parse_time_ns(m.get("time", "")),
+                           source="leader")
+
+    def _entry(self, key: str, data: bytes, hdrs: dict, seq: int, created: int,
+               source: str | None = None) -> Entry:
+        op = Operation.from_header(hdrs.get("KV-Operation"))
+        return Entry(self.bucket, key, data if op is Operation.PUT else None, seq, created,
+                     0, op, source or self.name)
+
+    # ------------------------------------------------------------------ many keys
+
+    async def get_many(self, keys: list[str], timeout: float) -> dict[str, Entry | None]:
+        """multi_last batches; one snapshot across batches via the first batch's up-to sequence."""
+        if not self.direct:
+            return {k: await self.get(k, timeout, leader=True) for k in keys}
+        self.stats.requests += 1
+        start = time.perf_counter()
+        out: dict[str, Entry | None] = {}
+        up_to: int | None = None
+        try:
+            for i in range(0, len(keys), MULTI_LAST_MAX):
+                chunk = keys[i : i + MULTI_LAST_MAX]
+                up_to = await self._multi_last(chunk, up_to, timeout, out)
+        except nats.errors.NoRespondersError:
+            self.direct = False
+            self.stats.requests -= 1
+            return await self.get_many(keys, timeout)
+        except UpstreamError:
+            self.stats.errors += 1
+            raise
+        except (nats.errors.Error, OSError) as e:
+            self.stats.errors += 1
+            raise UpstreamError(f"peer {self.name}: {type(e).__name__}: {e}") from None
+        self.stats.observe(time.perf_counter() - start)
+        for k in keys:
+            out.setdefault(k, None)
+        return out
+
+    async def _multi_last(self, keys: list[str], up_to: int | None, timeout: float,
+                          out: dict[str, Entry | None]) -> int | None:
+        remaining = {jsapi.kv_subject(self.bucket, k): k for k in keys}
+        while remaining:
+            req: dict = {"multi_last": list(remaining), "batch": len(remaining)}
+            if up_to:
+                req["up_to_seq"] = up_to
+            inbox = self.nc.new_inbox()
+            sub = await self.nc.subscribe(inbox)
+            try:
+                await self.nc.publish(f"{self.api}.DIRECT.GET.{self.stream}",
+                                      json.dumps(req).encode(), reply=inbox)
+                more = False
+                got_any = False
+                deadline = time.monotonic() + timeout
+                while True:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise UpstreamError(f"peer {self.name}: multi_last timed out")
+                    try:
+                        msg = await sub.next_msg(timeout=left)
+                    except nats.errors.TimeoutError:
+                        raise UpstreamError(f"peer {self.name}: multi_last timed out") from None
+                    hdrs = msg.headers or {}
+                    status = hdrs.get("Status")
+                    if status == "503":
+                        raise nats.errors.NoRespondersError
+                    if status == "204":  # EOB
+                        up_to = up_to or int(hdrs.get("Nats-UpTo-Sequence", 0) or 0) or None
+                        more = int(hdrs.get("Nats-Num-Pending", 0) or 0) > 0
+                        break
+                    if status == "404":  # none of the subjects has a message
+                        break
+                    if status:
+                        raise UpstreamError(f"peer {self.name}: multi_last failed: {status} "
+                                            f"{hdrs.get('Description', '')}".rstrip())
+                    subject = hdrs.get("Nats-Subject", "")
+                    key = remaining.pop(subject, None)
+                    if key is not None:
+                        got_any = True
+                        out[key] = self._entry_from_msg(msg, key)
+                if not more or not got_any:
+                    return up_to
+            finally:
+                try:
+                    await sub.unsubscribe()
+                except nats.errors.Error:
+                    pass
+        return up_to
+
+
+class Router:
+    """Chooses the peer for a fallback read. One peer per bucket on the main connection for now;
+    latency-aware choice across replicas and mirrors builds on this (see DESIGN.md, Routing)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._peers: dict[str, list[Peer]] = {}
+
+    def add(self, peer: Peer) -> None:
+        self._peers.setdefault(peer.bucket, []).append(peer)
+
+    def peers(self) -> Iterable[Peer]:
+        for ps in self._peers.values():
+            yield from ps
+
+    def _pick(self, bucket: str) -> Peer:
+        ps = self._peers.get(bucket)
+        if not ps:
+            raise UpstreamError(f"no peer can read bucket {bucket}")
+        up = [p for p in ps if p.state == "up"] or ps
+        return min(up, key=lambda p: p.stats.ewma_us)
+
+    async def get(self, bucket: str, key: str, strong: bool = False) -> Entry | None:
+        return await self._pick(bucket).get(key, self.timeout, leader=strong)
+
+    async def get_many(self, bucket: str, keys: list[str]) -> dict[str, Entry | None]:
+        return await self._pick(bucket).get_many(keys, self.timeout)
