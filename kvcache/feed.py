@@ -265,6 +265,7 @@ class Feed:
         self._synced_event = asyncio.Event()
         self._last_meta_write = 0
         self._sync_started = 0.0
+        self._waiters: list[tuple[int, asyncio.Future]] = []
         if self.meta.synced:
             self._synced_event.set()
 
@@ -320,6 +321,28 @@ class Feed:
 
     async def wait_synced(self, timeout: float | None = None) -> None:
         await asyncio.wait_for(self._synced_event.wait(), timeout)
+
+    async def wait_applied(self, seq: int, timeout: float) -> bool:
+        """True once the replica holds stream sequence `seq` (MINREV), False on timeout."""
+        if self.meta.applied_seq >= seq:
+            return True
+        fut = asyncio.get_running_loop().create_future()
+        item = (seq, fut)
+        self._waiters.append(item)
+        try:
+            await asyncio.wait_for(fut, timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            if item in self._waiters:
+                self._waiters.remove(item)
+
+    def _wake_waiters(self) -> None:
+        applied = self.meta.applied_seq
+        for seq, fut in self._waiters:
+            if seq <= applied and not fut.done():
+                fut.set_result(None)
 
     def connection_lost(self) -> None:
         """Called on disconnect: stop claiming freshness, and start over on reconnect."""
@@ -411,6 +434,8 @@ class Feed:
             m.synced = True
         self.replica.apply(self.bucket, puts, deletes, m)
         self._last_meta_write = m.last_update_ns
+        if self._waiters:
+            self._wake_waiters()
         if caught_up:
             self._reached_end()
         self.caught_up = caught_up

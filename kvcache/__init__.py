@@ -1,0 +1,17 @@
+"""kvcache: a read-cache sidecar for NATS JetStream Key-Value buckets."""
+__version__ = "0.1.0"
+
+from .entry import Entry, Operation  # noqa: E402
+
+__all__ = ["Entry", "Operation", "Client", "AsyncClient", "LocalReader", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy, so `import kvcache` stays cheap for the CLI and for processes that only read LMDB.
+    if name in ("Client", "AsyncClient"):
+        from . import client
+        return getattr(client, name)
+    if name == "LocalReader":
+        from .localreader import LocalReader
+        return LocalReader
+    raise AttributeError(name)

@@ -1,0 +1,540 @@
+"""The RESP command set (DESIGN.md's table): decode arguments, answer from the replica when it
+may, hand the rest to the router, encode the reply.
+
+A handler returns the encoded reply as bytes when it can answer at once (the common case: a
+local read), or a coroutine when it must ask NATS; the server keeps replies in request order.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import re
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Awaitable, Callable, Union
+
+from . import __version__, resp
+from .config import BucketConfig
+from .entry import Entry, Operation
+from .errors import KvcacheError
+
+if TYPE_CHECKING:
+    from .sidecar import Sidecar
+    from .server import Connection
+
+Reply = Union[bytes, Awaitable[bytes]]
+KEY_RE = re.compile(r"^[-/_=a-zA-Z0-9]+(\.[-/_=a-zA-Z0-9]+)*$")
+SCAN_CURSORS = 10_000
+MINREV_WAIT_S = 0.25
+
+READONLY = resp.error("READONLY kvcache is a read replica")
+WRITE_COMMANDS = frozenset(b"""
+append bitfield bitop blmove blmpop blpop brpop brpoplpush bzmpop bzpopmax bzpopmin copy decr
+decrby del eval evalsha expire expireat flushall flushdb fcall function geoadd georadius
+georadiusbymember getdel getex getset hdel hincrby hincrbyfloat hmset hset hsetnx incr incrby
+incrbyfloat linsert lmove lmpop lpop lpush lpushx lrem lset ltrim migrate move mset msetnx
+persist pexpire pexpireat pfadd pfmerge psetex publish rename renamenx restore rpop rpoplpush
+rpush rpushx sadd sdiffstore set setbit setex setnx setrange sinterstore smove spop srem
+sunionstore swapdb unlink xack xadd xautoclaim xclaim xdel xgroup xtrim zadd zdiffstore zincrby
+zinterstore zmpop zpopmax zpopmin zrangestore zrem zremrangebylex zremrangebyrank
+zremrangebyscore zunionstore sort restore-asking
+""".split())
+
+
+class CommandError(KvcacheError):
+    """Answered to the client as a RESP error; the connection stays usable."""
+
+
+@dataclass
+class Stats:
+    gets_local: int = 0
+    gets_remote: int = 0
+    gets_notfound: int = 0
+    remote_errors: int = 0
+    commands: int = 0
+    connections_received: int = 0
+    rejected_connections: int = 0
+    protocol_errors: int = 0
+    started: float = field(default_factory=time.time)
+
+
+def arity(n: int, exact: bool = True):
+    """Reject a wrong argument count with Redis's own wording before the handler runs."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def checked(self, conn, args):
+            if (len(args) != n) if exact else (len(args) < n):
+                raise CommandError(f"ERR wrong number of arguments for '{args[0].decode(errors='replace').lower()}' command")
+            return fn(self, conn, args)
+        return checked
+    return wrap
+
+
+class Commands:
+    def __init__(self, sidecar: "Sidecar") -> None:
+        self.sc = sidecar
+        self.cfg = sidecar.cfg
+        self.replica = sidecar.replica
+        self.stats = sidecar.stats
+        self._cursors: OrderedDict[int, tuple[str, bytes]] = OrderedDict()
+        self._next_cursor = 1
+        self._table: dict[bytes, Callable[["Connection", list[bytes]], Reply]] = {
+            b"get": self.get, b"mget": self.mget, b"exists": self.exists,
+            b"kv.get": self.kv_get, b"keys": self.keys, b"scan": self.scan,
+            b"dbsize": self.dbsize, b"info": self.info,
+            b"ping": self.ping, b"echo": self.echo, b"quit": self.quit, b"hello": self.hello,
+            b"client": self.client, b"command": self.command, b"select": self.select,
+            b"config": self.config,
+        }
+
+    def dispatch(self, conn: "Connection", args: list[bytes]) -> Reply:
+        self.stats.commands += 1
+        name = args[0].lower()
+        handler = self._table.get(name)
+        try:
+            if handler is not None:
+                return handler(conn, args)
+            if name in WRITE_COMMANDS:
+                return READONLY
+            shown = " ".join(f"'{a.decode(errors='replace')[:64]}'" for a in args[1:4])
+            return resp.error(f"ERR unknown command '{args[0].decode(errors='replace')[:64]}', "
+                              f"with args beginning with: {shown}")
+        except CommandError as e:
+            return resp.error(str(e))
+
+    # ------------------------------------------------------------------ addressing
+
+    def resolve(self, raw: bytes) -> tuple[BucketConfig, str]:
+        """`bucket:key` names the bucket; a bare key reads the default (first) bucket."""
+        try:
+            text = raw.decode()
+        except UnicodeDecodeError:
+            raise CommandError("ERR invalid key: not UTF-8") from None
+        bucket, sep, key = text.partition(":")
+        if not sep:
+            bucket, key = self.cfg.default_bucket or "", text
+        bc = self.cfg.bucket(bucket)
+        if bc is None:
+            raise CommandError(f"ERR no such bucket '{bucket[:64]}'")
+        if not KEY_RE.match(key):
+            raise CommandError(f"ERR invalid key '{key[:64]}': KV keys use A-Z a-z 0-9 - / _ = and dots between tokens")
+        return bc, key
+
+    def local_ok(self, bc: BucketConfig, key: str, max_stale_ms: int | None = None) -> bool:
+        feed = self.sc.feeds[bc.name]
+        return self.sc.in_filters(bc.name, key) and feed.fresh_enough(
+            bc.max_stale_ms if max_stale_ms is None else max_stale_ms)
+
+    # ------------------------------------------------------------------ reads
+
+    @arity(2)
+    def get(self, conn: "Connection", args: list[bytes]) -> Reply:
+        bc, key = self.resolve(args[1])
+        if self.local_ok(bc, key):
+            rec = self.replica.get(bc.name, key)
+            self.stats.gets_local += 1
+            if rec is None:
+                self.stats.gets_notfound += 1
+                return resp.null(conn.proto)
+            return resp.bulk(rec.value, conn.proto)
+        return self._remote_value(conn, bc, key)
+
+    async def _remote_value(self, conn: "Connection", bc: BucketConfig, key: str) -> bytes:
+        entry = await self.remote_entry(bc, key)
+        return resp.bulk(entry.value if entry else None, conn.proto)
+
+    async def remote_entry(self, bc: BucketConfig, key: str, strong: bool = False) -> Entry | None:
+        """A fallback read; the replica's copy wins when it is newer (reads never go back)."""
+        self.stats.gets_remote += 1
+        try:
+            entry = await self.sc.router.get(bc.name, key, strong=strong)
+        except KvcacheError as e:
+            self.stats.remote_errors += 1
+            raise CommandError(f"ERR upstream read failed: {e}") from None
+        entry = self._newest(bc, key, entry)
+        if entry is None or entry.operation is not Operation.PUT:
+            self.stats.gets_notfound += 1
+            return None
+        return entry
+
+    def _newest(self, bc: BucketConfig, key: str, remote: Entry | None) -> Entry | None:
+        """Higher revision wins. A remote not-found carries no revision, and a lagging responder
+        may not have the key yet, so it never overrides a record the replica holds; a deletion
+        overrides it through its DEL/PURGE marker's higher revision."""
+        if not self.sc.in_filters(bc.name, key):
+            return remote
+        rec = self.replica.get(bc.name, key)
+        if rec is None or (remote is not None and remote.revision >= rec.revision):
+            return remote
+        return Entry(bc.name, key, rec.value, rec.revision, rec.created, 0, Operation.PUT, "local")
+
+    def _lookup(self, raw_keys: list[bytes]) -> tuple[list[bytes | None], dict[str, list[tuple[int, str]]]]:
+        """Local values for the keys the replica may answer, and the rest grouped by bucket."""
+        values: list[bytes | None] = [None] * len(raw_keys)
+        misses: dict[str, list[tuple[int, str]]] = {}
+        for i, raw in enumerate(raw_keys):
+            bc, key = self.resolve(raw)
+            if self.local_ok(bc, key):
+                rec = self.replica.get(bc.name, key)
+                self.stats.gets_local += 1
+                if rec is None:
+                    self.stats.gets_notfound += 1
+                else:
+                    values[i] = rec.value
+            else:
+                misses.setdefault(bc.name, []).append((i, key))
+        return values, misses
+
+    @arity(2, exact=False)
+    def mget(self, conn: "Connection", args: list[bytes]) -> Reply:
+        values, misses = self._lookup(args[1:])
+        if not misses:
+            return _values_reply(values, conn.proto)
+        return self._remote_many(values, misses, lambda: _values_reply(values, conn.proto))
+
+    @arity(2, exact=False)
+    def exists(self, conn: "Connection", args: list[bytes]) -> Reply:
+        values, misses = self._lookup(args[1:])
+        count = lambda: resp.integer(sum(v is not None for v in values))
+        return self._remote_many(values, misses, count) if misses else count()
+
+    async def _remote_many(self, values: list[bytes | None], misses: dict[str, list[tuple[int, str]]],
+                           reply: Callable[[], bytes]) -> bytes:
+        """Fill the misses with one batched multi_last read per bucket, then encode."""
+        for bucket, wanted in misses.items():
+            bc = self.cfg.bucket(bucket)
+            keys = list(dict.fromkeys(k for _, k in wanted))
+            self.stats.gets_remote += len(keys)
+            try:
+                found = await self.sc.router.get_many(bucket, keys)
+            except KvcacheError as e:
+                self.stats.remote_errors += 1
+                raise CommandError(f"ERR upstream read failed: {e}") from None
+            for i, key in wanted:
+                entry = self._newest(bc, key, found.get(key))
+                if entry is None or entry.operation is not Operation.PUT:
+                    self.stats.gets_notfound += 1
+                else:
+                    values[i] = entry.value
+        return reply()
+
+    @arity(2, exact=False)
+    def kv_get(self, conn: "Connection", args: list[bytes]) -> Reply:
+        bc, key = self.resolve(args[1])
+        opts = _options(args[2:], {b"consistency": str, b"maxstale": int, b"minrev": int})
+        consistency = opts.get(b"consistency", "local").lower()
+        if consistency not in ("local", "strong"):
+            raise CommandError("ERR CONSISTENCY must be local or strong")
+        max_stale = opts.get(b"maxstale")
+        min_rev = opts.get(b"minrev")
+        if consistency == "local" and min_rev is None and self.local_ok(bc, key, max_stale):
+            self.stats.gets_local += 1
+            rec = self.replica.get(bc.name, key)
+            if rec is None:
+                self.stats.gets_notfound += 1
+                return resp.null(conn.proto)
+            return _entry_reply(Entry(bc.name, key, rec.value, rec.revision, rec.created), conn.proto)
+        return self._kv_get_remote(conn, bc, key, consistency == "strong", max_stale, min_rev)
+
+    async def _kv_get_remote(self, conn: "Connection", bc: BucketConfig, key: str, strong: bool,
+                             max_stale: int | None, min_rev: int | None) -> bytes:
+        if min_rev is not None and not strong:
+            feed = self.sc.feeds[bc.name]
+            if await feed.wait_applied(min_rev, MINREV_WAIT_S) and self.local_ok(bc, key, max_stale):
+                self.stats.gets_local += 1
+                rec = self.replica.get(bc.name, key)
+                if rec is None:
+                    self.stats.gets_notfound += 1
+                    return resp.null(conn.proto)
+                return _entry_reply(Entry(bc.name, key, rec.value, rec.revision, rec.created), conn.proto)
+            strong = True  # the replica is behind the revision asked for: the leader has it
+        entry = await self.remote_entry(bc, key, strong=strong)
+        if entry is None:
+            return resp.null(conn.proto)
+        return _entry_reply(entry, conn.proto)
+
+    # ------------------------------------------------------------------ key listing
+
+    def _pattern_target(self, pattern: bytes) -> tuple[str, str, str]:
+        """(bucket, key glob, prefix to show): `bucket:glob` lists another bucket."""
+        text = pattern.decode(errors="replace")
+        bucket, sep, glob = text.partition(":")
+        if sep and self.cfg.bucket(bucket):
+            return bucket, glob, bucket + ":"
+        if not self.cfg.default_bucket:
+            raise CommandError("ERR no bucket configured")
+        return self.cfg.default_bucket, text, ""
+
+    @arity(2)
+    def keys(self, conn: "Connection", args: list[bytes]) -> Reply:
+        bucket, glob, shown = self._pattern_target(args[1])
+        match = glob_matcher(glob)
+        out = [resp.bulk((shown + k).encode(), conn.proto)
+               for _, k in self.replica.iter_keys(bucket) if match(k)]
+        return resp.array(out, conn.proto)
+
+    @arity(2, exact=False)
+    def scan(self, conn: "Connection", args: list[bytes]) -> Reply:
+        try:
+            cursor = int(args[1])
+        except ValueError:
+            raise CommandError("ERR invalid cursor") from None
+        opts = _options(args[2:], {b"match": bytes, b"count": int, b"type": str})
+        count = opts.get(b"count", 10)
+        if count < 1:
+            raise CommandError("ERR syntax error")
+        if opts.get(b"type", "string").lower() != "string":
+            return resp.array([resp.bulk(b"0"), resp.array([])])
+        bucket, glob, shown = self._pattern_target(opts.get(b"match", b"*"))
+        after = None
+        if cursor:
+            saved = self._cursors.pop(cursor, None)
+            if saved is None or saved[0] != bucket:
+                raise CommandError("ERR invalid cursor")
+            after = saved[1]
+        match = glob_matcher(glob)
+        found: list[bytes] = []
+        last = None
+        n = 0
+        for lkey, key in self.replica.iter_keys(bucket, after=after, limit=count):
+            last = lkey
+            n += 1
+            if match(key):
+                found.append(resp.bulk((shown + key).encode(), conn.proto))
+        next_cursor = 0
+        if n == count and last is not None:
+            next_cursor = self._save_cursor(bucket, last)
+        return resp.array([resp.bulk(b"%d" % next_cursor), resp.array(found, conn.proto)], conn.proto)
+
+    def _save_cursor(self, bucket: str, last: bytes) -> int:
+        cursor = self._next_cursor
+        self._next_cursor += 1
+        self._cursors[cursor] = (bucket, last)
+        while len(self._cursors) > SCAN_CURSORS:
+            self._cursors.popitem(last=False)
+        return cursor
+
+    @arity(1)
+    def dbsize(self, conn: "Connection", args: list[bytes]) -> Reply:
+        b = self.cfg.default_bucket
+        return resp.integer(self.replica.count(b) if b else 0)
+
+    # ------------------------------------------------------------------ connection
+
+    def ping(self, conn: "Connection", args: list[bytes]) -> Reply:
+        if len(args) > 2:
+            raise CommandError("ERR wrong number of arguments for 'ping' command")
+        return resp.bulk(args[1], conn.proto) if len(args) == 2 else resp.PONG
+
+    @arity(2)
+    def echo(self, conn: "Connection", args: list[bytes]) -> Reply:
+        return resp.bulk(args[1], conn.proto)
+
+    def quit(self, conn: "Connection", args: list[bytes]) -> Reply:
+        conn.close_after_reply()
+        return resp.OK
+
+    def hello(self, conn: "Connection", args: list[bytes]) -> Reply:
+        proto = conn.proto
+        i = 1
+        if len(args) > 1:
+            try:
+                proto = int(args[1])
+            except ValueError:
+                raise CommandError("ERR Protocol version is not an integer or out of range") from None
+            if proto not in (2, 3):
+                raise CommandError("NOPROTO unsupported protocol version")
+            i = 2
+        while i < len(args):
+            opt = args[i].lower()
+            if opt == b"auth" and i + 2 < len(args):
+                i += 3  # no auth on a local socket: file mode guards it
+            elif opt == b"setname" and i + 1 < len(args):
+                conn.name = args[i + 1]
+                i += 2
+            else:
+                raise CommandError(f"ERR Syntax error in HELLO option '{args[i].decode(errors='replace')}'")
+        conn.proto = proto
+        info = [
+            (b"server", resp.bulk(b"kvcache")), (b"version", resp.bulk(__version__.encode())),
+            (b"proto", resp.integer(proto)), (b"id", resp.integer(conn.id)),
+            (b"mode", resp.bulk(b"standalone")), (b"role", resp.bulk(b"replica")),
+            (b"modules", resp.array([], proto)),
+        ]
+        return resp.map_([(resp.bulk(k), v) for k, v in info], proto)
+
+    @arity(2, exact=False)
+    def client(self, conn: "Connection", args: list[bytes]) -> Reply:
+        sub = args[1].lower()
+        if sub == b"setname" and len(args) == 3:
+            conn.name = args[2]
+            return resp.OK
+        if sub == b"getname" and len(args) == 2:
+            return resp.bulk(conn.name or None, conn.proto)
+        if sub == b"setinfo" and len(args) == 4:
+            return resp.OK
+        if sub == b"id" and len(args) == 2:
+            return resp.integer(conn.id)
+        if sub in (b"no-evict", b"no-touch", b"reply", b"tracking"):
+            return resp.OK
+        raise CommandError(f"ERR unknown subcommand '{args[1].decode(errors='replace')}' for CLIENT")
+
+    def command(self, conn: "Connection", args: list[bytes]) -> Reply:
+        sub = args[1].lower() if len(args) > 1 else b""
+        if sub == b"count":
+            return resp.integer(len(self._table))
+        if sub == b"docs":
+            return resp.map_([], conn.proto)
+        if sub == b"info":
+            return resp.array([resp.null(conn.proto) if conn.proto == 3 else b"*-1\r\n"
+                               for _ in args[2:]], conn.proto)
+        if sub in (b"", b"list"):
+            return resp.array([resp.bulk(n) for n in self._table], conn.proto)
+        raise CommandError(f"ERR unknown subcommand '{args[1].decode(errors='replace')}' for COMMAND")
+
+    @arity(2)
+    def select(self, conn: "Connection", args: list[bytes]) -> Reply:
+        if args[1] != b"0":
+            raise CommandError("ERR DB index is out of range")
+        return resp.OK
+
+    @arity(2, exact=False)
+    def config(self, conn: "Connection", args: list[bytes]) -> Reply:
+        if args[1].lower() != b"get" or len(args) < 3:
+            raise CommandError("ERR kvcache supports CONFIG GET only")
+        settings = {
+            "save": "", "appendonly": "no", "databases": "1",
+            "maxclients": str(self.cfg.max_clients),
+            "proto-max-bulk-len": str(self.cfg.max_request_bytes),
+        }
+        pairs = []
+        for pattern in args[2:]:
+            match = glob_matcher(pattern.decode(errors="replace").lower())
+            pairs += [(resp.bulk(k.encode()), resp.bulk(v.encode())) for k, v in settings.items() if match(k)]
+        return resp.map_(pairs, conn.proto)
+
+    # ------------------------------------------------------------------ INFO
+
+    def info(self, conn: "Connection", args: list[bytes]) -> Reply:
+        wanted = {a.decode(errors="replace").lower() for a in args[1:]}
+        return resp.verbatim(self.info_text(wanted), conn.proto)
+
+    def info_text(self, wanted: set[str]) -> str:
+        sc, st = self.sc, self.stats
+        sections = {
+            "server": [
+                ("kvcache_version", __version__), ("redis_version", "7.2.0"),
+                ("process_id", os.getpid()), ("uptime_in_seconds", int(time.time() - st.started)),
+                ("socket", self.cfg.socket_path), ("nats_url", sc.nats_url),
+                ("embedded_nats", int(sc.use_embedded)),
+                ("default_bucket", self.cfg.default_bucket or ""),
+            ],
+            "clients": [
+                ("connected_clients", sc.server.client_count if sc.server else 0),
+                ("maxclients", self.cfg.max_clients),
+                ("rejected_connections", st.rejected_connections),
+            ],
+            "stats": [
+                ("gets_local", st.gets_local), ("gets_remote", st.gets_remote),
+                ("gets_notfound", st.gets_notfound), ("remote_errors", st.remote_errors),
+                ("total_commands_processed", st.commands),
+                ("total_connections_received", st.connections_received),
+                ("protocol_errors", st.protocol_errors),
+            ],
+            "buckets": [(name, _fields(
+                synced=int(f.synced), keys=self.replica.count(name), applied_seq=f.meta.applied_seq,
+                upstream_seq=max(f.upstream_seq, f.meta.applied_seq), lag_ms=f.lag_ms(),
+                resyncs=f.meta.resyncs)) for name, f in sc.feeds.items()],
+            "peers": [(f"{p.name}.{p.bucket}" if p.name == "main" else p.name, _fields(
+                stream=p.stream, state=p.state, ewma_us=int(p.stats.ewma_us),
+                requests=p.stats.requests, errors=p.stats.errors, hedges=p.stats.hedges))
+                for p in sc.router.peers()],
+        }
+        default = {"server", "clients", "stats", "buckets", "peers"}
+        show = default if not wanted or wanted & {"all", "everything", "default"} else wanted
+        lines: list[str] = []
+        for name, items in sections.items():
+            if name not in show:
+                continue
+            lines.append(f"# {name.capitalize()}")
+            lines += [f"{k}:{v}" for k, v in items]
+            lines.append("")
+        return "\r\n".join(lines)
+
+
+# ---------------------------------------------------------------------- helpers
+
+def _fields(**kv: object) -> str:
+    return ",".join(f"{k}={v}" for k, v in kv.items())
+
+
+def _values_reply(values: list[bytes | None], proto: int) -> bytes:
+    return resp.array([resp.bulk(v, proto) for v in values], proto)
+
+
+def _entry_reply(e: Entry, proto: int) -> bytes:
+    return resp.array([
+        resp.bulk(e.value, proto), resp.integer(e.revision), resp.integer(e.created),
+        resp.bulk(e.operation.value.encode(), proto), resp.bulk(e.source.encode(), proto),
+    ], proto)
+
+
+def _options(args: list[bytes], spec: dict[bytes, type]) -> dict[bytes, object]:
+    """`NAME value` pairs, case-insensitive names, typed values; anything else is a syntax error."""
+    out: dict[bytes, object] = {}
+    if len(args) % 2:
+        raise CommandError("ERR syntax error")
+    for i in range(0, len(args), 2):
+        name = args[i].lower()
+        t = spec.get(name)
+        if t is None:
+            raise CommandError("ERR syntax error")
+        raw = args[i + 1]
+        if t is int:
+            try:
+                out[name] = int(raw)
+            except ValueError:
+                raise CommandError("ERR value is not an integer or out of range") from None
+            if out[name] < 0:
+                raise CommandError("ERR value is out of range, must be positive")
+        elif t is str:
+            out[name] = raw.decode(errors="replace")
+        else:
+            out[name] = raw
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def glob_matcher(pattern: str) -> Callable[[str], bool]:
+    """Redis glob: * ? [abc] [^a] [a-z] and backslash escapes."""
+    if pattern == "*":
+        return lambda _: True
+    out, i, n = [], 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "*":
+            out.append(".*")
+        elif c == "?":
+            out.append(".")
+        elif c == "\\" and i + 1 < n:
+            i += 1
+            out.append(re.escape(pattern[i]))
+        elif c == "[":
+            j = pattern.find("]", i + 2 if i + 1 < n and pattern[i + 1] in "^!" else i + 1)
+            if j < 0:
+                out.append(re.escape(c))
+            else:
+                body = pattern[i + 1 : j]
+                neg = body[:1] in ("^", "!")
+                if neg:
+                    body = body[1:]
+                body = body.replace("\\", "\\\\").replace("]", "\\]")
+                out.append(f"[{'^' if neg else ''}{body}]")
+                i = j
+        else:
+            out.append(re.escape(c))
+        i += 1
+    rx = re.compile("".join(out), re.DOTALL)
+    return lambda s: rx.fullmatch(s) is not None

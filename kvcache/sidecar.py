@@ -1,0 +1,201 @@
+"""Wires the parts together for `kvcache serve`: NATS connection (or an embedded server),
+replica, one feed per bucket, router, RESP server; and takes them down in the right order."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import signal
+import ssl
+
+import nats
+import nats.errors
+
+from . import jetstream as jsapi
+from .commands import Commands, Stats
+from .config import BucketConfig, Config, ensure_dirs
+from .errors import BucketNotFound, KvcacheError, UpstreamError
+from .feed import Feed
+from .natsserver import NatsServer
+from .replica import Replica
+from .router import Peer, Router
+from .server import RespServer
+
+log = logging.getLogger("kvcache")
+
+DEMO_BUCKET = "demo"
+DEMO_KEYS = 1000
+
+
+class Sidecar:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.stats = Stats()
+        self.embedded: NatsServer | None = None
+        self.nc: nats.NATS | None = None
+        self.replica: Replica | None = None
+        self.feeds: dict[str, Feed] = {}
+        self.router = Router(cfg.nats.request_timeout_ms / 1000)
+        self.server: RespServer | None = None
+        self.nats_url = ""
+        self.use_embedded = cfg.embedded  # decided once: starting it fills in nats.servers
+        self._stopping = asyncio.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        ensure_dirs(self.cfg)
+        if self.use_embedded:
+            await self._start_embedded()
+        self.nc = await self._connect(self.cfg.nats.servers)
+        self.nats_url = self.nc.connected_url.geturl() if self.nc.connected_url else ""
+        if self.use_embedded and not self.cfg.buckets:
+            await self._ensure_demo_bucket()
+        self.replica = Replica(
+            os.path.join(self.cfg.data_dir, "replica"),
+            map_size=self.cfg.map_size_mb << 20, max_map_size=self.cfg.max_map_size_mb << 20)
+        timeout = self.cfg.nats.request_timeout_ms / 1000
+        for b in self.cfg.buckets:
+            feed = Feed(self.nc, b, self.replica, heartbeat_s=self.cfg.heartbeat_ms / 1000, timeout=timeout)
+            try:
+                await feed.start()
+            except BucketNotFound:
+                raise BucketNotFound(f"bucket '{b.name}' does not exist on {self.nats_url}") from None
+            self.feeds[b.name] = feed
+            self.router.add(Peer("main", self.nc, feed.stream, b.name,
+                                 direct=bool(feed.stream_config.get("allow_direct"))))
+        self.commands = Commands(self)
+        self.server = RespServer(self.cfg, self.commands, self.stats)
+        await self.server.start()
+
+    async def run(self) -> None:
+        """Serve until SIGTERM/SIGINT, then shut down gracefully."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stopping.set)
+        try:
+            await self.start()
+            await self._stopping.wait()
+            log.info("shutting down")
+        finally:
+            await self.stop()
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def stop(self) -> None:
+        if self.server:
+            await self.server.stop()
+        for feed in self.feeds.values():
+            await feed.stop()
+        if self.nc and not self.nc.is_closed:
+            try:
+                await asyncio.wait_for(self.nc.drain(), 2)
+            except (asyncio.TimeoutError, nats.errors.Error):
+                await self.nc.close()
+        if self.replica:
+            self.replica.close()
+            self.replica = None
+        if self.embedded:
+            await asyncio.get_running_loop().run_in_executor(None, self.embedded.stop)
+            self.embedded = None
+
+    # ------------------------------------------------------------------ NATS
+
+    async def _start_embedded(self) -> None:
+        store = os.path.join(os.path.abspath(self.cfg.data_dir), "nats")
+        os.makedirs(store, exist_ok=True)
+        self.embedded = NatsServer(store, server_name="kvcache-embedded", conf_dir=self.cfg.data_dir)
+        await asyncio.get_running_loop().run_in_executor(None, self.embedded.start)
+        self.cfg.nats.servers = [self.embedded.url]
+        log.info("started embedded nats-server %s (pid %d, store %s)",
+                 self.embedded.url, self.embedded.pid, store)
+
+    async def _connect(self, servers: list[str]) -> nats.NATS:
+        n = self.cfg.nats
+        opts: dict = dict(
+            servers=servers, name="kvcache", connect_timeout=n.connect_timeout_s,
+            max_reconnect_attempts=-1, reconnect_time_wait=0.5, allow_reconnect=True,
+            error_cb=self._on_error, disconnected_cb=self._on_disconnect,
+            reconnected_cb=self._on_reconnect,
+        )
+        if n.creds:
+            opts["user_credentials"] = n.creds
+        if n.nkey:
+            opts["nkeys_seed"] = n.nkey
+        if n.token:
+            opts["token"] = n.token
+        if n.user:
+            opts["user"], opts["password"] = n.user, n.password
+        if n.tls_ca or n.tls_cert:
+            ctx = ssl.create_default_context(cafile=n.tls_ca)
+            if n.tls_cert:
+                ctx.load_cert_chain(n.tls_cert, n.tls_key)
+            opts["tls"] = ctx
+        try:
+            # nats-py retries the first connect forever when reconnects are unlimited; a
+            # sidecar that cannot reach NATS at start must say so and exit instead. So: a
+            # bounded first attempt, then reconnect forever once we have been connected.
+            nc = nats.NATS()
+            await nc.connect(**{**opts, "max_reconnect_attempts": 1})
+            nc.options["max_reconnect_attempts"] = -1
+            return nc
+        except (OSError, asyncio.TimeoutError, nats.errors.Error) as e:
+            raise UpstreamError(f"cannot connect to NATS at {', '.join(servers)}: {_describe(e)}") from None
+
+    async def _on_error(self, e: Exception) -> None:
+        log.warning("nats: %s", _describe(e))
+
+    async def _on_disconnect(self) -> None:
+        log.warning("disconnected from NATS")
+        for feed in self.feeds.values():
+            feed.connection_lost()
+
+    async def _on_reconnect(self) -> None:
+        log.info("reconnected to NATS at %s", self.nc.connected_url.geturl() if self.nc else "?")
+        for feed in self.feeds.values():
+            feed.connection_lost()  # recreate consumers now rather than after the watchdog
+
+    async def _ensure_demo_bucket(self) -> None:
+        """First run on the embedded server: a bucket with sample keys so reads work at once."""
+        self.cfg.buckets = [BucketConfig(name=DEMO_BUCKET)]
+        timeout = self.cfg.nats.request_timeout_ms / 1000
+        try:
+            await jsapi.stream_info(self.nc, jsapi.kv_stream(DEMO_BUCKET), timeout)
+            return
+        except BucketNotFound:
+            pass
+        js = self.nc.jetstream(timeout=timeout)
+        kv = await js.create_key_value(bucket=DEMO_BUCKET, history=5, direct=True,
+                                       description="kvcache demo bucket")
+        await kv.put("greeting", b"hello from kvcache")
+        for i in range(DEMO_KEYS):
+            await kv.put(f"user.{i:04d}", f'{{"id":{i},"name":"user {i}"}}'.encode())
+        log.info("created demo bucket '%s' with %d keys", DEMO_BUCKET, DEMO_KEYS + 1)
+
+    # ------------------------------------------------------------------ helpers for commands
+
+    @functools.lru_cache(maxsize=65536)
+    def in_filters(self, bucket: str, key: str) -> bool:
+        """Is the key inside the bucket's replicated set (its `keys` filters)?"""
+        return any(_subject_match(f, key) for f in self.cfg.bucket(bucket).keys)
+
+
+def _subject_match(pattern: str, key: str) -> bool:
+    if pattern == ">":
+        return True
+    pt, kt = pattern.split("."), key.split(".")
+    for i, p in enumerate(pt):
+        if p == ">":
+            return len(kt) > i
+        if i >= len(kt) or (p != "*" and p != kt[i]):
+            return False
+    return len(pt) == len(kt)
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, asyncio.TimeoutError):
+        return "timed out"
+    text = str(e) or type(e).__name__
+    return text.replace("nats: ", "")
