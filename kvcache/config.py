@@ -171,9 +171,17 @@ def _peer_from(raw: Any, where: str) -> PeerConfig:
 
 def _apply_env(cfg: Config, env: Mapping[str, str]) -> None:
     for name, f in _SCALARS.items():
-        value = env.get("KVCACHE_" + name.upper())
-        if value is not None:
-            setattr(cfg, name, _parse_scalar(value, f.type, "KVCACHE_" + name.upper()))
+        var = "KVCACHE_" + name.upper()
+        value = env.get(var)
+        if value is None:
+            continue
+        if name == "socket_mode":  # file modes are octal, with or without the 0o
+            try:
+                cfg.socket_mode = int(value.removeprefix("0o"), 8)
+            except ValueError:
+                raise ConfigError(f"{var} must be an octal file mode, got '{value}'") from None
+        else:
+            setattr(cfg, name, _parse_scalar(value, f.type, var))
     for name, f in _NATS_SCALARS.items():
         var = "KVCACHE_NATS_" + name.upper()
         value = env.get(var)
@@ -298,17 +306,20 @@ def _parse_scalar(text: str, type_name: str, what: str) -> Any:
     base = type_name.split("|")[0].strip()
     try:
         if base == "int":
-            return int(text, 0) if text.startswith("0o") else int(text)
+            return int(text)
         if base == "float":
             return float(text)
     except ValueError:
-        raise ConfigError(f"{what} must be a {base}, got '{text}'") from None
+        raise ConfigError(f"{what} must be {_A.get(base, base)}, got '{text}'") from None
     return text
+
+
+_A = {int: "an integer", str: "a string", "int": "an integer", "float": "a number"}
 
 
 def _typed(value: Any, t: type, what: str) -> Any:
     if isinstance(value, bool) or not isinstance(value, t):
-        raise ConfigError(f"{what} must be a {t.__name__}, got {value!r}")
+        raise ConfigError(f"{what} must be {_A[t]}, got {value!r}")
     return value
 
 

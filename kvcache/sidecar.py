@@ -86,6 +86,7 @@ class Sidecar:
         self._stopping.set()
 
     async def stop(self) -> None:
+        self._stopping.set()
         if self.server:
             await self.server.stop()
         for feed in self.feeds.values():
@@ -155,9 +156,13 @@ class Sidecar:
             raise UpstreamError(f"cannot connect to NATS at {', '.join(servers)}: {_describe(e)}") from None
 
     async def _on_error(self, e: Exception) -> None:
-        log.warning("nats: %s", _describe(e))
+        # Before the first connection the failure is reported once, as the startup error.
+        if self.nc is not None and not self._stopping.is_set():
+            log.warning("nats: %s", _describe(e))
 
     async def _on_disconnect(self) -> None:
+        if self._stopping.is_set() or self.nc is None:
+            return
         log.warning("disconnected from NATS")
         for feed in self.feeds.values():
             feed.connection_lost()

@@ -1,0 +1,29 @@
+# The two commands a new user needs (README.md): `make demo` and `make test`.
+# Both install what they need into the current Python environment first.
+PYTHON ?= python3
+PYTEST_ARGS ?=
+
+.PHONY: demo test install install-test system-deps bench clean
+
+install:
+	$(PYTHON) -m pip install -q -e .
+
+install-test:
+	$(PYTHON) -m pip install -q -e ".[test]"
+
+# redis-server/redis-cli/redis-benchmark are third-party peers in the tests (Debian packages).
+system-deps:
+	@if ! command -v redis-server >/dev/null || ! command -v redis-benchmark >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server redis-tools >/dev/null; \
+	  else sudo apt-get update -qq && sudo apt-get install -y -qq redis-server redis-tools >/dev/null; fi; \
+	fi
+
+# The sidecar on an embedded nats-server with a demo bucket; Ctrl-C stops it.
+demo: install
+	$(PYTHON) -m kvcache serve --data-dir ./kvcache-data
+
+test: install-test system-deps
+	$(PYTHON) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+clean:
+	rm -rf build dist *.egg-info kvcache-data ext/*.c kvcache/*.so

@@ -1,0 +1,40 @@
+"""Builds kvcache's Cython extensions (ext/*.pyx → kvcache/_native/*.so); metadata is in pyproject.toml.
+
+Every extension has a pure-Python twin in kvcache/, so a machine without a compiler still
+installs a working (slower) kvcache. KVCACHE_DEBUG_BUILD=1 builds with assertions, bounds
+checks and -O0 -g for gdb/valgrind; the default is an optimized build.
+"""
+import glob
+import os
+
+from setuptools import Extension, setup
+
+DEBUG = os.environ.get("KVCACHE_DEBUG_BUILD") == "1"
+
+
+def extensions():
+    sources = sorted(glob.glob("ext/*.pyx"))
+    if not sources:
+        return []
+    from Cython.Build import cythonize
+
+    directives = {
+        "language_level": 3,
+        "embedsignature": True,
+        # Hot loops index bytes they have already bounds-checked themselves.
+        "boundscheck": DEBUG,
+        "wraparound": DEBUG,
+        "initializedcheck": DEBUG,
+        "cdivision": not DEBUG,
+    }
+    cflags = ["-O0", "-g3"] if DEBUG else ["-O3"]
+    exts = [
+        Extension(f"kvcache._native.{os.path.splitext(os.path.basename(src))[0]}", [src],
+                  extra_compile_args=cflags)
+        for src in sources
+    ]
+    return cythonize(exts, compiler_directives=directives, annotate=DEBUG,
+                     force=DEBUG, quiet=True)
+
+
+setup(ext_modules=extensions())

@@ -1,0 +1,153 @@
+"""Configuration from TOML, environment and flags; and the CLI's one-line errors."""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from kvcache.config import load, parse_bucket_spec, valid_key_filter
+from kvcache.errors import ConfigError
+from sidecar_proc import run_cli
+
+FULL = """
+socket = "/tmp/kvc-test.sock"
+data_dir = "/tmp/kvc-data"
+socket_mode = 0o600
+[nats]
+servers = ["nats://127.0.0.1:4222", "nats://127.0.0.1:4223"]
+token = "s3cret"
+[[bucket]]
+name = "config"
+keys = ["app.>", "feature.*"]
+max_stale_ms = 250
+[[bucket]]
+name = "users"
+[[peer]]
+name = "west"
+servers = ["nats://127.0.0.1:5222"]
+stream = "KV_config_west"
+domain = "west"
+"""
+
+
+def write(tmp_path, text: str):
+    p = tmp_path / "kvcache.toml"
+    p.write_text(textwrap.dedent(text))
+    return str(p)
+
+
+def test_toml_file_is_read_completely(tmp_path):
+    cfg = load(write(tmp_path, FULL), env={})
+    assert cfg.socket_path == "/tmp/kvc-test.sock"
+    assert cfg.data_dir == "/tmp/kvc-data"
+    assert cfg.socket_mode == 0o600
+    assert cfg.nats.servers == ["nats://127.0.0.1:4222", "nats://127.0.0.1:4223"]
+    assert cfg.nats.token == "s3cret"
+    assert [b.name for b in cfg.buckets] == ["config", "users"]
+    assert cfg.buckets[0].keys == ["app.>", "feature.*"] and cfg.buckets[0].max_stale_ms == 250
+    assert cfg.buckets[1].keys == [">"] and cfg.buckets[1].max_stale_ms == 5000
+    assert cfg.default_bucket == "config"
+    assert cfg.peers[0].domain == "west" and cfg.peers[0].stream == "KV_config_west"
+    assert not cfg.embedded
+
+
+def test_defaults_mean_embedded_server_and_socket_in_data_dir():
+    cfg = load(None, env={})
+    assert cfg.embedded
+    assert cfg.socket_path.endswith("kvcache-data/kvcache.sock")
+
+
+def test_environment_overrides_file_and_flags_override_environment(tmp_path):
+    path = write(tmp_path, FULL)
+    env = {"KVCACHE_DATA_DIR": "/tmp/from-env", "KVCACHE_NATS_SERVERS": "nats://127.0.0.1:1,nats://127.0.0.1:2",
+           "KVCACHE_BUCKETS": "alpha:a.>,b.* beta", "KVCACHE_MAX_CLIENTS": "7",
+           "KVCACHE_SOCKET_MODE": "0640"}
+    cfg = load(path, env=env)
+    assert cfg.data_dir == "/tmp/from-env"
+    assert cfg.nats.servers == ["nats://127.0.0.1:1", "nats://127.0.0.1:2"]
+    assert [(b.name, b.keys) for b in cfg.buckets] == [("alpha", ["a.>", "b.*"]), ("beta", [">"])]
+    assert cfg.max_clients == 7
+    assert cfg.socket_mode == 0o640
+    cfg = load(path, env=env, overrides={"data_dir": "/tmp/from-flag", "buckets": ["gamma"],
+                                         "nats_servers": ["nats://127.0.0.1:3"], "max_stale_ms": 9})
+    assert cfg.data_dir == "/tmp/from-flag"
+    assert [b.name for b in cfg.buckets] == ["gamma"] and cfg.buckets[0].max_stale_ms == 9
+    assert cfg.nats.servers == ["nats://127.0.0.1:3"]
+
+
+def test_config_file_from_environment(tmp_path):
+    cfg = load(None, env={"KVCACHE_CONFIG": write(tmp_path, FULL)})
+    assert cfg.default_bucket == "config"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("bogus = 1", "unknown key 'bogus'"),
+    ("[nats]\nsrvers = []", "unknown key 'srvers'"),
+    ("[[bucket]]\nkeys = ['a']", "needs a name"),
+    ("[[bucket]]\nname = 'a b'", "invalid bucket name"),
+    ("[[bucket]]\nname = 'a'\nkeys = ['a.>.b']", "invalid key filter"),
+    ("[[bucket]]\nname = 'a'\nkeys = ['a*']", "invalid key filter"),
+    ("[[bucket]]\nname = 'a'\n[[bucket]]\nname = 'a'", "configured twice"),
+    ("[[bucket]]\nname = 'a'\nmax_stale_ms = 'x'", "must be an integer"),
+    ("max_clients = 0", "must be positive"),
+    ("[nats]\nservers = ['http://x']", "invalid NATS URL"),
+    ("socket = '/tmp/" + "x" * 120 + "'", "too long"),
+    ("this is not toml", "invalid TOML"),
+    ("[[peer]]\nname = 'p'\nservers = ['nats://127.0.0.1:1']", "needs 'stream'"),
+    ("log_level = 'loud'", "log_level"),
+])
+def test_bad_configuration_is_one_clear_error(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        load(write(tmp_path, text), env={})
+
+
+def test_bad_environment_value():
+    with pytest.raises(ConfigError, match="KVCACHE_MAX_CLIENTS must be an integer"):
+        load(None, env={"KVCACHE_MAX_CLIENTS": "many"})
+
+
+def test_bucket_spec_and_filters():
+    assert parse_bucket_spec("cfg").keys == [">"]
+    assert parse_bucket_spec("cfg:a.>,b.*.c").keys == ["a.>", "b.*.c"]
+    assert valid_key_filter("a.*.c") and valid_key_filter(">") and valid_key_filter("a_b-c/d=e")
+    assert not valid_key_filter("a..b") and not valid_key_filter("a.>.b") and not valid_key_filter("")
+
+
+# ---------------------------------------------------------------------- the CLI's failures
+
+def assert_one_line_error(result, fragment: str, code: int):
+    assert result.returncode == code, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("kvcache: error:"), result.stderr
+    assert fragment in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_bad_flag():
+    assert_one_line_error(run_cli("serve", "--no-such-flag"), "unrecognized arguments", 2)
+
+
+def test_cli_bad_config_file(tmp_path):
+    assert_one_line_error(run_cli("serve", "--config", write(tmp_path, "[[bucket]]\nname='x y'")),
+                          "invalid bucket name", 2)
+    assert_one_line_error(run_cli("serve", "--config", str(tmp_path / "missing.toml")),
+                          "config file not found", 2)
+
+
+def test_cli_unreachable_nats(tmp_path):
+    from kvcache.natsserver import free_port
+    url = f"nats://127.0.0.1:{free_port()}"
+    result = run_cli("serve", "--nats", url, "--bucket", "x", "--data-dir", str(tmp_path / "d"))
+    assert_one_line_error(result, "cannot connect to NATS", 1)
+
+
+def test_cli_missing_bucket(tmp_path, nats_server):
+    result = run_cli("serve", "--nats", nats_server.url, "--bucket", "absent",
+                     "--data-dir", str(tmp_path / "d"))
+    assert_one_line_error(result, "bucket 'absent' does not exist", 1)
+
+
+def test_cli_get_without_sidecar(tmp_path):
+    result = run_cli("get", "k", "--socket", str(tmp_path / "none.sock"))
+    assert_one_line_error(result, "kvcache at", 1)

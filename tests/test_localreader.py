@@ -1,0 +1,101 @@
+"""LocalReader: in-process reads of the sidecar's LMDB files, with the freshness check."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats
+import pytest
+
+from kvcache import LocalReader
+from kvcache.errors import ReplicaError
+from kvcache.localreader import StaleReplica
+from sidecar_proc import Sidecar
+
+LONG_KEY = "long." + "k" * 600
+
+
+async def fill(url: str) -> None:
+    nc = await nats.connect(url)
+    try:
+        kv = await nc.jetstream().create_key_value(bucket="lr", direct=True)
+        for i in range(200):
+            await kv.put(f"a.{i}", b"value-%d\r\n\x00" % i)
+        await kv.put(LONG_KEY, b"long value")
+        other = await nc.jetstream().create_key_value(bucket="lr2", direct=True)
+        await other.put("x", b"from lr2")
+    finally:
+        await nc.close()
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory, nats_server_module):
+    asyncio.run(fill(nats_server_module.url))
+    sc = Sidecar(tmp_path_factory.mktemp("lr") / "sc", nats_server_module.url, ["lr", "lr2"],
+                 extra=["--heartbeat-ms", "200"]).start()
+    yield sc
+    sc.kill()
+
+
+def test_reads_match_the_sidecar(sidecar):
+    with LocalReader(str(sidecar.data_dir)) as r, sidecar.client() as c:
+        assert r.buckets() == ["lr", "lr2"]
+        assert r.default_bucket == "lr"
+        for i in (0, 17, 199):
+            assert r.get(f"a.{i}") == c.get(f"a.{i}") == b"value-%d\r\n\x00" % i
+        assert r.get("lr2:x") == b"from lr2"
+        assert r.get("a.9999") is None
+        assert r.get(LONG_KEY) == b"long value"
+        e = r.entry(f"lr:a.5")
+        remote = c.entry("a.5")
+        assert (e.bucket, e.key, e.value, e.revision, e.created) == \
+            ("lr", "a.5", remote.value, remote.revision, remote.created)
+        assert r.mget(["a.1", "nope", "lr2:x"]) == [b"value-1\r\n\x00", None, b"from lr2"]
+        keys = r.keys()
+        assert len(keys) == 201 and LONG_KEY in keys
+        assert r.keys("a.1?") == [f"a.1{i}" for i in range(10)]
+
+
+def test_sees_live_updates(sidecar):
+    async def put():
+        nc = await nats.connect(sidecar.args[sidecar.args.index("--nats") + 1])
+        kv = await nc.jetstream().key_value("lr")
+        rev = await kv.put("a.0", b"changed")
+        await nc.close()
+        return rev
+    rev = asyncio.run(put())
+    with LocalReader(str(sidecar.data_dir)) as r:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and r.get("a.0") != b"changed":
+            time.sleep(0.01)
+        assert r.get("a.0") == b"changed"
+        assert r.entry("a.0").revision == rev
+
+
+def test_two_readers_in_one_process(sidecar):
+    a = LocalReader(str(sidecar.data_dir))
+    b = LocalReader(str(sidecar.data_dir))
+    assert a.get("a.3") == b.get("a.3")
+    a.close()
+    assert b.get("a.3") is not None  # closing one does not pull the environment from the other
+    b.close()
+
+
+def test_missing_replica_is_a_clear_error(tmp_path):
+    with pytest.raises(ReplicaError, match="no kvcache replica"):
+        LocalReader(str(tmp_path))
+
+
+def test_stale_after_the_sidecar_stops(tmp_path, nats_server):
+    asyncio.run(fill(nats_server.url))
+    sc = Sidecar(tmp_path / "sc", nats_server.url, ["lr"], extra=["--heartbeat-ms", "200"]).start()
+    reader = LocalReader(str(sc.data_dir), max_stale_ms=1000)
+    assert reader.get("a.1") is not None
+    assert sc.stop() == 0
+    time.sleep(1.2)  # past max_stale_ms with nobody confirming freshness
+    with pytest.raises(StaleReplica, match="stale"):
+        reader.get("a.1")
+    # A reader that accepts older data may still read it.
+    with LocalReader(str(sc.data_dir), max_stale_ms=3_600_000) as lenient:
+        assert lenient.get("a.1") is not None
+    reader.close()
