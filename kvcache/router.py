@@ -55,6 +55,12 @@ class Peer:
     def api(self) -> str:
         return jsapi.api_prefix(self.domain)
 
+    @property
+    def label(self) -> str:
+        """The name INFO lists this peer under and KV.GET reports as the source. The main
+        connection serves every bucket, so its peers are told apart by bucket."""
+        return f"{self.name}.{self.bucket}" if self.name == "main" else self.name
+
     # ------------------------------------------------------------------ single key
 
     async def get(self, key: str, timeout: float, leader: bool = False) -> Entry | None:
@@ -75,16 +81,24 @@ class Peer:
             raise
         except (nats.errors.Error, OSError) as e:
             self.stats.errors += 1
-            raise UpstreamError(f"peer {self.name}: {type(e).__name__}: {e}") from None
+            raise UpstreamError(f"peer {self.label}: {type(e).__name__}: {e}") from None
         self.stats.observe(time.perf_counter() - start)
         return entry
 
     async def _direct_get(self, key: str, timeout: float) -> Entry | None:
-        subject = f"{self.api}.DIRECT.GET.{self.stream}.{jsapi.kv_subject(self.bucket, key)}"
+        return await self.direct_request(key, b"", timeout)
+
+    async def direct_request(self, key: str | None, payload: bytes, timeout: float) -> Entry | None:
+        """One single-message Direct Get: subject-appended (`...DIRECT.GET.<stream>.<subject>`)
+        when `key` is given, else `payload` is the request. A 404 is None; any other status
+        (408 bad or empty request, 413, ...) raises UpstreamError."""
+        subject = f"{self.api}.DIRECT.GET.{self.stream}"
+        if key is not None:
+            subject += "." + jsapi.kv_subject(self.bucket, key)
         try:
-            msg = await self.nc.request(subject, b"", timeout=timeout)
+            msg = await self.nc.request(subject, payload, timeout=timeout)
         except nats.errors.TimeoutError:
-            raise UpstreamError(f"peer {self.name}: Direct Get timed out after {timeout:.1f}s") from None
+            raise UpstreamError(f"peer {self.label}: Direct Get timed out after {timeout:.1f}s") from None
         return self._entry_from_msg(msg, key)
 
     def _entry_from_msg(self, msg: Msg, key: str | None = None) -> Entry | None:
@@ -94,9 +108,9 @@ class Peer:
             if status == "404":
                 return None
             raise UpstreamError(
-                f"peer {self.name}: Direct Get failed: {status} {hdrs.get('Description', '')}".rstrip())
+                f"peer {self.label}: Direct Get failed: {status} {hdrs.get('Description', '')}".rstrip())
         if key is None:
-            key = hdrs.get("Nats-Subject", "").split(".", 2)[-1]
+            key = hdrs.get("Nats-Subject", "")[len(jsapi.kv_subject(self.bucket, "")):]
         return self._entry(key, msg.data, hdrs, int(hdrs.get("Nats-Sequence", 0) or 0),
                            jsapi.parse_time_ns(hdrs.get("Nats-Time-Stamp", "")))
 
@@ -106,7 +120,9 @@ class Peer:
                 self.nc, f"{self.api}.STREAM.MSG.GET.{self.stream}",
                 {"last_by_subj": jsapi.kv_subject(self.bucket, key)}, timeout)
         except jsapi.ApiError as e:
-            if e.err_code == NO_MESSAGE or e.code == 404:
+            # Only "no message found" is a miss. A 404 with another err_code (stream not
+            # found: 10059) is an error, or a deleted bucket would read as all keys missing.
+            if e.err_code == NO_MESSAGE or (e.code == 404 and not e.err_code):
                 return None
             raise
         m = doc.get("message", {})
@@ -119,32 +135,37 @@ class Peer:
                source: str | None = None) -> Entry:
         op = Operation.from_header(hdrs.get("KV-Operation"))
         return Entry(self.bucket, key, data if op is Operation.PUT else None, seq, created,
-                     0, op, source or self.name)
+                     0, op, source or self.label)
 
     # ------------------------------------------------------------------ many keys
 
-    async def get_many(self, keys: list[str], timeout: float) -> dict[str, Entry | None]:
-        """multi_last batches; one snapshot across batches via the first batch's up-to sequence."""
-        if not self.direct:
+    async def get_many(self, keys: list[str], timeout: float,
+                       up_to_seq: int | None = None) -> dict[str, Entry | None]:
+        """multi_last batches; one snapshot across batches via the first batch's up-to sequence
+        (or `up_to_seq`: the keys as they were at that stream sequence)."""
+        if not self.direct and up_to_seq is None:
             return {k: await self.get(k, timeout, leader=True) for k in keys}
         self.stats.requests += 1
         start = time.perf_counter()
         out: dict[str, Entry | None] = {}
-        up_to: int | None = None
+        up_to = up_to_seq
         try:
             for i in range(0, len(keys), MULTI_LAST_MAX):
                 chunk = keys[i : i + MULTI_LAST_MAX]
                 up_to = await self._multi_last(chunk, up_to, timeout, out)
         except nats.errors.NoRespondersError:
-            self.direct = False
             self.stats.requests -= 1
+            if up_to_seq is not None:
+                raise UpstreamError(f"peer {self.label}: no Direct Get responders "
+                                    "(a point-in-time read needs allow_direct)") from None
+            self.direct = False
             return await self.get_many(keys, timeout)
         except UpstreamError:
             self.stats.errors += 1
             raise
         except (nats.errors.Error, OSError) as e:
             self.stats.errors += 1
-            raise UpstreamError(f"peer {self.name}: {type(e).__name__}: {e}") from None
+            raise UpstreamError(f"peer {self.label}: {type(e).__name__}: {e}") from None
         self.stats.observe(time.perf_counter() - start)
         for k in keys:
             out.setdefault(k, None)
@@ -168,11 +189,11 @@ class Peer:
                 while True:
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise UpstreamError(f"peer {self.name}: multi_last timed out")
+                        raise UpstreamError(f"peer {self.label}: multi_last timed out")
                     try:
                         msg = await sub.next_msg(timeout=left)
                     except nats.errors.TimeoutError:
-                        raise UpstreamError(f"peer {self.name}: multi_last timed out") from None
+                        raise UpstreamError(f"peer {self.label}: multi_last timed out") from None
                     hdrs = msg.headers or {}
                     status = hdrs.get("Status")
                     if status == "503":
@@ -184,7 +205,7 @@ class Peer:
                     if status == "404":  # none of the subjects has a message
                         break
                     if status:
-                        raise UpstreamError(f"peer {self.name}: multi_last failed: {status} "
+                        raise UpstreamError(f"peer {self.label}: multi_last failed: {status} "
                                             f"{hdrs.get('Description', '')}".rstrip())
                     subject = hdrs.get("Nats-Subject", "")
                     key = remaining.pop(subject, None)
