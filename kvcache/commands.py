@@ -25,7 +25,9 @@ if TYPE_CHECKING:
     from .server import Connection
 
 Reply = Union[bytes, Awaitable[bytes]]
-KEY_RE = re.compile(r"^[-/_=a-zA-Z0-9]+(\.[-/_=a-zA-Z0-9]+)*$")
+# fullmatch, never match(): `$` also matches before a trailing "\n", and a newline in a key
+# would end the NATS protocol line of the Direct Get request built from it.
+KEY_RE = re.compile(r"[-/_=a-zA-Z0-9]+(?:\.[-/_=a-zA-Z0-9]+)*")
 SCAN_CURSORS = 10_000
 MINREV_WAIT_S = 0.25
 
@@ -41,6 +43,30 @@ sunionstore swapdb unlink xack xadd xautoclaim xclaim xdel xgroup xtrim zadd zdi
 zinterstore zmpop zpopmax zpopmin zrangestore zrem zremrangebylex zremrangebyrank
 zremrangebyscore zunionstore sort restore-asking
 """.split())
+
+
+# COMMAND's view of the table: name -> (arity, flags, first key, last key, step, categories),
+# Redis 7's shape, so clients that introspect (redis-py's command(), redis-cli) get real rows.
+COMMAND_SPECS: dict[str, tuple[int, tuple[str, ...], int, int, int, tuple[str, ...]]] = {
+    "get": (2, ("readonly", "fast"), 1, 1, 1, ("@read", "@string", "@fast")),
+    "mget": (-2, ("readonly", "fast"), 1, -1, 1, ("@read", "@string", "@fast")),
+    "exists": (-2, ("readonly", "fast"), 1, -1, 1, ("@keyspace", "@read", "@fast")),
+    "kv.get": (-2, ("readonly",), 1, 1, 1, ("@read", "@string")),
+    "keys": (2, ("readonly",), 0, 0, 0, ("@keyspace", "@read", "@slow", "@dangerous")),
+    "scan": (-2, ("readonly",), 0, 0, 0, ("@keyspace", "@read", "@slow")),
+    "dbsize": (1, ("readonly", "fast"), 0, 0, 0, ("@keyspace", "@read", "@fast")),
+    "info": (-1, ("loading", "stale"), 0, 0, 0, ("@slow", "@dangerous")),
+    "ping": (-1, ("fast",), 0, 0, 0, ("@fast", "@connection")),
+    "echo": (2, ("fast",), 0, 0, 0, ("@fast", "@connection")),
+    "quit": (-1, ("noscript", "loading", "stale", "fast", "no_auth", "allow_busy"), 0, 0, 0,
+             ("@fast", "@connection")),
+    "hello": (-1, ("noscript", "loading", "stale", "fast", "no_auth", "allow_busy"), 0, 0, 0,
+              ("@fast", "@connection")),
+    "client": (-2, (), 0, 0, 0, ("@slow", "@connection")),
+    "command": (-1, ("loading", "stale"), 0, 0, 0, ("@slow", "@connection")),
+    "select": (2, ("loading", "stale", "fast"), 0, 0, 0, ("@fast", "@connection")),
+    "config": (-2, (), 0, 0, 0, ("@admin", "@slow", "@dangerous")),
+}
 
 
 class CommandError(KvcacheError):
@@ -118,7 +144,7 @@ class Commands:
         bc = self.cfg.bucket(bucket)
         if bc is None:
             raise CommandError(f"ERR no such bucket '{bucket[:64]}'")
-        if not KEY_RE.match(key):
+        if not KEY_RE.fullmatch(key):
             raise CommandError(f"ERR invalid key '{key[:64]}': KV keys use A-Z a-z 0-9 - / _ = and dots between tokens")
         return bc, key
 
@@ -241,8 +267,10 @@ class Commands:
     async def _kv_get_remote(self, conn: "Connection", bc: BucketConfig, key: str, strong: bool,
                              max_stale: int | None, min_rev: int | None) -> bytes:
         if min_rev is not None and not strong:
-            feed = self.sc.feeds[bc.name]
-            if await feed.wait_applied(min_rev, MINREV_WAIT_S) and self.local_ok(bc, key, max_stale):
+            # A replicated key is served locally once the replica reaches the revision; any
+            # other goes to the leader at once instead of waiting for sequences never applied.
+            if self.sc.in_filters(bc.name, key) and await self.sc.feeds[bc.name].wait_applied(
+                    min_rev, MINREV_WAIT_S) and self.local_ok(bc, key, max_stale):
                 self.stats.gets_local += 1
                 rec = self.replica.get(bc.name, key)
                 if rec is None:
@@ -290,9 +318,11 @@ class Commands:
         bucket, glob, shown = self._pattern_target(opts.get(b"match", b"*"))
         after = None
         if cursor:
-            saved = self._cursors.pop(cursor, None)
+            # Kept, not consumed: a client that lost a reply may send the same cursor again.
+            saved = self._cursors.get(cursor)
             if saved is None or saved[0] != bucket:
                 raise CommandError("ERR invalid cursor")
+            self._cursors.move_to_end(cursor)
             after = saved[1]
         match = glob_matcher(glob)
         found: list[bytes] = []
@@ -383,16 +413,19 @@ class Commands:
 
     def command(self, conn: "Connection", args: list[bytes]) -> Reply:
         sub = args[1].lower() if len(args) > 1 else b""
-        if sub == b"count":
-            return resp.integer(len(self._table))
-        if sub == b"docs":
-            return resp.map_([], conn.proto)
+        proto = conn.proto
+        if sub == b"" and len(args) == 1:
+            return resp.array([_command_info(n, proto) for n in COMMAND_SPECS], proto)
+        if sub == b"count" and len(args) == 2:
+            return resp.integer(len(COMMAND_SPECS))
         if sub == b"info":
-            return resp.array([resp.null(conn.proto) if conn.proto == 3 else b"*-1\r\n"
-                               for _ in args[2:]], conn.proto)
-        if sub in (b"", b"list"):
-            return resp.array([resp.bulk(n) for n in self._table], conn.proto)
-        raise CommandError(f"ERR unknown subcommand '{args[1].decode(errors='replace')}' for COMMAND")
+            names = [a.decode(errors="replace").lower() for a in args[2:]] or list(COMMAND_SPECS)
+            return resp.array([_command_info(n, proto) for n in names], proto)
+        if sub == b"docs":
+            return resp.map_([], proto)
+        if sub == b"list":
+            return resp.array([resp.bulk(n.encode(), proto) for n in COMMAND_SPECS], proto)
+        raise CommandError(f"ERR unknown subcommand '{args[1].decode(errors='replace')[:64]}'. Try COMMAND HELP.")
 
     @arity(2)
     def select(self, conn: "Connection", args: list[bytes]) -> Reply:
@@ -447,7 +480,7 @@ class Commands:
                 synced=int(f.synced), keys=self.replica.count(name), applied_seq=f.meta.applied_seq,
                 upstream_seq=max(f.upstream_seq, f.meta.applied_seq), lag_ms=f.lag_ms(),
                 resyncs=f.meta.resyncs)) for name, f in sc.feeds.items()],
-            "peers": [(f"{p.name}.{p.bucket}" if p.name == "main" else p.name, _fields(
+            "peers": [(p.label, _fields(
                 stream=p.stream, state=p.state, ewma_us=int(p.stats.ewma_us),
                 requests=p.stats.requests, errors=p.stats.errors, hedges=p.stats.hedges))
                 for p in sc.router.peers()],
@@ -478,6 +511,20 @@ def _entry_reply(e: Entry, proto: int) -> bytes:
     return resp.array([
         resp.bulk(e.value, proto), resp.integer(e.revision), resp.integer(e.created),
         resp.bulk(e.operation.value.encode(), proto), resp.bulk(e.source.encode(), proto),
+    ], proto)
+
+
+def _command_info(name: str, proto: int) -> bytes:
+    spec = COMMAND_SPECS.get(name)
+    if spec is None:
+        return resp.null(proto) if proto == 3 else resp.NULL_ARRAY2
+    arity_, flags, first, last, step, cats = spec
+    return resp.array([
+        resp.bulk(name.encode(), proto), resp.integer(arity_),
+        resp.array([resp.simple(f) for f in flags], proto),
+        resp.integer(first), resp.integer(last), resp.integer(step),
+        resp.array([resp.simple(c) for c in cats], proto),
+        resp.EMPTY_ARRAY, resp.EMPTY_ARRAY, resp.EMPTY_ARRAY,  # tips, key specs, subcommands
     ], proto)
 
 

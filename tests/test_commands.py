@@ -1,0 +1,557 @@
+"""Every command of DESIGN.md's table against a real sidecar process fed by a real nats-server.
+
+Clients: redis-py (RESP2 and RESP3, with hiredis) as the third-party client, kvcache.Client as
+ours, and a raw socket where the wire bytes matter. Data is written with nats-py.
+
+Layout (one nats-server and one sidecar for the module):
+- `main` (the default bucket, Direct Get on): replicated filter `in.>`; `out.*` keys are remote.
+- `second` (Direct Get on): everything replicated.
+- `nodirect`: created with nats-py's defaults (no allow_direct); `in.>` replicated, the rest
+  read through the leader API.
+- `many`: 1500 keys `r.NNNN`, none replicated (`in.>` matches none of them): MGET of all of
+  them needs two multi_last requests.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from typing import Iterator
+
+import nats
+import pytest
+import redis
+
+from kvcache.client import Client, ResponseError
+from kvcache.entry import Operation
+from sidecar_proc import Sidecar
+
+LONG_KEY = "in." + "k" * 300 + "." + "y" * 300          # 606 bytes: stored under a digest
+LONG_REMOTE = "out." + "r" * 300 + "." + "z" * 300
+BINARY = b"\r\n$-1\r\n\x00*2\r\nnul\x00byte\r\n\xff\xfe"
+BIG = os.urandom(512 * 1024)
+SCAN_KEYS = 1200
+MANY = 1500
+CLIENT_PROTOS = [2, 3]
+KNOWN_LOCAL = [b"in.k%d" % i for i in range(10)] + [b"in.bin", b"in.big", LONG_KEY.encode()] + [
+    b"in.scan.%04d" % i for i in range(SCAN_KEYS)]
+
+
+def nats_run(url: str, fn):
+    """Run `fn(js)` on a fresh nats-py connection (a short asyncio.run of its own)."""
+    async def go():
+        nc = await nats.connect(url)
+        try:
+            return await fn(nc.jetstream())
+        finally:
+            await nc.close()
+    return asyncio.run(go())
+
+
+def put(url: str, bucket: str, key: str, value: bytes) -> int:
+    async def fn(js):
+        kv = await js.key_value(bucket)
+        return await kv.put(key, value)
+    return nats_run(url, fn)
+
+
+async def _put_all(kv, items: dict[str, bytes]) -> None:
+    pairs = list(items.items())
+    for i in range(0, len(pairs), 200):
+        await asyncio.gather(*(kv.put(k, v) for k, v in pairs[i:i + 200]))
+
+
+@pytest.fixture(scope="module")
+def env(nats_server_module, tmp_path_factory) -> Iterator[dict]:
+    url = nats_server_module.url
+    stamps = {}
+
+    async def setup(js):
+        main = await js.create_key_value(bucket="main", direct=True, history=5)
+        stamps["before"] = time.time_ns()
+        await main.put("in.k0", b"v0")
+        stamps["after"] = time.time_ns()
+        await _put_all(main, {f"in.k{i}": b"v%d" % i for i in range(1, 10)})
+        await _put_all(main, {"in.bin": BINARY, LONG_KEY: b"long", "in.big": BIG,
+                              "in.gone": b"x", "out.gone": b"x",
+                              "out.r1": b"remote1", "out.r2": b"remote2", "out.bin": BINARY,
+                              LONG_REMOTE: b"long remote"})
+        await main.delete("in.gone")
+        await main.delete("out.gone")
+        await _put_all(main, {f"in.scan.{i:04d}": b"s" for i in range(SCAN_KEYS)})
+        second = await js.create_key_value(bucket="second", direct=True)
+        await _put_all(second, {"s.a": b"A2", "s.b": b"B2"})
+        nodirect = await js.create_key_value(bucket="nodirect")  # nats-py default: no allow_direct
+        await _put_all(nodirect, {"in.a": b"NA", "out.a": b"NB"})
+        many = await js.create_key_value(bucket="many", direct=True)
+        await _put_all(many, {f"r.{i:04d}": b"m%d" % i for i in range(MANY)})
+        info = await js.stream_info("KV_nodirect")
+        assert not info.config.allow_direct
+
+    nats_run(url, setup)
+    sc = Sidecar(tmp_path_factory.mktemp("cmd") / "sc", url,
+                 ["main:in.>", "second", "nodirect:in.>", "many:in.>"])
+    with sc:
+        sc.start()
+        yield {"url": url, "sc": sc, "sock": sc.socket, **stamps}
+        assert sc.stop() == 0
+
+
+@pytest.fixture(params=CLIENT_PROTOS, ids=lambda p: f"resp{p}")
+def r(env, request) -> Iterator[redis.Redis]:
+    c = redis.Redis(unix_socket_path=env["sock"], protocol=request.param, socket_timeout=30)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def kc(env) -> Iterator[Client]:
+    with Client(env["sock"], timeout=30) as c:
+        yield c
+
+
+def stats(env) -> dict:
+    with Client(env["sock"]) as c:
+        return c.info("stats")["stats"]
+
+
+def raw(sock_path: str, data: bytes, until: bytes | None = None, timeout: float = 10) -> bytes:
+    """Send bytes, read until `until` appears (or EOF)."""
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(timeout)
+    s.connect(sock_path)
+    try:
+        s.sendall(data)
+        got = b""
+        while until is None or until not in got:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+        return got
+    finally:
+        s.close()
+
+
+# --------------------------------------------------------------------------- connection
+
+
+def test_ping_echo(env, r, kc):
+    assert r.ping() is True
+    assert kc.execute("PING", "hi") == b"hi"       # redis-py's PING callback wants PONG
+    assert raw(env["sock"], b"PING hi\r\n", until=b"\r\nhi\r\n") == b"$2\r\nhi\r\n"
+    assert r.echo(b"a\r\nb\x00") == b"a\r\nb\x00"
+    with pytest.raises(redis.ResponseError, match="wrong number of arguments for 'ping'"):
+        r.execute_command("PING", "a", "b")
+    assert r.ping()
+
+
+def test_hello(env, r):
+    proto = r.connection_pool.connection_kwargs.get("protocol", 2)
+    for version in (2, 3):
+        reply = r.execute_command("HELLO", version)
+        info = reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2]))
+        assert info[b"server"] == b"kvcache"
+        assert info[b"proto"] == version
+        assert info[b"mode"] == b"standalone"
+    r.execute_command("HELLO", proto)  # put the connection back as redis-py expects it
+    with pytest.raises(redis.ResponseError, match="NOPROTO"):
+        r.execute_command("HELLO", 4)
+    with pytest.raises(redis.ResponseError, match="Protocol version is not an integer"):
+        r.execute_command("HELLO", "x")
+    assert r.ping()
+
+
+def test_hello_wire_shapes(env):
+    """RESP3 HELLO is a map (`%`), RESP2 a flat array; replies follow the protocol chosen."""
+    got = raw(env["sock"], b"HELLO 3\r\nGET in.nosuch\r\nHELLO 2 SETNAME x\r\nGET in.nosuch\r\n",
+              until=b"$-1\r\n")
+    assert got.startswith(b"%7\r\n")
+    assert b"_\r\n*14\r\n" in got and got.endswith(b"$-1\r\n")
+
+
+def test_quit(env):
+    got = raw(env["sock"], b"PING\r\nQUIT\r\nPING\r\n")  # read until the server closes
+    assert got == b"+PONG\r\n+OK\r\n"
+
+
+def test_client_subcommands(r):
+    assert r.client_setname("app-1") is True
+    assert r.client_getname() in (b"app-1", "app-1")
+    assert r.client_setinfo("LIB-NAME", "tests") is True
+    assert r.client_setinfo("LIB-VER", "1.0") is True
+    assert isinstance(r.client_id(), int)
+    with pytest.raises(redis.ResponseError, match="unknown subcommand"):
+        r.execute_command("CLIENT", "NOSUCH")
+
+
+def test_command(r, kc):
+    table = r.command()
+    assert {"get", "mget", "exists", "keys", "scan", "kv.get", "info", "ping"} <= set(table)
+    assert table["get"]["arity"] == 2
+    assert table["mget"]["arity"] == -2
+    assert "readonly" in table["get"]["flags"]
+    assert r.command_count() == len(table)
+    info = kc.execute("COMMAND", "INFO", "get", "nosuch")  # redis-py would parse it as COMMAND's
+    assert info[0][:2] == [b"get", 2] and info[1] is None
+    assert b"get" in r.command_list()
+    r.execute_command("COMMAND", "DOCS")  # redis-cli asks at start; any well-formed reply
+
+
+def test_select(r):
+    assert r.execute_command("SELECT", 0) in (True, b"OK")
+    with pytest.raises(redis.ResponseError, match="DB index is out of range"):
+        r.execute_command("SELECT", 1)
+
+
+def test_config_get(env, r):
+    cfg = r.config_get("*")
+    assert cfg["save"] == "" and cfg["appendonly"] == "no"
+    assert r.config_get("save") == {"save": ""}
+    assert not r.config_get("nosuch")
+    with pytest.raises(redis.ResponseError):
+        r.execute_command("CONFIG", "SET", "save", "")
+
+
+# --------------------------------------------------------------------------- GET
+
+
+def test_get_default_and_named_bucket(r, kc):
+    assert r.get("in.k1") == b"v1"
+    assert r.get("main:in.k1") == b"v1"
+    assert r.get("second:s.a") == b"A2"
+    assert r.get("in.nosuch") is None
+    assert r.get("in.gone") is None          # last operation DEL
+    assert r.get("second:nosuch") is None
+    assert kc.get("in.k2") == b"v2"
+    assert kc.get("second:s.b") == b"B2"
+    assert kc.get("in.gone") is None
+
+
+@pytest.mark.parametrize("key", ["in.bin", "out.bin"])
+def test_binary_values(r, kc, key):
+    assert r.get(key) == BINARY
+    assert kc.get(key) == BINARY
+    assert kc.mget([key, "in.k0"]) == [BINARY, b"v0"]
+
+
+@pytest.mark.parametrize("key,value", [(LONG_KEY, b"long"), (LONG_REMOTE, b"long remote")])
+def test_long_keys(r, kc, key, value):
+    assert len(key) > 511
+    assert r.get(key) == value
+    assert kc.get(key) == value
+    e = kc.entry(key)
+    assert e.key == key and e.value == value
+
+
+def test_big_value(r, kc):
+    assert r.get("in.big") == BIG
+    assert kc.get("in.big") == BIG
+    assert r.mget("in.big", "in.k3", "in.big") == [BIG, b"v3", BIG]
+
+
+def test_invalid_keys_and_buckets(r, kc):
+    for bad in ["bad key", "in..x", ".in", "in.", "in.*", "in.>", "in.k1\n", "in.k1\r\n", "",
+                "in.\xe9"]:
+        with pytest.raises(redis.ResponseError, match="invalid key"):
+            r.get(bad)
+    with pytest.raises(redis.ResponseError, match="no such bucket 'nob'"):
+        r.get("nob:x")
+    with pytest.raises(redis.ResponseError, match="invalid key"):
+        r.mget("in.k1", "bad key")
+    with pytest.raises(ResponseError, match="no such bucket"):
+        kc.get("nob:x")
+    assert r.get("in.k1") == b"v1"
+
+
+def test_invalid_utf8_key(env):
+    got = raw(env["sock"], b"*2\r\n$3\r\nGET\r\n$2\r\n\xff\xfe\r\nPING\r\n", until=b"+PONG\r\n")
+    assert got.startswith(b"-ERR invalid key") and got.endswith(b"+PONG\r\n")
+
+
+def test_newline_key_does_not_reach_nats(env, r):
+    """A key ending in a newline is invalid (`$` in a regex matches before a final newline):
+    it must be refused as such, not sent upstream where it costs a remote error and counts
+    against the peer."""
+    before = stats(env)
+    with pytest.raises(redis.ResponseError, match="invalid key"):
+        r.get("out.r1\n")
+    assert stats(env)["remote_errors"] == before["remote_errors"]
+    assert r.get("out.r1") == b"remote1"
+
+
+# --------------------------------------------------------------------------- MGET / EXISTS
+
+
+def test_mget_mixed(env, r, kc):
+    before = stats(env)
+    keys = ["in.k1", "in.nosuch", "out.r1", "second:s.a", "out.nosuch", "in.k2", "out.r2",
+            "second:nosuch", "out.gone", "in.gone", "out.r1"]
+    want = [b"v1", None, b"remote1", b"A2", None, b"v2", b"remote2", None, None, None, b"remote1"]
+    assert r.mget(keys) == want
+    after = stats(env)
+    assert after["gets_remote"] - before["gets_remote"] == 4   # out.r1 (once), nosuch, r2, gone
+    assert after["gets_local"] - before["gets_local"] == 6
+    assert kc.mget(keys) == want
+    assert kc.mget([]) == []
+
+
+def test_mget_many_remote(env, r):
+    """1500 keys outside the filters: two multi_last requests, every value back."""
+    before = stats(env)
+    keys = [f"many:r.{i:04d}" for i in range(MANY)]
+    assert r.mget(keys) == [b"m%d" % i for i in range(MANY)]
+    after = stats(env)
+    assert after["gets_remote"] - before["gets_remote"] == MANY
+    assert after["remote_errors"] == before["remote_errors"]
+
+
+def test_mget_nodirect_bucket(r):
+    assert r.mget("nodirect:in.a", "nodirect:out.a", "nodirect:out.nosuch") == [b"NA", b"NB", None]
+
+
+def test_exists(r):
+    assert r.exists("in.k1") == 1
+    assert r.exists("in.k1", "in.k1", "in.nosuch", "in.gone", "out.r1", "out.gone",
+                    "second:s.a") == 4
+    assert r.exists("in.nosuch") == 0
+    with pytest.raises(redis.ResponseError, match="wrong number of arguments"):
+        r.execute_command("EXISTS")
+
+
+# --------------------------------------------------------------------------- KEYS / SCAN
+
+
+def test_keys_globs(r, kc):
+    def keys(p):
+        return sorted(r.keys(p))
+    assert keys("in.k?") == [b"in.k%d" % i for i in range(10)]
+    assert keys("in.k[0-2]") == [b"in.k0", b"in.k1", b"in.k2"]
+    assert keys("in.k[^0-7]") == [b"in.k8", b"in.k9"]
+    assert keys("in.k[!0-7]") == [b"in.k8", b"in.k9"]
+    assert keys("in.b*") == [b"in.big", b"in.bin"]
+    assert keys("in.\\b*") == [b"in.big", b"in.bin"]
+    assert keys("second:*") == [b"second:s.a", b"second:s.b"]
+    assert keys("second:s.[a]") == [b"second:s.a"]
+    assert keys("main:in.k1") == [b"main:in.k1"]
+    assert keys("out.*") == []          # not replicated: KEYS lists the replica only
+    assert keys("in.gone") == []
+    assert set(keys("*")) >= set(KNOWN_LOCAL)
+    assert LONG_KEY.encode() in keys("in.k*")
+    assert sorted(kc.keys("second:*")) == ["second:s.a", "second:s.b"]
+
+
+def test_scan_iter_over_many_keys(r, kc):
+    want = {b"in.scan.%04d" % i for i in range(SCAN_KEYS)}
+    got = list(r.scan_iter(match="in.scan.*", count=100))
+    assert len(got) == len(set(got)) and set(got) == want
+    got = list(r.scan_iter(match="in.scan.*"))     # redis-py's default COUNT (10)
+    assert set(got) == want
+    assert set(r.scan_iter(match="second:*", count=1)) == {b"second:s.a", b"second:s.b"}
+    assert set(kc.keys("in.scan.00*")) == {"in.scan.%04d" % i for i in range(100)}
+    everything = list(r.scan_iter(count=500))
+    assert len(everything) == len(set(everything)) and set(everything) >= set(KNOWN_LOCAL)
+    assert set(everything) == set(r.keys("*"))
+
+
+def test_scan_cursor_protocol(r):
+    cursor, batch = r.scan(0, match="in.k*", count=5)
+    assert cursor != 0 and len(batch) <= 5
+    # the same cursor may be used again (a client retrying after a lost reply)
+    again = r.scan(cursor, match="in.k*", count=1000)
+    assert r.scan(cursor, match="in.k*", count=1000)[1] == again[1]
+    assert set(batch) | set(again[1]) == set(r.keys("in.k*"))
+    with pytest.raises(redis.ResponseError, match="invalid cursor"):
+        r.scan(987654321)
+    with pytest.raises(redis.ResponseError, match="invalid cursor"):
+        r.execute_command("SCAN", "abc")
+    with pytest.raises(redis.ResponseError, match="syntax error"):
+        r.execute_command("SCAN", 0, "MATCH")
+    assert r.scan(0, match="in.k1", _type="hash") == (0, [])
+
+
+# --------------------------------------------------------------------------- KV.GET
+
+
+def kv_get(r, *args):
+    return r.execute_command("KV.GET", *args)
+
+
+def test_kv_get_local_shape(env, r):
+    value, rev, created, op, source = kv_get(r, "in.k0")
+    assert value == b"v0" and op == b"PUT" and source == b"local"
+    assert isinstance(rev, int) and rev >= 1
+    assert env["before"] <= created <= env["after"]
+    assert kv_get(r, "in.nosuch") is None
+    assert kv_get(r, "in.gone") is None
+    assert kv_get(r, "main:in.k0") == [b"v0", rev, created, b"PUT", b"local"]
+
+
+def test_kv_get_remote_source_is_a_peer(env, r):
+    value, rev, created, op, source = kv_get(r, "out.r1")
+    assert (value, op) == (b"remote1", b"PUT")
+    peers = r.info("peers")
+    assert source.decode() in peers
+    assert peers[source.decode()]["stream"] == "KV_main"
+    assert kv_get(r, "out.nosuch") is None
+    assert kv_get(r, "out.gone") is None
+    assert kv_get(r, "nodirect:out.a")[0::4] == [b"NB", b"leader"]
+
+
+def test_kv_get_consistency_and_options(env, r):
+    local = kv_get(r, "in.k1", "CONSISTENCY", "local")
+    assert local[4] == b"local"
+    strong = kv_get(r, "in.k1", "CONSISTENCY", "strong")
+    assert strong[:4] == local[:4] and strong[4] == b"leader"
+    assert kv_get(r, "in.k1", "consistency", "STRONG")[4] == b"leader"
+    assert kv_get(r, "in.k1", "MAXSTALE", 60000)[0] == b"v1"
+    assert kv_get(r, "out.r2", "CONSISTENCY", "strong")[0::4] == [b"remote2", b"leader"]
+    for bad in (["CONSISTENCY", "eventual"], ["MAXSTALE", "x"], ["MAXSTALE", -1], ["NOPE", 1],
+                ["MINREV"]):
+        with pytest.raises(redis.ResponseError):
+            kv_get(r, "in.k1", *bad)
+
+
+def test_kv_get_minrev_reads_own_write(env, r):
+    for key in ("in.rw", "out.rw"):
+        for i in range(3):
+            rev = put(env["url"], "main", key, b"w%d" % i)
+            value, got_rev, _, op, _ = kv_get(r, key, "MINREV", rev)
+            assert (value, got_rev, op) == (b"w%d" % i, rev, b"PUT")
+
+
+def test_entry_client(env, kc):
+    e = kc.entry("in.k0")
+    assert (e.bucket, e.key, e.value, e.operation, e.source) == ("main", "in.k0", b"v0",
+                                                                 Operation.PUT, "local")
+    e = kc.entry("second:s.a", consistency="strong")
+    assert (e.bucket, e.key, e.value, e.source) == ("second", "s.a", b"A2", "leader")
+    assert kc.entry("in.nosuch") is None
+    rev = put(env["url"], "second", "s.c", b"C2")
+    e = kc.entry("second:s.c", min_rev=rev)
+    assert (e.value, e.revision) == (b"C2", rev)
+
+
+# --------------------------------------------------------------------------- INFO
+
+
+def test_info(env, r, kc):
+    info = r.info()
+    for field in ("gets_local", "gets_remote", "gets_notfound", "remote_errors",
+                  "connected_clients", "redis_version"):
+        assert isinstance(info[field], int) or field == "redis_version", field
+    assert info["default_bucket"] == "main"
+    buckets = r.info("buckets")
+    assert set(buckets) == {"main", "second", "nodirect", "many"}
+    for name, row in buckets.items():
+        assert set(row) == {"synced", "keys", "applied_seq", "upstream_seq", "lag_ms", "resyncs"}
+        assert row["synced"] == 1 and row["resyncs"] == 0
+        assert row["upstream_seq"] >= row["applied_seq"]
+    assert buckets["second"]["keys"] >= 2 and buckets["many"]["keys"] == 0
+    peers = r.info("peers")
+    assert len(peers) == 4
+    for row in peers.values():
+        assert set(row) == {"stream", "state", "ewma_us", "requests", "errors", "hedges"}
+        assert row["state"] in ("up", "ejected", "down")
+    st = r.info("stats")
+    assert {"gets_local", "gets_remote", "gets_notfound", "remote_errors"} <= set(st)
+    assert "main" not in st and "connected_clients" not in st
+    assert set(kc.info()) == {"server", "clients", "stats", "buckets", "peers"}
+    assert kc.info("buckets")["buckets"]["main"]["synced"] == 1
+
+
+def test_gets_counters(env, r):
+    before = stats(env)
+    r.get("in.k1")
+    r.get("in.nosuch")
+    r.get("out.r1")
+    r.get("out.nosuch")
+    after = stats(env)
+    assert after["gets_local"] - before["gets_local"] == 2
+    assert after["gets_remote"] - before["gets_remote"] == 2
+    assert after["gets_notfound"] - before["gets_notfound"] == 2
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("cmd", [("SET", "in.k1", "x"), ("DEL", "in.k1"), ("INCR", "n"),
+                                 ("HSET", "h", "f", "v"), ("FLUSHALL",), ("EXPIRE", "in.k1", 1),
+                                 ("MSET", "a", "b"), ("LPUSH", "l", "x")])
+def test_writes_are_readonly(r, cmd):
+    with pytest.raises(redis.exceptions.ReadOnlyError, match="kvcache is a read replica"):
+        r.execute_command(*cmd)
+    assert r.get("in.k1") == b"v1"
+
+
+def test_unknown_and_arity(r, kc):
+    with pytest.raises(redis.ResponseError, match="unknown command 'NOSUCH'"):
+        r.execute_command("NOSUCH", "a")
+    for cmd in [("GET",), ("GET", "a", "b"), ("MGET",), ("KV.GET",), ("KEYS",), ("ECHO",),
+                ("SELECT",), ("SCAN",), ("CONFIG",), ("CLIENT",)]:
+        with pytest.raises(redis.ResponseError, match="wrong number of arguments|syntax"):
+            r.execute_command(*cmd)
+        assert r.get("in.k1") == b"v1"
+    with pytest.raises(ResponseError, match="unknown command"):
+        kc.execute("NOSUCH")
+    assert kc.get("in.k1") == b"v1"
+
+
+def test_pipeline_1000_gets(r):
+    with r.pipeline(transaction=False) as p:
+        for i in range(1000):
+            p.get(f"in.k{i % 12}")
+        out = p.execute()
+    assert out == [b"v%d" % (i % 12) if i % 12 < 10 else None for i in range(1000)]
+
+
+def test_pipeline_mixed_with_remote_and_errors(r):
+    """Replies stay in request order when local, remote and error replies interleave."""
+    with r.pipeline(transaction=False) as p:
+        for i in range(50):
+            p.get("in.k1")
+            p.get("out.r1")
+            p.execute_command("KV.GET", "out.r2")
+            p.get("bad key")
+            p.mget("in.k2", "out.r2", "many:r.0001")
+        out = p.execute(raise_on_error=False)
+    for i in range(50):
+        a, b, c, d, e = out[i * 5:i * 5 + 5]
+        assert (a, b, c[0], e) == (b"v1", b"remote1", b"remote2", [b"v2", b"remote2", b"m1"])
+        assert isinstance(d, redis.ResponseError)
+
+
+# --------------------------------------------------------------------------- fallback reads
+
+
+def test_remote_reads_counted_and_sourced(env, r):
+    before = stats(env)
+    assert r.get("out.r1") == b"remote1"
+    assert r.get("out.nosuch") is None                    # 404 -> nil
+    assert r.get("nodirect:out.a") == b"NB"               # leader API
+    assert r.get("nodirect:out.nosuch") is None
+    assert r.get("many:r.0007") == b"m7"
+    after = stats(env)
+    assert after["gets_remote"] - before["gets_remote"] == 5
+    assert after["remote_errors"] == before["remote_errors"]
+    peers = r.info("peers")
+    assert any(p["stream"] == "KV_nodirect" and p["requests"] > 0 for p in peers.values())
+
+
+def test_remote_sees_new_writes(env, r):
+    """Keys outside the filters are read from NATS every time: a new value shows at once."""
+    for i in range(3):
+        put(env["url"], "main", "out.fresh", b"f%d" % i)
+        assert r.get("out.fresh") == b"f%d" % i
+
+
+def test_replica_follows_writes(env):
+    sc = env["sc"]
+    rev = put(env["url"], "second", "s.live", b"L1")
+    sc.wait_for(lambda: sc.buckets()["second"]["applied_seq"] >= rev, what="replica applied")
+    with Client(env["sock"]) as c:
+        assert c.get("second:s.live") == b"L1"
+        assert c.entry("second:s.live").source == "local"
