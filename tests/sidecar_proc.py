@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from kvcache.client import Client, ConnectionFailed
+from kvcache.natsserver import die_with_parent
 
 
 class Sidecar:
@@ -33,7 +34,8 @@ class Sidecar:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=self.env)
+                                     stdin=subprocess.DEVNULL, env=self.env,
+                                     preexec_fn=die_with_parent)  # never outlive the test run
         self.wait_serving(timeout)
         if wait_synced:
             self.wait_synced(timeout)

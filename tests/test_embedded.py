@@ -1,0 +1,87 @@
+"""`kvcache serve` with no NATS URL: an embedded nats-server and a demo bucket, as a new user
+sees it; the embedded server never outlives the sidecar."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import redis
+
+from sidecar_proc import Sidecar, run_cli
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); it is dead for our purposes
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ", 1)[1][0] != "Z"
+
+
+def embedded_pid(sc: Sidecar) -> int:
+    with sc.client() as c:
+        info = c.info("server")["server"]
+    assert info["embedded_nats"] == 1
+    port = int(str(info["nats_url"]).rsplit(":", 1)[1])
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except OSError:
+            continue
+        if cmd and cmd[0].endswith(b"nats-server") and str(sc.data_dir).encode() in b" ".join(cmd):
+            return int(pid)
+    raise AssertionError(f"no embedded nats-server found for port {port}")
+
+
+@pytest.fixture
+def demo(tmp_path):
+    sc = Sidecar(tmp_path / "data", None).start()
+    yield sc
+    sc.kill()
+
+
+def test_demo_bucket_works_out_of_the_box(demo):
+    r = redis.Redis(unix_socket_path=demo.socket)
+    assert r.get("greeting") == b"hello from kvcache"
+    assert r.get("demo:user.0042") == b'{"id":42,"name":"user 42"}'
+    assert r.dbsize() == 1001
+    info = r.info("buckets")
+    assert info["demo"]["synced"] == 1 and info["demo"]["keys"] == 1001
+    out = run_cli("get", "--data-dir", str(demo.data_dir), "greeting")
+    assert out.returncode == 0 and out.stdout == "hello from kvcache\n"
+    out = run_cli("info", "--data-dir", str(demo.data_dir), "buckets")
+    assert out.returncode == 0 and "demo:synced=1,keys=1001" in out.stdout
+
+
+def test_sigterm_stops_the_embedded_server_and_removes_the_socket(demo):
+    nats_pid = embedded_pid(demo)
+    assert demo.stop() == 0
+    assert not os.path.exists(demo.socket)
+    assert not pid_alive(nats_pid)
+
+
+def test_restart_keeps_the_demo_data(demo):
+    assert demo.stop() == 0
+    demo.start()
+    with demo.client() as c:
+        assert c.get("greeting") == b"hello from kvcache"
+        assert c.info("buckets")["buckets"]["demo"]["resyncs"] == 0
+
+
+def test_kill9_of_the_sidecar_takes_the_embedded_server_down(demo):
+    nats_pid = embedded_pid(demo)
+    demo.kill()
+    deadline = time.monotonic() + 10
+    while pid_alive(nats_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(nats_pid)
+    # and a restart over the stale socket file works
+    demo.start()
+    with demo.client() as c:
+        assert c.get("greeting") == b"hello from kvcache"
