@@ -15,11 +15,14 @@ import os
 import struct
 import time
 from dataclasses import asdict, dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 import lmdb
 
+from .entry import Operation
 from .errors import ReplicaError
+
+T = TypeVar("T")
 
 FORMAT_VERSION = 1
 RECORD = struct.Struct("<QQI")
@@ -62,17 +65,24 @@ class Record:
     created: int
 
 
-def lmdb_key(key: str) -> bytes:
-    raw = key.encode()
+def _lkey(raw: bytes) -> bytes:
     if len(raw) <= MAX_LMDB_KEY and not raw.startswith(b"\x00"):
         return raw
     return LONG_KEY_PREFIX + hashlib.sha256(raw).digest()
+
+
+def lmdb_key(key: str) -> bytes:
+    """The LMDB key a NATS key is stored under: itself, or a digest when it is too long."""
+    return _lkey(key.encode())
 
 
 def encode_record(key_bytes: bytes, lkey: bytes, value: bytes, revision: int, created: int) -> bytes:
     if lkey is key_bytes or lkey == key_bytes:
         return RECORD.pack(revision, created, 0) + value
     return RECORD.pack(revision, created, len(key_bytes)) + key_bytes + value
+
+
+_record = encode_record
 
 
 def decode_record(lkey: bytes, raw: bytes) -> Record:
@@ -144,17 +154,19 @@ class Replica:
             fmt = txn.get(FORMAT_KEY)
         if fmt is not None and fmt != str(FORMAT_VERSION).encode():
             self.wipe()
-        with self.env.begin(db=self._meta, write=True) as txn:
-            txn.put(FORMAT_KEY, str(FORMAT_VERSION).encode())
+        self._write("format", lambda txn: txn.put(FORMAT_KEY, str(FORMAT_VERSION).encode(), db=self._meta))
 
     def wipe(self) -> None:
-        with self.env.begin(write=True) as txn:
+        """Drop every bucket and all meta (the format marker too)."""
+        def write(txn: lmdb.Transaction) -> None:
             names = [k for k, _ in txn.cursor()]
             for name in names:
                 if not name.startswith(b"kv:"):
                     continue
                 txn.drop(self.env.open_db(name, txn=txn), delete=True)
             txn.drop(self._meta, delete=False)
+
+        self._write("wipe", write)
         self._dbs = {META_DB: self._meta}
 
     def db_ro(self, name: bytes):
@@ -167,8 +179,8 @@ class Replica:
         return db
 
     def set_buckets(self, names: list[str]) -> None:
-        with self.env.begin(write=True, db=self._meta) as txn:
-            txn.put(BUCKETS_KEY, json.dumps(names).encode())
+        raw = json.dumps(names).encode()
+        self._write("meta", lambda txn: txn.put(BUCKETS_KEY, raw, db=self._meta))
 
     def db(self, bucket: str):
         name = b"kv:" + bucket.encode()
@@ -223,6 +235,15 @@ class Replica:
                     return
                 ok = cur.next()
 
+    def revision(self, bucket: str, lkey: bytes) -> int:
+        """The revision stored under an LMDB key, 0 if absent."""
+        db = self.db(bucket)
+        if db is None:
+            return 0
+        with self.env.begin(db=db) as txn:
+            raw = txn.get(lkey)
+        return RECORD.unpack_from(raw)[0] if raw else 0
+
     def meta(self, bucket: str) -> BucketMeta:
         if self._meta is None:
             return BucketMeta()
@@ -231,55 +252,101 @@ class Replica:
 
     # ------------------------------------------------------------------ writes
 
+    def _write(self, what: str, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run `fn` in one write transaction, growing the map (and retrying) when it is full."""
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                self._grow(what)
+            except lmdb.Error as e:
+                raise ReplicaError(f"replica write failed ({what}): {e}") from None
+
     def apply(self, bucket: str, puts: Iterable[tuple[str, bytes, int, int]],
               deletes: Iterable[str], meta: BucketMeta) -> None:
         """Apply one batch and its position in a single transaction, growing the map if full.
 
-        `puts` is (key, value, revision, created_ns); deletes are keys. Order between the two
-        does not matter: the feed folds each batch so a key appears in at most one of them.
+        `puts` is (key, value, revision, created_ns); deletes are keys. Deletes are applied
+        after puts, so a key should appear in at most one of them.
         """
         puts, deletes = list(puts), list(deletes)
         db = self.db(bucket)
-        while True:
-            try:
-                with self.env.begin(write=True) as txn:
-                    for key, value, revision, created in puts:
-                        kb = key.encode()
-                        lkey = lmdb_key(key)
-                        txn.put(lkey, encode_record(kb, lkey, value, revision, created), db=db)
-                    for key in deletes:
-                        txn.delete(lmdb_key(key), db=db)
-                    txn.put(bucket.encode(), meta.encode(), db=self._meta)
-                return
-            except lmdb.MapFullError:
-                self._grow()
-            except lmdb.Error as e:
-                raise ReplicaError(f"replica write failed for bucket {bucket}: {e}") from None
+        meta_key, meta_raw = bucket.encode(), meta.encode()
+
+        def write(txn: lmdb.Transaction) -> None:
+            for key, value, revision, created in puts:
+                kb = key.encode()
+                lkey = _lkey(kb)
+                txn.put(lkey, _record(kb, lkey, value, revision, created), db=db)
+            for key in deletes:
+                txn.delete(lmdb_key(key), db=db)
+            txn.put(meta_key, meta_raw, db=self._meta)
+
+        self._write(f"bucket {bucket}", write)
+
+    def apply_ops(self, bucket: str, ops: Sequence[tuple], meta: BucketMeta) -> None:
+        """Apply deliveries in stream order, and the position, in a single transaction.
+
+        Each op is `(revision, key, operation, value, created_ns, ...)` as the feed builds
+        them: PUT stores the value, DEL and PURGE remove the key.
+        """
+        db = self.db(bucket)
+        meta_key, meta_raw = bucket.encode(), meta.encode()
+        pack = RECORD.pack
+        put = Operation.PUT
+
+        def write(txn: lmdb.Transaction) -> None:
+            cur = txn.cursor(db=db)
+            items: list[tuple[bytes, bytes]] = []
+            for op in ops:
+                kb = op[1].encode()
+                if len(kb) > MAX_LMDB_KEY or kb[:1] == b"\x00":
+                    lkey = LONG_KEY_PREFIX + hashlib.sha256(kb).digest()
+                    rec = pack(op[0], op[4], len(kb)) + kb
+                else:
+                    lkey, rec = kb, pack(op[0], op[4], 0)
+                if op[2] is put:
+                    items.append((lkey, rec + op[3]))
+                else:
+                    if items:
+                        cur.putmulti(items)
+                        items = []
+                    txn.delete(lkey, db=db)
+            if items:
+                cur.putmulti(items)
+            txn.put(meta_key, meta_raw, db=self._meta)
+
+        self._write(f"bucket {bucket}", write)
 
     def delete_lkeys(self, bucket: str, lkeys: Iterable[bytes]) -> int:
         db = self.db(bucket)
-        n = 0
-        with self.env.begin(write=True, db=db) as txn:
-            for lk in lkeys:
-                n += txn.delete(lk)
-        return n
+        lkeys = list(lkeys)
+
+        def write(txn: lmdb.Transaction) -> int:
+            return sum(1 for lk in lkeys if txn.delete(lk, db=db))
+
+        return self._write(f"bucket {bucket}", write)
 
     def put_meta(self, bucket: str, meta: BucketMeta) -> None:
-        with self.env.begin(write=True, db=self._meta) as txn:
-            txn.put(bucket.encode(), meta.encode())
+        raw = meta.encode()
+        self._write("meta", lambda txn: txn.put(bucket.encode(), raw, db=self._meta))
 
     def clear_bucket(self, bucket: str) -> None:
         db = self.db(bucket)
-        with self.env.begin(write=True) as txn:
-            txn.drop(db, delete=False)
+        self._write(f"bucket {bucket}", lambda txn: txn.drop(db, delete=False))
 
-    def _grow(self) -> None:
+    def _grow(self, what: str = "") -> None:
         size = self.env.info()["map_size"]
         if size >= self.max_map_size:
             raise ReplicaError(
-                f"replica map is full at {size >> 20} MiB and max_map_size_mb forbids growing"
+                f"replica map is full at {size >> 20} MiB ({what or 'write'}); it may not grow "
+                f"beyond max_map_size_mb={self.max_map_size >> 20}: raise it, or replicate fewer keys"
             )
-        self.env.set_mapsize(min(size * 2, self.max_map_size))
+        try:
+            self.env.set_mapsize(min(size * 2, self.max_map_size))
+        except lmdb.Error as e:
+            raise ReplicaError(f"cannot grow the replica map beyond {size >> 20} MiB: {e}") from None
 
     def map_size(self) -> int:
         return self.env.info()["map_size"]

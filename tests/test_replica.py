@@ -1,0 +1,216 @@
+"""The LMDB replica, in process, on temporary directories."""
+from __future__ import annotations
+
+import os
+
+import lmdb
+import pytest
+
+from kvcache.entry import Operation
+from kvcache.errors import ReplicaError
+from kvcache.replica import (FORMAT_KEY, FORMAT_VERSION, LONG_KEY_PREFIX, MAX_LMDB_KEY, META_DB,
+                             BucketMeta, Replica, lmdb_key)
+
+PUT, DEL, PURGE = Operation.PUT, Operation.DEL, Operation.PURGE
+MiB = 1 << 20
+
+
+@pytest.fixture
+def replica(tmp_path):
+    r = Replica(str(tmp_path / "replica"), map_size=16 * MiB)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def op(rev: int, key: str, value: bytes | None = None, operation: Operation = PUT, created: int = 0):
+    """A delivery as the feed hands it over: (revision, key, operation, value, created, pending)."""
+    return (rev, key, operation, value if value is not None else b"", created or 1_700_000_000_000_000_000 + rev, 0)
+
+
+def meta_at(seq: int, **kw) -> BucketMeta:
+    return BucketMeta(stream="KV_b", applied_seq=seq, synced=True, **kw)
+
+
+def test_records_round_trip(replica):
+    values = {
+        "empty": b"",
+        "text": b"hello",
+        "binary": b"\r\n\x00\xff$3\r\nGET\r\n*2\r\n",
+        "big": os.urandom(512 * 1024),
+    }
+    ops = [op(i + 1, k, v, created=1_700_000_000_123_456_789 + i) for i, (k, v) in enumerate(values.items())]
+    replica.apply_ops("b", ops, meta_at(len(ops)))
+    for i, (key, value) in enumerate(values.items()):
+        rec = replica.get("b", key)
+        assert rec is not None
+        assert (rec.key, rec.value, rec.revision, rec.created) == (key, value, i + 1, 1_700_000_000_123_456_789 + i)
+    assert replica.get("b", "missing") is None
+    assert replica.get("other", "text") is None  # a bucket never written
+    assert replica.count("b") == 4
+    with replica.read_txn() as txn:
+        assert replica.get_raw(txn, replica.db("b"), "binary") == values["binary"]
+
+
+def test_apply_with_separate_puts_and_deletes(replica):
+    replica.apply("b", [("a", b"1", 1, 10), ("b", b"2", 2, 20)], [], meta_at(2))
+    replica.apply("b", [("c", b"3", 4, 40)], ["a"], meta_at(4))
+    assert replica.get("b", "a") is None
+    assert (replica.get("b", "b").value, replica.get("b", "c").revision) == (b"2", 4)
+    assert replica.meta("b").applied_seq == 4
+
+
+def test_operations_apply_in_stream_order(replica):
+    replica.apply_ops("b", [op(1, "k", b"v1"), op(2, "k", operation=DEL), op(3, "k", b"v3"),
+                            op(4, "gone", b"x"), op(5, "gone", operation=PURGE)], meta_at(5))
+    assert replica.get("b", "k").value == b"v3"
+    assert replica.get("b", "gone") is None
+    replica.apply_ops("b", [op(6, "k", operation=DEL), op(7, "never-there", operation=DEL)], meta_at(7))
+    assert replica.get("b", "k") is None
+    assert replica.count("b") == 0
+
+
+def test_long_keys_stored_under_a_digest(replica):
+    long_key = "long." + ".".join(["segment-0123456789"] * 40)  # ~760 bytes
+    edge = "e" * MAX_LMDB_KEY  # the longest key stored as itself
+    assert len(long_key.encode()) > MAX_LMDB_KEY
+    replica.apply_ops("b", [op(1, long_key, b"L"), op(2, edge, b"E"), op(3, "short", b"S")], meta_at(3))
+
+    lkey = lmdb_key(long_key)
+    assert lkey.startswith(LONG_KEY_PREFIX) and len(lkey) < MAX_LMDB_KEY
+    assert lmdb_key(edge) == edge.encode()
+    rec = replica.get("b", long_key)
+    assert (rec.key, rec.value, rec.revision) == (long_key, b"L", 1)
+    assert replica.get("b", edge).value == b"E"
+    assert sorted(k for _, k in replica.iter_keys("b")) == sorted([long_key, edge, "short"])
+    assert replica.revision("b", lkey) == 1
+
+    # Long keys are deleted by their full text too.
+    replica.apply_ops("b", [op(4, long_key, operation=DEL)], meta_at(4))
+    assert replica.get("b", long_key) is None
+    assert sorted(k for _, k in replica.iter_keys("b")) == sorted([edge, "short"])
+
+
+def test_iter_keys_pages_and_delete_lkeys(replica):
+    keys = [f"k.{i:03d}" for i in range(25)]
+    replica.apply_ops("b", [op(i + 1, k, b"v") for i, k in enumerate(keys)], meta_at(25))
+    first = list(replica.iter_keys("b", limit=10))
+    rest = list(replica.iter_keys("b", after=first[-1][0]))
+    assert [k for _, k in first + rest] == keys
+    assert replica.delete_lkeys("b", [lmdb_key("k.000"), lmdb_key("k.001"), b"absent"]) == 2
+    assert replica.count("b") == 23
+
+
+def test_apply_writes_data_and_position_in_one_transaction(tmp_path):
+    r = Replica(str(tmp_path / "replica"), map_size=MiB, max_map_size=4 * MiB)
+    try:
+        r.apply_ops("b", [op(i + 1, f"k{i}", b"v" * 100) for i in range(100)], meta_at(100))
+        # One read transaction sees the data and the position that describes it.
+        with r.env.begin() as txn:
+            meta = BucketMeta.decode(txn.get(b"b", db=r.db_ro(META_DB)))
+            top = max(int.from_bytes(v[:8], "little") for _, v in txn.cursor(db=r.db("b")))
+        assert meta.applied_seq == top == 100
+
+        # A batch that cannot be written leaves neither its data nor its position behind.
+        too_big = [op(101, "huge", os.urandom(3 * MiB)), op(102, "huge2", os.urandom(3 * MiB))]
+        with pytest.raises(ReplicaError):
+            r.apply_ops("b", too_big, meta_at(102))
+        assert r.meta("b").applied_seq == 100
+        assert r.get("b", "huge") is None and r.get("b", "huge2") is None
+        assert r.count("b") == 100
+    finally:
+        r.close()
+
+
+def test_map_grows_when_full(tmp_path):
+    r = Replica(str(tmp_path / "replica"), map_size=MiB)
+    try:
+        assert r.map_size() == MiB
+        value = os.urandom(256 * 1024)
+        seq = 0
+        for batch in range(10):  # 80 x 256 KiB = 20 MiB
+            ops = []
+            for _ in range(8):
+                seq += 1
+                ops.append(op(seq, f"k.{seq:03d}", value))
+            r.apply_ops("b", ops, meta_at(seq))
+        assert r.map_size() >= 20 * MiB
+        assert r.count("b") == 80
+        assert r.get("b", "k.001").value == value and r.get("b", "k.080").value == value
+        assert r.meta("b").applied_seq == 80
+        # Every write path grows the map, not only apply: metadata and deletes too.
+        r.put_meta("b", meta_at(81))
+        assert r.delete_lkeys("b", [lmdb_key(f"k.{i:03d}") for i in range(1, 41)]) == 40
+    finally:
+        r.close()
+
+
+def test_max_map_size_reached_is_a_clear_error_and_the_replica_stays_readable(tmp_path):
+    r = Replica(str(tmp_path / "replica"), map_size=MiB, max_map_size=4 * MiB)
+    try:
+        value = os.urandom(128 * 1024)
+        written = 0
+        with pytest.raises(ReplicaError) as err:
+            for i in range(1, 200):
+                r.apply_ops("b", [op(i, f"k.{i:03d}", value)], meta_at(i))
+                written = i
+        assert "max_map_size_mb=4" in str(err.value) and "full" in str(err.value)
+        assert 10 < written < 40
+        assert r.map_size() == 4 * MiB
+        # Still readable, and consistent with the last batch that made it.
+        assert r.count("b") == written
+        assert r.meta("b").applied_seq == written
+        assert r.get("b", "k.001").value == value
+        assert r.get("b", f"k.{written:03d}").value == value
+    finally:
+        r.close()
+    # ...also after reopening, by a read-only user.
+    ro = Replica(str(tmp_path / "replica"), readonly=True)
+    try:
+        assert ro.count("b") == written
+        assert ro.get("b", "k.002").value == value
+    finally:
+        ro.close()
+
+
+def test_meta_round_trip_and_unknown_fields(replica):
+    m = BucketMeta(stream="KV_b", stream_created="2024-01-01T00:00:00Z", applied_seq=42,
+                   synced=True, fresh_at_ns=1, last_update_ns=2, resyncs=3)
+    replica.put_meta("b", m)
+    assert replica.meta("b") == m
+    assert replica.meta("never") == BucketMeta()
+    # A newer writer may add fields; an older reader ignores them.
+    assert BucketMeta.decode(b'{"applied_seq":7,"from_the_future":1}').applied_seq == 7
+
+
+def test_format_version_mismatch_wipes_the_replica(tmp_path):
+    path = str(tmp_path / "replica")
+    r = Replica(path, map_size=4 * MiB)
+    r.apply_ops("b", [op(1, "k", b"v")], meta_at(1))
+    r.set_buckets(["b"])
+    r.close()
+
+    # Same version: kept.
+    r = Replica(path, map_size=4 * MiB)
+    assert r.get("b", "k").value == b"v"
+    r.close()
+
+    # Another version: dropped on open, and the current version written.
+    env = lmdb.open(path, max_dbs=8)
+    with env.begin(write=True, db=env.open_db(META_DB)) as txn:
+        txn.put(FORMAT_KEY, b"0")
+    env.close()
+    r = Replica(path, map_size=4 * MiB)
+    try:
+        assert r.get("b", "k") is None
+        assert r.count("b") == 0
+        assert r.meta("b") == BucketMeta()
+        with r.env.begin(db=r.db_ro(META_DB)) as txn:
+            assert txn.get(FORMAT_KEY) == str(FORMAT_VERSION).encode()
+        # ...and it is writable again at once.
+        r.apply_ops("b", [op(1, "k2", b"v2")], meta_at(1))
+        assert r.get("b", "k2").value == b"v2"
+    finally:
+        r.close()
+
