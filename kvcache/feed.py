@@ -10,6 +10,13 @@ Deliveries are folded into batches (everything one socket read brought) and appl
 LMDB transaction together with the last applied stream sequence. A consumer-sequence gap, a
 silent heartbeat, a deleted consumer or a reconnect recreates the consumer from the last
 applied sequence + 1.
+
+Two facts about the server shape the bookkeeping here:
+- `last_per_subject` delivers the initial set in subject order, not stream order, so while a
+  full sync runs the highest sequence seen says nothing about which keys are still to come. An
+  interrupted full sync therefore starts over; only a finished one yields a resumable position.
+- A pull request can end in several ways (408 expired, 409 "Batch Completed", 409 "Message
+  Size Exceeds MaxBytes", ...); only the ones listed in REQUEST_ENDED are harmless.
 """
 from __future__ import annotations
 
@@ -19,8 +26,7 @@ import logging
 import random
 import secrets
 import time
-from dataclasses import dataclass
-from typing import Callable
+from typing import Awaitable, Callable
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -28,41 +34,58 @@ from nats.aio.msg import Msg
 from . import jetstream as jsapi
 from .config import BucketConfig
 from .entry import Operation
-from .errors import KvcacheError, ReplicaError, UpstreamError
-from .replica import BucketMeta, Replica, lmdb_key
+from .errors import BucketNotFound, KvcacheError, ReplicaError, UpstreamError
+from .replica import Replica, lmdb_key
 
 log = logging.getLogger("kvcache.feed")
 
-PULL_BATCH = 4096
+PULL_BATCH = 8192
 PULL_MAX_BYTES = 16 * 1024 * 1024
 PULL_EXPIRES_S = 30.0
 META_TOUCH_INTERVAL_NS = 1_000_000_000
+
+# 409 descriptions that end one pull request and nothing more: pull again.
+REQUEST_ENDED = ("Batch Completed", "Exceeds MaxBytes", "Exceeded MaxWaiting")
+# Server-placed markers (nats-server 2.11+: TTL expiry, purges) carry this instead of KV-Operation.
+MARKER_REASON = "Nats-Marker-Reason"
+_MARKER_OPS = {"MaxAge": Operation.PURGE, "Purge": Operation.PURGE, "Remove": Operation.DEL}
+_KV_OPS = {"PUT": Operation.PUT, "DEL": Operation.DEL, "PURGE": Operation.PURGE}
 
 
 class ConsumerLost(KvcacheError):
     """The consumer can no longer be trusted to deliver in order: recreate it."""
 
 
-@dataclass(slots=True)
-class Delivery:
-    seq: int
-    key: str
-    operation: Operation
-    value: bytes
-    created: int
-    pending: int
+def operation_of(headers: dict | None) -> Operation:
+    """The KV operation a stream message stands for (ADR-8, plus server-placed markers)."""
+    if not headers:
+        return Operation.PUT
+    op = headers.get("KV-Operation")
+    if op is not None:
+        return _KV_OPS.get(op.strip().upper(), Operation.PUT)
+    reason = headers.get(MARKER_REASON)
+    if reason is not None:
+        return _MARKER_OPS.get(reason.strip(), Operation.PURGE)
+    return Operation.PUT
+
+
+# A delivery is a tuple, for speed: (stream seq, key, operation, value, created ns, pending).
+Delivery = tuple
 
 
 class PullConsumer:
     """One ephemeral pull consumer over a KV stream, delivering in order or failing loudly.
 
     `on_batch(deliveries)` runs synchronously for everything a socket read brought and returns
-    True to finish; `on_idle()` runs when the server reports nothing left to deliver.
+    True to finish; `on_idle(last_stream_seq)` runs when the server reports, while we are
+    caught up, that it has nothing more (0 when unknown). An exception raised by either ends
+    the consumer and propagates out of `run()`.
     """
 
     def __init__(self, nc: NATS, stream: str, prefix: str, filters: list[str], *,
                  start_seq: int | None, headers_only: bool, heartbeat_s: float,
-                 on_batch: Callable[[list[Delivery]], bool], on_idle: Callable[[], None],
+                 on_batch: Callable[[list[Delivery]], bool], on_idle: Callable[[int], None],
+                 after_create: Callable[[], Awaitable[None]] | None = None,
                  api: str = "$JS.API", timeout: float = 5.0) -> None:
         self.nc = nc
         self.stream = stream
@@ -73,15 +96,18 @@ class PullConsumer:
         self.heartbeat_s = heartbeat_s
         self.on_batch = on_batch
         self.on_idle = on_idle
+        self.after_create = after_create
         self.api = api
         self.timeout = timeout
         self.name = "kvcache_" + secrets.token_hex(8)
         self.initial_pending = 0
+        self.delivered = 0
         self._inbox = nc.new_inbox()
         self._incoming: list[Msg] = []
         self._drain_scheduled = False
         self._wake = asyncio.Event()
         self._failure: str | None = None
+        self._error: BaseException | None = None
         self._done = False
         self._pending_msgs = 0
         # One request must fit the largest message the server accepts, or it would never arrive.
@@ -99,10 +125,13 @@ class PullConsumer:
         try:
             info = await self._create()
             created = True
+            if self.after_create is not None:
+                await self.after_create()
+            self._last_activity = time.monotonic()
             self.initial_pending = info.get("num_pending", 0)
             if self.initial_pending == 0:
                 self._caught_up = True
-                self.on_idle()
+                self.on_idle(0)
             await self._pull()
             while not self._done:
                 try:
@@ -110,6 +139,8 @@ class PullConsumer:
                 except asyncio.TimeoutError:
                     pass
                 self._wake.clear()
+                if self._error is not None:
+                    raise self._error
                 if self._failure:
                     raise ConsumerLost(self._failure)
                 if time.monotonic() - self._last_activity > 3 * self.heartbeat_s:
@@ -126,7 +157,11 @@ class PullConsumer:
                 asyncio.ensure_future(self._delete_quietly())
 
     def fail(self, reason: str) -> None:
-        self._failure = reason
+        self._failure = self._failure or reason
+        self._wake.set()
+
+    def finish(self) -> None:
+        self._done = True
         self._wake.set()
 
     async def _create(self) -> dict:
@@ -189,32 +224,44 @@ class PullConsumer:
     def _drain(self) -> None:
         self._drain_scheduled = False
         msgs, self._incoming = self._incoming, []
-        if self._done or self._failure:
+        if self._done or self._failure or self._error:
             return
         self._last_activity = time.monotonic()
         batch: list[Delivery] = []
         plen = len(self.prefix)
+        next_cseq = self._next_cseq
         for msg in msgs:
-            meta = jsapi.parse_ack(msg.reply) if msg.reply else None
-            if meta is None:
+            reply = msg.reply
+            # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>, or the
+            # 12+ token form with domain and account hash in front (ADR-15).
+            t = reply.split(".") if reply else None
+            if t is None or len(t) < 9 or t[1] != "ACK":
                 self._status(msg)
                 if self._failure:
                     break
                 continue
-            if meta.consumer_seq != self._next_cseq:
-                self._failure = f"consumer sequence gap: expected {self._next_cseq}, got {meta.consumer_seq}"
+            i = 2 if len(t) == 9 else 4
+            cseq = int(t[i + 4])
+            if cseq != next_cseq:
+                self._failure = f"consumer sequence gap: expected {next_cseq}, got {cseq}"
                 break
-            self._next_cseq += 1
-            self._pending_msgs -= 1
+            next_cseq += 1
             hdrs = msg.headers
-            op = Operation.from_header(hdrs.get("KV-Operation")) if hdrs else Operation.PUT
-            batch.append(Delivery(meta.stream_seq, msg.subject[plen:], op, msg.data,
-                                  meta.timestamp, meta.pending))
+            batch.append((int(t[i + 3]), msg.subject[plen:],
+                          operation_of(hdrs) if hdrs else Operation.PUT,
+                          msg.data, int(t[i + 5]), int(t[i + 6])))
+        n = next_cseq - self._next_cseq
+        self._next_cseq = next_cseq
+        self._pending_msgs -= n
+        self.delivered += n
         if batch:
-            self._caught_up = batch[-1].pending == 0
-            if self.on_batch(batch):
-                self._done = True
-        if self._failure or self._done or self._pending_msgs <= PULL_BATCH // 2:
+            self._caught_up = batch[-1][5] == 0
+            try:
+                if self.on_batch(batch):
+                    self._done = True
+            except BaseException as e:  # noqa: BLE001 - handed to run(), which raises it
+                self._error = e
+        if self._failure or self._error or self._done or self._pending_msgs <= PULL_BATCH // 2:
             self._wake.set()
 
     def _status(self, msg: Msg) -> None:
@@ -222,16 +269,30 @@ class PullConsumer:
         status = hdrs.get("Status", "")
         desc = hdrs.get("Description", "")
         if status == "100":
-            if self._caught_up:
-                self.on_idle()
+            # Idle heartbeat: it names the last consumer sequence the server sent. If that is
+            # ahead of what we received, deliveries were lost on the way.
+            last_c = int(hdrs.get("Nats-Last-Consumer", 0) or 0)
+            if last_c >= self._next_cseq:
+                self._failure = (f"heartbeat reports consumer sequence {last_c}, "
+                                 f"received only up to {self._next_cseq - 1}")
+                return
+            if self._caught_up and last_c == self._next_cseq - 1:
+                try:
+                    self.on_idle(int(hdrs.get("Nats-Last-Stream", 0) or 0))
+                except BaseException as e:  # noqa: BLE001
+                    self._error = e
             return
-        if status in ("404", "408") or (status == "409" and "Exceeds MaxBytes" in desc):
+        if status in ("404", "408") or (status == "409" and any(d in desc for d in REQUEST_ENDED)):
             # The pull request ended; what it did not deliver is no longer owed to us.
-            self._pending_msgs -= int(hdrs.get("Nats-Pending-Messages", 0) or 0)
+            pending = hdrs.get("Nats-Pending-Messages")
+            if pending is not None:
+                self._pending_msgs -= int(pending or 0)
+            else:
+                self._pending_msgs = 0  # cannot tell: assume nothing is owed and ask again
             self._pending_msgs = max(self._pending_msgs, 0)
             return
-        if status == "409":
-            self._failure = f"consumer ended: {desc or status}"
+        if status in ("409", "400", "503"):
+            self._failure = f"consumer ended: {status} {desc}".strip()
             return
         log.debug("ignoring status %s %s on %s", status, desc, self.stream)
 
@@ -259,6 +320,7 @@ class Feed:
         self._full = False
         self._seen: set[bytes] | None = None
         self._reconcile_pending = False
+        self._reconnected = False
         self._consumer: PullConsumer | None = None
         self._task: asyncio.Task | None = None
         self._reconcile_task: asyncio.Task | None = None
@@ -279,16 +341,22 @@ class Feed:
 
     def _plan(self, info: dict, reconcile: bool = False) -> None:
         """Resume or resync. `reconcile`: also check, once caught up, for keys that vanished
-        without a trace in the stream (done after a process start, when that is likely)."""
+        without a trace in the stream (after a process start or a reconnect, when that is
+        likely)."""
         self.stream_config = info.get("config", {})
         state = info.get("state", {})
         first, last = state.get("first_seq", 0), state.get("last_seq", 0)
         created = info.get("created", "")
-        self.upstream_seq = max(self.upstream_seq, last)
         m = self.meta
         reason = None
-        if m.applied_seq == 0 or not m.stream:
+        count_it = bool(m.applied_seq)
+        if not m.stream:
             reason = "first sync"
+        elif not m.synced:
+            # Also a crash or a lost consumer in the middle of a full sync: the initial set
+            # comes in subject order, so its progress cannot be resumed.
+            reason = "previous full sync did not finish"
+            count_it = False
         elif m.stream_created and created and m.stream_created != created:
             reason = "stream was recreated"
         elif last < m.applied_seq:
@@ -297,15 +365,21 @@ class Feed:
             reason = f"stream no longer holds sequence {m.applied_seq + 1} (first is {first})"
         self._full = reason is not None
         if self._full:
-            if m.applied_seq:
+            if count_it and reason != "first sync":
                 m.resyncs += 1
+            if m.stream:
                 log.warning("bucket %s: full resync: %s", self.bucket, reason)
             m.synced = False
             m.applied_seq = 0
+            self.upstream_seq = last
             self._synced_event.clear()
+            self._reconcile_pending = False
+            if self._reconcile_task and not self._reconcile_task.done():
+                self._reconcile_task.cancel()
         else:
+            self.upstream_seq = max(self.upstream_seq, last)
             log.info("bucket %s: resuming after sequence %d", self.bucket, m.applied_seq)
-            self._reconcile_pending = reconcile
+            self._reconcile_pending = self._reconcile_pending or reconcile
         m.stream = self.stream
         m.stream_created = created
         self.replica.put_meta(self.bucket, m)
@@ -324,7 +398,7 @@ class Feed:
 
     async def wait_applied(self, seq: int, timeout: float) -> bool:
         """True once the replica holds stream sequence `seq` (MINREV), False on timeout."""
-        if self.meta.applied_seq >= seq:
+        if self.meta.synced and self.meta.applied_seq >= seq:
             return True
         fut = asyncio.get_running_loop().create_future()
         item = (seq, fut)
@@ -339,6 +413,8 @@ class Feed:
                 self._waiters.remove(item)
 
     def _wake_waiters(self) -> None:
+        if not self.meta.synced:
+            return
         applied = self.meta.applied_seq
         for seq, fut in self._waiters:
             if seq <= applied and not fut.done():
@@ -347,6 +423,7 @@ class Feed:
     def connection_lost(self) -> None:
         """Called on disconnect: stop claiming freshness, and start over on reconnect."""
         self.caught_up = False
+        self._reconnected = True
         if self._consumer:
             self._consumer.fail("connection lost")
 
@@ -371,116 +448,141 @@ class Feed:
 
     async def _run(self) -> None:
         backoff = 0.1
+        planned = True
         while True:
-            start = None if self._full else self.meta.applied_seq + 1
-            consumer = PullConsumer(
-                self.nc, self.stream, self.prefix, self.filters, start_seq=start,
-                headers_only=False, heartbeat_s=self.heartbeat_s,
-                on_batch=self._on_batch, on_idle=self._on_idle, timeout=self.timeout,
-            )
-            self._consumer = consumer
-            if self._full:
-                self._seen = set()
-                self._sync_started = time.monotonic()
-            try:
-                self.consumers_created += 1
-                await consumer.run()
-            except asyncio.CancelledError:
-                raise
-            except ReplicaError as e:
-                log.error("bucket %s: %s", self.bucket, e)
-            except (ConsumerLost, UpstreamError) as e:
-                log.warning("bucket %s: recreating consumer: %s", self.bucket, e)
-            except Exception:
-                log.exception("bucket %s: feed failed; recreating consumer", self.bucket)
+            if planned:
+                consumer = self._new_consumer()
+                progressed = True
+                try:
+                    self.consumers_created += 1
+                    await consumer.run()
+                except asyncio.CancelledError:
+                    raise
+                except ReplicaError as e:
+                    # Nothing past the failed batch is applied, so nothing is skipped: the
+                    # next consumer starts again right after the last batch that made it.
+                    log.error("bucket %s: %s; retrying", self.bucket, e)
+                    progressed = False
+                except (ConsumerLost, UpstreamError, BucketNotFound) as e:
+                    log.warning("bucket %s: recreating consumer: %s", self.bucket, e)
+                except Exception:
+                    log.exception("bucket %s: feed failed; recreating consumer", self.bucket)
+                if progressed and consumer.delivered:
+                    backoff = 0.1
             self.caught_up = False
             await asyncio.sleep(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, 5.0)
-            if consumer.initial_pending or consumer._next_cseq > 1:
-                backoff = 0.1
-            await self._replan()
+            planned = await self._replan()
 
-    async def _replan(self) -> None:
-        """Before recreating, check the stream: it may have been purged or recreated meanwhile."""
+    def _new_consumer(self) -> PullConsumer:
+        start = None if self._full else self.meta.applied_seq + 1
+        consumer = PullConsumer(
+            self.nc, self.stream, self.prefix, self.filters, start_seq=start,
+            headers_only=False, heartbeat_s=self.heartbeat_s,
+            on_batch=self._on_batch, on_idle=self._on_idle, after_create=self._check_identity,
+            timeout=self.timeout,
+        )
+        self._consumer = consumer
+        if self._full:
+            # Keys the sync does not deliver must go at the end; an empty replica has none.
+            self._seen = set() if self.replica.count(self.bucket) else None
+            self._sync_started = time.monotonic()
+        return consumer
+
+    async def _check_identity(self) -> None:
+        """Right after creating a consumer: is it on the stream we planned for? The stream may
+        have been deleted and recreated between our look at it and the consumer's creation."""
+        info = await jsapi.stream_info(self.nc, self.stream, self.timeout)
+        created = info.get("created", "")
+        if created and self.meta.stream_created and created != self.meta.stream_created:
+            raise ConsumerLost("the stream was recreated while the consumer was being created")
+
+    async def _replan(self) -> bool:
+        """Before recreating, check the stream: it may have been purged or recreated meanwhile.
+        False when the stream cannot be looked at (gone, or NATS unreachable): try again later."""
         try:
             info = await jsapi.stream_info(self.nc, self.stream, self.timeout)
-        except UpstreamError as e:  # includes BucketNotFound: keep trying, serve what we have
+        except (UpstreamError, BucketNotFound) as e:  # keep trying, serve what we have
             log.warning("bucket %s: %s", self.bucket, e)
-            return
-        if self._full and not self.meta.synced:
-            # An interrupted full resync restarts from scratch: its key set is incomplete.
-            self.meta.applied_seq = 0
-        self._plan(info)
+            return False
+        reconnected, self._reconnected = self._reconnected, False
+        self._plan(info, reconcile=reconnected)
+        return True
 
     def _on_batch(self, batch: list[Delivery]) -> bool:
-        changes: dict[str, Delivery] = {}
-        for d in batch:
-            changes[d.key] = d
-        if self._seen is not None:
-            self._seen.update(lmdb_key(k) for k in changes)
-        puts = [(k, d.value, d.seq, d.created) for k, d in changes.items() if d.operation is Operation.PUT]
-        deletes = [k for k, d in changes.items() if d.operation is not Operation.PUT]
-        last = batch[-1]
         m = self.meta
-        m.applied_seq = last.seq
+        last = batch[-1]
+        top = m.applied_seq
+        for d in batch:
+            if d[0] > top:
+                top = d[0]
+        if self._seen is not None:
+            self._seen.update(lmdb_key(d[1]) for d in batch)
+        m.applied_seq = top
         m.last_update_ns = time.time_ns()
-        self.last_msg_ns = last.created
-        self.upstream_seq = max(self.upstream_seq, last.seq + last.pending)
-        caught_up = last.pending == 0
-        finishing = caught_up and not m.synced
+        self.last_msg_ns = last[4]
+        self.upstream_seq = max(self.upstream_seq, top)
+        caught_up = last[5] == 0
         if caught_up:
             m.fresh_at_ns = m.last_update_ns
-        if finishing and self._seen is None:
-            m.synced = True
-        self.replica.apply(self.bucket, puts, deletes, m)
+            if self._full and self._seen is None:
+                m.synced = True  # nothing to sweep: the last batch of the sync says so itself
+        self.replica.apply_ops(self.bucket, batch, m)
         self._last_meta_write = m.last_update_ns
-        if self._waiters:
-            self._wake_waiters()
+        self.caught_up = caught_up
         if caught_up:
             self._reached_end()
-        self.caught_up = caught_up
+        if self._waiters:
+            self._wake_waiters()
         return False
 
-    def _on_idle(self) -> None:
+    def _on_idle(self, last_stream_seq: int) -> None:
+        """Caught up and the server has nothing more. `last_stream_seq` (from a heartbeat,
+        0 if unknown) is how far the consumer has looked: every matching message up to it
+        was delivered, so the position may advance to it (keeps filtered buckets resumable)."""
         self.caught_up = True
         now = time.time_ns()
-        self.meta.fresh_at_ns = now
+        m = self.meta
+        m.fresh_at_ns = now
+        if last_stream_seq > m.applied_seq and not self._full:
+            m.applied_seq = last_stream_seq
+            self.upstream_seq = max(self.upstream_seq, last_stream_seq)
         self._reached_end()
         if now - self._last_meta_write >= META_TOUCH_INTERVAL_NS:
             self._last_meta_write = now
-            self.replica.put_meta(self.bucket, self.meta)
+            self.replica.put_meta(self.bucket, m)
+        if self._waiters:
+            self._wake_waiters()
 
     def _reached_end(self) -> None:
         """End of initial data: finish a full resync's sweep, or start a resume's reconcile."""
-        if self._seen is not None:
-            removed = self._sweep(self._seen)
-            self._seen = None
+        m = self.meta
+        if self._full:
             self._full = False
-            self.meta.synced = True
-            self.replica.put_meta(self.bucket, self.meta)
+            removed = self._sweep(self._seen) if self._seen is not None else 0
+            self._seen = None
+            m.synced = True
+            self.replica.put_meta(self.bucket, m)
             log.info("bucket %s: synced %d keys in %.2fs (%d stale keys removed)",
                      self.bucket, self.replica.count(self.bucket),
                      time.monotonic() - self._sync_started, removed)
-        elif not self.meta.synced:
-            self.meta.synced = True
-            self.replica.put_meta(self.bucket, self.meta)
+        elif not m.synced:
+            m.synced = True
+            self.replica.put_meta(self.bucket, m)
         self._synced_event.set()
         if self._reconcile_pending:
             self._reconcile_pending = False
-            self._reconcile_task = asyncio.create_task(self._reconcile(), name=f"reconcile:{self.bucket}")
+            if self._reconcile_task and not self._reconcile_task.done():
+                self._reconcile_task.cancel()
+            self._reconcile_task = asyncio.get_running_loop().create_task(
+                self._reconcile(), name=f"reconcile:{self.bucket}")
 
     def _sweep(self, keep: set[bytes], max_revision: int | None = None) -> int:
         """Delete replica keys absent from `keep` (and not newer than max_revision)."""
         stale = [lk for lk, _ in self.replica.iter_keys(self.bucket) if lk not in keep]
         if max_revision is not None:
-            stale = [lk for lk in stale if self._revision(lk) <= max_revision]
+            stale = [lk for lk in stale if self.replica.revision(self.bucket, lk) <= max_revision]
         return self.replica.delete_lkeys(self.bucket, stale) if stale else 0
-
-    def _revision(self, lkey: bytes) -> int:
-        db = self.replica.db(self.bucket)
-        with self.replica.env.begin(db=db) as txn:
-            raw = txn.get(lkey)
-        return int.from_bytes(raw[:8], "little") if raw else 0
 
     # -------------------------------------------------------------- reconcile
 
@@ -491,34 +593,33 @@ class Feed:
             info = await jsapi.stream_info(self.nc, self.stream, self.timeout)
             snapshot = info.get("state", {}).get("last_seq", 0)
             live: set[bytes] = set()
+            consumer: PullConsumer | None = None
 
             def collect(batch: list[Delivery]) -> bool:
                 for d in batch:
-                    if d.operation is Operation.PUT:
-                        live.add(lmdb_key(d.key))
+                    if d[2] is Operation.PUT:
+                        live.add(lmdb_key(d[1]))
                     else:
-                        live.discard(lmdb_key(d.key))
-                return batch[-1].pending == 0
+                        live.discard(lmdb_key(d[1]))
+                return batch[-1][5] == 0
 
-            finished = False
+            def idle(_last: int) -> None:
+                if consumer is not None:
+                    consumer.finish()
 
-            def idle() -> None:
-                nonlocal finished
-                finished = True
-                if consumer:
-                    consumer._done = True
-                    consumer._wake.set()
-
-            consumer = None
             consumer = PullConsumer(
                 self.nc, self.stream, self.prefix, self.filters, start_seq=None,
                 headers_only=True, heartbeat_s=self.heartbeat_s,
                 on_batch=collect, on_idle=idle, timeout=self.timeout,
             )
             await consumer.run()
+            if self._full:  # a full resync started meanwhile and will sweep by itself
+                return
             removed = self._sweep(live, max_revision=snapshot)
             if removed:
                 log.info("bucket %s: reconcile removed %d keys that vanished upstream", self.bucket, removed)
+            else:
+                log.info("bucket %s: reconcile found nothing to remove", self.bucket)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the next restart will try again; the data is still served

@@ -1,0 +1,566 @@
+"""The feed, end to end: `kvcache serve` as a real process against real nats-server processes,
+with nats-py as the writer. The replica's content is read back with kvcache.LocalReader (the
+LMDB files themselves) or over the socket, and compared with what nats-py's `kv.get` says.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import nats
+import nats.js.errors
+import pytest
+from nats.js.api import KeyValueConfig
+
+from kvcache import LocalReader
+from sidecar_proc import Sidecar
+from topology import start_single
+
+pytestmark = pytest.mark.timeout(120)
+
+HEARTBEAT = ["--heartbeat-ms", "500"]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+async def until(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condition",
+                interval: float = 0.05) -> Any:
+    """Poll `pred` (sync or async) until it returns something truthy; fail at the deadline."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    err: BaseException | None = None
+    while True:
+        try:
+            last = pred()
+            if inspect.isawaitable(last):
+                last = await last
+            if last:
+                return last
+            err = None
+        except Exception as e:  # noqa: BLE001 - reported at the deadline
+            err = e
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}; "
+                                 f"last value {last!r}, last error {err!r}")
+        await asyncio.sleep(interval)
+
+
+def new_bucket() -> str:
+    return "t" + uuid.uuid4().hex[:10]
+
+
+def replica_state(sc: Sidecar, bucket: str) -> dict[str, tuple[bytes, int]]:
+    """key -> (value, revision), straight from the sidecar's LMDB files."""
+    with LocalReader(str(sc.data_dir), max_stale_ms=10**9, bucket=bucket) as r:
+        out = {}
+        for key in r.keys("*", bucket=bucket):
+            e = r.entry(f"{bucket}:{key}")
+            assert e is not None, key
+            out[key] = (e.value, e.revision)
+        return out
+
+
+async def upstream_state(kv) -> dict[str, tuple[bytes, int]]:
+    """key -> (value, revision) of every live key, as nats-py sees the bucket."""
+    try:
+        keys = await kv.keys()
+    except nats.js.errors.NoKeysError:
+        return {}
+    out = {}
+    for key in keys:
+        e = await kv.get(key)
+        out[key] = (e.value or b"", e.revision)
+    return out
+
+
+def bucket_info(sc: Sidecar, bucket: str) -> dict:
+    return sc.buckets()[bucket]
+
+
+async def wait_synced(sc: Sidecar, bucket: str, keys: int | None = None, timeout: float = 30.0) -> dict:
+    def ok():
+        row = bucket_info(sc, bucket)
+        if row["synced"] == 1 and row["lag_ms"] == 0 and (keys is None or row["keys"] == keys):
+            return row
+        return None
+    return await until(ok, timeout, f"bucket {bucket} synced" + (f" with {keys} keys" if keys is not None else ""))
+
+
+async def converged(sc: Sidecar, kv, bucket: str, timeout: float = 30.0) -> dict:
+    """Until the replica equals the bucket (keys, values and revisions)."""
+    want = await upstream_state(kv)
+
+    def same():
+        have = replica_state(sc, bucket)
+        return have == want and (want or True) and have
+
+    try:
+        await until(lambda: replica_state(sc, bucket) == want, timeout, f"replica of {bucket} == upstream")
+    except AssertionError:
+        have = replica_state(sc, bucket)
+        extra = sorted(set(have) - set(want))[:10]
+        missing = sorted(set(want) - set(have))[:10]
+        differ = sorted(k for k in set(want) & set(have) if want[k] != have[k])[:10]
+        raise AssertionError(f"replica != upstream: extra {extra}, missing {missing}, differ {differ}\n"
+                             f"{sc.log()}") from None
+    return want
+
+
+def log_since(sc: Sidecar, offset: int) -> str:
+    return sc.log_path.read_bytes()[offset:].decode(errors="replace")
+
+
+def log_size(sc: Sidecar) -> int:
+    return sc.log_path.stat().st_size if sc.log_path.exists() else 0
+
+
+@pytest.fixture
+def sidecars(tmp_path):
+    """Make sidecar processes; every one still running at the end is killed (by its PID)."""
+    made: list[Sidecar] = []
+
+    def make(url: str, spec: str, name: str = "sc", env: dict[str, str] | None = None) -> Sidecar:
+        sc = Sidecar(tmp_path / name, url, buckets=[spec], extra=HEARTBEAT, env=env)
+        made.append(sc)
+        return sc
+
+    yield make
+    for sc in made:
+        sc.kill()
+
+
+@pytest.fixture
+async def nc(nats_server_module):
+    conn = await nats.connect(nats_server_module.url, connect_timeout=5, allow_reconnect=False)
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+# ----------------------------------------------------------------------------- initial sync
+
+async def test_initial_sync_matches_upstream(nats_server_module, nc, sidecars):
+    js = nc.jetstream()
+    b = new_bucket()
+    kv = await js.create_key_value(bucket=b, history=5)
+    long_key = "long." + ".".join(["segment-0123456789"] * 40)
+    for i in range(300):
+        await kv.put(f"k.{i:03d}", f"value {i}".encode())
+    for i in range(0, 300, 7):
+        await kv.put(f"k.{i:03d}", f"updated {i}".encode())
+    for i in range(0, 300, 11):
+        await kv.delete(f"k.{i:03d}")
+    for i in range(5, 300, 13):
+        await kv.purge(f"k.{i:03d}")
+    await kv.put("bin", b"\r\n\x00\xff*1\r\n$4\r\nPING\r\n")
+    await kv.put(long_key, b"long")
+    await kv.put("big", os.urandom(512 * 1024))
+
+    sc = sidecars(nats_server_module.url, b).start(wait_synced=False)
+    want = await upstream_state(kv)
+    row = await wait_synced(sc, b, keys=len(want))
+    assert replica_state(sc, b) == want
+    assert long_key in want and "bin" in want and "k.000" not in want and "k.005" not in want
+    status = await js.stream_info(f"KV_{b}")
+    assert row["applied_seq"] == status.state.last_seq
+    assert row["resyncs"] == 0
+    with sc.client() as c:
+        assert c.get(f"{b}:bin") == b"\r\n\x00\xff*1\r\n$4\r\nPING\r\n"
+        assert c.get(f"{b}:{long_key}") == b"long"
+        assert c.get(f"{b}:k.011") is None  # deleted upstream
+        assert sorted(c.keys("*")) == sorted(want)
+
+
+async def test_empty_bucket_syncs(nats_server_module, nc, sidecars):
+    js = nc.jetstream()
+    b = new_bucket()
+    kv = await js.create_key_value(bucket=b)
+    sc = sidecars(nats_server_module.url, b).start(wait_synced=False)
+    row = await wait_synced(sc, b, keys=0)
+    assert (row["keys"], row["applied_seq"], row["resyncs"]) == (0, 0, 0)
+    # ...and then live updates arrive.
+    await kv.put("first", b"1")
+    await until(lambda: replica_state(sc, b) == {"first": (b"1", 1)}, what="first live put")
+
+
+async def test_key_filters(nats_server_module, nc, sidecars):
+    js = nc.jetstream()
+    b = new_bucket()
+    kv = await js.create_key_value(bucket=b)
+    every = ["a.1", "a.x.y", "b.1", "b.1.2", "c.1", "ab.1"]
+    for key in every:
+        await kv.put(key, key.encode())
+    sc = sidecars(nats_server_module.url, f"{b}:a.>,b.*").start(wait_synced=False)
+    await wait_synced(sc, b, keys=3)
+    assert sorted(replica_state(sc, b)) == ["a.1", "a.x.y", "b.1"]
+    with sc.client() as c:
+        assert sorted(c.keys("*")) == ["a.1", "a.x.y", "b.1"]
+
+    # Live: only matching keys arrive.
+    await kv.put("c.2", b"no")
+    await kv.put("a.2", b"yes")
+    await kv.delete("b.1")
+    every += ["c.2", "a.2"]
+    await until(lambda: sorted(replica_state(sc, b)) == ["a.1", "a.2", "a.x.y"], what="filtered live updates")
+
+    # Unmatched keys churn: the position still follows the stream (the consumer's heartbeats
+    # say how far it has looked), and is stored.
+    for i in range(20):
+        last = await kv.put("c.1", f"{i}".encode())
+
+    def stored_position():
+        with LocalReader(str(sc.data_dir), max_stale_ms=10**9, bucket=b) as r:
+            return r.meta(b).applied_seq
+    await until(lambda: stored_position() == last, what=f"stored position to reach {last}")
+    sc.kill()
+
+    # While down, every key changes (history=1), so the stream's first sequence moves past
+    # everything before: a replica that had stopped at the last *matching* message could not
+    # resume, one that followed the heartbeats can.
+    for key in every:
+        await kv.put(key, b"while down")
+    await kv.put("b.9", b"new")
+    first = (await js.stream_info(f"KV_{b}")).state.first_seq
+    assert first == last + 1
+    offset = log_size(sc)
+    sc.start(wait_synced=False)
+    await until(lambda: sorted(replica_state(sc, b)) == ["a.1", "a.2", "a.x.y", "b.1", "b.9"], what="resumed filtered replica")
+    row = await wait_synced(sc, b)
+    assert row["resyncs"] == 0
+    assert f"resuming after sequence {last}" in log_since(sc, offset)
+    assert replica_state(sc, b)["a.1"][0] == b"while down"
+
+
+# ----------------------------------------------------------------------------- live updates
+
+async def test_live_put_del_purge(nats_server_module, nc, sidecars):
+    js = nc.jetstream()
+    b = new_bucket()
+    kv = await js.create_key_value(bucket=b, history=10)
+    await kv.put("stay", b"s")
+    sc = sidecars(nats_server_module.url, b).start(wait_synced=False)
+    await wait_synced(sc, b, keys=1)
+
+    rev = await kv.put("k", b"v1")
+    await until(lambda: replica_state(sc, b).get("k") == (b"v1", rev), what="put")
+    rev = await kv.put("k", b"v2")
+    await until(lambda: replica_state(sc, b).get("k") == (b"v2", rev), what="update")
+    await kv.delete("k")
+    await until(lambda: "k" not in replica_state(sc, b), what="delete")
+    rev = await kv.put("k", b"v3")
+    await until(lambda: replica_state(sc, b).get("k") == (b"v3", rev), what="put after delete")
+    await kv.purge("k")
+    await until(lambda: "k" not in replica_state(sc, b), what="purge")
+    rev = await kv.put("k", b"v4")
+    await until(lambda: replica_state(sc, b).get("k") == (b"v4", rev), what="put after purge")
+    with sc.client() as c:
+        assert c.get(f"{b}:k") == b"v4"
+    await converged(sc, kv, b)
+
+
+async def test_server_placed_expiry_markers_remove_keys(nats_server_module, nc, sidecars):
+    """A bucket with limit markers: the server itself writes a marker (Nats-Marker-Reason,
+    no KV-Operation) when a key's TTL runs out; the feed must treat it as a delete."""
+    js = nc.jetstream()
+    b = new_bucket()
+    kv = await js.create_key_value(KeyValueConfig(bucket=b, ttl=1.0, limit_marker_ttl=1.0))
+    sc = sidecars(nats_server_module.url, b).start(wait_synced=False)
+    await wait_synced(sc, b, keys=0)
+    await kv.put("short-lived", b"x")
+    await until(lambda: "short-lived" in replica_state(sc, b), what="put")
+    await until(lambda: "short-lived" not in replica_state(sc, b), timeout=30, what="expiry marker applied")
+
+
+# ----------------------------------------------------------------------------- restarts
+
+async def test_warm_restart_after_kill_resumes_without_resync(nats_server_module, nc, sidecars):
+    js = nc.jetstream()
+    b = new_bucket()
+    kv = await js.create_key_value(bucket=b, history=3)
+    for i in range(200):
+        await kv.put(f"k.{i:03d}", f"v{i}".encode())
+    sc = sidecars(nats_server_module.url, b).start(wait_synced=False)
+    await wait_synced(sc, b, keys=200)
+    sc.kill()
+
+    for i in range(200, 250):
+        await kv.put(f"k.{i:03d}", b"new while down")
+    for i in range(0, 50):
+        await kv.put(f"k.{i:03d}", b"updated while down")
+    for i in range(50, 80):
+        await kv.delete(f"k.{i:03d}")
+    for i in range(80, 90):
+        await kv.purge(f"k.{i:03d}")
+
+    offset = log_size(sc)
+    sc.start(wait_synced=False)
+    want = await converged(sc, kv, b)
+    assert len(want) == 250 - 40
+    row = await wait_synced(sc, b, keys=len(want))
+    assert row["resyncs"] == 0
+    status = await js.stream_info(f"KV_{b}")
+    assert row["applied_seq"] == status.state.last_seq
+    log = log_since(sc, offset)
+    assert "resuming after sequence 200" in log
+    assert "full resync" not in log
+
+
+async def test_reconcile_removes_keys_that_vanished_while_down(nats_server_module, nc, sidecars):
+    """A delete whose marker was purged before the sidecar saw it leaves nothing in the stream
+    to replay: only the reconcile pass after the resume can find it."""
+    js = nc.jetstream()
+    b = new_bucket()
+    kv = await js.create_key_value(bucket=b, history=5)
+    for i in range(20):
+        await kv.put(f"k.{i:02d}", b"v")
+    sc = sidecars(nats_server_module.url, b).start(wait_synced=False)
+    await wait_synced(sc, b, keys=20)
+    sc.kill()
+
+    await kv.delete("k.03")
+    await kv.delete("k.07")
+    await js.purge_stream(f"KV_{b}", subject=f"$KV.{b}.k.03")  # takes the DEL marker with it
+    await js.purge_stream(f"KV_{b}", subject=f"$KV.{b}.k.07")
+    await kv.put("k.20", b"added")
+
+    offset = log_size(sc)
+    sc.start(wait_synced=False)
+    want = await converged(sc, kv, b)
+    assert "k.03" not in want and "k.07" not in want and "k.20" in want
+    row = await wait_synced(sc, b, keys=19)
+    assert row["resyncs"] == 0  # resumed, and reconciled: no full resync
+    await until(lambda: "reconcile removed 2 keys" in log_since(sc, offset), what="reconcile log line")
+
+
+async def test_stream_purged_while_down(nats_server_module, nc, sidecars):
+    js = nc.jetstream()
+    b = new_bucket()
+    kv = await js.create_key_value(bucket=b)
+    for i in range(10):
+        await kv.put(f"k.{i}", b"v")
+    sc = sidecars(nats_server_module.url, b).start(wait_synced=False)
+    await wait_synced(sc, b, keys=10)
+    sc.kill()
+    await js.purge_stream(f"KV_{b}")  # everything gone, nothing left to replay
+    sc.start(wait_synced=False)
+    await until(lambda: replica_state(sc, b) == {}, what="purged bucket reflected")
+    await kv.put("after", b"a")
+    await converged(sc, kv, b)
+
+
+async def test_ttl_expiry_while_down(nats_server_module, nc, sidecars):
+    js = nc.jetstream()
+    b = new_bucket()
+    kv = await js.create_key_value(bucket=b, ttl=1.0)
+    for i in range(10):
+        await kv.put(f"k.{i}", b"v")
+    sc = sidecars(nats_server_module.url, b).start(wait_synced=False)
+    await wait_synced(sc, b, keys=10)
+    sc.kill()
+
+    async def expired():
+        return (await js.stream_info(f"KV_{b}")).state.messages == 0
+    await until(expired, timeout=30, what="keys expired upstream")
+    await kv.put("fresh", b"f")
+    sc.start(wait_synced=False)
+    await until(lambda: sorted(replica_state(sc, b)) == ["fresh"], what="expired keys gone")
+
+
+async def test_full_resync_when_bucket_recreated_while_down(nats_server_module, nc, sidecars):
+    js = nc.jetstream()
+    b = new_bucket()
+    kv = await js.create_key_value(bucket=b)
+    for key in ("a", "b", "c"):
+        await kv.put(key, b"old " + key.encode())
+    for i in range(10):
+        await kv.put("c", f"churn {i}".encode())  # the old stream's sequences run ahead
+    sc = sidecars(nats_server_module.url, b).start(wait_synced=False)
+    await wait_synced(sc, b, keys=3)
+    sc.kill()
+
+    await js.delete_key_value(b)
+    kv = await js.create_key_value(bucket=b)
+    await kv.put("b", b"new b")
+    await kv.put("d", b"new d")
+
+    offset = log_size(sc)
+    sc.start(wait_synced=False)
+    want = await converged(sc, kv, b)
+    assert want == {"b": (b"new b", 1), "d": (b"new d", 2)}
+    row = await wait_synced(sc, b, keys=2)
+    assert row["resyncs"] == 1
+    assert row["applied_seq"] == 2
+    assert "full resync: stream was recreated" in log_since(sc, offset)
+
+
+async def test_bucket_deleted_and_recreated_while_running(nats_server_module, nc, sidecars):
+    js = nc.jetstream()
+    b = new_bucket()
+    kv = await js.create_key_value(bucket=b)
+    for key in ("a", "b", "c"):
+        await kv.put(key, b"old")
+    sc = sidecars(nats_server_module.url, b).start(wait_synced=False)
+    await wait_synced(sc, b, keys=3)
+
+    await js.delete_key_value(b)
+    await until(lambda: "stream KV_" in sc.log() and "not found" in sc.log(), what="feed notices the bucket is gone")
+    assert sc.proc.poll() is None  # still running, still serving
+    with sc.client() as c:
+        assert c.ping()
+    kv = await js.create_key_value(bucket=b)
+    await kv.put("c", b"new c")
+    await kv.put("z", b"new z")
+    await converged(sc, kv, b)
+    row = await wait_synced(sc, b, keys=2)
+    assert row["resyncs"] == 1
+
+
+async def test_deleted_consumer_is_recreated(nats_server_module, nc, sidecars):
+    js = nc.jetstream()
+    b = new_bucket()
+    stream = f"KV_{b}"
+    kv = await js.create_key_value(bucket=b)
+    await kv.put("a", b"1")
+    sc = sidecars(nats_server_module.url, b).start(wait_synced=False)
+    await wait_synced(sc, b, keys=1)
+
+    async def consumer_names() -> list[str]:
+        return sorted(c.name for c in await js.consumers_info(stream) if c.name.startswith("kvcache_"))
+
+    (first,) = await until(consumer_names, what="the feed's consumer")
+    await js.delete_consumer(stream, first)
+    await until(lambda: "recreating consumer" in sc.log(), what="feed notices the deleted consumer")
+    names = await until(consumer_names, what="a new consumer")
+    assert first not in names
+    rev = await kv.put("b", b"2")
+    await until(lambda: replica_state(sc, b).get("b") == (b"2", rev), what="updates after recreation")
+    row = await wait_synced(sc, b, keys=2)
+    assert row["resyncs"] == 0
+
+
+async def test_nats_server_restart_while_running(tmp_path, sidecars):
+    server = start_single(tmp_path / "restart")
+    try:
+        b = new_bucket()
+        conn = await nats.connect(server.url, connect_timeout=5, allow_reconnect=False)
+        kv = await conn.jetstream().create_key_value(bucket=b)
+        for i in range(50):
+            await kv.put(f"k.{i}", b"before")
+        await conn.close()
+        sc = sidecars(server.url, b).start(wait_synced=False)
+        await wait_synced(sc, b, keys=50)
+
+        server.stop()
+        await until(lambda: "disconnected from NATS" in sc.log(), what="sidecar notices the outage")
+        with sc.client() as c:  # the replica is still served while NATS is away
+            assert c.get(f"{b}:k.1") == b"before"
+        server.start()
+
+        conn = await nats.connect(server.url, connect_timeout=5, allow_reconnect=False)
+        try:
+            kv = await conn.jetstream().key_value(b)
+            await kv.put("k.1", b"after restart")
+            await kv.delete("k.2")
+            await kv.put("new", b"n")
+            want = await converged(sc, kv, b)
+            assert want["k.1"][0] == b"after restart"
+            row = await wait_synced(sc, b, keys=50)
+            assert row["resyncs"] == 0
+            # ...and it keeps following.
+            rev = await kv.put("later", b"l")
+            await until(lambda: replica_state(sc, b).get("later") == (b"l", rev), what="later update")
+        finally:
+            await conn.close()
+    finally:
+        server.stop()
+
+
+# ----------------------------------------------------------------------------- a full replica
+
+SMALL_MAP = {"KVCACHE_MAP_SIZE_MB": "1", "KVCACHE_MAX_MAP_SIZE_MB": "4"}
+
+
+async def test_interrupted_initial_sync_starts_over(nats_server_module, nc, sidecars):
+    """The initial set arrives in subject order, not stream order, so a sync that stopped half
+    way (here: its replica hit max_map_size) cannot be resumed from the highest sequence it
+    saw. Keys are written in reverse order to make the two orders differ."""
+    js = nc.jetstream()
+    b = new_bucket()
+    kv = await js.create_key_value(bucket=b)
+    value = b"v" * 4000
+    for i in reversed(range(2000)):
+        await kv.put(f"k.{i:04d}", value)
+    small = sidecars(nats_server_module.url, b, env=SMALL_MAP).start(wait_synced=False)
+    await until(lambda: "replica map is full" in small.log(), what="the replica to fill up")
+    row = bucket_info(small, b)
+    assert row["synced"] == 0 and 0 < row["keys"] < 2000
+    small.kill()
+
+    offset = log_size(small)
+    sc = sidecars(nats_server_module.url, b).start(wait_synced=False)  # same data dir, default map
+    row = await wait_synced(sc, b, keys=2000)
+    assert row["resyncs"] == 0  # finishing a first sync is not a resync
+    assert "previous full sync did not finish" in log_since(sc, offset)
+    await converged(sc, kv, b)
+
+
+async def test_full_replica_stops_the_feed_without_skipping(nats_server_module, nc, sidecars):
+    js = nc.jetstream()
+    b = new_bucket()
+    kv = await js.create_key_value(bucket=b)
+    await kv.put("a", b"small")
+    sc = sidecars(nats_server_module.url, b, env=SMALL_MAP).start(wait_synced=False)
+    await wait_synced(sc, b, keys=1)
+
+    for i in range(6):  # 5.4 MB: more than the 4 MiB the map may grow to
+        await kv.put(f"big.{i}", os.urandom(900_000))
+    after = await kv.put("after", b"later")
+    await until(lambda: "replica map is full" in sc.log(), what="the replica to fill up")
+    row = bucket_info(sc, b)
+    assert row["applied_seq"] < after
+    assert "after" not in replica_state(sc, b)
+    assert sc.proc.poll() is None
+    with sc.client() as c:  # still serving
+        assert c.get(f"{b}:a") == b"small"
+
+    # Make room upstream: the purges roll the big values out of the stream, and the feed,
+    # retrying from where it stopped, gets through.
+    for i in range(6):
+        await kv.purge(f"big.{i}")
+    await converged(sc, kv, b)
+    assert sorted(replica_state(sc, b)) == ["a", "after"]
+
+
+# ----------------------------------------------------------------------------- size
+
+@pytest.mark.slow
+async def test_big_bucket_syncs_without_loss(nats_server_module, nc, sidecars):
+    n = 100_000
+    js = nc.jetstream(timeout=30)
+    b = new_bucket()
+    await js.create_key_value(bucket=b)
+    revisions: dict[str, int] = {}
+    chunk = 2000
+    for start in range(0, n, chunk):
+        keys = [f"user.{i:06d}" for i in range(start, min(start + chunk, n))]
+        acks = await asyncio.gather(*(js.publish(f"$KV.{b}.{k}", f"value-{k}".encode()) for k in keys))
+        revisions.update((k, a.seq) for k, a in zip(keys, acks))
+    assert len(set(revisions.values())) == n
+
+    sc = sidecars(nats_server_module.url, b).start(wait_synced=False)
+    row = await wait_synced(sc, b, keys=n, timeout=90)
+    assert row["applied_seq"] == n
+    with LocalReader(str(sc.data_dir), max_stale_ms=10**9, bucket=b) as r:
+        assert len(r.keys("*")) == n
+        bad = []
+        for key, rev in revisions.items():
+            e = r.entry(key)
+            if e is None or e.value != f"value-{key}".encode() or e.revision != rev:
+                bad.append((key, e))
+        assert not bad[:10]
