@@ -19,6 +19,7 @@ from . import __version__, resp
 from .config import BucketConfig
 from .entry import Entry, Operation
 from .errors import KvcacheError
+from .replica import LONG_KEY_PREFIX, RECORD, lmdb_key
 
 if TYPE_CHECKING:
     from .sidecar import Sidecar
@@ -30,6 +31,7 @@ Reply = Union[bytes, Awaitable[bytes]]
 KEY_RE = re.compile(r"[-/_=a-zA-Z0-9]+(?:\.[-/_=a-zA-Z0-9]+)*")
 SCAN_CURSORS = 10_000
 MINREV_WAIT_S = 0.25
+PLAN_CACHE = 100_000
 
 READONLY = resp.error("READONLY kvcache is a read replica")
 WRITE_COMMANDS = frozenset(b"""
@@ -105,6 +107,8 @@ class Commands:
         self.replica = sidecar.replica
         self.stats = sidecar.stats
         self._cursors: OrderedDict[int, tuple[str, bytes]] = OrderedDict()
+        # The server's GET fast path: raw key -> how to read it locally (see local_plan).
+        self.plans: dict[bytes, tuple | bool] = {}
         self._next_cursor = 1
         self._table: dict[bytes, Callable[["Connection", list[bytes]], Reply]] = {
             b"get": self.get, b"mget": self.mget, b"exists": self.exists,
@@ -147,6 +151,26 @@ class Commands:
         if not KEY_RE.fullmatch(key):
             raise CommandError(f"ERR invalid key '{key[:64]}': KV keys use A-Z a-z 0-9 - / _ = and dots between tokens")
         return bc, key
+
+    def local_plan(self, raw: bytes) -> tuple | bool:
+        """For the server's GET fast path: `(feed, max_stale_ms, db, lmdb key, value offset or
+        None)` when `raw` names a valid key inside its bucket's filters, cached; False when the
+        key is invalid or remote (the generic path answers it: error or fallback read).
+        Freshness is not part of the plan: the caller checks it (once per batch)."""
+        try:
+            bc, key = self.resolve(raw)
+        except CommandError:
+            return False
+        if not self.sc.in_filters(bc.name, key):
+            plan: tuple | bool = False
+        else:
+            lkey = lmdb_key(key)
+            plan = (self.sc.feeds[bc.name], bc.max_stale_ms, self.replica.db(bc.name), lkey,
+                    None if lkey.startswith(LONG_KEY_PREFIX) else RECORD.size)
+        if len(self.plans) >= PLAN_CACHE:
+            self.plans.clear()
+        self.plans[raw] = plan
+        return plan
 
     def local_ok(self, bc: BucketConfig, key: str, max_stale_ms: int | None = None) -> bool:
         feed = self.sc.feeds[bc.name]

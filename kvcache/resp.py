@@ -10,12 +10,13 @@ against this one on the same wire vectors, as hiredis is against redis-py's Pyth
 """
 from __future__ import annotations
 
+import re
 from typing import Final, Iterable, Sequence
 
 from kvcache.errors import ProtocolError
 
 __all__ = [
-    "RequestReader", "ReplyReader", "ReplyError", "INLINE_MAX",
+    "RequestReader", "ReplyReader", "ReplyError", "INLINE_MAX", "GET_LEN",
     "simple", "error", "integer", "bulk", "null", "array", "map_", "verbatim", "boolean",
     "double", "CRLF", "OK", "PONG", "NIL2", "NIL3", "NULL_ARRAY2", "EMPTY_ARRAY", "ZERO", "ONE",
 ]
@@ -52,7 +53,7 @@ class RequestReader:
     """
 
     __slots__ = ("max_request_bytes", "max_args", "_buf", "_pos", "_argc", "_args",
-                 "_bulklen", "_reqsize", "_error")
+                 "_bulklen", "_reqsize", "_error", "_no_fast")
 
     def __init__(self, max_request_bytes: int = 4 * 1024 * 1024, max_args: int = 1_048_576) -> None:
         self.max_request_bytes = max_request_bytes
@@ -64,6 +65,9 @@ class RequestReader:
         self._bulklen = -1        # declared length of the bulk being read (-1: header next)
         self._reqsize = 0         # declared size of the current multibulk so far
         self._error: str | None = None
+        # take_gets does not check request sizes: with a limit below its largest unit, every
+        # request goes through next_command, which does.
+        self._no_fast = max_request_bytes < _GET_UNIT_MAX
 
     @property
     def buffered(self) -> int:
@@ -83,6 +87,39 @@ class RequestReader:
     def _fail(self, message: str) -> ProtocolError:
         self._error = "Protocol error: " + message
         return ProtocolError(self._error)
+
+    def take_gets(self) -> tuple[list[bytes], list[bytes], int] | None:
+        """The run of complete multibulk `GET <key>` commands at the front of the buffer (the
+        server's fast path), consumed: `(bulk headers "$<n>", keys, start offset)`; None when
+        the next command is anything else (ask `next_command`).
+
+        One regex match finds where the run ends, in C; one split cuts it into its fields
+        (a buffer holding a single GET, the unpipelined case, is taken from one match):
+        the key pattern (KV key characters and `:`, never CR or LF) makes every unit exactly
+        five CRLF-terminated fields. The caller must still check each declared length against
+        its key (`GET_LEN[len(key)] == declared`) and, where it stops early, `rewind_gets`.
+        """
+        if self._argc or self._no_fast:
+            return None
+        buf = self._buf
+        pos = self._pos
+        m = _GET_ONE(buf, pos)
+        if m is None:
+            return None
+        end = m.end()
+        if end == len(buf):  # the whole buffer is one GET: no run to split
+            self._pos = end
+            return [m[1]], [m[2]], pos
+        m = _GET_RUN(buf, pos)
+        end = m.end()
+        self._pos = end
+        fields = bytes(buf[pos:end]).split(b"\r\n")
+        return fields[3::5], fields[4::5], pos
+
+    def rewind_gets(self, start: int, lengths: list[bytes], keys: list[bytes], count: int) -> None:
+        """Consume only the first `count` of the GETs `take_gets` returned from `start`."""
+        # 17 bytes of fixed framing per unit besides its `$<n>` and its key
+        self._pos = start + 17 * count + sum(map(len, lengths[:count])) + sum(map(len, keys[:count]))
 
     def next_command(self) -> list[bytes] | None:
         """The next complete command, or None until more data is fed."""
@@ -177,6 +214,15 @@ class RequestReader:
                 args, self._args = self._args, []
                 return args
 
+
+# `*2 $3 GET $<n> <key>`: 18 bytes of framing plus the digits and the key. The key pattern
+# (KV key characters and `:`, never CR or LF) cannot run past its argument; a declared length
+# that disagrees with it is caught by the caller (GET_LEN) and left to the full parser.
+_GET_ONE = re.compile(rb"\*2\r\n\$3\r\nGET\r\n(\$\d{1,4})\r\n([-/_=.:a-zA-Z0-9]{1,9999})\r\n").match
+_GET_RUN = re.compile(rb"(?:\*2\r\n\$3\r\nGET\r\n\$\d{1,4}\r\n[-/_=.:a-zA-Z0-9]{1,9999}\r\n)+").match
+_GET_UNIT_MAX = 18 + 4 + 9999
+GET_LEN: Final = [b"$%d" % n for n in range(10_000)]
+"""GET_LEN[n] is the bulk header `$<n>` (as take_gets returns them), to compare without int()."""
 
 _SPACES: Final = b" \n\r\t\x0b\x0c\x00"
 _ESCAPES: Final = {ord("n"): 10, ord("r"): 13, ord("t"): 9, ord("b"): 8, ord("a"): 7}

@@ -1,0 +1,542 @@
+"""The Unix socket itself: permissions, ownership of the path, limits, hostile input,
+backpressure, graceful shutdown, and the real redis-cli / redis-benchmark against it.
+
+One nats-server and one sidecar serve the module; tests that need other flags start their
+own sidecar on the same nats-server, and the shutdown test its own nats-server (it freezes
+it). Every process is stopped by its own PID.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import stat
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import redis
+
+from kvcache.client import Client, encode_command
+from sidecar_proc import Sidecar, run_cli
+from test_commands import nats_run, _put_all
+
+NKEYS = 200
+VALUE = b"v" * 100
+BIG = b"B" * (512 * 1024)
+REDIS_CLI = "/usr/bin/redis-cli"
+REDIS_BENCHMARK = "/usr/bin/redis-benchmark"
+
+
+def key(i: int) -> str:
+    return f"{i:012d}"  # what redis-benchmark -r generates after `key:`
+
+
+@pytest.fixture(scope="module")
+def url(nats_server_module) -> str:
+    async def setup(js):
+        kv = await js.create_key_value(bucket="key", direct=True)
+        await _put_all(kv, {key(i): VALUE for i in range(NKEYS)})
+        await kv.put("out.remote", b"remote value")
+        await kv.put("big", BIG)
+    nats_run(nats_server_module.url, setup)
+    return nats_server_module.url
+
+
+@pytest.fixture(scope="module")
+def sc(url, tmp_path_factory) -> Iterator[Sidecar]:
+    # Replicates single-token keys only, so `out.remote` is a remote read.
+    s = Sidecar(tmp_path_factory.mktemp("srv") / "sc", url, ["key:*"])
+    with s:
+        s.start()
+        yield s
+        assert s.stop() == 0
+
+
+@pytest.fixture
+def own_sidecar(url, tmp_path) -> Iterator:
+    """Start extra sidecars on the module's nats-server; all stopped at the end."""
+    started: list[Sidecar] = []
+
+    def start(*extra: str, socket_path: Path | None = None, **kw) -> Sidecar:
+        s = Sidecar(tmp_path / f"sc{len(started)}", url, ["key"], extra=list(extra),
+                    socket=socket_path, **kw)
+        started.append(s)
+        return s.start()
+
+    yield start
+    for s in started:
+        if s.proc and s.proc.poll() is None:
+            s.stop()
+
+
+def info(sock: str, section: str = "stats") -> dict:
+    with Client(sock) as c:
+        return c.info(section)[section]
+
+
+def connect(sock: str, timeout: float = 10) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(timeout)
+    s.connect(sock)
+    return s
+
+
+def read_until(s: socket.socket, until: bytes | None) -> bytes:
+    """Read until `until` is in what was read, or EOF when `until` is None."""
+    got = b""
+    while until is None or until not in got:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    return got
+
+
+def roundtrip(sock: str, data: bytes, until: bytes | None = None) -> bytes:
+    s = connect(sock)
+    try:
+        s.sendall(data)
+        return read_until(s, until)
+    finally:
+        s.close()
+
+
+def rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+def wait_until(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise TimeoutError(what)
+
+
+# --------------------------------------------------------------------------- the socket file
+
+
+def test_socket_mode_default(sc):
+    st = os.stat(sc.socket)
+    assert stat.S_ISSOCK(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o660
+
+
+def test_socket_mode_flag(own_sidecar):
+    s = own_sidecar("--socket-mode", "600")
+    assert stat.S_IMODE(os.stat(s.socket).st_mode) == 0o600
+    assert s.client().ping()
+    assert s.stop() == 0
+    assert not os.path.exists(s.socket)
+
+
+def test_stale_socket_is_replaced(own_sidecar, tmp_path):
+    path = tmp_path / "stale.sock"
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(path))      # a socket file whose owner is gone: bound, never unlinked
+    dead.close()
+    assert stat.S_ISSOCK(os.lstat(path).st_mode)
+    with pytest.raises(ConnectionRefusedError):
+        connect(str(path))
+    s = own_sidecar(socket_path=path)
+    assert s.client().get("000000000001") == VALUE
+    assert s.stop() == 0
+    assert not path.exists()
+
+
+def test_live_socket_is_refused(sc, url, tmp_path):
+    r = run_cli("serve", "--data-dir", str(tmp_path / "second"), "--socket", sc.socket,
+                "--nats", url, "--bucket", "key", "--log-level", "warning", timeout=60)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert lines == [f"kvcache: error: another process is already serving on {sc.socket}"], r.stderr
+    assert sc.client().get("000000000001") == VALUE   # the first one is untouched
+    assert os.path.exists(sc.socket)
+
+
+def test_non_socket_file_is_refused(url, tmp_path):
+    path = tmp_path / "not-a-socket"
+    path.write_text("precious")
+    r = run_cli("serve", "--data-dir", str(tmp_path / "d"), "--socket", str(path),
+                "--nats", url, "--bucket", "key", "--log-level", "warning", timeout=60)
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines() == [
+        f"kvcache: error: {path} exists and is not a socket; refusing to replace it"], r.stderr
+    assert path.read_text() == "precious"
+
+
+# --------------------------------------------------------------------------- limits
+
+
+def test_max_clients(own_sidecar):
+    s = own_sidecar("--max-clients", "5")
+    first = Client(s.socket)
+    # the helper's own probe connections may still be closing: wait until only ours is left
+    wait_until(lambda: first.info("clients")["clients"]["connected_clients"] == 1, 10,
+               "probe connections gone")
+    held = []
+    for _ in range(4):
+        c = connect(s.socket)
+        c.sendall(b"PING\r\n")
+        assert read_until(c, b"\r\n") == b"+PONG\r\n"
+        held.append(c)
+    sixth = connect(s.socket)
+    assert read_until(sixth, None) == b"-ERR max number of clients reached\r\n"  # then EOF
+    sixth.close()
+    with pytest.raises(redis.ConnectionError, match="max number of clients reached"):
+        redis.Redis(unix_socket_path=s.socket).ping()
+    for c in held:                                  # the five still work
+        c.sendall(b"GET 000000000002\r\n")
+        assert read_until(c, VALUE + b"\r\n") == b"$100\r\n" + VALUE + b"\r\n"
+    assert first.get(key(2)) == VALUE
+    held.pop().close()
+    r = redis.Redis(unix_socket_path=s.socket)
+    assert wait_until(lambda: _try_ping(r), 10, "a freed slot")
+    r.close()
+    assert first.info("clients")["clients"]["rejected_connections"] >= 2
+    first.close()
+    for c in held:
+        c.close()
+
+
+def _try_ping(r: redis.Redis) -> bool:
+    try:
+        return r.ping()
+    except redis.ConnectionError:
+        return False
+
+
+def test_request_larger_than_limit(own_sidecar):
+    s = own_sidecar("--max-request-bytes", "4096")
+    ok = connect(s.socket)
+    cases = [
+        encode_command(["GET", "k" * 5000]),                      # one big argument
+        b"*2\r\n$3\r\nGET\r\n$5000\r\n",                          # refused on the header alone
+        encode_command(["MGET"] + [key(i) for i in range(400)]),  # many small ones
+    ]
+    for data in cases:
+        c = connect(s.socket)
+        c.sendall(data)
+        reply = read_until(c, None)               # the server closes after saying why
+        assert reply.startswith(b"-ERR Protocol error: ") and reply.count(b"\r\n") == 1, reply
+        c.close()
+        ok.sendall(b"GET 000000000003\r\n")
+        assert read_until(ok, VALUE + b"\r\n").endswith(VALUE + b"\r\n")
+    assert info(s.socket)["protocol_errors"] == len(cases)
+    ok.close()
+
+
+# --------------------------------------------------------------------------- hostile input
+
+
+HOSTILE = [
+    b"\x00\xff\xfe garbage \x01\x02\r\n",
+    b"*-5\r\n",
+    b"*1\r\n$99999999999\r\n",
+    b"$99999999999\r\n",
+    b"*3\r\n$3\r\nGET\r\n",                      # half a command, then close
+    b"*2\r\n$3\r\nGET\r\n$5\r\nab",
+    b"*1\r\n$3\r\nGETxx\r\n",
+    b"*abc\r\n",
+    b"*1\r\n:3\r\n",
+    b"*99999999999999999999999\r\n",
+    b"*1\r\n$-1\r\n",
+    b'GET "unbalanced\r\n',
+    b"x" * (70 * 1024),                          # an inline line that never ends
+    b"*1048577\r\n",
+    b"\r\n\r\n\n\n",
+    b"*0\r\n*-1\r\n",
+]
+
+
+def _blobs(n: int, seed: int = 1234) -> Iterator[bytes]:
+    rnd = random.Random(seed)
+    valid = [encode_command(c) for c in (["GET", key(1)], ["MGET", key(1), key(2)], ["PING"],
+                                         ["KV.GET", key(3), "MINREV", "1"], ["SCAN", "0"],
+                                         ["HELLO", "3"], ["INFO"], ["CLIENT", "SETNAME", "x"])]
+    for i in range(n):
+        kind = i % 4
+        if kind == 0:
+            yield rnd.randbytes(rnd.randint(1, 512))
+        elif kind == 1:   # a valid pipeline with bytes flipped, dropped or inserted
+            b = bytearray(b"".join(rnd.choices(valid, k=rnd.randint(1, 6))))
+            for _ in range(rnd.randint(1, 4)):
+                op, pos = rnd.randint(0, 2), rnd.randrange(len(b))
+                if op == 0:
+                    b[pos] = rnd.randrange(256)
+                elif op == 1:
+                    del b[pos]
+                else:
+                    b.insert(pos, rnd.choice(b"*$:\r\n-0123456789"))
+            yield bytes(b)
+        elif kind == 2:   # RESP framing characters and numbers
+            yield b"".join(rnd.choice([b"*", b"$", b"\r\n", b"-1", b"0", b"3", b"99999999999",
+                                       b"GET", b"PING", b" ", b"\"", b"'", b"\n", b"\x00"])
+                           for _ in range(rnd.randint(1, 40)))
+        else:             # a truncated valid command
+            c = rnd.choice(valid)
+            yield c[:rnd.randrange(len(c))] + rnd.randbytes(rnd.randint(0, 8))
+
+
+class Steady(threading.Thread):
+    """A well-behaved redis-py client reading the whole time; records anything wrong."""
+
+    def __init__(self, sock: str) -> None:
+        super().__init__(daemon=True)
+        self.r = redis.Redis(unix_socket_path=sock, protocol=3, socket_timeout=30)
+        self.stop = threading.Event()
+        self.ok = 0
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        i = 0
+        while not self.stop.is_set():
+            try:
+                if self.r.get(key(i % NKEYS)) != VALUE:
+                    self.errors.append(f"wrong value for {key(i % NKEYS)}")
+                self.ok += 1
+            except Exception as e:  # noqa: BLE001
+                self.errors.append(repr(e))
+                return
+            i += 1
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.join(30)
+        self.r.close()
+        assert not self.is_alive()
+        assert not self.errors, self.errors[:5]
+        assert self.ok > 0
+
+
+def _send_and_drain(sock: str, blob: bytes) -> bytes:
+    s = connect(sock)
+    try:
+        try:
+            s.sendall(blob)
+            s.shutdown(socket.SHUT_WR)
+        except (BrokenPipeError, ConnectionResetError):
+            pass   # the server may close first (a protocol error): fine
+        try:
+            return read_until(s, None)
+        except ConnectionResetError:
+            return b""
+    finally:
+        s.close()
+
+
+def test_hostile_inputs(sc):
+    steady = Steady(sc.socket)
+    steady.start()
+    before = info(sc.socket)
+    for blob in HOSTILE:
+        reply = _send_and_drain(sc.socket, blob)
+        assert reply == b"" or reply[:1] in b"-+$*:%_", (blob[:40], reply[:80])
+    assert info(sc.socket)["protocol_errors"] > before["protocol_errors"]
+    steady.finish()
+    assert sc.proc.poll() is None
+
+
+def test_random_blobs(sc):
+    steady = Steady(sc.socket)
+    steady.start()
+    for blob in _blobs(10_000):
+        _send_and_drain(sc.socket, blob)
+    assert sc.proc.poll() is None
+    steady.finish()
+    with Client(sc.socket) as c:
+        assert c.get("000000000005") == VALUE
+    assert "Traceback" not in sc.log()
+
+
+def test_inline_commands(sc):
+    assert roundtrip(sc.socket, b"PING\r\n", b"\r\n") == b"+PONG\r\n"
+    assert roundtrip(sc.socket, b"PING\n", b"\r\n") == b"+PONG\r\n"      # LF alone, as Redis
+    assert roundtrip(sc.socket, b"\r\n  \r\nping\r\n", b"\r\n") == b"+PONG\r\n"
+    assert roundtrip(sc.socket, b"GET 000000000007\r\n", VALUE) == b"$100\r\n" + VALUE + b"\r\n"
+    assert roundtrip(sc.socket, b'ECHO "a b\\r\\n" \'c d\'\r\n', b"command\r\n") == (
+        b"-ERR wrong number of arguments for 'echo' command\r\n")
+    assert roundtrip(sc.socket, b'ECHO "a b\\x41"\r\n', b"A\r\n") == b"$4\r\na bA\r\n"
+    # inline and multibulk mixed in one pipeline
+    got = roundtrip(sc.socket, b"PING\r\n" + encode_command(["ECHO", "x"]) + b"EXISTS 000000000001\r\n",
+                    b":1\r\n")
+    assert got == b"+PONG\r\n$1\r\nx\r\n:1\r\n"
+
+
+# --------------------------------------------------------------------------- backpressure
+
+
+@pytest.mark.parametrize("target", [key(9), "big"], ids=["100B", "512KiB"])
+def test_client_that_never_reads(sc, target):
+    """A client pipelining GETs without reading its replies: the sidecar must stop reading
+    from it (its write buffer is full) instead of buffering replies without bound, also
+    when one read of requests asks for gigabytes of replies (GETs of a 512 KiB value)."""
+    pid = sc.proc.pid
+    base = rss_kb(pid)
+    request = encode_command(["GET", target]) * (1 << 16)          # ~2 MB of GETs
+    total_goal = 200 * 1024 * 1024
+    sent = [0]
+    done = threading.Event()
+    s = connect(sc.socket, timeout=0.2)
+
+    def writer():
+        view = memoryview(request)
+        try:
+            while sent[0] < total_goal and not done.is_set():
+                try:
+                    sent[0] += s.send(view[sent[0] % len(request):])
+                except socket.timeout:
+                    continue
+        except OSError:
+            pass
+        finally:
+            done.set()
+
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    peak = base
+    last, still_since = -1, time.monotonic()
+    deadline = time.monotonic() + 60
+    try:
+        # until the writer is finished, or stuck for 3 s (the server stopped reading), or 60 s
+        while not done.is_set() and time.monotonic() < deadline:
+            peak = max(peak, rss_kb(pid))
+            if peak - base > 256 * 1024:
+                break  # failing: stop feeding it before it eats the machine
+            if sent[0] != last:
+                last, still_since = sent[0], time.monotonic()
+            elif time.monotonic() - still_since > 3:
+                break
+            time.sleep(0.05)
+        peak = max(peak, rss_kb(pid))
+    finally:
+        done.set()
+        t.join(10)
+        s.close()
+    assert sent[0] < total_goal, "the sidecar read 200 MB from a client that never reads"
+    assert (peak - base) < 64 * 1024, f"RSS grew {(peak - base) // 1024} MB (sent {sent[0] >> 20} MB)"
+    # the connection is gone, the sidecar serves others
+    wait_until(lambda: info(sc.socket, "clients")["connected_clients"] == 1, 20, "client dropped")
+    assert sc.client().get(key(1)) == VALUE
+
+
+def test_big_reply_pipeline_is_delivered(sc):
+    """The same backpressure must not lose anything for a client that reads late."""
+    n = 20_000
+    s = connect(sc.socket, timeout=30)
+    try:
+        s.sendall(encode_command(["GET", key(4)]) * n)
+        want = (b"$100\r\n" + VALUE + b"\r\n") * n
+        got = bytearray()
+        while len(got) < len(want):
+            chunk = s.recv(1 << 20)
+            assert chunk
+            got += chunk
+        assert bytes(got) == want
+    finally:
+        s.close()
+
+
+def test_half_close_still_gets_replies(sc):
+    """A client that half-closes after its requests (shell pipes, `nc -U`) gets every reply,
+    a remote one included, and then the connection closes."""
+    s = connect(sc.socket, timeout=30)
+    try:
+        s.sendall(encode_command(["GET", key(1)]) + encode_command(["GET", "out.remote"])
+                  + b"GET 000000000002\r\n")
+        s.shutdown(socket.SHUT_WR)
+        got = read_until(s, None)
+    finally:
+        s.close()
+    assert got == b"$100\r\n" + VALUE + b"\r\n$12\r\nremote value\r\n$100\r\n" + VALUE + b"\r\n"
+
+
+# --------------------------------------------------------------------------- shutdown
+
+
+def test_sigterm_with_request_in_flight(tmp_path):
+    """SIGTERM while a remote read waits on NATS: the reply still goes out, then the sidecar
+    exits 0 and removes its socket. NATS is frozen (SIGSTOP) to hold the read in flight."""
+    from topology import start_single
+    ns = start_single(tmp_path / "n")
+    try:
+        async def setup(js):
+            kv = await js.create_key_value(bucket="key", direct=True)
+            await kv.put("in.a", b"local")
+            await kv.put("out.a", b"remote")
+        nats_run(ns.url, setup)
+        s = Sidecar(tmp_path / "sc", ns.url, ["key:in.>"],
+                    env={"KVCACHE_NATS_REQUEST_TIMEOUT_MS": "60000"})
+        with s:
+            s.start()
+            c = connect(s.socket, timeout=60)
+            ns.pause()
+            try:
+                c.sendall(b"GET out.a\r\n")
+                wait_until(lambda: info(s.socket)["gets_remote"] == 1, 20, "request in flight")
+                s.proc.send_signal(signal.SIGTERM)
+                wait_until(lambda: "shutting down" in s.log(), 20, "SIGTERM handled")
+                with pytest.raises(OSError):      # no longer accepting
+                    connect(s.socket).sendall(b"PING\r\n")
+            finally:
+                ns.resume()
+            assert read_until(c, b"remote\r\n") == b"$6\r\nremote\r\n"
+            assert s.proc.wait(30) == 0
+            c.close()
+            assert not os.path.exists(s.socket)
+    finally:
+        ns.stop()
+
+
+# --------------------------------------------------------------------------- redis-tools
+
+
+def test_redis_cli(sc):
+    def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([REDIS_CLI, "-s", sc.socket, *args], capture_output=True,
+                              text=True, timeout=30, input=stdin)
+    r = cli("PING")
+    assert (r.returncode, r.stdout, r.stderr) == (0, "PONG\n", "")
+    r = cli("GET", key(1))
+    assert (r.returncode, r.stdout.strip()) == (0, VALUE.decode())
+    r = cli("GET", "out.remote")
+    assert (r.returncode, r.stdout.strip()) == (0, "remote value")
+    r = cli("MGET", key(1), "nosuch", "key:out.remote")
+    assert r.returncode == 0 and r.stdout.split("\n")[:3] == [VALUE.decode(), "", "remote value"]
+    r = cli("--scan", "--pattern", "00000000019*")
+    assert r.returncode == 0 and sorted(r.stdout.split()) == [key(i) for i in range(190, 200)]
+    r = cli("INFO", "buckets")
+    assert r.returncode == 0 and "key:synced=1" in r.stdout
+    r = cli("-3", "KV.GET", key(2))
+    assert r.returncode == 0 and "local" in r.stdout
+    r = cli(stdin="PING\nGET 000000000003\nSET a b\n")
+    assert r.returncode == 0
+    assert r.stdout.split("\n")[:3] == ["PONG", VALUE.decode(), "READONLY kvcache is a read replica"]
+
+
+@pytest.mark.parametrize("extra", [[], ["-r", "10000", "-P", "16"], ["-r", "10000", "-c", "50"]],
+                         ids=["plain", "random-pipelined", "random-50-clients"])
+def test_redis_benchmark(sc, extra):
+    before = info(sc.socket)
+    r = subprocess.run([REDIS_BENCHMARK, "-s", sc.socket, "-t", "get", "-n", "20000", "-c", "10",
+                        "-q", *extra], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout + r.stderr
+    assert "GET:" in out and "requests per second" in out, out
+    # redis-benchmark exits non-zero at the first error reply; warnings (CONFIG GET) show here
+    assert "ERR" not in out and "rror" not in out and "WARN" not in out, out
+    after = info(sc.socket)
+    assert after["protocol_errors"] == before["protocol_errors"]
+    assert after["gets_local"] - before["gets_local"] >= 20000
+    assert after["gets_remote"] == before["gets_remote"]
