@@ -24,6 +24,7 @@ import pytest
 import redis
 
 from kvcache.client import Client, ResponseError
+from kvcache.client import encode_command as encode
 from kvcache.entry import Operation
 from sidecar_proc import Sidecar
 
@@ -555,3 +556,87 @@ def test_replica_follows_writes(env):
     with Client(env["sock"]) as c:
         assert c.get("second:s.live") == b"L1"
         assert c.entry("second:s.live").source == "local"
+
+
+# --------------------------------------------------------------------------- the GET fast path
+
+
+def _get(key: str | bytes, cmd: bytes = b"GET") -> bytes:
+    k = key.encode() if isinstance(key, str) else key
+    return b"*2\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n" % (len(cmd), cmd, len(k), k)
+
+
+def _bulk(v: bytes | None) -> bytes:
+    return b"$-1\r\n" if v is None else b"$%d\r\n%b\r\n" % (len(v), v)
+
+
+def test_get_pipeline_order_across_every_path(env):
+    """One pipeline where runs of GETs are broken by every kind of request: a remote key, an
+    invalid key, a lower-case `get`, an inline GET, another command, a long key (stored under
+    a digest), a value bigger than one write, a miss. Replies come back in request order."""
+    reqs = [
+        (_get("in.k1"), _bulk(b"v1")),
+        (_get("in.k2"), _bulk(b"v2")),
+        (_get("out.r1"), _bulk(b"remote1")),
+        (_get("in.k3"), _bulk(b"v3")),
+        (_get("bad..key"), None),
+        (_get("in.k4", b"get"), _bulk(b"v4")),
+        (b"GET in.k5\r\n", _bulk(b"v5")),
+        (_get("in.big"), _bulk(BIG)),
+        (_get("in.k6"), _bulk(b"v6")),
+        (_get(LONG_KEY), _bulk(b"long")),
+        (_get("in.nosuch"), _bulk(None)),
+        (_get("second:s.a"), _bulk(b"A2")),
+        (encode(["EXISTS", "in.k1"]), b":1\r\n"),
+        (_get("in.big"), _bulk(BIG)),
+        (_get("in.big"), _bulk(BIG)),
+        (_get("many:r.0001"), _bulk(b"m1")),
+        (_get("in.k7"), _bulk(b"v7")),
+    ]
+    data = b"".join(r for r, _ in reqs) * 3
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(30)
+    s.connect(env["sock"])
+    try:
+        s.sendall(data)
+        want = [reply for _ in range(3) for _, reply in reqs]
+        least = sum(len(w) for w in want if w is not None)
+        buf = b""
+        while len(buf) <= least or not buf.endswith(_bulk(b"v7")):
+            chunk = s.recv(1 << 20)
+            assert chunk
+            buf += chunk
+    finally:
+        s.close()
+    pos = 0
+    for w in want:
+        if w is None:
+            end = buf.index(b"\r\n", pos) + 2
+            assert buf[pos:end].startswith(b"-ERR invalid key")
+            pos = end
+        else:
+            assert buf[pos:pos + len(w)] == w, (pos, buf[pos:pos + 80], w[:80])
+            pos += len(w)
+    assert pos == len(buf)
+
+
+def test_get_declared_length_mismatch_is_a_protocol_error(env):
+    """The fast path must not accept what the full parser refuses: `$3` before a 4-byte key."""
+    data = _get("in.k1") + _get("in.k2") + b"*2\r\n$3\r\nGET\r\n$3\r\nin.k\r\n" + _get("in.k3")
+    got = raw(env["sock"], data)  # the server answers, then closes
+    assert got == _bulk(b"v1") + _bulk(b"v2") + b"-ERR Protocol error: bulk not terminated by CRLF\r\n"
+    # `$9` swallows the CRLF and what follows, exactly as the full parser reads it
+    data = _get("in.k1") + b"*2\r\n$3\r\nGET\r\n$9\r\nin.k1\r\n*1\r\n$4\r\nPING\r\n"
+    got = raw(env["sock"], data, until=b"+PONG\r\n")
+    assert got == _bulk(b"v1") + (
+        b"-ERR invalid key 'in.k1  *1': KV keys use A-Z a-z 0-9 - / _ = and dots between tokens\r\n"
+        b"-ERR unknown command '$4', with args beginning with: \r\n+PONG\r\n")
+
+
+def test_get_protocol_switch_mid_pipeline(env):
+    data = _get("in.nosuch") + encode(["HELLO", "3"]) + _get("in.nosuch") + _get("in.k1") + \
+        encode(["HELLO", "2"]) + _get("in.nosuch") + encode(["PING"])
+    got = raw(env["sock"], data, until=b"+PONG\r\n")
+    assert got.startswith(b"$-1\r\n%7\r\n")
+    assert b"_\r\n$2\r\nv1\r\n*14\r\n" in got
+    assert got.endswith(b"$-1\r\n+PONG\r\n")
