@@ -1,0 +1,288 @@
+"""GET throughput and latency over the Unix socket: kvcache against redis-server, both driven
+by the real `redis-benchmark`.
+
+A measurement script, not a test. Everything runs on this host over loopback and Unix sockets,
+in a temporary directory; every process it starts is stopped by its own PID; every wait is
+bounded.
+
+  1. starts a nats-server (kvcache.natsserver.NatsServer) and creates bucket `key` holding
+     10,000 keys `000000000000`..`000000009999` (what `redis-benchmark -r 10000` puts after
+     `key:`; `key:<n>` addresses bucket `key` in kvcache), then starts `kvcache serve` on it
+     and waits until INFO says synced with every key;
+  2. starts redis-server (no persistence) on a Unix socket with the same 10,000 keys
+     `key:000000000000`... and the same value;
+  3. runs `redis-benchmark -s SOCK -t get -r 10000 -n N --csv` with `-c 50`, `-c 50 -P 16`
+     and `-c 1` against each (--repeat times, the two targets alternating), and prints a
+     markdown table: the best run's requests/s, p50 and p99, the kvcache/redis ratio, and
+     the server's own CPU time per request (from /proc/<pid>/stat; the median over the runs),
+     which, unlike throughput, barely moves when other work shares the CPUs;
+  4. checks kvcache's INFO: no protocol or remote errors, and every GET answered locally
+     (gets_remote stays 0);
+  5. with --profile, records the sidecar with `py-spy record` under the `-P 16` load and
+     prints the functions with the most samples (own time and inclusive).
+
+    python bench/socket_bench.py
+    python bench/socket_bench.py --requests 200000 --profile
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import csv
+import io
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import nats
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kvcache.client import Client, ConnectionFailed  # noqa: E402
+from kvcache.natsserver import NatsServer  # noqa: E402
+
+BUCKET = "key"
+NKEYS = 10_000
+REDIS_SERVER = "/usr/bin/redis-server"
+REDIS_BENCHMARK = "/usr/bin/redis-benchmark"
+VARIANTS = [("-c 50", ["-c", "50"]), ("-c 50 -P 16", ["-c", "50", "-P", "16"]),
+            ("-c 1", ["-c", "1"])]
+
+
+def key(i: int) -> str:
+    return f"{i:012d}"
+
+
+def wait_until(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = pred()
+            if value:
+                return value
+        except (ConnectionFailed, OSError):
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{what}: not after {timeout}s")
+
+
+def stop(proc: subprocess.Popen | None, timeout: float = 15) -> int | None:
+    if proc is None or proc.poll() is not None:
+        return proc.returncode if proc else None
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+# ----------------------------------------------------------------------------- setup
+
+async def load_bucket(url: str, value: bytes) -> None:
+    nc = await nats.connect(url, connect_timeout=5, allow_reconnect=False)
+    try:
+        js = nc.jetstream(timeout=30)
+        await js.create_key_value(bucket=BUCKET, direct=True)
+        for start in range(0, NKEYS, 500):
+            await asyncio.gather(*(js.publish(f"$KV.{BUCKET}.{key(i)}", value)
+                                   for i in range(start, min(start + 500, NKEYS))))
+        info = await js.stream_info(f"KV_{BUCKET}")
+        if info.state.messages != NKEYS:
+            raise RuntimeError(f"stream holds {info.state.messages} messages, expected {NKEYS}")
+    finally:
+        await nc.close()
+
+
+def start_sidecar(work: Path, url: str) -> tuple[subprocess.Popen, str]:
+    sock = str(work / "kvcache.sock")
+    log = open(work / "sidecar.log", "ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvcache", "serve", "--nats", url, "--bucket", BUCKET,
+         "--data-dir", str(work / "data"), "--socket", sock, "--log-level", "warning"],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT)
+    log.close()
+
+    def synced():
+        if proc.poll() is not None:
+            raise RuntimeError(f"sidecar exited with {proc.returncode}; see {work}/sidecar.log")
+        with Client(sock, timeout=2) as c:
+            row = c.info("buckets")["buckets"].get(BUCKET, {})
+            return row.get("synced") == 1 and row.get("keys") == NKEYS
+    wait_until(synced, 120, "kvcache synced")
+    return proc, sock
+
+
+def start_redis(work: Path, value: bytes) -> tuple[subprocess.Popen, str]:
+    import redis
+    sock = str(work / "redis.sock")
+    proc = subprocess.Popen(
+        [REDIS_SERVER, "--port", "0", "--unixsocket", sock, "--save", "", "--appendonly", "no",
+         "--dir", str(work)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    r = redis.Redis(unix_socket_path=sock)
+    wait_until(lambda: os.path.exists(sock) and r.ping(), 20, "redis-server up")
+    with r.pipeline(transaction=False) as p:
+        for i in range(NKEYS):
+            p.set(f"key:{key(i)}", value)
+        p.execute()
+    if r.dbsize() != NKEYS:
+        raise RuntimeError("redis-server did not take every key")
+    r.close()
+    return proc, sock
+
+
+# ----------------------------------------------------------------------------- measuring
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def benchmark(sock: str, requests: int, args: list[str], timeout: float) -> dict[str, float]:
+    cmd = [REDIS_BENCHMARK, "-s", sock, "-t", "get", "-r", str(NKEYS), "-n", str(requests),
+           "--csv", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr or r.stdout}")
+    rows = list(csv.DictReader(io.StringIO(r.stdout)))
+    if len(rows) != 1 or rows[0].get("test") != "GET":
+        raise RuntimeError(f"unexpected redis-benchmark output: {r.stdout!r} {r.stderr!r}")
+    return {k: float(v) for k, v in rows[0].items() if k != "test"}
+
+
+def profile(pid: int, sock: str, requests: int, seconds: int, out: Path) -> None:
+    """py-spy under the -P 16 load; prints the hottest functions by own and total samples."""
+    raw = out / "pyspy.txt"
+    spy = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(seconds),
+                            "--rate", "250", "--format", "raw", "--output", str(raw), "--nonblocking"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(1)  # py-spy attaches
+    deadline = time.monotonic() + seconds + 60
+    while spy.poll() is None and time.monotonic() < deadline:
+        benchmark(sock, requests, ["-c", "50", "-P", "16"], timeout=seconds + 60)
+    try:
+        spy.wait(max(1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        spy.kill()
+        spy.wait()
+        raise RuntimeError("py-spy did not finish")
+    if not raw.exists():
+        raise RuntimeError(f"py-spy wrote nothing: {spy.stderr.read().decode(errors='replace')}")
+    own: collections.Counter[str] = collections.Counter()
+    total: collections.Counter[str] = collections.Counter()
+    lines: collections.Counter[str] = collections.Counter()
+    samples = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        n = int(count)
+        samples += n
+        frames = stack.split(";")
+        lines[frames[-1]] += n
+        funcs = [f.rpartition(":")[0] + ")" if f.endswith(")") else f for f in frames]
+        own[funcs[-1]] += n
+        for f in set(funcs):
+            total[f] += n
+    print(f"\npy-spy: {samples} samples of the sidecar under -c 50 -P 16 (raw stacks: {raw})\n")
+    print("| own % | total % | function |\n|---:|---:|---|")
+    for f, n in own.most_common(12):
+        print(f"| {100 * n / samples:.1f} | {100 * total[f] / samples:.1f} | `{f}` |")
+    print("\n| own % | line |\n|---:|---|")
+    for f, n in lines.most_common(15):
+        print(f"| {100 * n / samples:.1f} | `{f}` |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=200_000, help="requests per run (-n)")
+    ap.add_argument("--value-size", type=int, default=3, help="bytes per value (redis-benchmark's default is 3)")
+    ap.add_argument("--profile", action="store_true", help="py-spy the sidecar under -P 16")
+    ap.add_argument("--profile-seconds", type=int, default=15)
+    ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    ap.add_argument("--timeout", type=float, default=600, help="per redis-benchmark run")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per target and variant")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="kvcache-socket-bench-"))
+    value = b"x" * args.value_size
+    nats_srv = None
+    sidecar = redis_proc = None
+    try:
+        nats_srv = NatsServer(work / "nats" / "js", host="127.0.0.1", server_name="bench").start()
+        asyncio.run(load_bucket(nats_srv.url, value))
+        sidecar, kv_sock = start_sidecar(work, nats_srv.url)
+        redis_proc, redis_sock = start_redis(work, value)
+        with Client(kv_sock) as c:
+            assert c.get(f"key:{key(1)}") == value and c.get(key(9999)) == value
+            before = c.info("stats")["stats"]
+
+        results: dict[tuple[str, str], dict[str, float]] = {}
+        cpu: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+        pids = {"redis": redis_proc.pid, "kvcache": sidecar.pid}
+        for name, extra in VARIANTS:
+            for _ in range(args.repeat):
+                for target, sock in (("redis", redis_sock), ("kvcache", kv_sock)):
+                    c0 = cpu_seconds(pids[target])
+                    r = benchmark(sock, args.requests, extra, args.timeout)
+                    cpu[(target, name)].append((cpu_seconds(pids[target]) - c0) / args.requests * 1e6)
+                    best = results.get((target, name))
+                    if best is None or r["rps"] > best["rps"]:
+                        results[(target, name)] = r
+                    print(f"  {target:8s} {name:12s} {r['rps']:>12,.0f} req/s "
+                          f"{cpu[(target, name)][-1]:6.2f} CPU us/req", file=sys.stderr)
+
+        with Client(kv_sock) as c:
+            after = c.info("stats")["stats"]
+        gets = after["gets_local"] - before["gets_local"]
+        problems = []
+        for field in ("protocol_errors", "remote_errors", "gets_remote", "gets_notfound"):
+            if after[field] != before[field]:
+                problems.append(f"{field} went {before[field]} -> {after[field]}")
+        expected = args.requests * len(VARIANTS) * args.repeat
+        if gets < expected:
+            problems.append(f"only {gets} local GETs for {expected} requests")
+
+        print(f"\nredis-benchmark -t get -r {NKEYS} -n {args.requests}, {args.value_size}-byte values, "
+              f"{os.cpu_count()} CPUs, best of {args.repeat} runs\n")
+        print("| target | variant | requests/s | p50 ms | p99 ms | kvcache/redis | server CPU us/req |")
+        print("|---|---|---:|---:|---:|---:|---:|")
+        for name, _ in VARIANTS:
+            base = results[("redis", name)]["rps"]
+            for target in ("redis", "kvcache"):
+                r = results[(target, name)]
+                ratio = f"{r['rps'] / base:.2f}" if target == "kvcache" else ""
+                us = statistics.median(cpu[(target, name)])
+                print(f"| {target} | {name} | {r['rps']:,.0f} | {r['p50_latency_ms']:.3f} | "
+                      f"{r['p99_latency_ms']:.3f} | {ratio} | {us:.2f} |")
+        print(f"\nkvcache INFO: {gets} local GETs, gets_remote +{after['gets_remote'] - before['gets_remote']}, "
+              f"protocol_errors {after['protocol_errors']}, remote_errors {after['remote_errors']}"
+              + (f"\nPROBLEMS: {'; '.join(problems)}" if problems else " (all checks passed)"))
+
+        if args.profile:
+            profile(sidecar.pid, kv_sock, args.requests, args.profile_seconds, work)
+        return 1 if problems else 0
+    finally:
+        code = stop(sidecar)
+        if code not in (None, 0):
+            print(f"sidecar exited with {code}; log in {work}/sidecar.log", file=sys.stderr)
+            args.keep = True
+        stop(redis_proc)
+        if nats_srv:
+            nats_srv.stop()
+        if args.keep:
+            print(f"kept {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
