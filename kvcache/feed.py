@@ -21,6 +21,7 @@ Two facts about the server shape the bookkeeping here:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import random
@@ -236,8 +237,15 @@ class PullConsumer:
             # 12+ token form with domain and account hash in front (ADR-15).
             t = reply.split(".") if reply else None
             if t is None or len(t) < 9 or t[1] != "ACK":
+                # A status speaks about everything before it: apply that first.
+                self._next_cseq = next_cseq
+                if batch:
+                    self._deliver(batch)
+                    batch = []
+                if self._done or self._error:
+                    break
                 self._status(msg)
-                if self._failure:
+                if self._failure or self._error:
                     break
                 continue
             i = 2 if len(t) == 9 else 4
@@ -250,19 +258,23 @@ class PullConsumer:
             batch.append((int(t[i + 3]), msg.subject[plen:],
                           operation_of(hdrs) if hdrs else Operation.PUT,
                           msg.data, int(t[i + 5]), int(t[i + 6])))
-        n = next_cseq - self._next_cseq
         self._next_cseq = next_cseq
-        self._pending_msgs -= n
-        self.delivered += n
-        if batch:
-            self._caught_up = batch[-1][5] == 0
-            try:
-                if self.on_batch(batch):
-                    self._done = True
-            except BaseException as e:  # noqa: BLE001 - handed to run(), which raises it
-                self._error = e
+        if batch and not self._error:
+            self._deliver(batch)
+        self._last_activity = time.monotonic()  # a long write is not the server's silence
         if self._failure or self._error or self._done or self._pending_msgs <= PULL_BATCH // 2:
             self._wake.set()
+
+    def _deliver(self, batch: list[Delivery]) -> None:
+        n = len(batch)
+        self._pending_msgs -= n
+        self.delivered += n
+        self._caught_up = batch[-1][5] == 0
+        try:
+            if self.on_batch(batch):
+                self._done = True
+        except BaseException as e:  # noqa: BLE001 - handed to run(), which raises it
+            self._error = e
 
     def _status(self, msg: Msg) -> None:
         hdrs = msg.headers or {}
@@ -510,25 +522,27 @@ class Feed:
         return True
 
     def _on_batch(self, batch: list[Delivery]) -> bool:
-        m = self.meta
         last = batch[-1]
-        top = m.applied_seq
+        top = self.meta.applied_seq
         for d in batch:
             if d[0] > top:
                 top = d[0]
-        if self._seen is not None:
-            self._seen.update(lmdb_key(d[1]) for d in batch)
-        m.applied_seq = top
-        m.last_update_ns = time.time_ns()
-        self.last_msg_ns = last[4]
-        self.upstream_seq = max(self.upstream_seq, top)
+        now = time.time_ns()
         caught_up = last[5] == 0
+        # The new position is ours only once the batch is written: a failed write must leave
+        # the feed where it was, so that the next consumer starts at this batch again.
+        m = dataclasses.replace(self.meta, applied_seq=top, last_update_ns=now)
         if caught_up:
-            m.fresh_at_ns = m.last_update_ns
+            m.fresh_at_ns = now
             if self._full and self._seen is None:
                 m.synced = True  # nothing to sweep: the last batch of the sync says so itself
         self.replica.apply_ops(self.bucket, batch, m)
-        self._last_meta_write = m.last_update_ns
+        self.meta = m
+        if self._seen is not None:
+            self._seen.update(lmdb_key(d[1]) for d in batch)
+        self._last_meta_write = now
+        self.last_msg_ns = last[4]
+        self.upstream_seq = max(self.upstream_seq, top)
         self.caught_up = caught_up
         if caught_up:
             self._reached_end()

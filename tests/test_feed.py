@@ -510,27 +510,50 @@ async def test_interrupted_initial_sync_starts_over(nats_server_module, nc, side
     await converged(sc, kv, b)
 
 
+async def fill_up(kv, sc: Sidecar, b: str) -> int:
+    """Write more than SMALL_MAP holds, then a small key; wait until the feed has failed to
+    write a few times. Returns the small key's revision."""
+    for i in range(6):  # 5.4 MB: more than the 4 MiB the map may grow to
+        await kv.put(f"big.{i}", os.urandom(900_000))
+    after = await kv.put("after", b"later")
+    await until(lambda: sc.log().count("replica map is full") >= 3, what="the feed to fail and retry")
+    row = bucket_info(sc, b)
+    assert row["applied_seq"] < after
+    assert "after" not in replica_state(sc, b)
+    assert sc.proc.poll() is None
+    with sc.client() as c:  # still serving what it has
+        assert c.get(f"{b}:a") == b"small"
+    return after
+
+
 async def test_full_replica_stops_the_feed_without_skipping(nats_server_module, nc, sidecars):
+    """A batch that cannot be written is retried, never stepped over: given room (here by a
+    restart with a larger map), the replica gets every value, the big ones included."""
+    js = nc.jetstream()
+    b = new_bucket()
+    kv = await js.create_key_value(bucket=b)
+    await kv.put("a", b"small")
+    small = sidecars(nats_server_module.url, b, env=SMALL_MAP).start(wait_synced=False)
+    await wait_synced(small, b, keys=1)
+    await fill_up(kv, small, b)
+    small.kill()
+
+    roomy = sidecars(nats_server_module.url, b).start(wait_synced=False)  # same data dir
+    want = await converged(roomy, kv, b)
+    assert sorted(want) == ["a", "after"] + [f"big.{i}" for i in range(6)]
+    assert bucket_info(roomy, b)["resyncs"] == 0
+
+
+async def test_full_replica_recovers_when_upstream_shrinks(nats_server_module, nc, sidecars):
     js = nc.jetstream()
     b = new_bucket()
     kv = await js.create_key_value(bucket=b)
     await kv.put("a", b"small")
     sc = sidecars(nats_server_module.url, b, env=SMALL_MAP).start(wait_synced=False)
     await wait_synced(sc, b, keys=1)
-
-    for i in range(6):  # 5.4 MB: more than the 4 MiB the map may grow to
-        await kv.put(f"big.{i}", os.urandom(900_000))
-    after = await kv.put("after", b"later")
-    await until(lambda: "replica map is full" in sc.log(), what="the replica to fill up")
-    row = bucket_info(sc, b)
-    assert row["applied_seq"] < after
-    assert "after" not in replica_state(sc, b)
-    assert sc.proc.poll() is None
-    with sc.client() as c:  # still serving
-        assert c.get(f"{b}:a") == b"small"
-
-    # Make room upstream: the purges roll the big values out of the stream, and the feed,
-    # retrying from where it stopped, gets through.
+    await fill_up(kv, sc, b)
+    # Purges roll the big values out of the stream; the feed, retrying from where it
+    # stopped, gets through without a restart.
     for i in range(6):
         await kv.purge(f"big.{i}")
     await converged(sc, kv, b)
