@@ -53,7 +53,7 @@ class RequestReader:
     """
 
     __slots__ = ("max_request_bytes", "max_args", "_buf", "_pos", "_argc", "_args",
-                 "_bulklen", "_reqsize", "_error", "_no_fast")
+                 "_bulklen", "_reqsize", "_error", "_no_fast", "_inline_max")
 
     def __init__(self, max_request_bytes: int = 4 * 1024 * 1024, max_args: int = 1_048_576) -> None:
         self.max_request_bytes = max_request_bytes
@@ -68,6 +68,7 @@ class RequestReader:
         # take_gets does not check request sizes: with a limit below its largest unit, every
         # request goes through next_command, which does.
         self._no_fast = max_request_bytes < _GET_UNIT_MAX
+        self._inline_max = min(INLINE_MAX, max_request_bytes)  # an inline request is a request
 
     @property
     def buffered(self) -> int:
@@ -137,12 +138,12 @@ class RequestReader:
                 if buf[pos] != _STAR:
                     nl = buf.find(b"\n", pos)
                     if nl < 0:
-                        if end - pos > INLINE_MAX + 1:
+                        if end - pos > self._inline_max + 1:
                             raise self._fail("too big inline request")
                         self._pos = pos
                         return None
                     stop = nl - 1 if nl > pos and buf[nl - 1] == _CR else nl
-                    if stop - pos > INLINE_MAX:
+                    if stop - pos > self._inline_max:
                         raise self._fail("too big inline request")
                     line = bytes(buf[pos:stop])
                     pos = nl + 1

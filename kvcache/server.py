@@ -31,6 +31,7 @@ log = logging.getLogger("kvcache.server")
 WRITE_HIGH_WATER = 1 << 20
 FLUSH_AT = 256 * 1024  # write out what a batch has answered once it is this big
 TOO_MANY_CLIENTS = resp.error("ERR max number of clients reached")
+SHUTTING_DOWN = resp.error("ERR kvcache is shutting down")
 _NIL = (resp.NIL2, resp.NIL2, resp.NIL2, resp.NIL3)  # by protocol version
 BULK_HEADER = [b"$%d\r\n" % n for n in range(10_000)]
 
@@ -61,7 +62,7 @@ class Connection(asyncio.Protocol):
         if len(srv.connections) >= srv.cfg.max_clients or srv.closing:
             srv.stats.rejected_connections += 1
             self._closing = True
-            transport.write(TOO_MANY_CLIENTS)  # type: ignore[attr-defined]
+            transport.write(SHUTTING_DOWN if srv.closing else TOO_MANY_CLIENTS)  # type: ignore[attr-defined]
             transport.close()
             return
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)  # type: ignore[attr-defined]

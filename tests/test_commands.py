@@ -288,14 +288,21 @@ def test_newline_key_does_not_reach_nats(env, r):
 
 
 def test_mget_mixed(env, r, kc):
+    """Local hits and misses, and remote keys of two buckets: one multi_last per bucket."""
     before = stats(env)
+    peers_before = r.info("peers")
     keys = ["in.k1", "in.nosuch", "out.r1", "second:s.a", "out.nosuch", "in.k2", "out.r2",
-            "second:nosuch", "out.gone", "in.gone", "out.r1"]
-    want = [b"v1", None, b"remote1", b"A2", None, b"v2", b"remote2", None, None, None, b"remote1"]
+            "second:nosuch", "out.gone", "in.gone", "out.r1", "many:r.0003", "many:r.9999"]
+    want = [b"v1", None, b"remote1", b"A2", None, b"v2", b"remote2", None, None, None, b"remote1",
+            b"m3", None]
     assert r.mget(keys) == want
     after = stats(env)
-    assert after["gets_remote"] - before["gets_remote"] == 4   # out.r1 (once), nosuch, r2, gone
+    # remote: out.r1 (asked twice, fetched once), out.nosuch, out.r2, out.gone, r.0003, r.9999
+    assert after["gets_remote"] - before["gets_remote"] == 6
     assert after["gets_local"] - before["gets_local"] == 6
+    peers = r.info("peers")
+    for name in ("main.main", "main.many"):   # one batched request each
+        assert peers[name]["requests"] - peers_before[name]["requests"] == 1
     assert kc.mget(keys) == want
     assert kc.mget([]) == []
 
