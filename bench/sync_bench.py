@@ -185,6 +185,18 @@ async def bench_watch(url: str, n: int, raised: bool, timeout: float, stall_s: f
 
 # ----------------------------------------------------------------------------- report
 
+def versions() -> str:
+    from importlib.metadata import version
+
+    from kvcache.natsserver import find_binary
+    try:
+        server = subprocess.run([find_binary(), "--version"], capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        server = "nats-server ?"
+    return f"{server}, nats-py {version('nats-py')}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs"
+
+
 def table(results: list[Result], n: int, reference: Result | None) -> str:
     ref = reference.seconds if reference and reference.finished else None
     lines = ["| method | keys | seconds | keys/s | ratio vs nats-py (raised limits) |",
@@ -208,7 +220,7 @@ async def main_async(args: argparse.Namespace) -> int:
             load_s = await load(server.url, n, args.value_size, args.chunk,
                                 time.monotonic() + args.load_timeout)
             print(f"loaded {n:,} keys ({args.value_size} B values) in {load_s:.1f}s "
-                  f"({n / load_s:,.0f} publishes/s); nats-server {server.url}", flush=True)
+                  f"({n / load_s:,.0f} publishes/s); {versions()}", flush=True)
             results = [bench_kvcache(server.url, n, work, args.timeout)]
             print(f"kvcache: {results[-1].seconds}", flush=True)
             default = await bench_watch(server.url, n, False, args.timeout, args.stall)

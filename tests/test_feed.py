@@ -481,6 +481,44 @@ async def test_nats_server_restart_while_running(tmp_path, sidecars):
         server.stop()
 
 
+async def test_stream_leader_failover(nats_cluster, sidecars):
+    """An R3 bucket loses its stream leader while the sidecar follows it: the feed's consumer
+    goes with the leader, and the feed finds the new one and converges."""
+    b = new_bucket()
+    conn = await nats.connect(servers=nats_cluster.urls, connect_timeout=5, reconnect_time_wait=0.2)
+    victim = None
+    try:
+        js = conn.jetstream(timeout=10)
+        kv = await js.create_key_value(bucket=b, replicas=3, history=2)
+        for i in range(100):
+            await kv.put(f"k.{i:03d}", b"before")
+        sc = sidecars(",".join(nats_cluster.urls), b).start(wait_synced=False)
+        await wait_synced(sc, b, keys=100)
+
+        leader = (await js.stream_info(f"KV_{b}")).cluster.leader
+        victim = nats_cluster.server(leader)
+        victim.kill()
+
+        async def put_after() -> bool:
+            try:
+                await kv.put("after", b"failover")
+                return True
+            except Exception:  # noqa: BLE001 - no leader yet
+                return False
+        await until(put_after, timeout=60, what="a new stream leader accepting writes")
+        for i in range(0, 100, 10):
+            await kv.put(f"k.{i:03d}", b"after failover")
+        await kv.delete("k.001")
+        want = await converged(sc, kv, b, timeout=60)
+        assert want["after"][0] == b"failover" and "k.001" not in want
+        assert bucket_info(sc, b)["resyncs"] == 0
+    finally:
+        await conn.close()
+        if victim is not None:
+            victim.start()
+            nats_cluster.wait_ready()
+
+
 # ----------------------------------------------------------------------------- a full replica
 
 SMALL_MAP = {"KVCACHE_MAP_SIZE_MB": "1", "KVCACHE_MAX_MAP_SIZE_MB": "4"}
