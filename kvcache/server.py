@@ -134,17 +134,16 @@ class Connection(asyncio.Protocol):
                             plan = commands.local_plan(key)
                         if plan and declared == GET_LEN[len(key)] and (
                                 plan[0] is fresh or self._fresh(plan)):
-                            fresh = plan[0]
+                            fresh, _, db, lkey, offset = plan
                             if txn is None:
                                 txn = commands.replica.env.begin()
-                            raw = txn.get(plan[3], None, plan[2])
+                            raw = txn.get(lkey, None, db)
                             local += 1
                             i += 1
                             if raw is None:
                                 notfound += 1
                                 append(_NIL[self.proto])
                                 continue
-                            offset = plan[4]
                             value = raw[offset if offset is not None else
                                         RECORD.size + RECORD.unpack_from(raw)[2]:]
                             n = len(value)

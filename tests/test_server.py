@@ -545,3 +545,21 @@ def test_redis_benchmark(sc, extra):
     assert after["protocol_errors"] == before["protocol_errors"]
     assert after["gets_local"] - before["gets_local"] >= 20000
     assert after["gets_remote"] == before["gets_remote"]
+
+
+def test_sigterm_with_a_client_that_never_reads(own_sidecar):
+    """Shutdown must not wait on a client that stopped reading with replies still queued."""
+    s = own_sidecar()
+    c = connect(s.socket, timeout=0.5)
+    request = encode_command(["GET", "big"]) * 1000
+    try:
+        while True:          # until the sidecar stops reading from us
+            c.send(request)
+    except socket.timeout:
+        pass
+    s.proc.send_signal(signal.SIGTERM)
+    try:
+        assert s.proc.wait(30) == 0
+    finally:
+        c.close()
+    assert not os.path.exists(s.socket)
