@@ -221,20 +221,37 @@ class Commands:
         return Entry(bc.name, key, rec.value, rec.revision, rec.created, 0, Operation.PUT, "local")
 
     def _lookup(self, raw_keys: list[bytes]) -> tuple[list[bytes | None], dict[str, list[tuple[int, str]]]]:
-        """Local values for the keys the replica may answer, and the rest grouped by bucket."""
+        """Local values for the keys the replica may answer (one read transaction for all),
+        and the rest grouped by bucket. An invalid key fails the whole command."""
         values: list[bytes | None] = [None] * len(raw_keys)
         misses: dict[str, list[tuple[int, str]]] = {}
-        for i, raw in enumerate(raw_keys):
-            bc, key = self.resolve(raw)
-            if self.local_ok(bc, key):
-                rec = self.replica.get(bc.name, key)
-                self.stats.gets_local += 1
+        plans = self.plans
+        txn = None
+        local = notfound = 0
+        try:
+            for i, raw in enumerate(raw_keys):
+                plan = plans.get(raw)
+                if plan is None:
+                    plan = self.local_plan(raw)
+                if not plan or not plan[0].fresh_enough(plan[1]):
+                    bc, key = self.resolve(raw)  # raises for an invalid key
+                    misses.setdefault(bc.name, []).append((i, key))
+                    continue
+                _, _, db, lkey, offset = plan
+                if txn is None:
+                    txn = self.replica.env.begin()
+                rec = txn.get(lkey, None, db)
+                local += 1
                 if rec is None:
-                    self.stats.gets_notfound += 1
+                    notfound += 1
                 else:
-                    values[i] = rec.value
-            else:
-                misses.setdefault(bc.name, []).append((i, key))
+                    values[i] = rec[offset if offset is not None else
+                                    RECORD.size + RECORD.unpack_from(rec)[2]:]
+        finally:
+            if txn is not None:
+                txn.abort()
+            self.stats.gets_local += local
+            self.stats.gets_notfound += notfound
         return values, misses
 
     @arity(2, exact=False)

@@ -1,10 +1,12 @@
 """The Unix-socket RESP server: an asyncio Protocol per connection, replies in request order.
 
-Pipelined requests that can be answered at once are answered in one write. A request that
-needs NATS suspends the connection's reading until its reply is written, which keeps replies
-in order and applies backpressure to a client that pipelines faster than upstream answers.
-A client that does not read its replies is paused the same way (transport write buffer
-limits), so neither can grow our memory without bound.
+Pipelined requests that can be answered at once are answered in one write (one per 256 KiB
+of replies). A request that needs NATS suspends the connection's reading until its reply is
+written, which keeps replies in order and applies backpressure to a client that pipelines
+faster than upstream answers. A client that does not read its replies is paused the same way
+(transport write buffer limits), so neither can grow our memory without bound.
+
+Local GETs, the bulk of the traffic, skip the generic dispatch: see Connection._process.
 """
 from __future__ import annotations
 
@@ -110,8 +112,8 @@ class Connection(asyncio.Protocol):
         (resp.take_gets), the key's bucket, LMDB key and filter verdict cached by the command
         layer (local_plan), freshness checked once per bucket per batch, and every read of the
         batch done in one LMDB read transaction, closed before this returns: never held across
-        an await.
-        Anything else, and any GET the fast path cannot answer, goes through dispatch."""
+        an await. Anything else, and any GET the fast path cannot answer (remote, invalid,
+        stale replica, lower-case or inline), goes through dispatch."""
         if self._closing or self._paused_writing or self._draining:
             return
         reader = self.reader
