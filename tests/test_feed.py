@@ -9,7 +9,6 @@ import inspect
 import os
 import time
 import uuid
-from pathlib import Path
 from typing import Any, Callable
 
 import nats
@@ -94,11 +93,6 @@ async def wait_synced(sc: Sidecar, bucket: str, keys: int | None = None, timeout
 async def converged(sc: Sidecar, kv, bucket: str, timeout: float = 30.0) -> dict:
     """Until the replica equals the bucket (keys, values and revisions)."""
     want = await upstream_state(kv)
-
-    def same():
-        have = replica_state(sc, bucket)
-        return have == want and (want or True) and have
-
     try:
         await until(lambda: replica_state(sc, bucket) == want, timeout, f"replica of {bucket} == upstream")
     except AssertionError:
