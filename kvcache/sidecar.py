@@ -20,7 +20,7 @@ from .feed import Feed
 from .natsserver import NatsServer
 from .replica import Replica
 from .router import Peer, Router
-from .server import RespServer
+from .server import RespServer, claim_socket_path
 
 log = logging.getLogger("kvcache")
 
@@ -46,6 +46,9 @@ class Sidecar:
 
     async def start(self) -> None:
         ensure_dirs(self.cfg)
+        # Refuse a live socket before doing anything else: a second sidecar on the same path
+        # must fail at once, not after connecting, syncing and logging.
+        claim_socket_path(os.path.abspath(self.cfg.socket_path))
         if self.use_embedded:
             await self._start_embedded()
         self.nc = await self._connect(self.cfg.nats.servers)
