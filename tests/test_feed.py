@@ -64,17 +64,25 @@ def replica_state(sc: Sidecar, bucket: str) -> dict[str, tuple[bytes, int]]:
         return out
 
 
-async def upstream_state(kv) -> dict[str, tuple[bytes, int]]:
-    """key -> (value, revision) of every live key, as nats-py sees the bucket."""
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return {}
-    out = {}
-    for key in keys:
-        e = await kv.get(key)
-        out[key] = (e.value or b"", e.revision)
-    return out
+async def upstream_state(kv, timeout: float = 60.0) -> dict[str, tuple[bytes, int]]:
+    """key -> (value, revision) of every live key, as nats-py sees the bucket. Retried: right
+    after a leader failover JetStream API calls can time out until the cluster settles."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            try:
+                keys = await kv.keys()
+            except nats.js.errors.NoKeysError:
+                return {}
+            out = {}
+            for key in keys:
+                e = await kv.get(key)
+                out[key] = (e.value or b"", e.revision)
+            return out
+        except nats.errors.TimeoutError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
 
 
 def bucket_info(sc: Sidecar, bucket: str) -> dict:
