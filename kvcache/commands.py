@@ -297,13 +297,16 @@ class Commands:
         max_stale = opts.get(b"maxstale")
         min_rev = opts.get(b"minrev")
         if consistency == "local" and min_rev is None and self.local_ok(bc, key, max_stale):
-            self.stats.gets_local += 1
-            rec = self.replica.get(bc.name, key)
-            if rec is None:
-                self.stats.gets_notfound += 1
-                return resp.null(conn.proto)
-            return _entry_reply(Entry(bc.name, key, rec.value, rec.revision, rec.created), conn.proto)
+            return self._local_entry(conn, bc, key)
         return self._kv_get_remote(conn, bc, key, consistency == "strong", max_stale, min_rev)
+
+    def _local_entry(self, conn: "Connection", bc: BucketConfig, key: str) -> bytes:
+        self.stats.gets_local += 1
+        rec = self.replica.get(bc.name, key)
+        if rec is None:
+            self.stats.gets_notfound += 1
+            return resp.null(conn.proto)
+        return _entry_reply(Entry(bc.name, key, rec.value, rec.revision, rec.created), conn.proto)
 
     async def _kv_get_remote(self, conn: "Connection", bc: BucketConfig, key: str, strong: bool,
                              max_stale: int | None, min_rev: int | None) -> bytes:
@@ -312,12 +315,7 @@ class Commands:
             # other goes to the leader at once instead of waiting for sequences never applied.
             if self.sc.in_filters(bc.name, key) and await self.sc.feeds[bc.name].wait_applied(
                     min_rev, MINREV_WAIT_S) and self.local_ok(bc, key, max_stale):
-                self.stats.gets_local += 1
-                rec = self.replica.get(bc.name, key)
-                if rec is None:
-                    self.stats.gets_notfound += 1
-                    return resp.null(conn.proto)
-                return _entry_reply(Entry(bc.name, key, rec.value, rec.revision, rec.created), conn.proto)
+                return self._local_entry(conn, bc, key)
             strong = True  # the replica is behind the revision asked for: the leader has it
         entry = await self.remote_entry(bc, key, strong=strong)
         if entry is None:

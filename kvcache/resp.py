@@ -41,38 +41,20 @@ def _fail_int(line: bytes | bytearray) -> bool:
     return not digits.isdigit() or len(digits) > 19
 
 
-# --------------------------------------------------------------------------- requests
+class _BufferedReader:
+    """What both readers share: a receive buffer consumed from a read position, compacted only
+    when the consumed prefix is large (no quadratic copying), and a sticky protocol error."""
 
+    __slots__ = ("_buf", "_pos", "_error")
 
-class RequestReader:
-    """Splits a client's byte stream into commands (lists of bytes arguments).
-
-    State survives between `feed` calls (the argument count still expected, the length of a
-    bulk whose header was read), so a large request arriving in many chunks is parsed once.
-    After a `ProtocolError` the framing is lost: every later call raises it again.
-    """
-
-    __slots__ = ("max_request_bytes", "max_args", "_buf", "_pos", "_argc", "_args",
-                 "_bulklen", "_reqsize", "_error", "_no_fast", "_inline_max")
-
-    def __init__(self, max_request_bytes: int = 4 * 1024 * 1024, max_args: int = 1_048_576) -> None:
-        self.max_request_bytes = max_request_bytes
-        self.max_args = max_args
+    def __init__(self) -> None:
         self._buf = bytearray()
         self._pos = 0
-        self._argc = 0            # arguments still expected by the current multibulk (0: idle)
-        self._args: list[bytes] = []
-        self._bulklen = -1        # declared length of the bulk being read (-1: header next)
-        self._reqsize = 0         # declared size of the current multibulk so far
         self._error: str | None = None
-        # take_gets does not check request sizes: with a limit below its largest unit, every
-        # request goes through next_command, which does.
-        self._no_fast = max_request_bytes < _GET_UNIT_MAX
-        self._inline_max = min(INLINE_MAX, max_request_bytes)  # an inline request is a request
 
     @property
     def buffered(self) -> int:
-        """Bytes received but not yet consumed by a parsed (or partly parsed) command."""
+        """Bytes received but not yet consumed."""
         return len(self._buf) - self._pos
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
@@ -88,6 +70,35 @@ class RequestReader:
     def _fail(self, message: str) -> ProtocolError:
         self._error = "Protocol error: " + message
         return ProtocolError(self._error)
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class RequestReader(_BufferedReader):
+    """Splits a client's byte stream into commands (lists of bytes arguments).
+
+    State survives between `feed` calls (the argument count still expected, the length of a
+    bulk whose header was read), so a large request arriving in many chunks is parsed once.
+    After a `ProtocolError` the framing is lost: every later call raises it again.
+    """
+
+    __slots__ = ("max_request_bytes", "max_args", "_argc", "_args",
+                 "_bulklen", "_reqsize", "_no_fast", "_inline_max")
+
+    def __init__(self, max_request_bytes: int = 4 * 1024 * 1024, max_args: int = 1_048_576) -> None:
+        super().__init__()
+        self.max_request_bytes = max_request_bytes
+        self.max_args = max_args
+        self._argc = 0            # arguments still expected by the current multibulk (0: idle)
+        self._args: list[bytes] = []
+        self._bulklen = -1        # declared length of the bulk being read (-1: header next)
+        self._reqsize = 0         # declared size of the current multibulk so far
+        # take_gets does not check request sizes: with a limit below its largest unit, every
+        # request goes through next_command, which does.
+        self._no_fast = max_request_bytes < _GET_UNIT_MAX
+        self._inline_max = min(INLINE_MAX, max_request_bytes)  # an inline request is a request
+
 
     def take_gets(self) -> tuple[list[bytes], list[bytes], int] | None:
         """The run of complete multibulk `GET <key>` commands at the front of the buffer (the
@@ -301,7 +312,7 @@ class ReplyError(Exception):
 _SKIP: Final = object()  # a finished RESP3 attribute: metadata we drop
 
 
-class ReplyReader:
+class ReplyReader(_BufferedReader):
     """Parses server replies, RESP2 and RESP3, with the interface of `hiredis.Reader`.
 
     Types as hiredis gives them: simple and bulk strings, verbatim payloads (without the
@@ -311,38 +322,18 @@ class ReplyReader:
     Partly received aggregates are kept on a stack between calls, so nothing is parsed twice.
     """
 
-    __slots__ = ("_buf", "_pos", "_stack", "_not_enough", "_error")
+    __slots__ = ("_stack", "_not_enough")
 
     def __init__(self, not_enough_data: object = False) -> None:
         """`not_enough_data` is what `gets` returns when no full reply is buffered; pass a
         sentinel of your own to tell it apart from a RESP3 `#f`."""
-        self._buf = bytearray()
-        self._pos = 0
+        super().__init__()
         self._stack: list[list] = []  # [type byte, elements still expected, elements]
         self._not_enough = not_enough_data
-        self._error: str | None = None
-
-    @property
-    def buffered(self) -> int:
-        """Bytes received but not yet consumed."""
-        return len(self._buf) - self._pos
 
     def has_data(self) -> bool:
         return len(self._buf) > self._pos
 
-    def feed(self, data: bytes | bytearray | memoryview) -> None:
-        buf = self._buf
-        if self._pos == len(buf):
-            buf.clear()
-            self._pos = 0
-        elif self._pos >= _COMPACT_AT:
-            del buf[: self._pos]
-            self._pos = 0
-        buf += data
-
-    def _fail(self, message: str) -> ProtocolError:
-        self._error = "Protocol error: " + message
-        return ProtocolError(self._error)
 
     def gets(self) -> object:
         """The next complete reply, or the `not_enough_data` value (False by default)."""

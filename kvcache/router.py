@@ -9,10 +9,11 @@ without `allow_direct` have no Direct Get responders, so such a peer uses the le
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import nats.errors
 from nats.aio.client import Client as NATS
@@ -63,19 +64,18 @@ class Peer:
 
     # ------------------------------------------------------------------ single key
 
-    async def get(self, key: str, timeout: float, leader: bool = False) -> Entry | None:
+    @contextlib.contextmanager
+    def _accounted(self) -> Iterator[None]:
+        """Count one request with its latency or its error; a NATS failure becomes an
+        UpstreamError. No-responders passes through uncounted: the caller switches to the
+        leader API and that request is the one that counts."""
         self.stats.requests += 1
         start = time.perf_counter()
         try:
-            if self.direct and not leader:
-                try:
-                    entry = await self._direct_get(key, timeout)
-                except nats.errors.NoRespondersError:
-                    # The stream has no allow_direct (nats-py's default for new buckets).
-                    self.direct = False
-                    entry = await self._leader_get(key, timeout)
-            else:
-                entry = await self._leader_get(key, timeout)
+            yield
+        except nats.errors.NoRespondersError:
+            self.stats.requests -= 1
+            raise
         except UpstreamError:
             self.stats.errors += 1
             raise
@@ -83,7 +83,16 @@ class Peer:
             self.stats.errors += 1
             raise UpstreamError(f"peer {self.label}: {type(e).__name__}: {e}") from None
         self.stats.observe(time.perf_counter() - start)
-        return entry
+
+    async def get(self, key: str, timeout: float, leader: bool = False) -> Entry | None:
+        if self.direct and not leader:
+            try:
+                with self._accounted():
+                    return await self._direct_get(key, timeout)
+            except nats.errors.NoRespondersError:
+                self.direct = False  # no allow_direct (nats-py's default for new buckets)
+        with self._accounted():
+            return await self._leader_get(key, timeout)
 
     async def _direct_get(self, key: str, timeout: float) -> Entry | None:
         return await self.direct_request(key, b"", timeout)
@@ -145,28 +154,19 @@ class Peer:
         (or `up_to_seq`: the keys as they were at that stream sequence)."""
         if not self.direct and up_to_seq is None:
             return {k: await self.get(k, timeout, leader=True) for k in keys}
-        self.stats.requests += 1
-        start = time.perf_counter()
         out: dict[str, Entry | None] = {}
         up_to = up_to_seq
         try:
-            for i in range(0, len(keys), MULTI_LAST_MAX):
-                chunk = keys[i : i + MULTI_LAST_MAX]
-                up_to = await self._multi_last(chunk, up_to, timeout, out)
+            with self._accounted():
+                for i in range(0, len(keys), MULTI_LAST_MAX):
+                    chunk = keys[i : i + MULTI_LAST_MAX]
+                    up_to = await self._multi_last(chunk, up_to, timeout, out)
         except nats.errors.NoRespondersError:
-            self.stats.requests -= 1
             if up_to_seq is not None:
                 raise UpstreamError(f"peer {self.label}: no Direct Get responders "
                                     "(a point-in-time read needs allow_direct)") from None
             self.direct = False
             return await self.get_many(keys, timeout)
-        except UpstreamError:
-            self.stats.errors += 1
-            raise
-        except (nats.errors.Error, OSError) as e:
-            self.stats.errors += 1
-            raise UpstreamError(f"peer {self.label}: {type(e).__name__}: {e}") from None
-        self.stats.observe(time.perf_counter() - start)
         for k in keys:
             out.setdefault(k, None)
         return out

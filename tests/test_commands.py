@@ -26,6 +26,7 @@ import redis
 from kvcache.client import Client, ResponseError
 from kvcache.client import encode_command as encode
 from kvcache.entry import Operation
+from topology import nats_run
 from sidecar_proc import Sidecar
 
 LONG_KEY = "in." + "k" * 300 + "." + "y" * 300          # 606 bytes: stored under a digest
@@ -37,17 +38,6 @@ MANY = 1500
 CLIENT_PROTOS = [2, 3]
 KNOWN_LOCAL = [b"in.k%d" % i for i in range(10)] + [b"in.bin", b"in.big", LONG_KEY.encode()] + [
     b"in.scan.%04d" % i for i in range(SCAN_KEYS)]
-
-
-def nats_run(url: str, fn):
-    """Run `fn(js)` on a fresh nats-py connection (a short asyncio.run of its own)."""
-    async def go():
-        nc = await nats.connect(url)
-        try:
-            return await fn(nc.jetstream())
-        finally:
-            await nc.close()
-    return asyncio.run(go())
 
 
 def put(url: str, bucket: str, key: str, value: bytes) -> int:
@@ -126,15 +116,20 @@ def raw(sock_path: str, data: bytes, until: bytes | None = None, timeout: float 
     s.connect(sock_path)
     try:
         s.sendall(data)
-        got = b""
-        while until is None or until not in got:
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            got += chunk
-        return got
+        return read_until(s, until)
     finally:
         s.close()
+
+
+def read_until(s: socket.socket, until: bytes | None) -> bytes:
+    """Read until `until` is in what was read, or EOF when `until` is None."""
+    got = b""
+    while until is None or until not in got:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    return got
 
 
 # --------------------------------------------------------------------------- connection

@@ -16,20 +16,11 @@ import pytest
 from kvcache.entry import Operation
 from kvcache.errors import UpstreamError
 from kvcache.router import MULTI_LAST_MAX, Peer, Router
+from topology import nats_run
 
 BIG = 1100     # > 1024 subjects under `big.>`
 MANY = 1500
 TIMEOUT = 5.0
-
-
-def nats_run(url: str, fn):
-    async def go():
-        nc = await nats.connect(url)
-        try:
-            return await fn(nc.jetstream())
-        finally:
-            await nc.close()
-    return asyncio.run(go())
 
 
 async def _put_all(kv, items: dict[str, bytes]) -> dict[str, int]:

@@ -23,7 +23,8 @@ import redis
 
 from kvcache.client import Client, encode_command
 from sidecar_proc import Sidecar, run_cli
-from test_commands import nats_run, _put_all
+from test_commands import _put_all, read_until
+from topology import nats_run, wait_until
 
 NKEYS = 200
 VALUE = b"v" * 100
@@ -86,17 +87,6 @@ def connect(sock: str, timeout: float = 10) -> socket.socket:
     return s
 
 
-def read_until(s: socket.socket, until: bytes | None) -> bytes:
-    """Read until `until` is in what was read, or EOF when `until` is None."""
-    got = b""
-    while until is None or until not in got:
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        got += chunk
-    return got
-
-
 def roundtrip(sock: str, data: bytes, until: bytes | None = None) -> bytes:
     s = connect(sock)
     try:
@@ -112,16 +102,6 @@ def rss_kb(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     raise RuntimeError("no VmRSS")
-
-
-def wait_until(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise TimeoutError(what)
 
 
 # --------------------------------------------------------------------------- the socket file

@@ -5,10 +5,13 @@ directory. Readiness is checked through each server's HTTP monitor, never by sle
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+import nats
 
 from kvcache.natsserver import ClusterConfig, NatsServer, free_port
 
@@ -141,3 +144,14 @@ def start_leaf(tmp_path: Path, hub: Cluster, domain: str, name: str | None = Non
         leaf.stop()
         raise
     return leaf
+
+
+def nats_run(url: str, fn):
+    """Run `fn(js)` on a fresh nats-py connection (a short asyncio.run of its own)."""
+    async def go():
+        nc = await nats.connect(url)
+        try:
+            return await fn(nc.jetstream())
+        finally:
+            await nc.close()
+    return asyncio.run(go())
