@@ -23,6 +23,7 @@ demo: install
 	$(PYTHON) -m kvcache serve --data-dir ./kvcache-data
 
 test: install-test system-deps
+	$(PYTHON) -m ruff check kvcache tests bench
 	$(PYTHON) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 clean:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 
@@ -96,8 +95,9 @@ def _serve(cfg: Config, args: argparse.Namespace) -> int:
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("nats").setLevel(logging.CRITICAL)  # reported through our error callback
-    uvloop.run(Sidecar(cfg).run())
-    return 0
+    sidecar = Sidecar(cfg)
+    uvloop.run(sidecar.run())
+    return sidecar.exit_code
 
 
 def _get(cfg: Config, args: argparse.Namespace) -> int:

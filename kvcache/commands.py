@@ -6,7 +6,6 @@ local read), or a coroutine when it must ask NATS; the server keeps replies in r
 """
 from __future__ import annotations
 
-import asyncio
 import functools
 import os
 import re

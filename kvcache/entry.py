@@ -20,6 +20,21 @@ class Operation(str, Enum):
         except ValueError:
             return cls.PUT
 
+    @classmethod
+    def of(cls, headers: dict | None) -> "Operation":
+        """The operation a stream message stands for: its `KV-Operation` header (ADR-8), or a
+        marker the server placed itself (nats-server 2.11+: TTL expiry, purges), which carries
+        `Nats-Marker-Reason` instead. The feed and the router must agree on this."""
+        if not headers:
+            return cls.PUT
+        op = headers.get("KV-Operation")
+        if op is not None:
+            return cls.from_header(op)
+        reason = headers.get("Nats-Marker-Reason")
+        if reason is not None:
+            return cls.DEL if reason.strip() == "Remove" else cls.PURGE
+        return cls.PUT
+
 
 @dataclass(frozen=True, slots=True)
 class Entry:

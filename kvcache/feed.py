@@ -47,27 +47,10 @@ META_TOUCH_INTERVAL_NS = 1_000_000_000
 
 # 409 descriptions that end one pull request and nothing more: pull again.
 REQUEST_ENDED = ("Batch Completed", "Exceeds MaxBytes", "Exceeded MaxWaiting")
-# Server-placed markers (nats-server 2.11+: TTL expiry, purges) carry this instead of KV-Operation.
-MARKER_REASON = "Nats-Marker-Reason"
-_MARKER_OPS = {"MaxAge": Operation.PURGE, "Purge": Operation.PURGE, "Remove": Operation.DEL}
-_KV_OPS = {"PUT": Operation.PUT, "DEL": Operation.DEL, "PURGE": Operation.PURGE}
 
 
 class ConsumerLost(KvcacheError):
     """The consumer can no longer be trusted to deliver in order: recreate it."""
-
-
-def operation_of(headers: dict | None) -> Operation:
-    """The KV operation a stream message stands for (ADR-8, plus server-placed markers)."""
-    if not headers:
-        return Operation.PUT
-    op = headers.get("KV-Operation")
-    if op is not None:
-        return _KV_OPS.get(op.strip().upper(), Operation.PUT)
-    reason = headers.get(MARKER_REASON)
-    if reason is not None:
-        return _MARKER_OPS.get(reason.strip(), Operation.PURGE)
-    return Operation.PUT
 
 
 # A delivery is a tuple, for speed: (stream seq, key, operation, value, created ns, pending).
@@ -256,7 +239,7 @@ class PullConsumer:
             next_cseq += 1
             hdrs = msg.headers
             batch.append((int(t[i + 3]), msg.subject[plen:],
-                          operation_of(hdrs) if hdrs else Operation.PUT,
+                          Operation.of(hdrs) if hdrs else Operation.PUT,
                           msg.data, int(t[i + 5]), int(t[i + 6])))
         self._next_cseq = next_cseq
         if batch and not self._error:
@@ -313,8 +296,10 @@ class Feed:
     """Keeps one bucket's replica in step with its stream; owns its position and health."""
 
     def __init__(self, nc: NATS, bucket: BucketConfig, replica: Replica, *,
-                 heartbeat_s: float = 2.0, timeout: float = 5.0) -> None:
+                 heartbeat_s: float = 2.0, timeout: float = 5.0,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self.nc = nc
+        self.on_fatal = on_fatal
         self.cfg = bucket
         self.bucket = bucket.name
         self.stream = jsapi.kv_stream(bucket.name)
@@ -350,6 +335,7 @@ class Feed:
         info = await jsapi.stream_info(self.nc, self.stream, self.timeout)
         self._plan(info, reconcile=True)
         self._task = asyncio.create_task(self._run(), name=f"feed:{self.bucket}")
+        self._task.add_done_callback(self._task_done)
 
     def _plan(self, info: dict, reconcile: bool = False) -> None:
         """Resume or resync. `reconcile`: also check, once caught up, for keys that vanished
@@ -395,6 +381,19 @@ class Feed:
         m.stream = self.stream
         m.stream_created = created
         self.replica.put_meta(self.bucket, m)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        """The loop retries every failure it knows; if it ends anyway, that is a bug, and a
+        replica nobody updates must not go on being served as fresh: say so and let the
+        owner stop the process (its supervisor restarts it, and the restart resumes)."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.critical("bucket %s: feed stopped", self.bucket, exc_info=exc)
+            self.caught_up = False
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
 
     async def stop(self) -> None:
         for task in (self._task, self._reconcile_task):

@@ -142,7 +142,7 @@ class Peer:
 
     def _entry(self, key: str, data: bytes, hdrs: dict, seq: int, created: int,
                source: str | None = None) -> Entry:
-        op = Operation.from_header(hdrs.get("KV-Operation"))
+        op = Operation.of(hdrs)
         return Entry(self.bucket, key, data if op is Operation.PUT else None, seq, created,
                      0, op, source or self.label)
 

@@ -15,7 +15,7 @@ import nats.errors
 from . import jetstream as jsapi
 from .commands import Commands, Stats
 from .config import BucketConfig, Config, ensure_dirs
-from .errors import BucketNotFound, KvcacheError, UpstreamError
+from .errors import BucketNotFound, UpstreamError
 from .feed import Feed
 from .natsserver import NatsServer
 from .replica import Replica
@@ -40,6 +40,7 @@ class Sidecar:
         self.server: RespServer | None = None
         self.nats_url = ""
         self.use_embedded = cfg.embedded  # decided once: starting it fills in nats.servers
+        self.exit_code = 0
         self._stopping = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
@@ -61,7 +62,8 @@ class Sidecar:
         self.replica.set_buckets([b.name for b in self.cfg.buckets])
         timeout = self.cfg.nats.request_timeout_ms / 1000
         for b in self.cfg.buckets:
-            feed = Feed(self.nc, b, self.replica, heartbeat_s=self.cfg.heartbeat_ms / 1000, timeout=timeout)
+            feed = Feed(self.nc, b, self.replica, heartbeat_s=self.cfg.heartbeat_ms / 1000,
+                        timeout=timeout, on_fatal=self._fatal)
             try:
                 await feed.start()
             except BucketNotFound:
@@ -86,6 +88,11 @@ class Sidecar:
             await self.stop()
 
     def request_stop(self) -> None:
+        self._stopping.set()
+
+    def _fatal(self, exc: BaseException) -> None:
+        """A part that cannot go on: stop gracefully and exit non-zero."""
+        self.exit_code = 1
         self._stopping.set()
 
     async def stop(self) -> None:

@@ -19,7 +19,6 @@ import socket
 import time
 from typing import Iterator
 
-import nats
 import pytest
 import redis
 

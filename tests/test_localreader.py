@@ -46,7 +46,7 @@ def test_reads_match_the_sidecar(sidecar):
         assert r.get("lr2:x") == b"from lr2"
         assert r.get("a.9999") is None
         assert r.get(LONG_KEY) == b"long value"
-        e = r.entry(f"lr:a.5")
+        e = r.entry("lr:a.5")
         remote = c.entry("a.5")
         assert (e.bucket, e.key, e.value, e.revision, e.created) == \
             ("lr", "a.5", remote.value, remote.revision, remote.created)
