@@ -82,9 +82,6 @@ def encode_record(key_bytes: bytes, lkey: bytes, value: bytes, revision: int, cr
     return RECORD.pack(revision, created, len(key_bytes)) + key_bytes + value
 
 
-_record = encode_record
-
-
 def decode_record(lkey: bytes, raw: bytes) -> Record:
     revision, created, klen = RECORD.unpack_from(raw)
     start = RECORD.size
@@ -278,7 +275,7 @@ class Replica:
             for key, value, revision, created in puts:
                 kb = key.encode()
                 lkey = _lkey(kb)
-                txn.put(lkey, _record(kb, lkey, value, revision, created), db=db)
+                txn.put(lkey, encode_record(kb, lkey, value, revision, created), db=db)
             for key in deletes:
                 txn.delete(lmdb_key(key), db=db)
             txn.put(meta_key, meta_raw, db=self._meta)
