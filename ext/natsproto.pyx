@@ -1,0 +1,475 @@
+"""NATS client protocol reader in Cython: same API, events and errors as kvcache/natsproto.py.
+
+The event types, AckMeta and ProtocolError are the twin's own (imported from kvcache.natsproto),
+so both implementations return equal, same-typed events. Parsing works on C pointers into the
+fed bytes (or the retained tail), integers are parsed by hand, and Python objects are created
+only for what is returned. Header names are interned in a small per-reader cache, so a dict
+insert reuses a str with its hash already computed.
+"""
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_FromStringAndSize
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
+from cpython.dict cimport PyDict_SetItem
+from cpython.list cimport PyList_Append
+from cpython.long cimport PyLong_FromLong, PyLong_FromUnsignedLongLong
+from cpython.ref cimport Py_INCREF, PyObject
+from cpython.unicode cimport PyUnicode_DecodeUTF8, PyUnicode_DecodeASCII
+from libc.string cimport memchr, memcmp
+
+import json
+
+from kvcache.errors import ProtocolError
+from kvcache.natsproto import (
+    MAX_CONTROL_LINE, MAX_PAYLOAD, AckMeta, Err, HMsg, Info, Msg, OK, PING, PONG,
+)
+
+cdef extern from "Python.h":
+    ctypedef PyObject* (*allocfunc)(object, Py_ssize_t)
+    ctypedef struct _TypeObject "PyTypeObject":
+        allocfunc tp_alloc
+    void PyTuple_SET_ITEM(object, Py_ssize_t, object)
+    PyObject* PyDict_SetDefault(object, object, object) except NULL
+    const char* PyUnicode_AsUTF8AndSize(object, Py_ssize_t*) except NULL
+    object PyDict_New()
+    Py_ssize_t PyDict_GET_SIZE(object)
+
+cdef object _Msg = Msg
+cdef object _HMsg = HMsg
+cdef object _Info = Info
+cdef object _Err = Err
+cdef object _AckMeta = AckMeta
+cdef object _PING = PING
+cdef object _PONG = PONG
+cdef object _OK = OK
+cdef object _json_loads = json.loads
+
+
+cdef inline object _new_tuple(object cls, Py_ssize_t n):
+    """An empty instance of a NamedTuple class (no __dict__), to be filled with _put."""
+    cdef PyObject* p = (<_TypeObject*><PyObject*>cls).tp_alloc(cls, n)
+    if p == NULL:
+        raise MemoryError()
+    return <object>p
+
+
+cdef inline void _put(object t, Py_ssize_t i, object v):
+    Py_INCREF(v)
+    PyTuple_SET_ITEM(t, i, v)
+
+
+cdef inline bint _is_ws(unsigned char c) noexcept nogil:
+    # bytes.strip()'s set: space \t \n \r \v \f
+    return c == 32 or (9 <= c <= 13)
+
+
+cdef inline bint _name_bad(unsigned char c) noexcept nogil:
+    # non-ASCII, or str.isspace() for an ASCII char
+    return c >= 0x80 or c == 32 or (9 <= c <= 13) or (28 <= c <= 31)
+
+
+cdef inline int _digits(const unsigned char* p, Py_ssize_t n, unsigned long long* out) noexcept nogil:
+    """Plain ASCII digits fitting 64 bits → 0 and *out, else -1."""
+    cdef unsigned long long v = 0
+    cdef unsigned long long d
+    cdef Py_ssize_t i
+    if n <= 0 or n > 20:
+        return -1
+    for i in range(n):
+        d = p[i] - 48
+        if d > 9:
+            return -1
+        if v > (18446744073709551615ULL - d) // 10:
+            return -1
+        v = v * 10 + d
+    out[0] = v
+    return 0
+
+
+def parse_ack(reply):
+    """See kvcache.natsproto.parse_ack: same rules, no Python string splitting."""
+    cdef const unsigned char* p
+    cdef Py_ssize_t n, i, start
+    cdef Py_ssize_t offs[24]
+    cdef Py_ssize_t ntok = 0, t0
+    cdef unsigned long long nums[5]
+    cdef int k
+    if isinstance(reply, str):
+        p = <const unsigned char*>PyUnicode_AsUTF8AndSize(reply, &n)
+    elif isinstance(reply, bytes):
+        p = <const unsigned char*>PyBytes_AS_STRING(reply)
+        n = PyBytes_GET_SIZE(reply)
+    else:
+        reply = bytes(reply)
+        p = <const unsigned char*>PyBytes_AS_STRING(reply)
+        n = PyBytes_GET_SIZE(reply)
+    if n < 8 or memcmp(p, b"$JS.ACK.", 8) != 0:
+        return None
+    # token starts (offs[k]) ; token k spans offs[k] .. offs[k+1]-1
+    offs[0] = 0
+    ntok = 1
+    for i in range(n):
+        if p[i] == 46:  # '.'
+            if ntok < 23:
+                offs[ntok] = i + 1
+            ntok += 1
+    if ntok == 9:
+        t0 = 2
+    elif ntok >= 12:
+        t0 = 4
+    else:
+        return None
+    if ntok < 23:
+        offs[ntok] = n + 1
+    else:
+        # only the first t0 + 7 tokens are used; they are all recorded
+        pass
+    if offs[t0 + 1] - offs[t0] - 1 <= 0 or offs[t0 + 2] - offs[t0 + 1] - 1 <= 0:
+        return None
+    for k in range(5):
+        start = offs[t0 + 2 + k]
+        if _digits(p + start, offs[t0 + 3 + k] - 1 - start, &nums[k]) < 0:
+            return None
+    stream = PyUnicode_DecodeUTF8(<const char*>p + offs[t0], offs[t0 + 1] - 1 - offs[t0], "replace")
+    consumer = PyUnicode_DecodeUTF8(<const char*>p + offs[t0 + 1],
+                                    offs[t0 + 2] - 1 - offs[t0 + 1], "replace")
+    t = _new_tuple(_AckMeta, 7)
+    _put(t, 0, stream)
+    _put(t, 1, consumer)
+    for k in range(5):
+        _put(t, 2 + k, PyLong_FromUnsignedLongLong(nums[k]))
+    return t
+
+
+cdef inline object _utf8(const unsigned char* p, Py_ssize_t n):
+    return PyUnicode_DecodeUTF8(<const char*>p, n, "replace")
+
+
+cdef class NatsReader:
+    """Push-style NATS protocol reader; see kvcache.natsproto."""
+    cdef readonly Py_ssize_t max_control_line
+    cdef readonly Py_ssize_t max_payload
+    cdef bytearray _buf
+    cdef Py_ssize_t _scan
+    cdef bint _broken
+    # pending frame (control line parsed, body incomplete); offsets relative to frame start
+    cdef int _kind          # 0 none, 1 MSG, 2 HMSG
+    cdef long _sid
+    cdef object _subject
+    cdef object _reply
+    cdef Py_ssize_t _hdr_len, _total, _body_off
+    # header-name cache: bytes keys and their str, compared with memcmp
+    cdef list _name_keys
+    cdef list _name_strs
+
+    def __init__(self, Py_ssize_t max_control_line=MAX_CONTROL_LINE,
+                 Py_ssize_t max_payload=MAX_PAYLOAD):
+        self.max_control_line = max_control_line
+        self.max_payload = max_payload
+        self._buf = bytearray()
+        self._scan = 0
+        self._broken = False
+        self._kind = 0
+        self._name_keys = []
+        self._name_strs = []
+
+    def buffered(self):
+        """Bytes held between feeds (at most one partial frame)."""
+        return PyByteArray_GET_SIZE(self._buf)
+
+    def feed(self, data):
+        cdef object buf
+        cdef const unsigned char* p
+        cdef Py_ssize_t n, pos
+        cdef list events = []
+        if self._broken:
+            raise ProtocolError("nats: reader unusable after a protocol error")
+        if not isinstance(data, bytes):
+            data = bytes(data)
+        if PyByteArray_GET_SIZE(self._buf):
+            self._buf += data
+            buf = self._buf
+            p = <const unsigned char*>PyByteArray_AS_STRING(self._buf)
+            n = PyByteArray_GET_SIZE(self._buf)
+        else:
+            buf = data
+            p = <const unsigned char*>PyBytes_AS_STRING(data)
+            n = PyBytes_GET_SIZE(data)
+        try:
+            pos = self._parse(p, n, events)
+        except ProtocolError as exc:
+            self._broken = True
+            self._buf = bytearray()
+            exc.events = events
+            raise
+        except Exception as exc:
+            self._broken = True
+            self._buf = bytearray()
+            err = ProtocolError(f"nats: malformed input ({exc})")
+            err.events = events
+            raise err from None
+        if pos >= n:
+            if PyByteArray_GET_SIZE(self._buf):
+                self._buf = bytearray()
+        elif buf is data:
+            self._buf = bytearray(data[pos:])
+        else:
+            del self._buf[:pos]
+        return events
+
+    cdef Py_ssize_t _parse(self, const unsigned char* p, Py_ssize_t n, list events) except -1:
+        cdef Py_ssize_t pos = 0, lim, eol, b, need, have
+        cdef const unsigned char* q
+        cdef object ev, payload
+        while pos < n:
+            if self._kind == 0:
+                lim = n - pos
+                if lim > self.max_control_line + 1:
+                    lim = self.max_control_line + 1
+                q = <const unsigned char*>memchr(p + pos + self._scan, 10, lim - self._scan) \
+                    if lim > self._scan else NULL
+                if q == NULL:
+                    have = n - pos
+                    if have > self.max_control_line:
+                        raise ProtocolError(
+                            f"nats: control line too long (over {self.max_control_line} bytes)")
+                    self._scan = have
+                    return pos
+                self._scan = 0
+                eol = q - p
+                if self._control(p + pos, eol - pos, eol + 1 - pos, events):
+                    pos = eol + 1
+                    continue
+            need = self._body_off + self._total + 2
+            if n - pos < need:
+                return pos
+            b = pos + self._body_off
+            if p[b + self._total] != 13 or p[b + self._total + 1] != 10:
+                raise ProtocolError("nats: message payload not followed by CRLF")
+            if self._kind == 1:
+                payload = PyBytes_FromStringAndSize(<const char*>p + b, self._total)
+                ev = _new_tuple(_Msg, 4)
+                _put(ev, 0, PyLong_FromLong(self._sid))
+                _put(ev, 1, self._subject)
+                _put(ev, 2, self._reply)
+                _put(ev, 3, payload)
+            else:
+                ev = self._hmsg(p + b)
+            PyList_Append(events, ev)
+            self._kind = 0
+            self._subject = None
+            self._reply = None
+            pos += need
+        return pos
+
+    cdef object _hmsg(self, const unsigned char* b):
+        cdef const unsigned char* h = b
+        cdef Py_ssize_t hn = self._hdr_len
+        cdef Py_ssize_t i = 0, j, ls, le, ns, ne, vs, ve, k, c
+        cdef long status = 0
+        cdef object desc = ""
+        cdef object headers = PyDict_New()
+        cdef object multi = None
+        cdef object name, val, old, lst
+        cdef PyObject* prev
+        cdef list keys
+        # first line
+        while i + 1 < hn and not (h[i] == 13 and h[i + 1] == 10):
+            i += 1
+        le = i if i + 1 < hn else hn  # end of first line
+        if le >= 8 and memcmp(h, b"NATS/1.0", 8) == 0 and (le == 8 or h[8] == 32 or h[8] == 9):
+            ls = 8
+            while ls < le and _is_ws(h[ls]):
+                ls += 1
+            j = ls
+            while j < le and h[j] != 32 and h[j] != 9:
+                j += 1
+            if 0 < j - ls <= 9:
+                status = 0
+                for k in range(ls, j):
+                    c = h[k] - 48
+                    if c < 0 or c > 9:
+                        status = 0
+                        break
+                    status = status * 10 + c
+            while j < le and _is_ws(h[j]):
+                j += 1
+            ve = le
+            while ve > j and _is_ws(h[ve - 1]):
+                ve -= 1
+            if ve > j:
+                desc = _utf8(h + j, ve - j)
+        # header lines
+        i = le + 2
+        while i < hn:
+            ls = i
+            while i + 1 < hn and not (h[i] == 13 and h[i + 1] == 10):
+                i += 1
+            if i + 1 < hn:
+                le = i
+                i += 2
+            else:
+                le = hn
+                i = hn
+            # name up to ':'
+            j = ls
+            while j < le and h[j] != 58:
+                j += 1
+            if j >= le:
+                continue
+            ns = ls
+            ne = j
+            while ns < ne and _is_ws(h[ns]):
+                ns += 1
+            while ne > ns and _is_ws(h[ne - 1]):
+                ne -= 1
+            if ne == ns:
+                continue
+            for k in range(ns, ne):
+                if _name_bad(h[k]):
+                    break
+            else:
+                k = -1
+            if k >= 0:
+                continue
+            vs = j + 1
+            ve = le
+            while vs < ve and _is_ws(h[vs]):
+                vs += 1
+            while ve > vs and _is_ws(h[ve - 1]):
+                ve -= 1
+            name = self._name(h + ns, ne - ns)
+            val = _utf8(h + vs, ve - vs)
+            c = PyDict_GET_SIZE(headers)
+            prev = PyDict_SetDefault(headers, name, val)
+            if PyDict_GET_SIZE(headers) == c:
+                old = <object>prev
+                if multi is None:
+                    multi = {}
+                lst = multi.get(name)
+                if lst is None:
+                    multi[name] = [old, val]
+                else:
+                    lst.append(val)
+                PyDict_SetItem(headers, name, val)
+        payload = PyBytes_FromStringAndSize(<const char*>b + hn, self._total - hn)
+        ev = _new_tuple(_HMsg, 8)
+        _put(ev, 0, PyLong_FromLong(self._sid))
+        _put(ev, 1, self._subject)
+        _put(ev, 2, self._reply)
+        _put(ev, 3, PyLong_FromLong(status))
+        _put(ev, 4, desc)
+        _put(ev, 5, headers)
+        _put(ev, 6, payload)
+        _put(ev, 7, multi)
+        return ev
+
+    cdef object _name(self, const unsigned char* p, Py_ssize_t n):
+        cdef Py_ssize_t i, m = len(self._name_keys)
+        cdef bytes key
+        for i in range(m):
+            key = <bytes>self._name_keys[i]
+            if PyBytes_GET_SIZE(key) == n and memcmp(PyBytes_AS_STRING(key), p, n) == 0:
+                return self._name_strs[i]
+        s = PyUnicode_DecodeASCII(<const char*>p, n, NULL)
+        if m < 32:
+            self._name_keys.append(PyBytes_FromStringAndSize(<const char*>p, n))
+            self._name_strs.append(s)
+        return s
+
+    cdef bint _control(self, const unsigned char* line, Py_ssize_t n, Py_ssize_t body_off,
+                       list events) except -1:
+        """Parse one control line (without LF). True if it was a complete op, False when a
+        MSG/HMSG body is now pending."""
+        cdef Py_ssize_t i, oplen, rs
+        cdef Py_ssize_t ts[6]
+        cdef Py_ssize_t te[6]
+        cdef int nt = 0, want, hmsg
+        cdef unsigned long long v, hl, tot
+        cdef unsigned char c0
+        if n > 0 and line[n - 1] == 13:
+            n -= 1
+        oplen = 0
+        while oplen < n and line[oplen] != 32 and line[oplen] != 9:
+            oplen += 1
+        rs = oplen + 1 if oplen < n else n
+        c0 = line[0] | 0x20 if n > 0 else 0
+        hmsg = -1
+        if oplen == 3 and c0 == 109 and (line[1] | 0x20) == 115 and (line[2] | 0x20) == 103:
+            hmsg = 0  # msg
+        elif (oplen == 4 and c0 == 104 and (line[1] | 0x20) == 109 and (line[2] | 0x20) == 115
+              and (line[3] | 0x20) == 103):
+            hmsg = 1  # hmsg
+        if hmsg >= 0:
+            want = 4 if hmsg else 3
+            i = rs
+            while True:
+                while i < n and (line[i] == 32 or line[i] == 9):
+                    i += 1
+                if i >= n:
+                    break
+                if nt == want + 1:
+                    nt += 1
+                    break
+                ts[nt] = i
+                while i < n and line[i] != 32 and line[i] != 9:
+                    i += 1
+                te[nt] = i
+                nt += 1
+            op = "HMSG" if hmsg else "MSG"
+            if nt != want and nt != want + 1:
+                raise ProtocolError(f"nats: malformed {op} control line")
+            if _digits(line + ts[1], te[1] - ts[1], &v) < 0 or te[1] - ts[1] > 19 \
+                    or v > 0x7fffffffffffffffULL:
+                raise ProtocolError(f"nats: bad sid field {_raw(line, ts[1], te[1])}")
+            if hmsg:
+                if _digits(line + ts[nt - 2], te[nt - 2] - ts[nt - 2], &hl) < 0 \
+                        or te[nt - 2] - ts[nt - 2] > 19:
+                    raise ProtocolError(f"nats: bad header size field {_raw(line, ts[nt - 2], te[nt - 2])}")
+                if _digits(line + ts[nt - 1], te[nt - 1] - ts[nt - 1], &tot) < 0 \
+                        or te[nt - 1] - ts[nt - 1] > 19:
+                    raise ProtocolError(f"nats: bad total size field {_raw(line, ts[nt - 1], te[nt - 1])}")
+                if hl > tot:
+                    raise ProtocolError(f"nats: header size {hl} exceeds total size {tot}")
+            else:
+                hl = 0
+                if _digits(line + ts[nt - 1], te[nt - 1] - ts[nt - 1], &tot) < 0 \
+                        or te[nt - 1] - ts[nt - 1] > 19:
+                    raise ProtocolError(f"nats: bad payload size field {_raw(line, ts[nt - 1], te[nt - 1])}")
+            if tot > <unsigned long long>self.max_payload:
+                raise ProtocolError(
+                    f"nats: payload too large ({tot} bytes, limit {self.max_payload})")
+            self._sid = <long>v
+            self._subject = _utf8(line + ts[0], te[0] - ts[0])
+            self._reply = _utf8(line + ts[2], te[2] - ts[2]) if nt == want + 1 else ""
+            self._hdr_len = <Py_ssize_t>hl
+            self._total = <Py_ssize_t>tot
+            self._body_off = body_off
+            self._kind = 2 if hmsg else 1
+            return False
+        op = PyBytes_FromStringAndSize(<const char*>line, oplen).upper()
+        rest = PyBytes_FromStringAndSize(<const char*>line + rs, n - rs)
+        if op == b"PING" and not rest.strip(b" \t\r\n\x0b\x0c"):
+            PyList_Append(events, _PING)
+        elif op == b"PONG" and not rest.strip(b" \t\r\n\x0b\x0c"):
+            PyList_Append(events, _PONG)
+        elif op == b"+OK" and not rest.strip(b" \t\r\n\x0b\x0c"):
+            PyList_Append(events, _OK)
+        elif op == b"-ERR":
+            text = rest.strip(b" \t\r\n\x0b\x0c")
+            if len(text) >= 2 and text.startswith(b"'") and text.endswith(b"'"):
+                text = text[1:len(text) - 1]
+            PyList_Append(events, _Err(text.decode("utf-8", "replace")))
+        elif op == b"INFO":
+            try:
+                info = _json_loads(rest)
+            except ValueError:
+                raise ProtocolError("nats: INFO is not valid JSON") from None
+            if not isinstance(info, dict):
+                raise ProtocolError("nats: INFO is not a JSON object")
+            PyList_Append(events, _Info(info))
+        else:
+            raise ProtocolError(f"nats: unknown protocol op {PyBytes_FromStringAndSize(<const char*>line, min(n, 32))!r}")
+        return True
+
+
+cdef object _raw(const unsigned char* line, Py_ssize_t s, Py_ssize_t e):
+    return repr(PyBytes_FromStringAndSize(<const char*>line + s, min(e - s, 32)))
