@@ -187,7 +187,7 @@ cdef class RequestReader(_BufferedReader):
     After a `ProtocolError` the framing is lost: every later call raises it again.
     """
 
-    cdef public object max_request_bytes, max_args
+    cdef object _max_request_bytes_obj, _max_args_obj
     cdef long long _max_req, _max_args, _argc, _bulklen, _reqsize, _inline_max
     cdef list _args
     cdef bint _no_fast
@@ -195,15 +195,32 @@ cdef class RequestReader(_BufferedReader):
     def __init__(self, max_request_bytes=4 * 1024 * 1024, max_args=1_048_576):
         self.max_request_bytes = max_request_bytes
         self.max_args = max_args
-        # limits beyond 2**62 cannot be reached by a buffer; clamping keeps sums from overflowing
-        self._max_req = min(max(max_request_bytes, -2**62), 2**62)
-        self._max_args = min(max(max_args, -2**62), 2**62)
         self._argc = 0
         self._args = []
         self._bulklen = -1
         self._reqsize = 0
         self._no_fast = max_request_bytes < _GET_UNIT_MAX
         self._inline_max = min(_INLINE_MAX, self._max_req)
+
+    # Public and writable as in the twin, each with a C copy clamped to ±2**62 (a limit no
+    # buffer can reach), so sums of sizes cannot overflow.
+    @property
+    def max_request_bytes(self):
+        return self._max_request_bytes_obj
+
+    @max_request_bytes.setter
+    def max_request_bytes(self, value):
+        self._max_req = min(max(value, -2**62), 2**62)
+        self._max_request_bytes_obj = value
+
+    @property
+    def max_args(self):
+        return self._max_args_obj
+
+    @max_args.setter
+    def max_args(self, value):
+        self._max_args = min(max(value, -2**62), 2**62)
+        self._max_args_obj = value
 
     def take_gets(self):
         """The run of complete multibulk `GET <key>` commands at the front of the buffer (the

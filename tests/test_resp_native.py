@@ -148,6 +148,16 @@ def test_take_gets_off_when_limit_is_small() -> None:
         assert reader.take_gets() is None and reader.next_command() == [b"GET", b"foo"]
 
 
+def test_limits_are_writable_attributes() -> None:
+    for mod in (native, twin):
+        reader = mod.RequestReader()
+        assert (reader.max_request_bytes, reader.max_args) == (4 * 1024 * 1024, 1_048_576)
+        reader.max_args = 1
+        reader.feed(b"*2\r\n")
+        with pytest.raises(ProtocolError, match="too many arguments"):
+            reader.next_command()
+
+
 def test_unusable_after_error() -> None:
     reader = native.RequestReader()
     reader.feed(b"*x\r\n")
