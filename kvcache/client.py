@@ -13,7 +13,11 @@ from typing import Any, Generator, Sequence, TypeVar
 
 from kvcache.entry import Entry, Operation
 from kvcache.errors import KvcacheError
-from kvcache.resp import ReplyError, ReplyReader
+from kvcache.native import pick
+from kvcache.resp import ReplyError
+
+# The reply parser: the Cython extension when built, else its pure-Python twin (same API).
+ReplyReader = pick("resp", "resp").ReplyReader
 
 __all__ = ["Client", "AsyncClient", "ResponseError", "ConnectionFailed", "Arg", "encode_command",
            "parse_info"]

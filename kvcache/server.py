@@ -20,6 +20,7 @@ import stat
 from typing import TYPE_CHECKING
 
 from . import resp
+from .native import pick
 from .errors import KvcacheError, ProtocolError
 from .resp import GET_LEN
 from .replica import RECORD
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
     from .config import Config
 
 log = logging.getLogger("kvcache.server")
+
+# The request parser: the Cython extension when built, else its pure-Python twin (same API).
+WIRE = pick("resp", "resp")
 
 WRITE_HIGH_WATER = 1 << 20
 FLUSH_AT = 256 * 1024  # write out what a batch has answered once it is this big
@@ -48,7 +52,7 @@ class Connection(asyncio.Protocol):
         self.proto = 2
         self.name = b""
         self.transport: asyncio.Transport | None = None
-        self.reader = resp.RequestReader(srv.cfg.max_request_bytes, srv.cfg.max_args)
+        self.reader = WIRE.RequestReader(srv.cfg.max_request_bytes, srv.cfg.max_args)
         self._busy: asyncio.Task | None = None
         self._closing = False         # no more requests: QUIT, protocol error, connection lost
         self._paused_writing = False  # the client is not reading: neither do we
