@@ -23,7 +23,7 @@ from kvcache.natsproto import (
 )
 
 cdef extern from "Python.h":
-    ctypedef PyObject* (*allocfunc)(object, Py_ssize_t)
+    ctypedef object (*allocfunc)(object, Py_ssize_t)   # a new reference, NULL on error
     ctypedef struct _TypeObject "PyTypeObject":
         allocfunc tp_alloc
     void PyTuple_SET_ITEM(object, Py_ssize_t, object)
@@ -45,10 +45,7 @@ cdef object _json_loads = json.loads
 
 cdef inline object _new_tuple(object cls, Py_ssize_t n):
     """An empty instance of a NamedTuple class (no __dict__), to be filled with _put."""
-    cdef PyObject* p = (<_TypeObject*><PyObject*>cls).tp_alloc(cls, n)
-    if p == NULL:
-        raise MemoryError()
-    return <object>p
+    return (<_TypeObject*><PyObject*>cls).tp_alloc(cls, n)
 
 
 cdef inline void _put(object t, Py_ssize_t i, object v):
