@@ -136,6 +136,20 @@ def parse_ack(reply):
     return t
 
 
+cdef inline Py_ssize_t _crlf(const unsigned char* h, Py_ssize_t i, Py_ssize_t hn) noexcept nogil:
+    """Index of the CR of the next CRLF at or after i, or hn."""
+    cdef const unsigned char* q
+    while i + 1 < hn:
+        q = <const unsigned char*>memchr(h + i, 13, hn - 1 - i)
+        if q == NULL:
+            return hn
+        i = q - h
+        if h[i + 1] == 10:
+            return i
+        i += 1
+    return hn
+
+
 cdef inline object _utf8(const unsigned char* p, Py_ssize_t n):
     return PyUnicode_DecodeUTF8(<const char*>p, n, "replace")
 
@@ -153,9 +167,14 @@ cdef class NatsReader:
     cdef object _subject
     cdef object _reply
     cdef Py_ssize_t _hdr_len, _total, _body_off
-    # header-name cache: bytes keys and their str, compared with memcmp
+    # header-name cache: the names' bytes and str (kept alive by the two lists), compared with
+    # memcmp, so a dict insert reuses a str whose hash is already computed
     cdef list _name_keys
     cdef list _name_strs
+    cdef const char* _np[32]
+    cdef Py_ssize_t _nl[32]
+    cdef PyObject* _ns[32]
+    cdef int _nn
 
     def __init__(self, Py_ssize_t max_control_line=MAX_CONTROL_LINE,
                  Py_ssize_t max_payload=MAX_PAYLOAD):
@@ -167,6 +186,7 @@ cdef class NatsReader:
         self._kind = 0
         self._name_keys = []
         self._name_strs = []
+        self._nn = 0
 
     def buffered(self):
         """Bytes held between feeds (at most one partial frame)."""
@@ -259,6 +279,7 @@ cdef class NatsReader:
 
     cdef object _hmsg(self, const unsigned char* b):
         cdef const unsigned char* h = b
+        cdef const unsigned char* q
         cdef Py_ssize_t hn = self._hdr_len
         cdef Py_ssize_t i = 0, j, ls, le, ns, ne, vs, ve, k, c
         cdef long status = 0
@@ -269,9 +290,7 @@ cdef class NatsReader:
         cdef PyObject* prev
         cdef list keys
         # first line
-        while i + 1 < hn and not (h[i] == 13 and h[i + 1] == 10):
-            i += 1
-        le = i if i + 1 < hn else hn  # end of first line
+        le = _crlf(h, 0, hn)  # end of first line
         if le >= 8 and memcmp(h, b"NATS/1.0", 8) == 0 and (le == 8 or h[8] == 32 or h[8] == 9):
             ls = 8
             while ls < le and _is_ws(h[ls]):
@@ -298,20 +317,13 @@ cdef class NatsReader:
         i = le + 2
         while i < hn:
             ls = i
-            while i + 1 < hn and not (h[i] == 13 and h[i + 1] == 10):
-                i += 1
-            if i + 1 < hn:
-                le = i
-                i += 2
-            else:
-                le = hn
-                i = hn
+            le = _crlf(h, i, hn)
+            i = le + 2
             # name up to ':'
-            j = ls
-            while j < le and h[j] != 58:
-                j += 1
-            if j >= le:
+            q = <const unsigned char*>memchr(h + ls, 58, le - ls)
+            if q == NULL:
                 continue
+            j = q - h
             ns = ls
             ne = j
             while ns < ne and _is_ws(h[ns]):
@@ -360,16 +372,20 @@ cdef class NatsReader:
         return ev
 
     cdef object _name(self, const unsigned char* p, Py_ssize_t n):
-        cdef Py_ssize_t i, m = len(self._name_keys)
+        cdef int i
         cdef bytes key
-        for i in range(m):
-            key = <bytes>self._name_keys[i]
-            if PyBytes_GET_SIZE(key) == n and memcmp(PyBytes_AS_STRING(key), p, n) == 0:
-                return self._name_strs[i]
+        for i in range(self._nn):
+            if self._nl[i] == n and memcmp(self._np[i], p, n) == 0:
+                return <object>self._ns[i]
         s = PyUnicode_DecodeASCII(<const char*>p, n, NULL)
-        if m < 32:
-            self._name_keys.append(PyBytes_FromStringAndSize(<const char*>p, n))
+        if self._nn < 32:
+            key = PyBytes_FromStringAndSize(<const char*>p, n)
+            self._name_keys.append(key)
             self._name_strs.append(s)
+            self._np[self._nn] = PyBytes_AS_STRING(key)
+            self._nl[self._nn] = n
+            self._ns[self._nn] = <PyObject*>s
+            self._nn += 1
         return s
 
     cdef bint _control(self, const unsigned char* line, Py_ssize_t n, Py_ssize_t body_off,
