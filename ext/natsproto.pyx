@@ -288,7 +288,6 @@ cdef class NatsReader:
         cdef object multi = None
         cdef object name, val, old, lst
         cdef PyObject* prev
-        cdef list keys
         # first line
         le = _crlf(h, 0, hn)  # end of first line
         if le >= 8 and memcmp(h, b"NATS/1.0", 8) == 0 and (le == 8 or h[8] == 32 or h[8] == 9):
