@@ -483,6 +483,20 @@ async def test_nats_server_restart_while_running(tmp_path, sidecars):
         server.stop()
 
 
+async def put_retrying(kv, key: str, value: bytes, timeout: float = 60.0) -> int:
+    """A put on a clustered bucket: right after the stream is created, and again while a new
+    leader is elected, JetStream answers no-responders or times out until it settles."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await kv.put(key, value)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError,
+                nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
 async def test_stream_leader_failover(nats_cluster, sidecars):
     """An R3 bucket loses its stream leader while the sidecar follows it: the feed's consumer
     goes with the leader, and the feed finds the new one and converges."""
@@ -493,7 +507,7 @@ async def test_stream_leader_failover(nats_cluster, sidecars):
         js = conn.jetstream(timeout=10)
         kv = await js.create_key_value(bucket=b, replicas=3, history=2)
         for i in range(100):
-            await kv.put(f"k.{i:03d}", b"before")
+            await put_retrying(kv, f"k.{i:03d}", b"before")
         sc = sidecars(",".join(nats_cluster.urls), b).start(wait_synced=False)
         await wait_synced(sc, b, keys=100)
 
@@ -501,16 +515,19 @@ async def test_stream_leader_failover(nats_cluster, sidecars):
         victim = nats_cluster.server(leader)
         victim.kill()
 
-        async def put_after() -> bool:
-            try:
-                await kv.put("after", b"failover")
-                return True
-            except Exception:  # noqa: BLE001 - no leader yet
-                return False
-        await until(put_after, timeout=60, what="a new stream leader accepting writes")
+        await put_retrying(kv, "after", b"failover")  # a new stream leader accepts writes
         for i in range(0, 100, 10):
-            await kv.put(f"k.{i:03d}", b"after failover")
-        await kv.delete("k.001")
+            await put_retrying(kv, f"k.{i:03d}", b"after failover")
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                await kv.delete("k.001")
+                break
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError,
+                    nats.js.errors.NoStreamResponseError):
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
         want = await converged(sc, kv, b, timeout=60)
         assert want["after"][0] == b"failover" and "k.001" not in want
         assert bucket_info(sc, b)["resyncs"] == 0

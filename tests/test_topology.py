@@ -7,6 +7,7 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 import nats
+import nats.js.errors
 import pytest
 from nats.aio.client import Client as NATS
 from nats.js.api import ExternalStream, StreamConfig, StreamSource
@@ -76,8 +77,18 @@ async def test_lifecycle_pause_resume_restart(tmp_path) -> None:
         srv.restart()
         assert srv.pid != pid
         async with connect(srv.url) as nc:  # same port, same store: the data survived
-            kv = await nc.jetstream().key_value("life")
-            assert (await kv.get("k")).value == b"v1"
+            # Ready means JetStream is enabled, not that every stream is recovered yet.
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    kv = await nc.jetstream(timeout=2).key_value("life")
+                    value = (await kv.get("k")).value
+                    break
+                except (nats.errors.Error, nats.js.errors.Error):
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.1)
+            assert value == b"v1"
         srv.kill()
         assert not srv.running
         srv.stop()
