@@ -27,8 +27,10 @@ def splits(data: bytes) -> list[list[bytes]]:
     return ways
 
 
-def run_requests(chunks: list[bytes], **limits: int) -> tuple[list[list[bytes]], str | None]:
-    reader = RequestReader(**limits)
+def run_requests(chunks: list[bytes], mod=resp, **limits: int) -> tuple[list[list[bytes]], str | None]:
+    """Every command the chunks hold, and the protocol error that ended them, if any; `mod`
+    is the implementation under test (this twin, or the native module)."""
+    reader = mod.RequestReader(**limits)
     commands: list[list[bytes]] = []
     try:
         for chunk in chunks:
@@ -56,8 +58,8 @@ def drain(reader, chunks: list[bytes], error_types: tuple[type[Exception], ...])
     return replies, False
 
 
-def run_replies(chunks: list[bytes]) -> tuple[list, bool]:
-    return drain(ReplyReader(_NONE), chunks, (ProtocolError,))
+def run_replies(chunks: list[bytes], mod=resp) -> tuple[list, bool]:
+    return drain(mod.ReplyReader(_NONE), chunks, (ProtocolError,))
 
 
 def run_hiredis(chunks: list[bytes]) -> tuple[list, bool]:

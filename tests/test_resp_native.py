@@ -20,36 +20,18 @@ from kvcache.errors import ProtocolError
 from test_resp import (
     INLINE_MAX, LIMIT_VECTORS, REPLY_VECTORS, REQUEST_VECTORS, _replies, norm, run_hiredis, splits,
 )
+from test_resp import run_replies as _run_replies
+from test_resp import run_requests as _run_requests
 
 native = pytest.importorskip("kvcache._native.resp", reason="the Cython extension is not built")
 
-_NONE = object()
-
 
 def run_requests(mod, chunks: list[bytes], **limits: int) -> tuple[list[list[bytes]], str | None]:
-    reader = mod.RequestReader(**limits)
-    commands: list[list[bytes]] = []
-    try:
-        for chunk in chunks:
-            reader.feed(chunk)
-            while (cmd := reader.next_command()) is not None:
-                commands.append(cmd)
-    except ProtocolError as exc:
-        return commands, str(exc)
-    return commands, None
+    return _run_requests(chunks, mod, **limits)
 
 
 def run_replies(mod, chunks: list[bytes]) -> tuple[list, bool]:
-    reader = mod.ReplyReader(_NONE)
-    replies = []
-    try:
-        for chunk in chunks:
-            reader.feed(chunk)
-            while (reply := reader.gets()) is not _NONE:
-                replies.append(reply)
-    except ProtocolError:
-        return replies, True
-    return replies, False
+    return _run_replies(chunks, mod)
 
 
 def server_loop(mod, chunks: list[bytes], limits: dict | None = None) -> tuple[list, str | None, int]:
