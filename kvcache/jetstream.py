@@ -9,7 +9,6 @@ from __future__ import annotations
 import calendar
 import json
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import nats.errors
@@ -69,35 +68,6 @@ def kv_stream(bucket: str) -> str:
 
 def kv_subject(bucket: str, key: str) -> str:
     return f"$KV.{bucket}.{key}"
-
-
-# ---------------------------------------------------------------------------- ack metadata
-
-@dataclass(slots=True)
-class AckMeta:
-    stream: str
-    consumer: str
-    stream_seq: int
-    consumer_seq: int
-    timestamp: int
-    pending: int
-
-
-def parse_ack(reply: str) -> AckMeta | None:
-    """`$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>`, or the
-    longer form `$JS.ACK.<domain>.<account hash>.<stream>...<pending>.<token>` (ADR-15)."""
-    t = reply.split(".")
-    n = len(t)
-    if n == 9 and t[0] == "$JS" and t[1] == "ACK":
-        i = 2
-    elif n >= 12 and t[0] == "$JS" and t[1] == "ACK":
-        i = 4
-    else:
-        return None
-    try:
-        return AckMeta(t[i], t[i + 1], int(t[i + 3]), int(t[i + 4]), int(t[i + 5]), int(t[i + 6]))
-    except ValueError:
-        return None
 
 
 # ---------------------------------------------------------------------------- times and headers
