@@ -1,0 +1,87 @@
+"""Replica reads against raw py-lmdb, in one process (issue 3: LocalReader ≥ 0.8× raw py-lmdb).
+
+    python -m pytest bench/test_bench_replica.py -p no:cacheprovider --benchmark-columns=min,median,ops
+
+A replica of 10,000 keys (100-byte values) is written with Replica.apply, then read 10,000
+times per round by: raw py-lmdb with one transaction per get and with one reused transaction
+(the floor), Replica.get, and LocalReader.get / .entry. Every reader uses the same LMDB
+environment (py-lmdb allows one per path per process).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from kvcache import LocalReader
+from kvcache.replica import BucketMeta, Replica, lmdb_key
+
+N = 10_000
+KEYS = [f"user.{i:05d}" for i in range(N)]
+
+
+@pytest.fixture(scope="module")
+def reader(tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("replica-bench")
+    writer = Replica(os.path.join(data_dir, "replica"))
+    meta = BucketMeta(stream="KV_b", applied_seq=N, synced=True, fresh_at_ns=time.time_ns())
+    writer.apply("b", [(k, b"x" * 100, i + 1, time.time_ns()) for i, k in enumerate(KEYS)], [], meta)
+    writer.set_buckets(["b"])
+    writer.close()
+    r = LocalReader(str(data_dir), max_stale_ms=10**9)
+    yield r
+    r.close()
+
+
+def _db(reader):
+    return reader._replica.db("b")
+
+
+def test_raw_lmdb_txn_per_get(benchmark, reader):
+    env, db, lkeys = reader.env, _db(reader), [lmdb_key(k) for k in KEYS]
+
+    def run():
+        for k in lkeys:
+            with env.begin(db=db) as txn:
+                txn.get(k)
+    benchmark(run)
+
+
+def test_raw_lmdb_reused_txn(benchmark, reader):
+    env, db, lkeys = reader.env, _db(reader), [lmdb_key(k) for k in KEYS]
+
+    def run():
+        with env.begin(db=db) as txn:
+            get = txn.get
+            for k in lkeys:
+                get(k)
+    benchmark(run)
+
+
+def test_replica_get(benchmark, reader):
+    rep = reader._replica
+
+    def run():
+        for k in KEYS:
+            rep.get("b", k)
+    benchmark(run)
+
+
+def test_localreader_get(benchmark, reader):
+    get = reader.get
+    assert get(KEYS[0]) == b"x" * 100
+
+    def run():
+        for k in KEYS:
+            get(k)
+    benchmark(run)
+
+
+def test_localreader_entry(benchmark, reader):
+    entry = reader.entry
+
+    def run():
+        for k in KEYS:
+            entry(k)
+    benchmark(run)
