@@ -152,8 +152,17 @@ def test_inline_at_limit_is_accepted() -> None:
         assert run_requests(chunks) == ([[line]], None)
 
 
-def test_unusable_after_error() -> None:
-    reader = RequestReader()
+IMPLEMENTATIONS = [resp]
+try:
+    from kvcache._native import resp as _native_resp
+    IMPLEMENTATIONS.append(_native_resp)
+except ImportError:  # the extension is not built: the twin alone is tested
+    pass
+
+
+@pytest.mark.parametrize("mod", IMPLEMENTATIONS, ids=lambda m: m.__name__)
+def test_unusable_after_error(mod) -> None:
+    reader = mod.RequestReader()
     reader.feed(b"*x\r\n")
     with pytest.raises(ProtocolError):
         reader.next_command()

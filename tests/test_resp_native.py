@@ -140,16 +140,6 @@ def test_limits_are_writable_attributes() -> None:
             reader.next_command()
 
 
-def test_unusable_after_error() -> None:
-    reader = native.RequestReader()
-    reader.feed(b"*x\r\n")
-    with pytest.raises(ProtocolError):
-        reader.next_command()
-    reader.feed(b"PING\r\n")
-    with pytest.raises(ProtocolError, match="invalid multibulk length"):
-        reader.next_command()
-
-
 def test_reply_false_and_errors() -> None:
     reader = native.ReplyReader()
     assert reader.gets() is False and not reader.has_data()
