@@ -64,25 +64,37 @@ def replica_state(sc: Sidecar, bucket: str) -> dict[str, tuple[bytes, int]]:
         return out
 
 
-async def upstream_state(kv, timeout: float = 60.0) -> dict[str, tuple[bytes, int]]:
-    """key -> (value, revision) of every live key, as nats-py sees the bucket. Retried: right
-    after a leader failover JetStream API calls can time out until the cluster settles."""
+# What JetStream answers while a clustered stream is being created or elects a new leader.
+SETTLING = (nats.errors.NoRespondersError, nats.errors.TimeoutError,
+            nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError)
+
+
+async def settled(call, timeout: float = 60.0):
+    """`await call()`, retried while JetStream is settling (right after a stream is created,
+    during a leader failover), until the deadline."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            try:
-                keys = await kv.keys()
-            except nats.js.errors.NoKeysError:
-                return {}
-            out = {}
-            for key in keys:
-                e = await kv.get(key)
-                out[key] = (e.value or b"", e.revision)
-            return out
-        except nats.errors.TimeoutError:
+            return await call()
+        except SETTLING:
             if time.monotonic() > deadline:
                 raise
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.2)
+
+
+async def upstream_state(kv) -> dict[str, tuple[bytes, int]]:
+    """key -> (value, revision) of every live key, as nats-py sees the bucket."""
+    async def read() -> dict[str, tuple[bytes, int]]:
+        try:
+            keys = await kv.keys()
+        except nats.js.errors.NoKeysError:
+            return {}
+        out = {}
+        for key in keys:
+            e = await kv.get(key)
+            out[key] = (e.value or b"", e.revision)
+        return out
+    return await settled(read)
 
 
 def bucket_info(sc: Sidecar, bucket: str) -> dict:
@@ -483,20 +495,6 @@ async def test_nats_server_restart_while_running(tmp_path, sidecars):
         server.stop()
 
 
-async def put_retrying(kv, key: str, value: bytes, timeout: float = 60.0) -> int:
-    """A put on a clustered bucket: right after the stream is created, and again while a new
-    leader is elected, JetStream answers no-responders or times out until it settles."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return await kv.put(key, value)
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError,
-                nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError):
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.2)
-
-
 async def test_stream_leader_failover(nats_cluster, sidecars):
     """An R3 bucket loses its stream leader while the sidecar follows it: the feed's consumer
     goes with the leader, and the feed finds the new one and converges."""
@@ -507,7 +505,7 @@ async def test_stream_leader_failover(nats_cluster, sidecars):
         js = conn.jetstream(timeout=10)
         kv = await js.create_key_value(bucket=b, replicas=3, history=2)
         for i in range(100):
-            await put_retrying(kv, f"k.{i:03d}", b"before")
+            await settled(lambda: kv.put(f"k.{i:03d}", b"before"))
         sc = sidecars(",".join(nats_cluster.urls), b).start(wait_synced=False)
         await wait_synced(sc, b, keys=100)
 
@@ -515,19 +513,10 @@ async def test_stream_leader_failover(nats_cluster, sidecars):
         victim = nats_cluster.server(leader)
         victim.kill()
 
-        await put_retrying(kv, "after", b"failover")  # a new stream leader accepts writes
+        await settled(lambda: kv.put("after", b"failover"))  # a new stream leader accepts writes
         for i in range(0, 100, 10):
-            await put_retrying(kv, f"k.{i:03d}", b"after failover")
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                await kv.delete("k.001")
-                break
-            except (nats.errors.NoRespondersError, nats.errors.TimeoutError,
-                    nats.js.errors.NoStreamResponseError):
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.2)
+            await settled(lambda: kv.put(f"k.{i:03d}", b"after failover"))
+        await settled(lambda: kv.delete("k.001"))
         want = await converged(sc, kv, b, timeout=60)
         assert want["after"][0] == b"failover" and "k.001" not in want
         assert bucket_info(sc, b)["resyncs"] == 0
