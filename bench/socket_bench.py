@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import nats
@@ -201,6 +202,93 @@ def profile(pid: int, sock: str, requests: int, seconds: int, out: Path) -> None
         print(f"| {100 * n / samples:.1f} | `{f}` |")
 
 
+@dataclass
+class GetBench:
+    """One run's figures: the best run per (target, variant), server CPU per request, and what
+    kvcache's INFO said about it."""
+
+    requests: int
+    value_size: int
+    repeat: int
+    results: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
+    cpu: dict[tuple[str, str], list[float]] = field(default_factory=lambda: collections.defaultdict(list))
+    problems: list[str] = field(default_factory=list)
+    summary: str = ""
+
+    def ratio(self, variant: str) -> float:
+        return self.results[("kvcache", variant)]["rps"] / self.results[("redis", variant)]["rps"]
+
+    def table(self) -> str:
+        lines = [f"redis-benchmark -t get -r {NKEYS} -n {self.requests}, {self.value_size}-byte values, "
+                 f"{os.cpu_count()} CPUs, best of {self.repeat} runs", "",
+                 "| target | variant | requests/s | p50 ms | p99 ms | kvcache/redis | server CPU us/req |",
+                 "|---|---|---:|---:|---:|---:|---:|"]
+        for name, _ in VARIANTS:
+            for target in ("redis", "kvcache"):
+                r = self.results[(target, name)]
+                ratio = f"{self.ratio(name):.2f}" if target == "kvcache" else ""
+                us = statistics.median(self.cpu[(target, name)])
+                lines.append(f"| {target} | {name} | {r['rps']:,.0f} | {r['p50_latency_ms']:.3f} | "
+                             f"{r['p99_latency_ms']:.3f} | {ratio} | {us:.2f} |")
+        return "\n".join(lines + ["", self.summary])
+
+
+def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 3,
+        timeout: float = 600, profile_seconds: int | None = None) -> GetBench:
+    """Start nats-server, kvcache and redis-server under `work`, run every variant `repeat`
+    times against both (alternating), stop everything (by PID) and return the figures."""
+    value = b"x" * value_size
+    bench = GetBench(requests, value_size, repeat)
+    nats_srv = None
+    sidecar = redis_proc = None
+    try:
+        nats_srv = NatsServer(work / "nats" / "js", host="127.0.0.1", server_name="bench").start()
+        asyncio.run(load_bucket(nats_srv.url, value))
+        sidecar, kv_sock = start_sidecar(work, nats_srv.url)
+        redis_proc, redis_sock = start_redis(work, value)
+        with Client(kv_sock) as c:
+            assert c.get(f"key:{key(1)}") == value and c.get(key(9999)) == value
+            before = c.info("stats")["stats"]
+
+        pids = {"redis": redis_proc.pid, "kvcache": sidecar.pid}
+        for name, extra in VARIANTS:
+            for _ in range(repeat):
+                for target, sock in (("redis", redis_sock), ("kvcache", kv_sock)):
+                    c0 = cpu_seconds(pids[target])
+                    r = benchmark(sock, requests, extra, timeout)
+                    bench.cpu[(target, name)].append((cpu_seconds(pids[target]) - c0) / requests * 1e6)
+                    best = bench.results.get((target, name))
+                    if best is None or r["rps"] > best["rps"]:
+                        bench.results[(target, name)] = r
+                    print(f"  {target:8s} {name:12s} {r['rps']:>12,.0f} req/s "
+                          f"{bench.cpu[(target, name)][-1]:6.2f} CPU us/req", file=sys.stderr)
+
+        with Client(kv_sock) as c:
+            after = c.info("stats")["stats"]
+        gets = after["gets_local"] - before["gets_local"]
+        for f in ("protocol_errors", "remote_errors", "gets_remote", "gets_notfound"):
+            if after[f] != before[f]:
+                bench.problems.append(f"{f} went {before[f]} -> {after[f]}")
+        expected = requests * len(VARIANTS) * repeat
+        if gets < expected:
+            bench.problems.append(f"only {gets} local GETs for {expected} requests")
+        bench.summary = (
+            f"kvcache INFO: {gets} local GETs, gets_remote +{after['gets_remote'] - before['gets_remote']}, "
+            f"protocol_errors {after['protocol_errors']}, remote_errors {after['remote_errors']}"
+            + (f"; PROBLEMS: {'; '.join(bench.problems)}" if bench.problems else " (all checks passed)"))
+
+        if profile_seconds:
+            profile(sidecar.pid, kv_sock, requests, profile_seconds, work)
+        return bench
+    finally:
+        code = stop(sidecar)
+        if code not in (None, 0):
+            bench.problems.append(f"sidecar exited with {code}; log in {work}/sidecar.log")
+        stop(redis_proc)
+        if nats_srv:
+            nats_srv.stop()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=200_000, help="requests per run (-n)")
@@ -213,71 +301,16 @@ def main() -> int:
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="kvcache-socket-bench-"))
-    value = b"x" * args.value_size
-    nats_srv = None
-    sidecar = redis_proc = None
     try:
-        nats_srv = NatsServer(work / "nats" / "js", host="127.0.0.1", server_name="bench").start()
-        asyncio.run(load_bucket(nats_srv.url, value))
-        sidecar, kv_sock = start_sidecar(work, nats_srv.url)
-        redis_proc, redis_sock = start_redis(work, value)
-        with Client(kv_sock) as c:
-            assert c.get(f"key:{key(1)}") == value and c.get(key(9999)) == value
-            before = c.info("stats")["stats"]
-
-        results: dict[tuple[str, str], dict[str, float]] = {}
-        cpu: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
-        pids = {"redis": redis_proc.pid, "kvcache": sidecar.pid}
-        for name, extra in VARIANTS:
-            for _ in range(args.repeat):
-                for target, sock in (("redis", redis_sock), ("kvcache", kv_sock)):
-                    c0 = cpu_seconds(pids[target])
-                    r = benchmark(sock, args.requests, extra, args.timeout)
-                    cpu[(target, name)].append((cpu_seconds(pids[target]) - c0) / args.requests * 1e6)
-                    best = results.get((target, name))
-                    if best is None or r["rps"] > best["rps"]:
-                        results[(target, name)] = r
-                    print(f"  {target:8s} {name:12s} {r['rps']:>12,.0f} req/s "
-                          f"{cpu[(target, name)][-1]:6.2f} CPU us/req", file=sys.stderr)
-
-        with Client(kv_sock) as c:
-            after = c.info("stats")["stats"]
-        gets = after["gets_local"] - before["gets_local"]
-        problems = []
-        for field in ("protocol_errors", "remote_errors", "gets_remote", "gets_notfound"):
-            if after[field] != before[field]:
-                problems.append(f"{field} went {before[field]} -> {after[field]}")
-        expected = args.requests * len(VARIANTS) * args.repeat
-        if gets < expected:
-            problems.append(f"only {gets} local GETs for {expected} requests")
-
-        print(f"\nredis-benchmark -t get -r {NKEYS} -n {args.requests}, {args.value_size}-byte values, "
-              f"{os.cpu_count()} CPUs, best of {args.repeat} runs\n")
-        print("| target | variant | requests/s | p50 ms | p99 ms | kvcache/redis | server CPU us/req |")
-        print("|---|---|---:|---:|---:|---:|---:|")
-        for name, _ in VARIANTS:
-            base = results[("redis", name)]["rps"]
-            for target in ("redis", "kvcache"):
-                r = results[(target, name)]
-                ratio = f"{r['rps'] / base:.2f}" if target == "kvcache" else ""
-                us = statistics.median(cpu[(target, name)])
-                print(f"| {target} | {name} | {r['rps']:,.0f} | {r['p50_latency_ms']:.3f} | "
-                      f"{r['p99_latency_ms']:.3f} | {ratio} | {us:.2f} |")
-        print(f"\nkvcache INFO: {gets} local GETs, gets_remote +{after['gets_remote'] - before['gets_remote']}, "
-              f"protocol_errors {after['protocol_errors']}, remote_errors {after['remote_errors']}"
-              + (f"\nPROBLEMS: {'; '.join(problems)}" if problems else " (all checks passed)"))
-
-        if args.profile:
-            profile(sidecar.pid, kv_sock, args.requests, args.profile_seconds, work)
-        return 1 if problems else 0
+        bench = run(work, args.requests, args.value_size, args.repeat, args.timeout,
+                    args.profile_seconds if args.profile else None)
+        print("\n" + bench.table())
+        args.keep = args.keep or bool(bench.problems)
+        return 1 if bench.problems else 0
+    except BaseException:
+        args.keep = True
+        raise
     finally:
-        code = stop(sidecar)
-        if code not in (None, 0):
-            print(f"sidecar exited with {code}; log in {work}/sidecar.log", file=sys.stderr)
-            args.keep = True
-        stop(redis_proc)
-        if nats_srv:
-            nats_srv.stop()
         if args.keep:
             print(f"kept {work}", file=sys.stderr)
         else:
