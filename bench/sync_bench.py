@@ -1,4 +1,4 @@
-"""Initial sync speed: kvcache's feed against nats-py's `kv.watchall()`.
+"""Initial sync speed: kvcache's feed against nats-py's `kv.watchall()` and a raw consumer.
 
 A measurement script, not a test. It starts its own nats-server (loopback, temporary
 directory), loads N keys into a KV bucket with pipelined JetStream publishes, then measures in
@@ -11,7 +11,17 @@ the same run:
       `KeyValue.watch()` has no parameter for them: it calls `js.subscribe(...)` with the
       defaults (pending_msgs_limit=512*1024, pending_bytes_limit=256 MiB), so this script
       wraps that KeyValue's `js.subscribe` to pass pending_msgs_limit=N+65536 and
-      pending_bytes_limit=0 (0 disables nats-py's byte limit).
+      pending_bytes_limit=0 (0 disables nats-py's byte limit);
+  (d) a raw consumer: a bare NATS client on an asyncio stream (no nats-py) that creates the
+      same kind of consumer as the feed (ephemeral, AckNone, last_per_subject, in memory) with
+      raw JSON over the JetStream API, keeps two pull requests of --window messages in flight,
+      and only counts deliveries until it has N. `raw` walks every frame (what any Python
+      client must at least do); `raw-scan` only searches the bytes for the deliveries' ack
+      subjects, so the server, not the counting, is the limit: its delivery rate to one
+      connection, the reference for the feed.
+
+--methods picks a subset (kvcache,raw,raw-scan,watch,watch-raised); `run()` and `SyncRun`
+are what bench/compare.py imports.
 
 Everything is bounded in time, and every process it starts is stopped by its own PID.
 
@@ -23,12 +33,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+import urllib.parse
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import nats
@@ -50,6 +63,7 @@ class Result:
     seconds: float | None
     finished: bool
     note: str = ""
+    kind: str = ""  # kvcache, raw, watch, watch-raised: what ratios refer to
 
 
 # ----------------------------------------------------------------------------- loading
@@ -106,10 +120,10 @@ def bench_kvcache(url: str, n: int, work: Path, timeout: float) -> Result:
                 own = [ln for ln in log_path.read_text().splitlines() if "synced" in ln and "keys in" in ln]
                 note = own[-1].split(": ", 1)[-1] if own else ""
                 return Result("kvcache serve (process start to synced)", n, seconds, True,
-                              f"feed's own log: {note}" if note else "")
+                              f"feed's own log: {note}" if note else "", kind="kvcache")
             time.sleep(0.02)
         return Result("kvcache serve (process start to synced)", state.get("keys", 0), None, False,
-                      f"not synced after {timeout:.0f}s: {state}")
+                      f"not synced after {timeout:.0f}s: {state}", kind="kvcache")
     finally:
         if proc.poll() is None:
             proc.terminate()
@@ -175,11 +189,123 @@ async def bench_watch(url: str, n: int, raised: bool, timeout: float, stall_s: f
             note = f"no end marker ({reason}); got {count} entries"
         if slow:
             note += f"; {slow} slow-consumer drops reported"
-        return Result(label, count, seconds if finished else None, finished, note)
+        return Result(label, count, seconds if finished else None, finished, note,
+                      kind="watch-raised" if raised else "watch")
     finally:
         try:
             await asyncio.wait_for(nc.close(), 10)
         except Exception:  # noqa: BLE001
+            pass
+
+
+# ----------------------------------------------------------------------------- (d) raw
+
+def _pub(subject: str, reply: str, payload: bytes) -> bytes:
+    return f"PUB {subject} {reply} {len(payload)}\r\n".encode() + payload + b"\r\n"
+
+
+async def bench_raw(url: str, n: int, timeout: float, stall_s: float, window: int = 16384,
+                    scan: bool = False) -> Result:
+    """Count deliveries on a bare NATS connection: CONNECT, SUB, the consumer CREATE request as
+    raw JSON, then pull requests of `window` messages, two in flight, until n have come.
+
+    Deliveries are told apart by their `$JS.ACK.<stream>.` reply subject. By default every
+    frame is walked (control line, then skip the payload by its size): the least a Python
+    client must do, about 2 µs a frame here. With `scan`, once the consumer exists, each
+    read's bytes are only searched for that reply prefix (bytes.count, in C): exact for this
+    benchmark's own values, which cannot contain it, and close to what the server can
+    deliver to one connection."""
+    label = "raw socket consumer (pull, " + ("scans for ack subjects)" if scan else "walks frames)")
+    ack = f" $JS.ACK.KV_{BUCKET}.".encode()
+    tail = b""
+    u = urllib.parse.urlsplit(url)
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(u.hostname, u.port), 5)
+    stream, name, inbox = f"KV_{BUCKET}", "raw" + secrets.token_hex(6), "_RAW." + secrets.token_hex(6)
+    try:
+        if not (await asyncio.wait_for(reader.readline(), 5)).startswith(b"INFO "):
+            raise RuntimeError("no INFO from nats-server")
+        connect = {"verbose": False, "pedantic": False, "headers": True, "no_responders": True,
+                   "protocol": 1, "lang": "raw", "version": "0"}
+        config = {"name": name, "ack_policy": "none", "deliver_policy": "last_per_subject",
+                  "replay_policy": "instant", "filter_subject": f"$KV.{BUCKET}.>",
+                  "mem_storage": True, "num_replicas": 1, "inactive_threshold": 60 * 10**9}
+        pull = _pub(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{name}", f"{inbox}.pull",
+                    json.dumps({"batch": window, "expires": int(timeout * 1e9)}).encode())
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        writer.write(f"CONNECT {json.dumps(connect)}\r\nSUB {inbox}.> 1\r\n".encode() + _pub(
+            f"$JS.API.CONSUMER.CREATE.{stream}.{name}", f"{inbox}.create",
+            json.dumps({"stream_name": stream, "config": config, "action": "create"}).encode()))
+        create_reply = f"{inbox}.create".encode()
+        count = requested = statuses = 0
+        created = False
+        buf = bytearray()
+        reason = ""
+        while count < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                reason = f"timed out after {timeout:.0f}s"
+                break
+            try:
+                data = await asyncio.wait_for(reader.read(1 << 20), min(stall_s, left))
+            except asyncio.TimeoutError:
+                reason = f"stalled: nothing for {stall_s:.0f}s"
+                break
+            if not data:
+                raise RuntimeError("nats-server closed the connection")
+            if created and scan:
+                count += (tail + data).count(ack)  # a prefix split across reads counts once
+                tail = data[1 - len(ack):]
+            else:
+                buf += data
+                pos, end_buf = 0, len(buf)
+                while True:
+                    eol = buf.find(b"\r\n", pos)
+                    if eol < 0:
+                        break
+                    op = buf[pos:pos + 4]
+                    if op == b"MSG " or op == b"HMSG":
+                        # MSG <subject> <sid> [reply] <size> / HMSG <subject> <sid> [reply] <hdr> <total>
+                        parts = buf[pos:eol].split()
+                        end = eol + 4 + int(parts[-1])
+                        if end > end_buf:
+                            break
+                        with_reply = len(parts) == (6 if op == b"HMSG" else 5)
+                        if with_reply and parts[3].startswith(b"$JS.ACK."):
+                            count += 1
+                        elif parts[1] == create_reply:
+                            reply = json.loads(bytes(buf[eol + 2:end - 2]).split(b"\r\n\r\n")[-1])
+                            if "error" in reply:
+                                raise RuntimeError(f"consumer create failed: {reply['error']}")
+                            created = True
+                        else:
+                            statuses += 1  # a pull request's end (408/409) or a heartbeat
+                        pos = end
+                    else:
+                        if op == b"PING":
+                            writer.write(b"PONG\r\n")
+                        elif op == b"-ERR":
+                            raise RuntimeError(f"nats-server: {bytes(buf[pos:eol]).decode(errors='replace')}")
+                        pos = eol + 2
+                del buf[:pos]
+            if created:
+                while requested - count < 2 * window:
+                    writer.write(pull)
+                    requested += window
+        seconds = time.monotonic() - t0
+        finished = count >= n
+        note = f"{count} deliveries counted, {statuses} status frames"
+        if not finished:
+            note = f"did not reach {n} ({reason}); {note}"
+        writer.write(_pub(f"$JS.API.CONSUMER.DELETE.{stream}.{name}", f"{inbox}.delete", b""))
+        await asyncio.wait_for(writer.drain(), 5)
+        return Result(label, count, seconds if finished else None, finished, note,
+                      kind="raw-scan" if scan else "raw")
+    finally:
+        writer.close()
+        try:
+            await asyncio.wait_for(writer.wait_closed(), 5)
+        except (OSError, asyncio.TimeoutError):
             pass
 
 
@@ -197,43 +323,64 @@ def versions() -> str:
     return f"{server}, nats-py {version('nats-py')}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs"
 
 
-def table(results: list[Result], n: int, reference: Result | None) -> str:
-    ref = reference.seconds if reference and reference.finished else None
-    lines = ["| method | keys | seconds | keys/s | ratio vs nats-py (raised limits) |",
-             "|---|---:|---:|---:|---:|"]
-    for r in results:
-        secs = f"{r.seconds:.2f}" if r.finished and r.seconds else "did not finish"
-        rate = f"{n / r.seconds:,.0f}" if r.finished and r.seconds else "-"
-        ratio = f"{ref / r.seconds:.2f}x" if ref and r.finished and r.seconds else "-"
-        lines.append(f"| {r.method} | {r.keys:,} | {secs} | {rate} | {ratio} |")
-    notes = [f"- {r.method}: {r.note}" for r in results if r.note]
-    return "\n".join(lines + [""] + notes)
+METHODS = ("kvcache", "raw", "raw-scan", "watch", "watch-raised")
 
 
-async def main_async(args: argparse.Namespace) -> int:
-    n = args.keys
-    with tempfile.TemporaryDirectory(prefix="kvcache-bench-") as tmp:
-        work = Path(tmp)
-        server = NatsServer(work / "js", server_name="bench", max_file_store="32GB")
-        server.start()
-        try:
-            load_s = await load(server.url, n, args.value_size, args.chunk,
-                                time.monotonic() + args.load_timeout)
-            print(f"loaded {n:,} keys ({args.value_size} B values) in {load_s:.1f}s "
-                  f"({n / load_s:,.0f} publishes/s); {versions()}", flush=True)
-            results = [bench_kvcache(server.url, n, work, args.timeout)]
-            print(f"kvcache: {results[-1].seconds}", flush=True)
-            default = await bench_watch(server.url, n, False, args.timeout, args.stall)
-            print(f"watch default: {default.seconds} ({default.note})", flush=True)
-            raised = await bench_watch(server.url, n, True, args.timeout, args.stall)
-            print(f"watch raised: {raised.seconds} ({raised.note})", flush=True)
-            results += [default, raised]
-        finally:
-            server.stop()
-    print()
-    print(f"### initial sync, {n:,} keys, {args.value_size} B values, loopback\n")
-    print(table(results, n, raised))
-    return 0
+@dataclass
+class SyncRun:
+    n: int
+    value_size: int
+    load_seconds: float = 0.0
+    versions: str = ""
+    results: list[Result] = field(default_factory=list)
+
+    def result(self, kind: str) -> Result | None:
+        return next((r for r in self.results if r.kind == kind), None)
+
+    def rate(self, kind: str) -> float | None:
+        r = self.result(kind)
+        return self.n / r.seconds if r and r.finished and r.seconds else None
+
+    def table(self) -> str:
+        raw = "raw-scan" if self.rate("raw-scan") else "raw"
+        refs = [(kind, self.rate(kind)) for kind in (raw, "watch-raised")]
+        lines = [f"initial sync, {self.n:,} keys, {self.value_size} B values, loopback; "
+                 f"loaded in {self.load_seconds:.1f}s; {self.versions}", "",
+                 f"| method | keys | seconds | keys/s | vs {raw} consumer | vs nats-py (raised limits) |",
+                 "|---|---:|---:|---:|---:|---:|"]
+        for r in self.results:
+            done = r.finished and r.seconds
+            secs = f"{r.seconds:.2f}" if done else "did not finish"
+            rate = f"{self.n / r.seconds:,.0f}" if done else "-"
+            ratios = [f"{self.n / r.seconds / ref:.2f}x" if done and ref else "-" for _, ref in refs]
+            lines.append(f"| {r.method} | {r.keys:,} | {secs} | {rate} | {' | '.join(ratios)} |")
+        notes = [f"- {r.method}: {r.note}" for r in self.results if r.note]
+        return "\n".join(lines + [""] + notes)
+
+
+async def run(work: Path, n: int, value_size: int = 100, chunk: int = 5000, timeout: float = 300,
+              stall: float = 15, load_timeout: float = 900, window: int = 16384,
+              methods: tuple[str, ...] = METHODS) -> SyncRun:
+    """Start a nats-server under `work`, load n keys, measure each method in turn, stop it."""
+    out = SyncRun(n, value_size, versions=versions())
+    server = NatsServer(work / "js", server_name="bench", max_file_store="32GB")
+    server.start()
+    try:
+        out.load_seconds = await load(server.url, n, value_size, chunk, time.monotonic() + load_timeout)
+        print(f"loaded {n:,} keys ({value_size} B values) in {out.load_seconds:.1f}s "
+              f"({n / out.load_seconds:,.0f} publishes/s); {out.versions}", file=sys.stderr, flush=True)
+        for kind in methods:
+            if kind == "kvcache":
+                r = await asyncio.to_thread(bench_kvcache, server.url, n, work, timeout)
+            elif kind in ("raw", "raw-scan"):
+                r = await bench_raw(server.url, n, timeout, stall, window, scan=kind == "raw-scan")
+            else:
+                r = await bench_watch(server.url, n, kind == "watch-raised", timeout, stall)
+            out.results.append(r)
+            print(f"{r.method}: {r.seconds} ({r.note})", file=sys.stderr, flush=True)
+    finally:
+        server.stop()
+    return out
 
 
 def main() -> int:
@@ -244,8 +391,17 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=300, help="bound for each sync measurement (s)")
     p.add_argument("--stall", type=float, default=15, help="a watch silent this long has stalled (s)")
     p.add_argument("--load-timeout", type=float, default=900)
+    p.add_argument("--window", type=int, default=16384, help="raw consumer: messages per pull request")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
     args = p.parse_args()
-    return asyncio.run(main_async(args))
+    methods = tuple(m for m in args.methods.split(",") if m)
+    if unknown := set(methods) - set(METHODS):
+        p.error(f"unknown method(s): {', '.join(sorted(unknown))}")
+    with tempfile.TemporaryDirectory(prefix="kvcache-bench-") as tmp:
+        out = asyncio.run(run(Path(tmp), args.keys, args.value_size, args.chunk, args.timeout,
+                              args.stall, args.load_timeout, args.window, methods))
+    print("\n" + out.table())
+    return 0
 
 
 if __name__ == "__main__":
