@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvcache.client import Client, ConnectionFailed  # noqa: E402
-from kvcache.natsserver import NatsServer  # noqa: E402
+from kvcache.natsserver import NatsServer, die_with_parent  # noqa: E402
 
 BUCKET = "key"
 NKEYS = 10_000
@@ -109,7 +109,8 @@ def start_sidecar(work: Path, url: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvcache", "serve", "--nats", url, "--bucket", BUCKET,
          "--data-dir", str(work / "data"), "--socket", sock, "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT)
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
+        preexec_fn=die_with_parent)
     log.close()
 
     def synced():
@@ -118,7 +119,11 @@ def start_sidecar(work: Path, url: str) -> tuple[subprocess.Popen, str]:
         with Client(sock, timeout=2) as c:
             row = c.info("buckets")["buckets"].get(BUCKET, {})
             return row.get("synced") == 1 and row.get("keys") == NKEYS
-    wait_until(synced, 120, "kvcache synced")
+    try:
+        wait_until(synced, 120, "kvcache synced")
+    except BaseException:
+        stop(proc)
+        raise
     return proc, sock
 
 
@@ -127,16 +132,21 @@ def start_redis(work: Path, value: bytes) -> tuple[subprocess.Popen, str]:
     sock = str(work / "redis.sock")
     proc = subprocess.Popen(
         [REDIS_SERVER, "--port", "0", "--unixsocket", sock, "--save", "", "--appendonly", "no",
-         "--dir", str(work)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    r = redis.Redis(unix_socket_path=sock)
-    wait_until(lambda: os.path.exists(sock) and r.ping(), 20, "redis-server up")
-    with r.pipeline(transaction=False) as p:
-        for i in range(NKEYS):
-            p.set(f"key:{key(i)}", value)
-        p.execute()
-    if r.dbsize() != NKEYS:
-        raise RuntimeError("redis-server did not take every key")
-    r.close()
+         "--dir", str(work)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        preexec_fn=die_with_parent)
+    try:
+        r = redis.Redis(unix_socket_path=sock)
+        wait_until(lambda: os.path.exists(sock) and r.ping(), 20, "redis-server up")
+        with r.pipeline(transaction=False) as p:
+            for i in range(NKEYS):
+                p.set(f"key:{key(i)}", value)
+            p.execute()
+        if r.dbsize() != NKEYS:
+            raise RuntimeError("redis-server did not take every key")
+        r.close()
+    except BaseException:
+        stop(proc)
+        raise
     return proc, sock
 
 

@@ -371,7 +371,7 @@ async def run(work: Path, n: int, value_size: int = 100, chunk: int = 5000, time
               f"({n / out.load_seconds:,.0f} publishes/s); {out.versions}", file=sys.stderr, flush=True)
         for kind in methods:
             if kind == "kvcache":
-                r = await asyncio.to_thread(bench_kvcache, server.url, n, work, timeout)
+                r = bench_kvcache(server.url, n, work, timeout)
             elif kind in ("raw", "raw-scan"):
                 r = await bench_raw(server.url, n, timeout, stall, window, scan=kind == "raw-scan")
             else:
