@@ -13,14 +13,15 @@ from cpython.list cimport PyList_Append
 from cpython.long cimport PyLong_FromLong, PyLong_FromUnsignedLongLong
 from cpython.ref cimport Py_INCREF, PyObject
 from cpython.unicode cimport PyUnicode_DecodeUTF8, PyUnicode_DecodeASCII
-from libc.string cimport memchr, memcmp
+from libc.string cimport memchr, memcmp, memcpy
 
 import json
 
 from kvcache.errors import ProtocolError
 from kvcache.natsproto import (
-    MAX_CONTROL_LINE, MAX_PAYLOAD, AckMeta, Err, HMsg, Info, Msg, OK, PING, PONG,
+    MAX_CONTROL_LINE, MAX_PAYLOAD, RUN_FIELDS, AckMeta, Err, HMsg, Info, Msg, OK, PING, PONG,
 )
+from kvcache.record import MAX_LMDB_KEY, RECORD, item as _py_item
 
 cdef extern from "Python.h":
     ctypedef object (*allocfunc)(object, Py_ssize_t)   # a new reference, NULL on error
@@ -31,6 +32,10 @@ cdef extern from "Python.h":
     const char* PyUnicode_AsUTF8AndSize(object, Py_ssize_t*) except NULL
     object PyDict_New()
     Py_ssize_t PyDict_GET_SIZE(object)
+    PyObject* PyDict_GetItemWithError(object, object) except? NULL
+    object PyBytes_FromStringAndSize_NULL "PyBytes_FromStringAndSize"(const char*, Py_ssize_t)
+    char* PyBytes_AS_STRING_W "PyBytes_AS_STRING"(object)
+    object PyTuple_New(Py_ssize_t)
 
 cdef object _Msg = Msg
 cdef object _HMsg = HMsg
@@ -41,6 +46,9 @@ cdef object _PING = PING
 cdef object _PONG = PONG
 cdef object _OK = OK
 cdef object _json_loads = json.loads
+cdef object _RUN_FIELDS = RUN_FIELDS
+cdef Py_ssize_t _MAX_LMDB_KEY = MAX_LMDB_KEY
+assert RECORD.format == "<QQI" and RECORD.size == 20, "record layout changed: update _record()"
 
 
 cdef inline object _new_tuple(object cls, Py_ssize_t n):
@@ -81,26 +89,17 @@ cdef inline int _digits(const unsigned char* p, Py_ssize_t n, unsigned long long
     return 0
 
 
-def parse_ack(reply):
-    """See kvcache.natsproto.parse_ack: same rules, no Python string splitting."""
-    cdef const unsigned char* p
-    cdef Py_ssize_t n, i, start
+cdef int _ack_scan(const unsigned char* p, Py_ssize_t n, unsigned long long* nums,
+                   Py_ssize_t* names) noexcept nogil:
+    """A JetStream ack subject → 0, the five integers in nums and the stream and consumer
+    spans in names[0..3]; -1 when it is not one (see kvcache.natsproto.parse_ack)."""
+    cdef Py_ssize_t i, start
     cdef Py_ssize_t offs[24]
-    cdef Py_ssize_t ntok = 0, t0
-    cdef unsigned long long nums[5]
+    cdef Py_ssize_t ntok, t0
     cdef int k
-    if isinstance(reply, str):
-        p = <const unsigned char*>PyUnicode_AsUTF8AndSize(reply, &n)
-    elif isinstance(reply, bytes):
-        p = <const unsigned char*>PyBytes_AS_STRING(reply)
-        n = PyBytes_GET_SIZE(reply)
-    else:
-        reply = bytes(reply)
-        p = <const unsigned char*>PyBytes_AS_STRING(reply)
-        n = PyBytes_GET_SIZE(reply)
     if n < 8 or memcmp(p, b"$JS.ACK.", 8) != 0:
-        return None
-    # token starts (offs[k]) ; token k spans offs[k] .. offs[k+1]-1
+        return -1
+    # token starts (offs[k]); token k spans offs[k] .. offs[k+1]-1
     offs[0] = 0
     ntok = 1
     for i in range(n):
@@ -113,27 +112,136 @@ def parse_ack(reply):
     elif ntok >= 12:
         t0 = 4
     else:
-        return None
+        return -1
     if ntok < 23:
         offs[ntok] = n + 1
-    else:
-        # only the first t0 + 7 tokens are used; they are all recorded
-        pass
+    # (with 23+ tokens only the first t0 + 7 are used, and those are all recorded)
     if offs[t0 + 1] - offs[t0] - 1 <= 0 or offs[t0 + 2] - offs[t0 + 1] - 1 <= 0:
-        return None
+        return -1
     for k in range(5):
         start = offs[t0 + 2 + k]
         if _digits(p + start, offs[t0 + 3 + k] - 1 - start, &nums[k]) < 0:
-            return None
-    stream = PyUnicode_DecodeUTF8(<const char*>p + offs[t0], offs[t0 + 1] - 1 - offs[t0], "replace")
-    consumer = PyUnicode_DecodeUTF8(<const char*>p + offs[t0 + 1],
-                                    offs[t0 + 2] - 1 - offs[t0 + 1], "replace")
+            return -1
+    names[0] = offs[t0]
+    names[1] = offs[t0 + 1] - 1
+    names[2] = offs[t0 + 1]
+    names[3] = offs[t0 + 2] - 1
+    return 0
+
+
+def parse_ack(reply):
+    """See kvcache.natsproto.parse_ack: same rules, no Python string splitting."""
+    cdef const unsigned char* p
+    cdef Py_ssize_t n
+    cdef Py_ssize_t names[4]
+    cdef unsigned long long nums[5]
+    cdef int k
+    if isinstance(reply, str):
+        p = <const unsigned char*>PyUnicode_AsUTF8AndSize(reply, &n)
+    elif isinstance(reply, bytes):
+        p = <const unsigned char*>PyBytes_AS_STRING(reply)
+        n = PyBytes_GET_SIZE(reply)
+    else:
+        reply = bytes(reply)
+        p = <const unsigned char*>PyBytes_AS_STRING(reply)
+        n = PyBytes_GET_SIZE(reply)
+    if _ack_scan(p, n, nums, names) < 0:
+        return None
     t = _new_tuple(_AckMeta, 7)
-    _put(t, 0, stream)
-    _put(t, 1, consumer)
+    _put(t, 0, _utf8(p + names[0], names[1] - names[0]))
+    _put(t, 1, _utf8(p + names[2], names[3] - names[2]))
     for k in range(5):
         _put(t, 2 + k, PyLong_FromUnsignedLongLong(nums[k]))
     return t
+
+
+cdef class Run:
+    """See kvcache.natsproto.Run (the same fields; equal to a twin Run with equal fields)."""
+    cdef readonly long sid
+    cdef readonly unsigned long long first_cseq, last_cseq, top_sseq, last_ts, last_pending
+    cdef readonly list items
+    cdef readonly Py_ssize_t deletes
+
+    def fields(self):
+        return tuple(getattr(self, f) for f in _RUN_FIELDS)
+
+    def __eq__(self, other):
+        fields = getattr(other, "fields", None)
+        return fields is not None and type(other).__name__ == "Run" and self.fields() == fields()
+
+    __hash__ = None
+
+    def __repr__(self):
+        return f"Run(sid={self.sid}, cseq={self.first_cseq}..{self.last_cseq}, items={len(self.items)})"
+
+
+cdef inline void _le64(char* o, unsigned long long v) noexcept nogil:
+    cdef int i
+    for i in range(8):
+        o[i] = <char>(v & 0xff)
+        v >>= 8
+
+
+cdef object _record(unsigned long long rev, unsigned long long created,
+                    const unsigned char* value, Py_ssize_t vn):
+    """kvcache.record's `<QQI` header (no long key) + value, built in place."""
+    rec = PyBytes_FromStringAndSize_NULL(NULL, 20 + vn)
+    cdef char* o = PyBytes_AS_STRING_W(rec)
+    _le64(o, rev)
+    _le64(o + 8, created)
+    o[16] = 0
+    o[17] = 0
+    o[18] = 0
+    o[19] = 0
+    if vn:
+        memcpy(o + 20, value, vn)
+    return rec
+
+
+cdef inline bint _ieq(const unsigned char* p, Py_ssize_t n, const char* lit, Py_ssize_t ln) noexcept nogil:
+    cdef Py_ssize_t i
+    if n != ln:
+        return False
+    for i in range(n):
+        if (p[i] | 0x20) != (<unsigned char>lit[i] | 0x20):
+            return False
+    return True
+
+
+cdef bint _is_delete(const unsigned char* h, Py_ssize_t hn) noexcept nogil:
+    """Does this header block stand for a delete? Operation.of's rules: the last
+    `KV-Operation` value (DEL or PURGE, any case) decides; without one, a server marker
+    (`Nats-Marker-Reason`) is a delete."""
+    cdef Py_ssize_t i, ls, le, j, ns, ne, vs, ve
+    cdef const unsigned char* q
+    cdef int op = -1          # -1 no KV-Operation header, 0 put, 1 delete
+    cdef bint marker = False
+    i = _crlf(h, 0, hn) + 2
+    while i < hn:
+        ls = i
+        le = _crlf(h, i, hn)
+        i = le + 2
+        q = <const unsigned char*>memchr(h + ls, 58, le - ls)
+        if q == NULL:
+            continue
+        j = q - h
+        ns = ls
+        ne = j
+        while ns < ne and _is_ws(h[ns]):
+            ns += 1
+        while ne > ns and _is_ws(h[ne - 1]):
+            ne -= 1
+        if ne - ns == 12 and memcmp(h + ns, b"KV-Operation", 12) == 0:
+            vs = j + 1
+            ve = le
+            while vs < ve and _is_ws(h[vs]):
+                vs += 1
+            while ve > vs and _is_ws(h[ve - 1]):
+                ve -= 1
+            op = 1 if (_ieq(h + vs, ve - vs, b"DEL", 3) or _ieq(h + vs, ve - vs, b"PURGE", 5)) else 0
+        elif ne - ns == 18 and memcmp(h + ns, b"Nats-Marker-Reason", 18) == 0:
+            marker = True
+    return op == 1 if op >= 0 else marker
 
 
 cdef inline Py_ssize_t _crlf(const unsigned char* h, Py_ssize_t i, Py_ssize_t hn) noexcept nogil:
@@ -167,6 +275,10 @@ cdef class NatsReader:
     cdef object _subject
     cdef object _reply
     cdef Py_ssize_t _hdr_len, _total, _body_off
+    # fast lanes: sid → prefix length; for a pending lane frame, its key and ack fields
+    cdef dict _lanes
+    cdef object _lane_key       # bytes, or None when the pending frame is not a lane delivery
+    cdef unsigned long long _ack[5]
     # header-name cache: the names' bytes and str (kept alive by the two lists), compared with
     # memcmp, so a dict insert reuses a str whose hash is already computed
     cdef list _name_keys
@@ -187,6 +299,15 @@ cdef class NatsReader:
         self._name_keys = []
         self._name_strs = []
         self._nn = 0
+        self._lanes = {}
+        self._lane_key = None
+
+    def add_lane(self, long sid, Py_ssize_t prefix_len):
+        """See kvcache.natsproto.NatsReader.add_lane."""
+        self._lanes[sid] = prefix_len
+
+    def remove_lane(self, long sid):
+        self._lanes.pop(sid, None)
 
     def buffered(self):
         """Bytes held between feeds (at most one partial frame)."""
@@ -261,19 +382,22 @@ cdef class NatsReader:
             b = pos + self._body_off
             if p[b + self._total] != 13 or p[b + self._total + 1] != 10:
                 raise ProtocolError("nats: message payload not followed by CRLF")
-            if self._kind == 1:
+            if self._lane_key is not None:
+                self._deliver(p + b, events)
+            elif self._kind == 1:
                 payload = PyBytes_FromStringAndSize(<const char*>p + b, self._total)
                 ev = _new_tuple(_Msg, 4)
                 _put(ev, 0, PyLong_FromLong(self._sid))
                 _put(ev, 1, self._subject)
                 _put(ev, 2, self._reply)
                 _put(ev, 3, payload)
+                PyList_Append(events, ev)
             else:
-                ev = self._hmsg(p + b)
-            PyList_Append(events, ev)
+                PyList_Append(events, self._hmsg(p + b))
             self._kind = 0
             self._subject = None
             self._reply = None
+            self._lane_key = None
             pos += need
         return pos
 
@@ -370,6 +494,64 @@ cdef class NatsReader:
         _put(ev, 7, multi)
         return ev
 
+    cdef bint _lane(self, const unsigned char* subj, Py_ssize_t sn, const unsigned char* reply,
+                    Py_ssize_t rn) except -1:
+        """Is this frame a delivery on a fast lane? If so, keep its key and ack fields."""
+        cdef Py_ssize_t names[4]
+        cdef Py_ssize_t plen
+        cdef PyObject* o = PyDict_GetItemWithError(self._lanes, PyLong_FromLong(self._sid))
+        if o == NULL:
+            return False
+        plen = <object>o
+        if sn < plen or _ack_scan(reply, rn, self._ack, names) < 0:
+            return False
+        self._lane_key = PyBytes_FromStringAndSize(<const char*>subj + plen, sn - plen)
+        return True
+
+    cdef int _deliver(self, const unsigned char* b, list events) except -1:
+        """Fold the pending lane frame into the Run at the end of `events` (see the twin)."""
+        cdef Run run = None
+        cdef object last, it
+        # ack fields: delivered, stream seq, consumer seq, timestamp, pending
+        cdef unsigned long long sseq = self._ack[1]
+        cdef unsigned long long cseq = self._ack[2]
+        cdef unsigned long long ts = self._ack[3]
+        cdef Py_ssize_t hn = self._hdr_len
+        cdef bint delete = hn > 0 and _is_delete(b, hn)
+        cdef object key = self._lane_key
+        cdef Py_ssize_t kn = PyBytes_GET_SIZE(key)
+        cdef const unsigned char* kp = <const unsigned char*>PyBytes_AS_STRING(key)
+        if events:
+            last = events[len(events) - 1]
+            if type(last) is Run:
+                run = <Run>last
+                if run.sid != self._sid or run.last_cseq + 1 != cseq:
+                    run = None
+        if run is None:
+            run = Run.__new__(Run)
+            run.sid = self._sid
+            run.first_cseq = cseq
+            run.items = []
+            run.deletes = 0
+            run.top_sseq = 0
+            PyList_Append(events, run)
+        if kn > _MAX_LMDB_KEY or (kn > 0 and kp[0] == 0):
+            it = _py_item(key, None if delete else
+                          PyBytes_FromStringAndSize(<const char*>b + hn, self._total - hn), sseq, ts)
+        else:
+            it = PyTuple_New(2)
+            _put(it, 0, key)
+            _put(it, 1, None if delete else _record(sseq, ts, b + hn, self._total - hn))
+        PyList_Append(run.items, it)
+        if delete:
+            run.deletes += 1
+        run.last_cseq = cseq
+        if sseq > run.top_sseq:
+            run.top_sseq = sseq
+        run.last_ts = ts
+        run.last_pending = self._ack[4]
+        return 0
+
     cdef object _name(self, const unsigned char* p, Py_ssize_t n):
         cdef int i
         cdef bytes key
@@ -450,8 +632,13 @@ cdef class NatsReader:
                 raise ProtocolError(
                     f"nats: payload too large ({tot} bytes, limit {self.max_payload})")
             self._sid = <long>v
-            self._subject = _utf8(line + ts[0], te[0] - ts[0])
-            self._reply = _utf8(line + ts[2], te[2] - ts[2]) if nt == want + 1 else ""
+            if PyDict_GET_SIZE(self._lanes) and nt == want + 1 and \
+                    self._lane(line + ts[0], te[0] - ts[0], line + ts[2], te[2] - ts[2]):
+                self._subject = None  # a lane delivery needs only the key and the ack fields
+                self._reply = None
+            else:
+                self._subject = _utf8(line + ts[0], te[0] - ts[0])
+                self._reply = _utf8(line + ts[2], te[2] - ts[2]) if nt == want + 1 else ""
             self._hdr_len = <Py_ssize_t>hl
             self._total = <Py_ssize_t>tot
             self._body_off = body_off

@@ -6,8 +6,9 @@ consumer is pull-based (ephemeral, AckNone, in memory), the same shape as nats.g
 consumer, so the server never sends more than we asked for: nothing can be dropped, and
 memory stays bounded by one pull window.
 
-Deliveries are folded into batches (everything one socket read brought) and applied in one
-LMDB transaction together with the last applied stream sequence. A consumer-sequence gap, a
+Deliveries arrive through the connection's fast lane (kvcache.natsconn): everything one socket
+read brought, already decoded in C into replica items, is applied in one LMDB transaction
+together with the last applied stream sequence; no Python object per message but the item. A consumer-sequence gap, a
 silent heartbeat, a deleted consumer or a reconnect recreates the consumer from the last
 applied sequence + 1.
 
@@ -29,14 +30,11 @@ import secrets
 import time
 from typing import Awaitable, Callable
 
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-
 from . import jetstream as jsapi
 from .config import BucketConfig
-from .entry import Operation
 from .errors import BucketNotFound, KvcacheError, ReplicaError, UpstreamError
-from .replica import Replica, lmdb_key
+from .natsconn import Connection, proto
+from .replica import Replica
 
 log = logging.getLogger("kvcache.feed")
 
@@ -53,22 +51,21 @@ class ConsumerLost(KvcacheError):
     """The consumer can no longer be trusted to deliver in order: recreate it."""
 
 
-# A delivery is a tuple, for speed: (stream seq, key, operation, value, created ns, pending).
-Delivery = tuple
+Run = proto.Run  # consecutive deliveries as replica items; see kvcache.natsproto.Run
 
 
 class PullConsumer:
     """One ephemeral pull consumer over a KV stream, delivering in order or failing loudly.
 
-    `on_batch(deliveries)` runs synchronously for everything a socket read brought and returns
-    True to finish; `on_idle(last_stream_seq)` runs when the server reports, while we are
+    `on_batch(runs)` runs synchronously for everything a socket read brought (gap-free Runs, in
+    order) and returns True to finish; `on_idle(last_stream_seq)` runs when the server reports, while we are
     caught up, that it has nothing more (0 when unknown). An exception raised by either ends
     the consumer and propagates out of `run()`.
     """
 
-    def __init__(self, nc: NATS, stream: str, prefix: str, filters: list[str], *,
+    def __init__(self, nc: Connection, stream: str, prefix: str, filters: list[str], *,
                  start_seq: int | None, headers_only: bool, heartbeat_s: float,
-                 on_batch: Callable[[list[Delivery]], bool], on_idle: Callable[[int], None],
+                 on_batch: Callable[[list[Run]], bool], on_idle: Callable[[int], None],
                  after_create: Callable[[], Awaitable[None]] | None = None,
                  api: str = "$JS.API", timeout: float = 5.0) -> None:
         self.nc = nc
@@ -87,8 +84,6 @@ class PullConsumer:
         self.initial_pending = 0
         self.delivered = 0
         self._inbox = nc.new_inbox()
-        self._incoming: list[Msg] = []
-        self._drain_scheduled = False
         self._wake = asyncio.Event()
         self._failure: str | None = None
         self._error: BaseException | None = None
@@ -101,10 +96,10 @@ class PullConsumer:
         self._caught_up = False
 
     async def run(self) -> None:
-        sub = await self.nc.subscribe(
-            self._inbox, cb=self._on_msg,
-            pending_msgs_limit=PULL_BATCH * 4, pending_bytes_limit=self._max_bytes * 4,
-        )
+        if not isinstance(self.nc, Connection):
+            raise TypeError("the feed needs a kvcache.natsconn.Connection (for its fast lane)")
+        sub = await self.nc.subscribe(self._inbox)  # messages never reach its queue: the lane takes them
+        self.nc.add_lane(sub._id, self.prefix, self._on_lane)
         created = False
         try:
             info = await self._create()
@@ -133,6 +128,7 @@ class PullConsumer:
                     await self._pull()
         finally:
             self._done = True
+            self.nc.remove_lane(sub._id)
             try:
                 await sub.unsubscribe()
             except Exception:  # the connection may be gone; the server drops the interest anyway
@@ -199,71 +195,52 @@ class PullConsumer:
 
     # -------------------------------------------------------------- delivery path
 
-    async def _on_msg(self, msg: Msg) -> None:
-        self._incoming.append(msg)
-        if not self._drain_scheduled:
-            self._drain_scheduled = True
-            asyncio.get_running_loop().call_soon(self._drain)
-
-    def _drain(self) -> None:
-        self._drain_scheduled = False
-        msgs, self._incoming = self._incoming, []
+    def _on_lane(self, batch: list) -> None:
+        """Everything one socket read brought for this consumer: Runs and statuses, in order."""
         if self._done or self._failure or self._error:
             return
         self._last_activity = time.monotonic()
-        batch: list[Delivery] = []
-        plen = len(self.prefix)
-        next_cseq = self._next_cseq
-        for msg in msgs:
-            reply = msg.reply
-            # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>, or the
-            # 12+ token form with domain and account hash in front (ADR-15).
-            t = reply.split(".") if reply else None
-            if t is None or len(t) < 9 or t[1] != "ACK":
-                # A status speaks about everything before it: apply that first.
-                self._next_cseq = next_cseq
-                if batch:
-                    self._deliver(batch)
-                    batch = []
-                if self._done or self._error:
+        runs: list[Run] = []
+        for ev in batch:
+            if type(ev) is Run:
+                if ev.first_cseq != self._next_cseq:
+                    self._failure = f"consumer sequence gap: expected {self._next_cseq}, got {ev.first_cseq}"
                     break
-                self._status(msg)
-                if self._failure or self._error:
-                    break
+                self._next_cseq = ev.last_cseq + 1
+                runs.append(ev)
                 continue
-            i = 2 if len(t) == 9 else 4
-            cseq = int(t[i + 4])
-            if cseq != next_cseq:
-                self._failure = f"consumer sequence gap: expected {next_cseq}, got {cseq}"
+            # A status speaks about everything before it: apply that first.
+            if runs:
+                self._deliver(runs)
+                runs = []
+            if self._done or self._error:
                 break
-            next_cseq += 1
-            hdrs = msg.headers
-            batch.append((int(t[i + 3]), msg.subject[plen:],
-                          Operation.of(hdrs) if hdrs else Operation.PUT,
-                          msg.data, int(t[i + 5]), int(t[i + 6])))
-        self._next_cseq = next_cseq
-        if batch and not self._error:
-            self._deliver(batch)
+            self._status(ev)
+            if self._failure or self._error:
+                break
+        if runs and not self._error:
+            self._deliver(runs)
         self._last_activity = time.monotonic()  # a long write is not the server's silence
         if self._failure or self._error or self._done or self._pending_msgs <= PULL_BATCH // 2:
             self._wake.set()
 
-    def _deliver(self, batch: list[Delivery]) -> None:
-        n = len(batch)
+    def _deliver(self, runs: list[Run]) -> None:
+        n = sum(len(r.items) for r in runs)
         self._pending_msgs -= n
         self.delivered += n
-        self._caught_up = batch[-1][5] == 0
+        self._caught_up = runs[-1].last_pending == 0
         try:
-            if self.on_batch(batch):
+            if self.on_batch(runs):
                 self._done = True
         except BaseException as e:  # noqa: BLE001 - handed to run(), which raises it
             self._error = e
 
-    def _status(self, msg: Msg) -> None:
-        hdrs = msg.headers or {}
-        status = hdrs.get("Status", "")
-        desc = hdrs.get("Description", "")
-        if status == "100":
+    def _status(self, ev) -> None:
+        """A message on our inbox that is not a delivery: an HMsg with a status, mostly."""
+        hdrs = getattr(ev, "headers", None) or {}
+        status = getattr(ev, "status", 0)
+        desc = getattr(ev, "description", "")
+        if status == 100:
             # Idle heartbeat: it names the last consumer sequence the server sent. If that is
             # ahead of what we received, deliveries were lost on the way.
             last_c = int(hdrs.get("Nats-Last-Consumer", 0) or 0)
@@ -277,7 +254,7 @@ class PullConsumer:
                 except BaseException as e:  # noqa: BLE001
                     self._error = e
             return
-        if status in ("404", "408") or (status == "409" and any(d in desc for d in REQUEST_ENDED)):
+        if status in (404, 408) or (status == 409 and any(d in desc for d in REQUEST_ENDED)):
             # The pull request ended; what it did not deliver is no longer owed to us.
             pending = hdrs.get("Nats-Pending-Messages")
             if pending is not None:
@@ -286,7 +263,7 @@ class PullConsumer:
                 self._pending_msgs = 0  # cannot tell: assume nothing is owed and ask again
             self._pending_msgs = max(self._pending_msgs, 0)
             return
-        if status in ("409", "400", "503"):
+        if status in (409, 400, 503):
             self._failure = f"consumer ended: {status} {desc}".strip()
             return
         log.debug("ignoring status %s %s on %s", status, desc, self.stream)
@@ -295,7 +272,7 @@ class PullConsumer:
 class Feed:
     """Keeps one bucket's replica in step with its stream; owns its position and health."""
 
-    def __init__(self, nc: NATS, bucket: BucketConfig, replica: Replica, *,
+    def __init__(self, nc: Connection, bucket: BucketConfig, replica: Replica, *,
                  heartbeat_s: float = 2.0, timeout: float = 5.0,
                  on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self.nc = nc
@@ -520,14 +497,11 @@ class Feed:
         self._plan(info, reconcile=reconnected)
         return True
 
-    def _on_batch(self, batch: list[Delivery]) -> bool:
-        last = batch[-1]
-        top = self.meta.applied_seq
-        for d in batch:
-            if d[0] > top:
-                top = d[0]
+    def _on_batch(self, runs: list[Run]) -> bool:
+        last = runs[-1]
+        top = max(self.meta.applied_seq, max(r.top_sseq for r in runs))
         now = time.time_ns()
-        caught_up = last[5] == 0
+        caught_up = last.last_pending == 0
         # The new position is ours only once the batch is written: a failed write must leave
         # the feed where it was, so that the next consumer starts at this batch again.
         m = dataclasses.replace(self.meta, applied_seq=top, last_update_ns=now)
@@ -535,12 +509,13 @@ class Feed:
             m.fresh_at_ns = now
             if self._full and self._seen is None:
                 m.synced = True  # nothing to sweep: the last batch of the sync says so itself
-        self.replica.apply_ops(self.bucket, batch, m)
+        items = last.items if len(runs) == 1 else [it for r in runs for it in r.items]
+        self.replica.apply_items(self.bucket, items, m, deletes=any(r.deletes for r in runs))
         self.meta = m
         if self._seen is not None:
-            self._seen.update(lmdb_key(d[1]) for d in batch)
+            self._seen.update(lk for lk, _ in items)
         self._last_meta_write = now
-        self.last_msg_ns = last[4]
+        self.last_msg_ns = last.last_ts
         self.upstream_seq = max(self.upstream_seq, top)
         self.caught_up = caught_up
         if caught_up:
@@ -608,13 +583,14 @@ class Feed:
             live: set[bytes] = set()
             consumer: PullConsumer | None = None
 
-            def collect(batch: list[Delivery]) -> bool:
-                for d in batch:
-                    if d[2] is Operation.PUT:
-                        live.add(lmdb_key(d[1]))
-                    else:
-                        live.discard(lmdb_key(d[1]))
-                return batch[-1][5] == 0
+            def collect(runs: list[Run]) -> bool:
+                for r in runs:
+                    for lk, rec in r.items:
+                        if rec is not None:
+                            live.add(lk)
+                        else:
+                            live.discard(lk)
+                return runs[-1].last_pending == 0
 
             def idle(_last: int) -> None:
                 if consumer is not None:

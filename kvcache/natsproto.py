@@ -29,6 +29,13 @@ The reader keeps only the unparsed tail of a frame between feeds; a frame whose 
 has been parsed is not rescanned, so a big payload arriving in many reads costs linear time.
 
 `parse_ack(reply)` parses a JetStream ack subject into an `AckMeta`, or None.
+
+Fast lanes: `add_lane(sid, prefix_len)` marks a subscription as a KV consumer's delivery
+subject. Its messages with a JetStream ack reply then come out not as Msg/HMsg but folded into
+`Run` events: consecutive deliveries (consumer sequences without a gap) as replica items
+(`kvcache.record.item`: the key is the subject minus its first prefix_len bytes), so that the
+feed does no per-message work in Python. Anything else on that sid (heartbeats, pull-request
+statuses) stays an ordinary event, in order.
 """
 from __future__ import annotations
 
@@ -36,11 +43,13 @@ import json
 import re
 from typing import NamedTuple
 
+from kvcache.entry import Operation
 from kvcache.errors import ProtocolError
+from kvcache.record import item as _item
 
 __all__ = [
     "Msg", "HMsg", "Ping", "Pong", "Ok", "Err", "Info", "PING", "PONG", "OK",
-    "AckMeta", "NatsReader", "parse_ack", "decode_headers", "ProtocolError",
+    "AckMeta", "NatsReader", "Run", "parse_ack", "decode_headers", "ProtocolError",
 ]
 
 MAX_CONTROL_LINE = 4096
@@ -88,6 +97,35 @@ class Info(NamedTuple):
 PING = Ping()
 PONG = Pong()
 OK = Ok()
+
+RUN_FIELDS = ("sid", "first_cseq", "last_cseq", "top_sseq", "last_ts", "last_pending", "items",
+              "deletes")
+
+
+class Run:
+    """Consecutive fast-lane deliveries of one subscription: consumer sequences first_cseq ..
+    last_cseq without a gap, the highest stream sequence among them, the last one's timestamp
+    and pending count, `items` in delivery order and how many of them are deletes."""
+
+    __slots__ = RUN_FIELDS
+
+    def __init__(self, sid: int, cseq: int) -> None:
+        self.sid = sid
+        self.first_cseq = self.last_cseq = cseq
+        self.top_sseq = self.last_ts = self.last_pending = self.deletes = 0
+        self.items: list = []
+
+    def fields(self) -> tuple:
+        return tuple(getattr(self, f) for f in RUN_FIELDS)
+
+    def __eq__(self, other: object) -> bool:  # equal to the native Run with the same fields
+        fields = getattr(other, "fields", None)
+        return fields is not None and type(other).__name__ == "Run" and self.fields() == fields()
+
+    __hash__ = None  # mutable
+
+    def __repr__(self) -> str:
+        return f"Run(sid={self.sid}, cseq={self.first_cseq}..{self.last_cseq}, items={len(self.items)})"
 
 
 class AckMeta(NamedTuple):
@@ -179,6 +217,24 @@ def decode_headers(block: bytes) -> tuple[int, str, dict, dict | None]:
     return status, desc, headers, multi
 
 
+def _deliver(events: list, sid: int, ack: AckMeta, key: bytes, header_block: bytes,
+             payload: bytes) -> None:
+    """Fold one fast-lane delivery into the Run at the end of `events`, or start a new one."""
+    run = events[-1] if events else None
+    cseq = ack.consumer_seq
+    if type(run) is not Run or run.sid != sid or run.last_cseq + 1 != cseq:
+        run = Run(sid, cseq)
+        events.append(run)
+    op = Operation.of(decode_headers(header_block)[2]) if header_block else Operation.PUT
+    value = payload if op is Operation.PUT else None
+    run.items.append(_item(key, value, ack.stream_seq, ack.timestamp_ns))
+    run.deletes += value is None
+    run.last_cseq = cseq
+    run.top_sseq = max(run.top_sseq, ack.stream_seq)
+    run.last_ts = ack.timestamp_ns
+    run.last_pending = ack.pending
+
+
 def _size(tok: bytes, what: str) -> int:
     if not tok or len(tok) > 19 or not tok.isdigit():
         raise ProtocolError(f"nats: bad {what} field {tok[:32]!r}")
@@ -193,8 +249,16 @@ class NatsReader:
         self.max_payload = max_payload
         self._buf = bytearray()   # the unparsed tail of the previous feeds
         self._scan = 0            # where to resume looking for LF in an incomplete control line
-        self._pending = None      # (kind, sid, subject, reply, hdr_len, total_len, body_off)
+        self._pending = None      # (kind, sid, subject, reply, hdr_len, total_len, body_off, raw subject)
         self._broken = False
+        self._lanes: dict[int, int] = {}
+
+    def add_lane(self, sid: int, prefix_len: int) -> None:
+        """Fold this subscription's JetStream deliveries into Run events (module docstring)."""
+        self._lanes[sid] = prefix_len
+
+    def remove_lane(self, sid: int) -> None:
+        self._lanes.pop(sid, None)
 
     def buffered(self) -> int:
         """Bytes held between feeds (at most one partial frame)."""
@@ -252,14 +316,19 @@ class NatsReader:
                     pos = eol + 1
                     continue
                 self._pending = pend
-            kind, sid, subject, reply, hdr_len, total, body_off = pend
+            kind, sid, subject, reply, hdr_len, total, body_off, raw_subject = pend
             need = body_off + total + 2
             if end - pos < need:
                 return pos
             b = pos + body_off
             if buf[b + total] != 13 or buf[b + total + 1] != 10:
                 raise ProtocolError("nats: message payload not followed by CRLF")
-            if kind == 1:
+            plen = self._lanes.get(sid) if self._lanes else None
+            ack = parse_ack(reply) if plen is not None else None
+            if ack is not None and len(raw_subject) >= plen:
+                _deliver(events, sid, ack, raw_subject[plen:], bytes(buf[b:b + hdr_len]),
+                         bytes(buf[b + hdr_len:b + total]))
+            elif kind == 1:
                 events.append(Msg(sid, subject, reply, bytes(buf[b:b + total])))
             else:
                 status, desc, headers, multi = decode_headers(bytes(buf[b:b + hdr_len]))
@@ -298,7 +367,7 @@ class NatsReader:
             if total > self.max_payload:
                 raise ProtocolError(
                     f"nats: payload too large ({total} bytes, limit {self.max_payload})")
-            return (2 if hmsg else 1, sid, subject, reply, hdr_len, total, body_off)
+            return (2 if hmsg else 1, sid, subject, reply, hdr_len, total, body_off, args[0])
         if op == b"PING" and not rest.strip(_WS):
             events.append(PING)
         elif op == b"PONG" and not rest.strip(_WS):

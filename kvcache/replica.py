@@ -9,25 +9,23 @@ transaction held open pins old pages and makes the file grow under a busy writer
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import struct
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 import lmdb
 
-from .entry import Operation
 from .errors import ReplicaError
+from .record import (  # noqa: F401 - re-exported: the replica's record format
+    LONG_KEY_PREFIX, MAX_LMDB_KEY, RECORD, Record, decode_key, decode_record, encode_record,
+    Item, lkey_of, lmdb_key,
+)
 
 T = TypeVar("T")
 
 FORMAT_VERSION = 1
-RECORD = struct.Struct("<QQI")
-MAX_LMDB_KEY = 511
-LONG_KEY_PREFIX = b"\x00#"
 META_DB = b"__meta__"
 FORMAT_KEY = b"__format__"
 BUCKETS_KEY = b"__buckets__"  # configured bucket names, default first (for LocalReader)
@@ -55,49 +53,6 @@ class BucketMeta:
             return cls()
         data = json.loads(raw)
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
-
-
-@dataclass(slots=True)
-class Record:
-    key: str
-    value: bytes
-    revision: int
-    created: int
-
-
-def _lkey(raw: bytes) -> bytes:
-    if len(raw) <= MAX_LMDB_KEY and not raw.startswith(b"\x00"):
-        return raw
-    return LONG_KEY_PREFIX + hashlib.sha256(raw).digest()
-
-
-def lmdb_key(key: str) -> bytes:
-    """The LMDB key a NATS key is stored under: itself, or a digest when it is too long."""
-    return _lkey(key.encode())
-
-
-def encode_record(key_bytes: bytes, lkey: bytes, value: bytes, revision: int, created: int) -> bytes:
-    if lkey is key_bytes or lkey == key_bytes:
-        return RECORD.pack(revision, created, 0) + value
-    return RECORD.pack(revision, created, len(key_bytes)) + key_bytes + value
-
-
-def decode_record(lkey: bytes, raw: bytes) -> Record:
-    revision, created, klen = RECORD.unpack_from(raw)
-    start = RECORD.size
-    if klen:
-        key = raw[start : start + klen].decode()
-        start += klen
-    else:
-        key = lkey.decode()
-    return Record(key, raw[start:], revision, created)
-
-
-def decode_key(lkey: bytes, raw: bytes) -> str:
-    if not lkey.startswith(LONG_KEY_PREFIX):
-        return lkey.decode()
-    _, _, klen = RECORD.unpack_from(raw)
-    return raw[RECORD.size : RECORD.size + klen].decode()
 
 
 class Replica:
@@ -274,7 +229,7 @@ class Replica:
         def write(txn: lmdb.Transaction) -> None:
             for key, value, revision, created in puts:
                 kb = key.encode()
-                lkey = _lkey(kb)
+                lkey = lkey_of(kb)
                 txn.put(lkey, encode_record(kb, lkey, value, revision, created), db=db)
             for key in deletes:
                 txn.delete(lmdb_key(key), db=db)
@@ -282,36 +237,30 @@ class Replica:
 
         self._write(f"bucket {bucket}", write)
 
-    def apply_ops(self, bucket: str, ops: Sequence[tuple], meta: BucketMeta) -> None:
-        """Apply deliveries in stream order, and the position, in a single transaction.
-
-        Each op is `(revision, key, operation, value, created_ns, ...)` as the feed builds
-        them: PUT stores the value, DEL and PURGE remove the key.
-        """
+    def apply_items(self, bucket: str, items: Sequence[Item], meta: BucketMeta,
+                    deletes: bool = True) -> None:
+        """Apply delivered items (see record.item) in stream order, and the position, in a
+        single transaction. `deletes=False` promises that no item is a delete, so the whole
+        batch goes to LMDB in one putmulti call."""
         db = self.db(bucket)
         meta_key, meta_raw = bucket.encode(), meta.encode()
-        pack = RECORD.pack
-        put = Operation.PUT
 
         def write(txn: lmdb.Transaction) -> None:
             cur = txn.cursor(db=db)
-            items: list[tuple[bytes, bytes]] = []
-            for op in ops:
-                kb = op[1].encode()
-                if len(kb) > MAX_LMDB_KEY or kb[:1] == b"\x00":
-                    lkey = LONG_KEY_PREFIX + hashlib.sha256(kb).digest()
-                    rec = pack(op[0], op[4], len(kb)) + kb
-                else:
-                    lkey, rec = kb, pack(op[0], op[4], 0)
-                if op[2] is put:
-                    items.append((lkey, rec + op[3]))
-                else:
-                    if items:
-                        cur.putmulti(items)
-                        items = []
-                    txn.delete(lkey, db=db)
-            if items:
+            if not deletes:
                 cur.putmulti(items)
+            else:
+                run: list[Item] = []
+                for lk, rec in items:
+                    if rec is not None:
+                        run.append((lk, rec))
+                        continue
+                    if run:
+                        cur.putmulti(run)
+                        run = []
+                    txn.delete(lk, db=db)
+                if run:
+                    cur.putmulti(run)
             txn.put(meta_key, meta_raw, db=self._meta)
 
         self._write(f"bucket {bucket}", write)

@@ -17,6 +17,7 @@ from .commands import Commands, Stats
 from .config import BucketConfig, Config, ensure_dirs
 from .errors import BucketNotFound, UpstreamError
 from .feed import Feed
+from .natsconn import Connection
 from .natsserver import NatsServer
 from .replica import Replica
 from .router import Peer, Router
@@ -158,7 +159,7 @@ class Sidecar:
             # nats-py retries the first connect forever when reconnects are unlimited; a
             # sidecar that cannot reach NATS at start must say so and exit instead. So: a
             # bounded first attempt, then reconnect forever once we have been connected.
-            nc = nats.NATS()
+            nc = Connection()
             await nc.connect(**{**opts, "max_reconnect_attempts": 1})
             nc.options["max_reconnect_attempts"] = -1
             return nc

@@ -19,8 +19,10 @@ from nats.aio.client import Client as _NatsClient
 from nats.protocol.parser import Parser as _NatsParser
 
 from kvcache import natsproto as twin
+from kvcache.entry import Operation
 from kvcache.errors import ProtocolError
 from kvcache.natsproto import AckMeta, HMsg, Msg
+from kvcache.record import item
 from nats_vectors import ACK, ACK_LONG, VECTORS, hmsg_frame, msg_frame
 
 try:
@@ -54,7 +56,7 @@ def run(mod, chunks, **limits) -> tuple[list, str | None]:
 
 
 def typed(events: list) -> list:
-    return [(type(e).__name__, tuple(e)) for e in events]
+    return [(type(e).__name__, e.fields() if type(e).__name__ == "Run" else tuple(e)) for e in events]
 
 
 # --------------------------------------------------------------------------- vectors
@@ -291,6 +293,8 @@ def mutate(rnd: random.Random, data: bytes) -> bytes:
 def fuzz_one(mod, data: bytes, cuts: list[int]):
     chunks = [data[a:b] for a, b in zip([0] + cuts, cuts + [len(data)])]
     reader = mod.NatsReader(**LIMITS)
+    for sid in range(16):   # the seeds' sids: their deliveries go through the fast lane too
+        reader.add_lane(sid, 4)
     events: list = []
     err = None
     t0 = time.perf_counter()
@@ -343,5 +347,199 @@ def test_no_reference_leaks(mod):
     for _ in range(200):
         reader.feed(wire)
         mod.parse_ack(ACK_LONG)
+    gc.collect()
+    assert len(gc.get_objects()) - before < 50
+
+
+# --------------------------------------------------------------------------- fast lanes
+
+LANE_SID = 7
+LANE_PREFIX = "$KV.config."
+
+
+def lane_ack(sseq: int, cseq: int, pending: int = 0, long_form: bool = False) -> str:
+    ts = 1_700_000_000_000_000_000 + sseq
+    if long_form:
+        return f"$JS.ACK.hub.ACCHASH.KV_config.cons.1.{sseq}.{cseq}.{ts}.{pending}.tok"
+    return f"$JS.ACK.KV_config.cons.1.{sseq}.{cseq}.{ts}.{pending}"
+
+
+def lane_frame(key: str, sseq: int, cseq: int, op: str | None = None, value: bytes = b"",
+               extra: bytes = b"", sid: int = LANE_SID, **kw) -> bytes:
+    subject = LANE_PREFIX + key
+    reply = lane_ack(sseq, cseq, **kw)
+    if op is None and not extra:
+        return msg_frame(subject, sid, reply, value)
+    block = b"NATS/1.0\r\n" + extra + (f"KV-Operation: {op}\r\n".encode() if op else b"") + b"\r\n"
+    return hmsg_frame(subject, sid, reply, block, value)
+
+
+def merged(events: list) -> list:
+    """Runs of one sid with consecutive consumer sequences joined: how a reader fed in pieces
+    may cut them is not part of the contract."""
+    out: list = []
+    for e in events:
+        if type(e).__name__ == "Run":
+            prev = out[-1] if out else None
+            if prev and prev[0] == "Run" and prev[1] == e.sid and prev[3] + 1 == e.first_cseq:
+                out[-1] = ("Run", e.sid, prev[2], e.last_cseq, max(prev[4], e.top_sseq), e.last_ts,
+                           e.last_pending, prev[7] + e.items, prev[8] + e.deletes)
+            else:
+                out.append(("Run",) + e.fields())
+        else:
+            out.append((type(e).__name__, tuple(e)))
+    return out
+
+
+def expected_run(first_cseq: int, deliveries: list[tuple[str, int, bytes | None]], pending: int = 0) -> tuple:
+    """(key, stream seq, value or None for a delete) in order, consumer sequences from first_cseq."""
+    items = [item(k.encode(), v, seq, 1_700_000_000_000_000_000 + seq) for k, seq, v in deliveries]
+    last = deliveries[-1][1]
+    return ("Run", LANE_SID, first_cseq, first_cseq + len(deliveries) - 1,
+            max(seq for _, seq, _ in deliveries), 1_700_000_000_000_000_000 + last, pending, items,
+            sum(v is None for _, _, v in deliveries))
+
+
+HEARTBEAT = hmsg_frame("_INBOX.feed", LANE_SID, "", b"NATS/1.0 100 Idle Heartbeat\r\nNats-Last-Consumer: 3\r\n"
+                       b"Nats-Last-Stream: 12\r\n\r\n", b"")
+LONG_KEY = "long." + "x" * 600
+
+LANE_VECTORS = [
+    ("puts in one run",
+     lane_frame("a", 10, 1, value=b"1") + lane_frame("b", 11, 2, value=b"22") + lane_frame("c", 12, 3, value=b""),
+     [expected_run(1, [("a", 10, b"1"), ("b", 11, b"22"), ("c", 12, b"")])]),
+    ("deletes, purges and markers",
+     lane_frame("a", 10, 1, op="DEL") + lane_frame("b", 11, 2, op="purge", value=b"ignored")
+     + lane_frame("c", 12, 3, op="PUT", value=b"v") + lane_frame("d", 13, 4, extra=b"Nats-Marker-Reason: MaxAge\r\n")
+     + lane_frame("e", 14, 5, extra=b"Nats-Msg-Id: x\r\n", value=b"kept")
+     + lane_frame("f", 15, 6, op="bogus", value=b"a put"),
+     [expected_run(1, [("a", 10, None), ("b", 11, None), ("c", 12, b"v"), ("d", 13, None),
+                       ("e", 14, b"kept"), ("f", 15, b"a put")])]),
+    ("a gap starts a new run; statuses stay events, in order",
+     lane_frame("a", 10, 1, value=b"1") + lane_frame("b", 11, 2, value=b"2") + HEARTBEAT
+     + lane_frame("c", 13, 4, value=b"3", pending=5),
+     [expected_run(1, [("a", 10, b"1"), ("b", 11, b"2")]),
+      ("HMsg", (LANE_SID, "_INBOX.feed", "", 100, "Idle Heartbeat",
+                {"Nats-Last-Consumer": "3", "Nats-Last-Stream": "12"}, b"", None)),
+      expected_run(4, [("c", 13, b"3")], pending=5)]),
+    ("subject order: the top stream sequence is the highest, not the last",
+     lane_frame("a", 50, 1, value=b"1") + lane_frame("b", 20, 2, value=b"2", long_form=True),
+     [expected_run(1, [("a", 50, b"1"), ("b", 20, b"2")])]),
+    ("long keys are stored under a digest with the key in the record",
+     lane_frame(LONG_KEY, 10, 1, value=b"L") + lane_frame(LONG_KEY, 11, 2, op="DEL"),
+     [expected_run(1, [(LONG_KEY, 10, b"L"), (LONG_KEY, 11, None)])]),
+    ("other sids and non-ack replies are ordinary messages",
+     msg_frame("$KV.config.x", 8, lane_ack(1, 1), b"v") + msg_frame("$KV.config.y", LANE_SID, "_INBOX.r", b"w")
+     + lane_frame("z", 3, 1, value=b"z"),
+     [("Msg", (8, "$KV.config.x", lane_ack(1, 1), b"v")), ("Msg", (LANE_SID, "$KV.config.y", "_INBOX.r", b"w")),
+      expected_run(1, [("z", 3, b"z")])]),
+]
+
+
+def lane_run(mod, chunks: list[bytes]) -> list:
+    reader = mod.NatsReader()
+    reader.add_lane(LANE_SID, len(LANE_PREFIX))
+    events: list = []
+    for chunk in chunks:
+        events += reader.feed(chunk)
+    return events
+
+
+@pytest.mark.parametrize("mod", IMPLS)
+@pytest.mark.parametrize("name,wire,expected", LANE_VECTORS, ids=[v[0] for v in LANE_VECTORS])
+def test_lane_vector(mod, name, wire, expected):
+    for chunks in splits(wire):
+        assert merged(lane_run(mod, chunks)) == expected, (name, [len(c) for c in chunks])
+
+
+@pytest.mark.parametrize("mod", IMPLS)
+def test_lane_can_be_removed(mod):
+    reader = mod.NatsReader()
+    reader.add_lane(LANE_SID, len(LANE_PREFIX))
+    assert type(reader.feed(lane_frame("a", 1, 1, value=b"v"))[0]).__name__ == "Run"
+    reader.remove_lane(LANE_SID)
+    reader.remove_lane(12345)   # not a lane: nothing happens
+    assert type(reader.feed(lane_frame("a", 2, 2, value=b"v"))[0]) is Msg
+
+
+_lane_key = st.one_of(st.lists(_tok, min_size=1, max_size=4).map(".".join), st.just(LONG_KEY))
+
+
+@st.composite
+def lane_stream(draw) -> bytes:
+    frames_: list[bytes] = []
+    cseq = draw(st.integers(1, 5))
+    for _ in range(draw(st.integers(1, 12))):
+        kind = draw(st.sampled_from(["put", "put", "hdr", "del", "marker", "gap", "status", "other"]))
+        seq = draw(st.integers(1, 2**40))
+        key = draw(_lane_key)
+        value = draw(st.binary(max_size=40))
+        if kind == "status":
+            frames_.append(HEARTBEAT)
+            continue
+        if kind == "other":
+            frames_.append(draw(frames()))
+            continue
+        if kind == "gap":
+            cseq += draw(st.integers(2, 4))
+        extra = b"Nats-Marker-Reason: Purge\r\n" if kind == "marker" else (
+            b"Nats-Expected-Last-Subject-Sequence: 3\r\n" if kind == "hdr" else b"")
+        op = draw(st.sampled_from(["DEL", "PURGE", "del"])) if kind == "del" else None
+        frames_.append(lane_frame(key, seq, cseq, op=op, value=value, extra=extra,
+                                  pending=draw(st.integers(0, 9)), long_form=draw(st.booleans())))
+        cseq += 1
+    return b"".join(frames_)
+
+
+def lane_reference(wire: bytes) -> list:
+    """What the lane must produce, computed from the ordinary events of a reader without
+    lanes: one item per delivery, by kvcache.record.item and Operation.of."""
+    out: list = []
+    for e in twin.NatsReader().feed(wire):
+        ack = twin.parse_ack(e.reply) if e.sid == LANE_SID else None
+        if ack is None or not e.subject.startswith(LANE_PREFIX):
+            out.append((type(e).__name__, tuple(e)))
+            continue
+        hdrs = e.headers if type(e) is HMsg else None
+        value = e.payload if Operation.of(hdrs) is Operation.PUT else None
+        key = e.subject[len(LANE_PREFIX):].encode()
+        prev = out[-1] if out else None
+        it = item(key, value, ack.stream_seq, ack.timestamp_ns)
+        if prev and prev[0] == "Run" and prev[3] + 1 == ack.consumer_seq:
+            out[-1] = ("Run", LANE_SID, prev[2], ack.consumer_seq, max(prev[4], ack.stream_seq),
+                       ack.timestamp_ns, ack.pending, prev[7] + [it], prev[8] + (value is None))
+        else:
+            out.append(("Run", LANE_SID, ack.consumer_seq, ack.consumer_seq, ack.stream_seq,
+                        ack.timestamp_ns, ack.pending, [it], int(value is None)))
+    return out
+
+
+@pytest.mark.parametrize("mod", IMPLS)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lane_stream(), st.randoms(use_true_random=False))
+def test_lane_matches_the_ordinary_path(mod, wire, rnd):
+    cuts = sorted(rnd.sample(range(1, len(wire)), min(3, len(wire) - 1)))
+    chunks = [wire[a:b] for a, b in zip([0] + cuts, cuts + [len(wire)])]
+    assert merged(lane_run(mod, chunks)) == lane_reference(wire)
+
+
+@pytest.mark.parametrize("mod", IMPLS)
+def test_lane_has_no_reference_leaks(mod):
+    import gc
+    import sys
+    wire = b"".join(v[1] for v in LANE_VECTORS)
+    runs = [e for e in lane_run(mod, [wire]) if type(e).__name__ == "Run"]
+    for run_ in runs:
+        assert sys.getrefcount(run_) == 3
+        for it in run_.items:
+            assert sys.getrefcount(it) == 3
+            rec = it[1]
+            if rec is not None:
+                assert sys.getrefcount(rec) == 3   # the item, the variable, the argument
+    del runs, run_, it, rec
+    gc.collect()
+    before = len(gc.get_objects())
+    for _ in range(200):
+        lane_run(mod, [wire])
     gc.collect()
     assert len(gc.get_objects()) - before < 50

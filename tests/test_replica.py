@@ -8,6 +8,7 @@ import pytest
 
 from kvcache.entry import Operation
 from kvcache.errors import ReplicaError
+from kvcache.record import item
 from kvcache.replica import (FORMAT_KEY, FORMAT_VERSION, LONG_KEY_PREFIX, MAX_LMDB_KEY, META_DB,
                              BucketMeta, Replica, lmdb_key)
 
@@ -25,8 +26,9 @@ def replica(tmp_path):
 
 
 def op(rev: int, key: str, value: bytes | None = None, operation: Operation = PUT, created: int = 0):
-    """A delivery as the feed hands it over: (revision, key, operation, value, created, pending)."""
-    return (rev, key, operation, value if value is not None else b"", created or 1_700_000_000_000_000_000 + rev, 0)
+    """A delivery as the feed hands it over: (LMDB key, record), or (LMDB key, None) for a delete."""
+    value = (value if value is not None else b"") if operation is PUT else None
+    return item(key.encode(), value, rev, created or 1_700_000_000_000_000_000 + rev)
 
 
 def meta_at(seq: int, **kw) -> BucketMeta:
@@ -41,7 +43,7 @@ def test_records_round_trip(replica):
         "big": os.urandom(512 * 1024),
     }
     ops = [op(i + 1, k, v, created=1_700_000_000_123_456_789 + i) for i, (k, v) in enumerate(values.items())]
-    replica.apply_ops("b", ops, meta_at(len(ops)))
+    replica.apply_items("b", ops, meta_at(len(ops)))
     for i, (key, value) in enumerate(values.items()):
         rec = replica.get("b", key)
         assert rec is not None
@@ -62,11 +64,11 @@ def test_apply_with_separate_puts_and_deletes(replica):
 
 
 def test_operations_apply_in_stream_order(replica):
-    replica.apply_ops("b", [op(1, "k", b"v1"), op(2, "k", operation=DEL), op(3, "k", b"v3"),
+    replica.apply_items("b", [op(1, "k", b"v1"), op(2, "k", operation=DEL), op(3, "k", b"v3"),
                             op(4, "gone", b"x"), op(5, "gone", operation=PURGE)], meta_at(5))
     assert replica.get("b", "k").value == b"v3"
     assert replica.get("b", "gone") is None
-    replica.apply_ops("b", [op(6, "k", operation=DEL), op(7, "never-there", operation=DEL)], meta_at(7))
+    replica.apply_items("b", [op(6, "k", operation=DEL), op(7, "never-there", operation=DEL)], meta_at(7))
     assert replica.get("b", "k") is None
     assert replica.count("b") == 0
 
@@ -75,7 +77,7 @@ def test_long_keys_stored_under_a_digest(replica):
     long_key = "long." + ".".join(["segment-0123456789"] * 40)  # ~760 bytes
     edge = "e" * MAX_LMDB_KEY  # the longest key stored as itself
     assert len(long_key.encode()) > MAX_LMDB_KEY
-    replica.apply_ops("b", [op(1, long_key, b"L"), op(2, edge, b"E"), op(3, "short", b"S")], meta_at(3))
+    replica.apply_items("b", [op(1, long_key, b"L"), op(2, edge, b"E"), op(3, "short", b"S")], meta_at(3))
 
     lkey = lmdb_key(long_key)
     assert lkey.startswith(LONG_KEY_PREFIX) and len(lkey) < MAX_LMDB_KEY
@@ -87,14 +89,14 @@ def test_long_keys_stored_under_a_digest(replica):
     assert replica.revision("b", lkey) == 1
 
     # Long keys are deleted by their full text too.
-    replica.apply_ops("b", [op(4, long_key, operation=DEL)], meta_at(4))
+    replica.apply_items("b", [op(4, long_key, operation=DEL)], meta_at(4))
     assert replica.get("b", long_key) is None
     assert sorted(k for _, k in replica.iter_keys("b")) == sorted([edge, "short"])
 
 
 def test_iter_keys_pages_and_delete_lkeys(replica):
     keys = [f"k.{i:03d}" for i in range(25)]
-    replica.apply_ops("b", [op(i + 1, k, b"v") for i, k in enumerate(keys)], meta_at(25))
+    replica.apply_items("b", [op(i + 1, k, b"v") for i, k in enumerate(keys)], meta_at(25))
     first = list(replica.iter_keys("b", limit=10))
     rest = list(replica.iter_keys("b", after=first[-1][0]))
     assert [k for _, k in first + rest] == keys
@@ -105,7 +107,7 @@ def test_iter_keys_pages_and_delete_lkeys(replica):
 def test_apply_writes_data_and_position_in_one_transaction(tmp_path):
     r = Replica(str(tmp_path / "replica"), map_size=MiB, max_map_size=4 * MiB)
     try:
-        r.apply_ops("b", [op(i + 1, f"k{i}", b"v" * 100) for i in range(100)], meta_at(100))
+        r.apply_items("b", [op(i + 1, f"k{i}", b"v" * 100) for i in range(100)], meta_at(100))
         # One read transaction sees the data and the position that describes it.
         with r.env.begin() as txn:
             meta = BucketMeta.decode(txn.get(b"b", db=r.db_ro(META_DB)))
@@ -115,7 +117,7 @@ def test_apply_writes_data_and_position_in_one_transaction(tmp_path):
         # A batch that cannot be written leaves neither its data nor its position behind.
         too_big = [op(101, "huge", os.urandom(3 * MiB)), op(102, "huge2", os.urandom(3 * MiB))]
         with pytest.raises(ReplicaError):
-            r.apply_ops("b", too_big, meta_at(102))
+            r.apply_items("b", too_big, meta_at(102))
         assert r.meta("b").applied_seq == 100
         assert r.get("b", "huge") is None and r.get("b", "huge2") is None
         assert r.count("b") == 100
@@ -134,7 +136,7 @@ def test_map_grows_when_full(tmp_path):
             for _ in range(8):
                 seq += 1
                 ops.append(op(seq, f"k.{seq:03d}", value))
-            r.apply_ops("b", ops, meta_at(seq))
+            r.apply_items("b", ops, meta_at(seq))
         assert r.map_size() >= 20 * MiB
         assert r.count("b") == 80
         assert r.get("b", "k.001").value == value and r.get("b", "k.080").value == value
@@ -153,7 +155,7 @@ def test_max_map_size_reached_is_a_clear_error_and_the_replica_stays_readable(tm
         written = 0
         with pytest.raises(ReplicaError) as err:
             for i in range(1, 200):
-                r.apply_ops("b", [op(i, f"k.{i:03d}", value)], meta_at(i))
+                r.apply_items("b", [op(i, f"k.{i:03d}", value)], meta_at(i))
                 written = i
         assert "max_map_size_mb=4" in str(err.value) and "full" in str(err.value)
         assert 10 < written < 40
@@ -187,7 +189,7 @@ def test_meta_round_trip_and_unknown_fields(replica):
 def test_format_version_mismatch_wipes_the_replica(tmp_path):
     path = str(tmp_path / "replica")
     r = Replica(path, map_size=4 * MiB)
-    r.apply_ops("b", [op(1, "k", b"v")], meta_at(1))
+    r.apply_items("b", [op(1, "k", b"v")], meta_at(1))
     r.set_buckets(["b"])
     r.close()
 
@@ -209,7 +211,7 @@ def test_format_version_mismatch_wipes_the_replica(tmp_path):
         with r.env.begin(db=r.db_ro(META_DB)) as txn:
             assert txn.get(FORMAT_KEY) == str(FORMAT_VERSION).encode()
         # ...and it is writable again at once.
-        r.apply_ops("b", [op(1, "k2", b"v2")], meta_at(1))
+        r.apply_items("b", [op(1, "k2", b"v2")], meta_at(1))
         assert r.get("b", "k2").value == b"v2"
     finally:
         r.close()

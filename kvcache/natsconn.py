@@ -1,0 +1,119 @@
+"""The sidecar's NATS connections: nats-py, reading the wire with kvcache's NatsReader.
+
+nats-py keeps doing what it does well (connecting, reconnecting, auth, TLS, requests, the
+JetStream API); only its regex parser is replaced. `Connection` installs a parser adapter that
+feeds the native reader (or its pure-Python twin) and hands the events to nats-py's own
+`_process_*` hooks, with headers already decoded. It also opens **fast lanes**: a subscription
+registered with `add_lane()` gets its JetStream deliveries as `Run` batches, synchronously, once
+per socket read, instead of one `Msg` object, queue entry and coroutine step per message.
+
+This leans on nats-py internals (`_ps`, `_process_msg` and friends, stable since 2.0); the
+version range in pyproject.toml is the one these were checked against, and
+tests/test_natsconn.py runs the adapter against a real server.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import nats.errors
+from nats.aio.client import Client
+
+from . import native
+from .errors import ProtocolError
+
+proto = native.pick("natsproto", "natsproto")
+_Msg, _HMsg, _Run = proto.Msg, proto.HMsg, proto.Run
+_Ping, _Pong, _Info, _Err = type(proto.PING), type(proto.PONG), proto.Info, proto.Err
+
+# A lane handler gets, in wire order, everything one socket read brought for its sid: Run
+# batches and the ordinary HMsg/Msg events in between (heartbeats, pull statuses).
+LaneHandler = Callable[[list], None]
+
+
+def nats_headers(ev) -> dict | None:
+    """nats-py's view of an HMsg's headers: inline status as `Status`/`Description`."""
+    if not ev.status:
+        return ev.headers or None
+    hdrs = dict(ev.headers)
+    hdrs["Status"] = f"{ev.status:03d}"
+    if ev.description:
+        hdrs["Description"] = ev.description
+    return hdrs
+
+
+class _Parser:
+    """Stands in for nats.protocol.parser.Parser: same `parse()` and `reset()`."""
+
+    def __init__(self, nc: "Connection") -> None:
+        self.nc = nc
+        self.lanes: dict[int, tuple[int, LaneHandler]] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        """A new connection starts a new stream of bytes (nats-py calls this on reconnect)."""
+        self.reader = proto.NatsReader()
+        for sid, (prefix_len, _) in self.lanes.items():
+            self.reader.add_lane(sid, prefix_len)
+
+    async def parse(self, data: bytes = b"") -> None:
+        error = None
+        try:
+            events = self.reader.feed(data)
+        except ProtocolError as e:
+            events, error = e.events, e
+        nc = self.nc
+        lanes = self.lanes
+        batches: dict[int, list] | None = None
+        for ev in events:
+            t = type(ev)
+            if t is _Run or ((t is _HMsg or t is _Msg) and ev.sid in lanes):
+                if batches is None:
+                    batches = {}
+                batches.setdefault(ev.sid, []).append(ev)
+            elif t is _HMsg:
+                await nc._process_msg(ev.sid, ev.subject.encode(), ev.reply.encode(), ev.payload,
+                                      nats_headers(ev))
+            elif t is _Msg:
+                await nc._process_msg(ev.sid, ev.subject.encode(), ev.reply.encode(), ev.payload, None)
+            elif t is _Ping:
+                await nc._process_ping()
+            elif t is _Pong:
+                await nc._process_pong()
+            elif t is _Info:
+                await nc._process_info(ev.info)
+            elif t is _Err:
+                await nc._process_err(f"'{ev.text.lower()}'")
+            # +OK: nothing to do
+        if batches:
+            stats = nc.stats
+            for sid, batch in batches.items():
+                lane = lanes.get(sid)
+                if lane is None:   # removed meanwhile: the subscription is gone
+                    continue
+                stats["in_msgs"] += sum(len(ev.items) if type(ev) is _Run else 1 for ev in batch)
+                lane[1](batch)
+        if error is not None:
+            raise nats.errors.ProtocolError() from error
+
+
+class Connection(Client):
+    """A nats-py client whose wire reader is kvcache's, with fast lanes for the feed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ps = _Parser(self)  # type: ignore[assignment]
+
+    async def _process_headers(self, headers):  # noqa: D401 - nats-py hook
+        # The reader has decoded them already (see nats_headers).
+        return headers
+
+    def add_lane(self, sid: int, prefix: str, handler: LaneHandler) -> None:
+        """Deliver the JetStream messages of subscription `sid` to `handler` in Run batches;
+        keys are the subjects without `prefix`."""
+        n = len(prefix.encode())
+        self._ps.lanes[sid] = (n, handler)
+        self._ps.reader.add_lane(sid, n)
+
+    def remove_lane(self, sid: int) -> None:
+        self._ps.lanes.pop(sid, None)
+        self._ps.reader.remove_lane(sid)
