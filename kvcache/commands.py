@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Awaitable, Callable, Union
 
 from . import __version__, resp
+from .accesslog import AccessLog
 from .config import BucketConfig
 from .entry import Entry, Operation
 from .errors import KvcacheError
@@ -106,8 +107,12 @@ class Commands:
         self.replica = sidecar.replica
         self.stats = sidecar.stats
         self._cursors: OrderedDict[int, tuple[str, bytes]] = OrderedDict()
+        self.access = AccessLog.from_config(self.cfg)
         # The server's GET fast path: raw key -> how to read it locally (see local_plan).
+        # With the access log on, the fast path gets no plans (every GET comes through
+        # dispatch, where reads are logged) and MGET/EXISTS keep theirs to themselves.
         self.plans: dict[bytes, tuple | bool] = {}
+        self._plans = {} if self.access.enabled else self.plans
         self._next_cursor = 1
         self._table: dict[bytes, Callable[["Connection", list[bytes]], Reply]] = {
             b"get": self.get, b"mget": self.mget, b"exists": self.exists,
@@ -155,7 +160,13 @@ class Commands:
         """For the server's GET fast path: `(feed, max_stale_ms, db, lmdb key, value offset or
         None)` when `raw` names a valid key inside its bucket's filters, cached; False when the
         key is invalid or remote (the generic path answers it: error or fallback read).
-        Freshness is not part of the plan: the caller checks it (once per batch)."""
+        Freshness is not part of the plan: the caller checks it (once per batch).
+        Always False while the access log is on, so that GETs reach `get` and are logged."""
+        if self.access.enabled:
+            return False
+        return self._plan(raw)
+
+    def _plan(self, raw: bytes) -> tuple | bool:
         try:
             bc, key = self.resolve(raw)
         except CommandError:
@@ -166,9 +177,9 @@ class Commands:
             lkey = lmdb_key(key)
             plan = (self.sc.feeds[bc.name], bc.max_stale_ms, self.replica.db(bc.name), lkey,
                     None if lkey.startswith(LONG_KEY_PREFIX) else RECORD.size)
-        if len(self.plans) >= PLAN_CACHE:
-            self.plans.clear()
-        self.plans[raw] = plan
+        if len(self._plans) >= PLAN_CACHE:
+            self._plans.clear()
+        self._plans[raw] = plan
         return plan
 
     def local_ok(self, bc: BucketConfig, key: str, max_stale_ms: int | None = None) -> bool:
@@ -181,20 +192,32 @@ class Commands:
     @arity(2)
     def get(self, conn: "Connection", args: list[bytes]) -> Reply:
         bc, key = self.resolve(args[1])
+        t0 = self._t0()
         if self.local_ok(bc, key):
             rec = self.replica.get(bc.name, key)
             self.stats.gets_local += 1
+            self._log(t0, bc.name, key, "local", rec is not None, "GET")
             if rec is None:
                 self.stats.gets_notfound += 1
                 return resp.null(conn.proto)
             return resp.bulk(rec.value, conn.proto)
-        return self._remote_value(conn, bc, key)
+        return self._remote_value(conn, bc, key, t0)
 
-    async def _remote_value(self, conn: "Connection", bc: BucketConfig, key: str) -> bytes:
-        entry = await self.remote_entry(bc, key)
+    async def _remote_value(self, conn: "Connection", bc: BucketConfig, key: str, t0: int = 0) -> bytes:
+        entry = await self.remote_entry(bc, key, t0=t0, command="GET")
         return resp.bulk(entry.value if entry else None, conn.proto)
 
-    async def remote_entry(self, bc: BucketConfig, key: str, strong: bool = False) -> Entry | None:
+    def _t0(self) -> int:
+        """Start time for the access log's latency; 0 (no clock read) when the log is off."""
+        return time.perf_counter_ns() if self.access.enabled else 0
+
+    def _log(self, t0: int, bucket: str, key: str, source: str, hit: bool, command: str) -> None:
+        """One read into the access log, if sampled."""
+        if t0 and self.access.sampled():
+            self.access.record(bucket, key, source, hit, (time.perf_counter_ns() - t0) // 1000, command)
+
+    async def remote_entry(self, bc: BucketConfig, key: str, strong: bool = False, t0: int = 0,
+                           command: str = "KV.GET") -> Entry | None:
         """A fallback read; the replica's copy wins when it is newer (reads never go back)."""
         self.stats.gets_remote += 1
         try:
@@ -203,7 +226,9 @@ class Commands:
             self.stats.remote_errors += 1
             raise CommandError(f"ERR upstream read failed: {e}") from None
         entry = self._newest(bc, key, entry)
-        if entry is None or entry.operation is not Operation.PUT:
+        hit = entry is not None and entry.operation is Operation.PUT
+        self._log(t0, bc.name, key, entry.source if entry else "remote", hit, command)
+        if not hit:
             self.stats.gets_notfound += 1
             return None
         return entry
@@ -219,19 +244,20 @@ class Commands:
             return remote
         return Entry(bc.name, key, rec.value, rec.revision, rec.created, 0, Operation.PUT, "local")
 
-    def _lookup(self, raw_keys: list[bytes]) -> tuple[list[bytes | None], dict[str, list[tuple[int, str]]]]:
+    def _lookup(self, raw_keys: list[bytes], t0: int = 0,
+                command: str = "MGET") -> tuple[list[bytes | None], dict[str, list[tuple[int, str]]]]:
         """Local values for the keys the replica may answer (one read transaction for all),
         and the rest grouped by bucket. An invalid key fails the whole command."""
         values: list[bytes | None] = [None] * len(raw_keys)
         misses: dict[str, list[tuple[int, str]]] = {}
-        plans = self.plans
+        plans = self._plans
         txn = None
         local = notfound = 0
         try:
             for i, raw in enumerate(raw_keys):
                 plan = plans.get(raw)
                 if plan is None:
-                    plan = self.local_plan(raw)
+                    plan = self._plan(raw)
                 if not plan or not plan[0].fresh_enough(plan[1]):
                     bc, key = self.resolve(raw)  # raises for an invalid key
                     misses.setdefault(bc.name, []).append((i, key))
@@ -241,6 +267,9 @@ class Commands:
                     txn = self.replica.env.begin()
                 rec = txn.get(lkey, None, db)
                 local += 1
+                if t0:
+                    bc, key = self.resolve(raw)
+                    self._log(t0, bc.name, key, "local", rec is not None, command)
                 if rec is None:
                     notfound += 1
                 else:
@@ -255,19 +284,21 @@ class Commands:
 
     @arity(2, exact=False)
     def mget(self, conn: "Connection", args: list[bytes]) -> Reply:
-        values, misses = self._lookup(args[1:])
+        t0 = self._t0()
+        values, misses = self._lookup(args[1:], t0, "MGET")
         if not misses:
             return _values_reply(values, conn.proto)
-        return self._remote_many(values, misses, lambda: _values_reply(values, conn.proto))
+        return self._remote_many(values, misses, lambda: _values_reply(values, conn.proto), t0, "MGET")
 
     @arity(2, exact=False)
     def exists(self, conn: "Connection", args: list[bytes]) -> Reply:
-        values, misses = self._lookup(args[1:])
+        t0 = self._t0()
+        values, misses = self._lookup(args[1:], t0, "EXISTS")
         count = lambda: resp.integer(sum(v is not None for v in values))
-        return self._remote_many(values, misses, count) if misses else count()
+        return self._remote_many(values, misses, count, t0, "EXISTS") if misses else count()
 
     async def _remote_many(self, values: list[bytes | None], misses: dict[str, list[tuple[int, str]]],
-                           reply: Callable[[], bytes]) -> bytes:
+                           reply: Callable[[], bytes], t0: int = 0, command: str = "MGET") -> bytes:
         """Fill the misses with one batched multi_last read per bucket, then encode."""
         for bucket, wanted in misses.items():
             bc = self.cfg.bucket(bucket)
@@ -280,6 +311,8 @@ class Commands:
                 raise CommandError(f"ERR upstream read failed: {e}") from None
             for i, key in wanted:
                 entry = self._newest(bc, key, found.get(key))
+                self._log(t0, bucket, key, entry.source if entry else "remote",
+                          entry is not None and entry.operation is Operation.PUT, command)
                 if entry is None or entry.operation is not Operation.PUT:
                     self.stats.gets_notfound += 1
                 else:
@@ -295,28 +328,30 @@ class Commands:
             raise CommandError("ERR CONSISTENCY must be local or strong")
         max_stale = opts.get(b"maxstale")
         min_rev = opts.get(b"minrev")
+        t0 = self._t0()
         if consistency == "local" and min_rev is None and self.local_ok(bc, key, max_stale):
-            return self._local_entry(conn, bc, key)
-        return self._kv_get_remote(conn, bc, key, consistency == "strong", max_stale, min_rev)
+            return self._local_entry(conn, bc, key, t0)
+        return self._kv_get_remote(conn, bc, key, consistency == "strong", max_stale, min_rev, t0)
 
-    def _local_entry(self, conn: "Connection", bc: BucketConfig, key: str) -> bytes:
+    def _local_entry(self, conn: "Connection", bc: BucketConfig, key: str, t0: int = 0) -> bytes:
         self.stats.gets_local += 1
         rec = self.replica.get(bc.name, key)
+        self._log(t0, bc.name, key, "local", rec is not None, "KV.GET")
         if rec is None:
             self.stats.gets_notfound += 1
             return resp.null(conn.proto)
         return _entry_reply(Entry(bc.name, key, rec.value, rec.revision, rec.created), conn.proto)
 
     async def _kv_get_remote(self, conn: "Connection", bc: BucketConfig, key: str, strong: bool,
-                             max_stale: int | None, min_rev: int | None) -> bytes:
+                             max_stale: int | None, min_rev: int | None, t0: int = 0) -> bytes:
         if min_rev is not None and not strong:
             # A replicated key is served locally once the replica reaches the revision; any
             # other goes to the leader at once instead of waiting for sequences never applied.
             if self.sc.in_filters(bc.name, key) and await self.sc.feeds[bc.name].wait_applied(
                     min_rev, MINREV_WAIT_S) and self.local_ok(bc, key, max_stale):
-                return self._local_entry(conn, bc, key)
+                return self._local_entry(conn, bc, key, t0)
             strong = True  # the replica is behind the revision asked for: the leader has it
-        entry = await self.remote_entry(bc, key, strong=strong)
+        entry = await self.remote_entry(bc, key, strong=strong, t0=t0)
         if entry is None:
             return resp.null(conn.proto)
         return _entry_reply(entry, conn.proto)

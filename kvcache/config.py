@@ -62,6 +62,10 @@ class Config:
     map_size_mb: int = 1024
     max_map_size_mb: int = 1024 * 1024
     log_level: str = "info"
+    access_log_rate: float = 0.0  # share of reads recorded for `kvcache hotkeys`; 0 = off
+    access_log_dir: str | None = None  # default: <data_dir>/access-logs
+    access_log_max_bytes: int = 64 * 1024 * 1024  # rotate access.log at this size
+    access_log_files: int = 10  # rotated files kept (access.log.1 .. .N)
     nats: NatsConfig = field(default_factory=NatsConfig)
     buckets: list[BucketConfig] = field(default_factory=list)
     peers: list[PeerConfig] = field(default_factory=list)
@@ -260,6 +264,10 @@ def validate(cfg: Config) -> None:
                 raise ConfigError(f"bucket '{b.name}': invalid key filter '{f}'")
         if b.max_stale_ms < 0:
             raise ConfigError(f"bucket '{b.name}': max_stale_ms must not be negative")
+    if not 0.0 <= cfg.access_log_rate <= 1.0:
+        raise ConfigError(f"access_log_rate must be within 0 and 1, got {cfg.access_log_rate}")
+    if cfg.access_log_max_bytes <= 0 or cfg.access_log_files < 0:
+        raise ConfigError("access_log_max_bytes must be positive and access_log_files not negative")
     if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"log_level must be debug, info, warning or error, got '{cfg.log_level}'")
     peer_names = [p.name for p in cfg.peers]
