@@ -1,4 +1,4 @@
-"""`kvcache serve | get | info`: one clear line on stderr and a non-zero exit on any failure."""
+"""`kvcache serve | get | info | load | hotkeys`: one clear line on stderr and a non-zero exit on any failure."""
 from __future__ import annotations
 
 import argparse
@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls-cert", dest="nats_tls_cert", metavar="FILE")
     serve.add_argument("--tls-key", dest="nats_tls_key", metavar="FILE")
     serve.add_argument("--log-level", dest="log_level")
+    serve.add_argument("--access-log-rate", type=float, dest="access_log_rate", metavar="R",
+                       help="share of reads to record for `kvcache hotkeys` (0..1, default 0 = off)")
+    serve.add_argument("--access-log-dir", dest="access_log_dir", metavar="DIR",
+                       help="access log directory (default: <data-dir>/access-logs)")
+    serve.add_argument("--access-log-max-bytes", type=int, dest="access_log_max_bytes", metavar="N")
+    serve.add_argument("--access-log-files", type=int, dest="access_log_files", metavar="N")
 
     get = sub.add_parser("get", help="read a key through a running sidecar")
     _common(get)
@@ -65,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="show a running sidecar's INFO")
     _common(info)
     info.add_argument("section", nargs="?")
+
+    # The Spark jobs: their modules import pyspark only when they run.
+    from .pipeline import hotkeys as hotkeys_job, load as load_job
+    load_job.add_arguments(sub.add_parser("load", help="bulk-load a dataset into a KV bucket (Spark)"))
+    hotkeys_job.add_arguments(sub.add_parser("hotkeys", help="hot keys from sidecar access logs (Spark)"))
     return parser
 
 
@@ -74,6 +85,9 @@ _NOT_CONFIG = {"command", "config", "key", "entry", "section"}
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        if args.command in ("load", "hotkeys"):
+            from .pipeline import hotkeys, load as load_job
+            return (load_job if args.command == "load" else hotkeys).run(args)
         overrides = {k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}
         cfg = load(args.config, overrides=overrides)
         return {"serve": _serve, "get": _get, "info": _info}[args.command](cfg, args)
