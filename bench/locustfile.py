@@ -1,0 +1,146 @@
+"""locust load over the sidecar's Unix socket: an application's read mix, not a GET loop.
+
+    locust -f bench/locustfile.py --headless -u 50 -r 10 -t 30s --csv bench/results/locust \
+        --kv-socket /path/to/kvcache.sock
+
+(`python bench/compare.py --only locust` starts nats-server and the sidecar with a loaded
+bucket, runs exactly this, stops everything and prints the summary.)
+
+The bucket holds `hot.<NNNNNN>` keys, which the sidecar replicates (bucket filter `hot.>`),
+and `cold.<NNNNNN>` keys, which it does not: reading those goes to NATS (Direct Get). Each
+simulated user has its own connection and, between requests, waits --kv-wait-ms on average:
+
+| weight | request | what |
+|---:|---|---|
+| 70 | `GET hot (zipf)` | one key, Zipf-distributed over the hot keys (rank 1 most popular) |
+| 15 | `MGET 8 hot (zipf)` | eight keys drawn the same way |
+| 10 | `GET cold (remote)` | a key outside the replicated filter: the sidecar's Direct Get |
+| 5 | `GET missing` | a key inside the filter that does not exist: nil, answered locally |
+
+Values are checked (`value-<key>-xxx...`, 100 bytes, as compare.py writes them); a wrong value is a failure.
+
+kvcache.client.Client uses only the `socket` module, so under locust (gevent monkeypatches
+`socket`) it is cooperative: a user blocked on a reply lets the others run. locust's own
+percentiles round to whole milliseconds, too coarse here, so every response time is also kept
+and, with --kv-latency-out, written as microsecond percentiles per request name (JSON) when
+the test stops. Single process: locust runs here without workers.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+from locust import User, events, task
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the keyspace as compare.py loads it (importing compare puts this checkout's kvcache first)
+from compare import COLD_PREFIX, HOT_PREFIX, key_name, percentiles, value_of  # noqa: E402
+
+from kvcache.client import Client  # noqa: E402
+
+
+def zipf_cum_weights(n: int, s: float) -> list[float]:
+    """Cumulative weights of ranks 1..n under Zipf(s), for random.choices(cum_weights=...)."""
+    return list(itertools.accumulate(1.0 / r ** s for r in range(1, n + 1)))
+
+
+@events.init_command_line_parser.add_listener
+def _options(parser) -> None:
+    group = parser.add_argument_group("kvcache")
+    group.add_argument("--kv-socket", default="kvcache-data/kvcache.sock", env_var="KVBENCH_SOCKET",
+                       help="the sidecar's Unix socket")
+    group.add_argument("--kv-hot-keys", type=int, default=10_000, env_var="KVBENCH_HOT_KEYS",
+                       help="hot.000000.. keys the sidecar replicates")
+    group.add_argument("--kv-cold-keys", type=int, default=10_000, env_var="KVBENCH_COLD_KEYS",
+                       help="cold.000000.. keys it does not (read remotely)")
+    group.add_argument("--kv-zipf", type=float, default=1.1, env_var="KVBENCH_ZIPF",
+                       help="Zipf exponent of the hot-key popularity")
+    group.add_argument("--kv-wait-ms", type=float, default=10.0, env_var="KVBENCH_WAIT_MS",
+                       help="mean think time between a user's requests (uniform 0.5x..1.5x)")
+    group.add_argument("--kv-latency-out", default="", env_var="KVBENCH_LATENCY_OUT",
+                       help="write microsecond percentiles per request name to this JSON file")
+
+
+_samples: dict[str, list[float]] = {}
+_cum_weights: list[float] = []
+
+
+@events.test_start.add_listener
+def _start(environment, **_kw) -> None:
+    opts = environment.parsed_options
+    _cum_weights[:] = zipf_cum_weights(opts.kv_hot_keys, opts.kv_zipf)
+    _samples.clear()
+
+
+@events.test_stop.add_listener
+def _stop(environment, **_kw) -> None:
+    out = environment.parsed_options.kv_latency_out
+    if out and _samples:
+        summary = {name: percentiles(xs) for name, xs in sorted(_samples.items())}
+        summary["Aggregated"] = percentiles([x for xs in _samples.values() for x in xs])
+        Path(out).write_text(json.dumps(summary, indent=1) + "\n")
+
+
+class KvcacheUser(User):
+    """One application connection to the sidecar."""
+
+    _wait_ms = 10.0
+
+    def wait_time(self) -> float:
+        return self._rng.uniform(0.0005 * self._wait_ms, 0.0015 * self._wait_ms)
+
+    def on_start(self) -> None:
+        opts = self.environment.parsed_options
+        self._wait_ms = opts.kv_wait_ms
+        self._hot, self._cold = opts.kv_hot_keys, opts.kv_cold_keys
+        self._rng = random.Random()
+        self._client = Client(opts.kv_socket, timeout=5)
+
+    def on_stop(self) -> None:
+        self._client.close()
+
+    def _hot_keys(self, k: int) -> list[str]:
+        ranks = self._rng.choices(range(self._hot), cum_weights=_cum_weights, k=k)
+        return [key_name(HOT_PREFIX, r) for r in ranks]
+
+    def _request(self, kind: str, name: str, call, expected) -> None:
+        exc: Exception | None = None
+        length = 0
+        t0 = time.perf_counter()
+        try:
+            reply = call()
+            elapsed = time.perf_counter() - t0
+            if reply != expected:
+                raise AssertionError(f"{name}: got {reply!r:.80}, expected {expected!r:.80}")
+            length = sum(len(v or b"") for v in reply) if isinstance(reply, list) else len(reply or b"")
+        except Exception as e:  # noqa: BLE001 - reported to locust as a failure
+            elapsed = time.perf_counter() - t0
+            exc = e
+        _samples.setdefault(name, []).append(elapsed * 1e6)
+        self.environment.events.request.fire(request_type=kind, name=name, response_time=elapsed * 1e3,
+                                             response_length=length, exception=exc, context={})
+
+    @task(70)
+    def get_hot(self) -> None:
+        key = self._hot_keys(1)[0]
+        self._request("GET", "GET hot (zipf)", lambda: self._client.get(key), value_of(key))
+
+    @task(15)
+    def mget_hot(self) -> None:
+        keys = self._hot_keys(8)
+        self._request("MGET", "MGET 8 hot (zipf)", lambda: self._client.mget(keys),
+                      [value_of(k) for k in keys])
+
+    @task(10)
+    def get_cold(self) -> None:
+        key = key_name(COLD_PREFIX, self._rng.randrange(self._cold))
+        self._request("GET", "GET cold (remote)", lambda: self._client.get(key), value_of(key))
+
+    @task(5)
+    def get_missing(self) -> None:
+        key = key_name(HOT_PREFIX, self._hot + self._rng.randrange(1_000_000))
+        self._request("GET", "GET missing", lambda: self._client.get(key), None)
