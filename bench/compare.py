@@ -390,6 +390,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"sections, comma separated: {','.join(SECTIONS)}")
     ap.add_argument("--keys", type=int, default=1_000_000, help="sync: keys in the bucket")
+    ap.add_argument("--sync-repeat", type=int, default=3,
+                    help="sync: runs of kvcache and the raw consumers (best kept; nats-py's watch runs once)")
     ap.add_argument("--requests", type=int, default=200_000, help="get: redis-benchmark -n per run")
     ap.add_argument("--repeat", type=int, default=3, help="get: runs per target and variant (best is kept)")
     ap.add_argument("--reads", type=int, default=20_000, help="latency: sequential reads per path")
@@ -457,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if "sync" in args.sections:
             print(f"== sync: {args.keys:,} keys", file=sys.stderr, flush=True)
-            s = asyncio.run(sync_bench.run(work / "sync", args.keys, timeout=args.timeout))
+            s = asyncio.run(sync_bench.run(work / "sync", args.keys, timeout=args.timeout,
+                                           repeat=args.sync_repeat))
             md += ["## Initial sync", "", s.table(), ""]
             figures["sync"] = {"keys": s.n, "results": [
                 {"method": r.method, "kind": r.kind, "keys": r.keys, "seconds": r.seconds,
