@@ -12,8 +12,25 @@ from setuptools import Extension, setup
 DEBUG = os.environ.get("KVCACHE_DEBUG_BUILD") == "1"
 
 
+# Extensions that link a system library, and the header that says it is installed. Without
+# it the extension is skipped (its pure-Python twin serves); `make test` installs it.
+SYSTEM_LIBS = {"ext/getpath.pyx": "lmdb.h"}  # Debian/Ubuntu: liblmdb-dev
+
+
+def have_header(name: str) -> bool:
+    dirs = [os.environ.get("KVCACHE_INCLUDE", ""), "/usr/include", "/usr/local/include",
+            "/opt/homebrew/include"]
+    return any(d and os.path.exists(os.path.join(d, name)) for d in dirs)
+
+
 def extensions():
-    sources = sorted(glob.glob("ext/*.pyx"))
+    sources = []
+    for src in sorted(glob.glob("ext/*.pyx")):
+        header = SYSTEM_LIBS.get(src)
+        if header and not have_header(header):
+            print(f"kvcache: {header} not found, not building {src} (its pure-Python twin is used)")
+            continue
+        sources.append(src)
     if not sources:
         return []
     from Cython.Build import cythonize

@@ -134,8 +134,12 @@ class Replica:
         raw = json.dumps(names).encode()
         self._write("meta", lambda txn: txn.put(BUCKETS_KEY, raw, db=self._meta))
 
+    @staticmethod
+    def db_name(bucket: str) -> bytes:
+        return b"kv:" + bucket.encode()
+
     def db(self, bucket: str):
-        name = b"kv:" + bucket.encode()
+        name = self.db_name(bucket)
         return self.db_ro(name) if self.readonly else self._open_rw(name)
 
     # ------------------------------------------------------------------ reads

@@ -22,8 +22,6 @@ from typing import TYPE_CHECKING
 from . import resp
 from .native import pick
 from .errors import KvcacheError, ProtocolError
-from .resp import GET_LEN
-from .replica import RECORD
 
 if TYPE_CHECKING:
     from .commands import Commands, Stats
@@ -31,15 +29,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvcache.server")
 
-# The request parser: the Cython extension when built, else its pure-Python twin (same API).
+# The request parser and the GET path: Cython extensions when built, else their pure-Python
+# twins (same API).
 WIRE = pick("resp", "resp")
+GETPATH = pick("getpath", "getpath")
 
 WRITE_HIGH_WATER = 1 << 20
 FLUSH_AT = 256 * 1024  # write out what a batch has answered once it is this big
 TOO_MANY_CLIENTS = resp.error("ERR max number of clients reached")
 SHUTTING_DOWN = resp.error("ERR kvcache is shutting down")
-_NIL = (resp.NIL2, resp.NIL2, resp.NIL2, resp.NIL3)  # by protocol version
-BULK_HEADER = [b"$%d\r\n" % n for n in range(10_000)]
 
 
 class Connection(asyncio.Protocol):
@@ -112,84 +110,52 @@ class Connection(asyncio.Protocol):
         """Answer buffered requests in order until one needs NATS, the buffer is empty, or the
         client stops reading. Replies of one batch go out in one write (or one per FLUSH_AT).
 
-        Runs of `GET` take a fast path: framing found by one regex match and cut by one split
-        (resp.take_gets), the key's bucket, LMDB key and filter verdict cached by the command
-        layer (local_plan), freshness checked once per bucket per batch, and every read of the
-        batch done in one LMDB read transaction, closed before this returns: never held across
-        an await. Anything else, and any GET the fast path cannot answer (remote, invalid,
-        stale replica, lower-case or inline), goes through dispatch."""
+        Runs of `GET` take a fast path: framing cut by RequestReader.take_gets, then answered
+        by the GET path (kvcache.getpath, in C when built): cached key plans, freshness asked
+        once per bucket, every read in one LMDB read transaction that closes before it
+        returns, never held across an await. Anything else, and any GET the fast path cannot
+        answer (remote, invalid, stale replica, lower-case or inline), goes through dispatch."""
         if self._closing or self._paused_writing or self._draining:
             return
         reader = self.reader
-        commands = self.srv.commands
+        srv = self.srv
+        commands = srv.commands
+        gets = srv.gets
         out: list[bytes] = []
         size = local = notfound = 0  # local/notfound: fast-path GETs (dispatch counts the rest)
-        txn = fresh = None
         try:
             while True:
-                args = None
                 run = reader.take_gets()
                 if run is not None:
                     lengths, keys, start = run
-                    plans = commands.plans
-                    append = out.append
-                    i = 0
-                    for declared, key in zip(lengths, keys):
-                        plan = plans.get(key)
-                        if plan is None:
-                            plan = commands.local_plan(key)
-                        if plan and declared == GET_LEN[len(key)] and (
-                                plan[0] is fresh or self._fresh(plan)):
-                            fresh, _, db, lkey, offset = plan
-                            if txn is None:
-                                txn = commands.replica.env.begin()
-                            raw = txn.get(lkey, None, db)
-                            local += 1
-                            i += 1
-                            if raw is None:
-                                notfound += 1
-                                append(_NIL[self.proto])
-                                continue
-                            value = raw[offset if offset is not None else
-                                        RECORD.size + RECORD.unpack_from(raw)[2]:]
-                            n = len(value)
-                            append(BULK_HEADER[n] if n < 10_000 else b"$%d\r\n" % n)
-                            append(value)
-                            append(b"\r\n")
-                            size += n
-                            if size < FLUSH_AT:
-                                continue
-                            self.transport.write(b"".join(out))
-                            out.clear()
-                            size = 0
-                            if not self._paused_writing:
-                                continue
-                            reader.rewind_gets(start, lengths, keys, i)
+                    replies, answered, nf = gets.serve(lengths, keys, self.proto, FLUSH_AT - size)
+                    local += answered
+                    notfound += nf
+                    if replies:
+                        out.append(replies)
+                        size += len(replies)
+                    if answered < len(keys):
+                        reader.rewind_gets(start, lengths, keys, answered)
+                    if size >= FLUSH_AT:
+                        self.transport.write(b"".join(out))
+                        out.clear()
+                        size = 0
+                        if self._paused_writing:
                             break
-                        # remote, invalid, stale, or a length for the full parser to judge
-                        if declared == GET_LEN[len(key)]:
-                            reader.rewind_gets(start, lengths, keys, i + 1)
-                            args = [b"GET", key]
-                        else:
-                            reader.rewind_gets(start, lengths, keys, i)
-                        break
-                    else:
-                        if reader.buffered:
-                            continue
-                        break
-                    if args is None and self._paused_writing:
-                        break
+                        continue
+                    if answered == len(keys):
+                        continue
+                    # the next GET is for the generic path
+                try:
+                    args = reader.next_command()
+                except ProtocolError as e:
+                    if out:
+                        self.transport.write(b"".join(out))
+                        out.clear()
+                    self._protocol_error(e)
+                    return
                 if args is None:
-                    try:
-                        args = reader.next_command()
-                    except ProtocolError as e:
-                        if out:
-                            self.transport.write(b"".join(out))
-                            out.clear()
-                        self._protocol_error(e)
-                        return
-                    if args is None:
-                        break
+                    break
                 # the generic path: counters first, so an INFO in the batch sees them
                 if local:
                     self._count(local, notfound)
@@ -221,8 +187,6 @@ class Connection(asyncio.Protocol):
             if out:
                 self.transport.write(b"".join(out))
         finally:
-            if txn is not None:
-                txn.abort()
             if local:
                 self._count(local, notfound)
         if self._closing or (self._eof and not self._paused_writing):
@@ -235,10 +199,6 @@ class Connection(asyncio.Protocol):
         stats.commands += local
         stats.gets_local += local
         stats.gets_notfound += notfound
-
-    @staticmethod
-    def _fresh(plan: tuple) -> bool:
-        return plan[0].fresh_enough(plan[1])
 
     async def _finish(self, pending) -> None:
         try:
@@ -292,12 +252,25 @@ class RespServer:
         self.cfg = cfg
         self.commands = commands
         self.stats = stats
+        self.gets = GETPATH.LocalGets(commands.replica, self._plan)
+        if not commands.access.enabled:  # with it on, every GET must reach the command layer
+            feeds = commands.sc.feeds
+            self.gets.set_buckets([(b.name, feeds[b.name], b.max_stale_ms, list(b.keys) == [">"])
+                                   for b in cfg.buckets], cfg.default_bucket)
         self.path = os.path.abspath(cfg.socket_path)
         self.connections: set[Connection] = set()
         self._server: asyncio.AbstractServer | None = None
         self._ids = itertools.count(1)
         self._inode: int | None = None
         self.closing = False
+
+    def _plan(self, key: bytes) -> tuple | bool:
+        """The GET path's planner (see kvcache.getpath) over the command layer's plans."""
+        plan = self.commands.local_plan(key)
+        if not plan:
+            return False
+        feed = plan[0]
+        return feed, plan[1], feed.bucket, plan[3]
 
     @property
     def client_count(self) -> int:

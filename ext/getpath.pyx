@@ -1,0 +1,355 @@
+# distutils: libraries = lmdb
+"""The server's per-request GET path in C: same API and replies as kvcache/getpath.py.
+
+Per GET: a plan looked up in a dict (the key's bytes come from take_gets), `mdb_get` on a
+read transaction of our own, and the bulk reply copied straight from the memory map into one
+output buffer. No Python object is made per GET beyond the key take_gets already made.
+
+The transaction comes from a second LMDB environment on the replica's files, opened
+MDB_RDONLY | MDB_NOLOCK against the system liblmdb. That is sound only because of how the
+sidecar uses it, and `serve` checks the first condition on every call:
+- it runs on the thread that owns the writer (the event loop: the feed writes there too), and
+  its transaction never outlives one `serve` call, so no write commits while it is open and
+  no page it reads can be reused under it; readers in other processes keep registering in
+  the lock file through their own environments, which this one never touches;
+- it never resets the lock file (NOLOCK), so the writer's environment in the same process is
+  undisturbed; and it is never closed before the process exits (closing an fd of a file the
+  writer has locked would drop the writer's POSIX locks), so `close()` only stops using it.
+A map grown by the writer shows up as MDB_MAP_RESIZED at the next batch and is adopted.
+"""
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_FromStringAndSize
+from cpython.dict cimport PyDict_GetItem
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.mem cimport PyMem_Free, PyMem_Realloc
+from cpython.ref cimport PyObject
+from libc.string cimport memchr, memcmp, memcpy
+
+import os
+
+from kvcache.errors import ReplicaError
+from kvcache.getpath import PLAN_CACHE
+from kvcache.record import RECORD
+from kvcache.replica import MAX_DBS
+from kvcache.resp import GET_LEN
+
+assert RECORD.format == "<QQI" and RECORD.size == 20, "record layout changed: update serve()"
+
+cdef extern from "lmdb.h" nogil:
+    ctypedef struct MDB_env:
+        pass
+    ctypedef struct MDB_txn:
+        pass
+    ctypedef unsigned int MDB_dbi
+    ctypedef struct MDB_val:
+        size_t mv_size
+        void* mv_data
+    enum:
+        MDB_RDONLY
+        MDB_NOLOCK
+        MDB_NORDAHEAD
+        MDB_NOTLS
+        MDB_NOTFOUND
+        MDB_MAP_RESIZED
+    int mdb_env_create(MDB_env** env)
+    int mdb_env_set_maxdbs(MDB_env* env, MDB_dbi dbs)
+    int mdb_env_set_mapsize(MDB_env* env, size_t size)
+    int mdb_env_open(MDB_env* env, const char* path, unsigned int flags, unsigned int mode)
+    void mdb_env_close(MDB_env* env)
+    int mdb_txn_begin(MDB_env* env, MDB_txn* parent, unsigned int flags, MDB_txn** txn)
+    int mdb_txn_commit(MDB_txn* txn)
+    void mdb_txn_abort(MDB_txn* txn)
+    int mdb_dbi_open(MDB_txn* txn, const char* name, unsigned int flags, MDB_dbi* dbi)
+    int mdb_get(MDB_txn* txn, MDB_dbi dbi, MDB_val* key, MDB_val* data)
+    char* mdb_strerror(int err)
+
+cdef extern from "<pthread.h>" nogil:
+    ctypedef unsigned long pthread_t
+    pthread_t pthread_self()
+
+cdef list _GET_LEN = GET_LEN
+cdef object _PLAN_CACHE = PLAN_CACHE
+
+
+cdef class _Bucket:
+    cdef object feed
+    cdef object max_stale
+    cdef str name
+    cdef bytes prefix      # b"<name>:"
+    cdef MDB_dbi dbi
+    cdef bint has_dbi
+    cdef bint all_keys     # replicates every key: a valid key needs no filter check
+
+
+cdef class _Plan:
+    cdef _Bucket bucket
+    cdef bytes lkey
+
+
+cdef inline bint _kv_key(const unsigned char* k, Py_ssize_t n) noexcept nogil:
+    """commands.KEY_RE in C: dot-separated tokens of [-/_=a-zA-Z0-9]; at most 511 bytes
+    (a longer key is stored under a digest: the planner handles it)."""
+    cdef Py_ssize_t i
+    cdef unsigned char c
+    if n == 0 or n > 511 or k[0] == 46 or k[n - 1] == 46:
+        return False
+    for i in range(n):
+        c = k[i]
+        if c == 46:
+            if k[i - 1] == 46:
+                return False
+        elif not (48 <= c <= 57 or 65 <= c <= 90 or 97 <= c <= 122 or c == 45 or c == 47
+                  or c == 95 or c == 61):
+            return False
+    return True
+
+
+cdef inline unsigned int _u32le(const unsigned char* p) noexcept nogil:
+    return p[0] | (p[1] << 8) | (p[2] << 16) | (<unsigned int>p[3] << 24)
+
+
+cdef class LocalGets:
+    cdef MDB_env* _env
+    cdef pthread_t _thread
+    cdef object replica
+    cdef object planner
+    cdef dict plans
+    cdef dict _buckets     # name -> _Bucket
+    cdef list _direct      # _Buckets that take keys without asking the planner
+    cdef _Bucket _default
+    cdef unsigned char* _out
+    cdef Py_ssize_t _cap, _len
+    cdef bint _closed
+
+    def __cinit__(self):
+        self._env = NULL
+
+    def __init__(self, replica, planner):
+        self.replica = replica
+        self.planner = planner
+        self.plans = {}
+        self._buckets = {}
+        self._direct = []
+        self._default = None
+        self._thread = pthread_self()
+        path = os.fsencode(replica.path)
+        cdef int rc = mdb_env_create(&self._env)
+        if rc == 0:
+            rc = mdb_env_set_maxdbs(self._env, MAX_DBS)
+        if rc == 0:
+            rc = mdb_env_open(self._env, path, MDB_RDONLY | MDB_NOLOCK | MDB_NORDAHEAD, 0o600)
+        if rc != 0:
+            raise ReplicaError(f"cannot open the replica for the GET path: {mdb_strerror(rc).decode()}")
+
+    def __dealloc__(self):
+        # The environment stays open on purpose (see the module docstring): closing its file
+        # descriptors would drop the POSIX locks the writer's environment holds.
+        PyMem_Free(self._out)
+
+    def close(self):
+        self._closed = True
+
+    def set_buckets(self, buckets, default):
+        """`[(name, feed, max_stale_ms, replicates_every_key)]` and the default bucket's name
+        (None: no default). A valid key of a bucket that replicates every key is then read
+        without asking the planner (no dict lookup, no plan object): the same answer the
+        planner would give, reached in C. Call it only when the planner would plan such keys
+        (not with the access log on, where every GET must reach the command layer)."""
+        cdef _Bucket b
+        self._direct = []
+        self._default = None
+        for name, feed, max_stale, all_keys in buckets:
+            b = self._bucket(name)
+            b.feed = feed
+            b.max_stale = max_stale
+            b.all_keys = all_keys
+            if all_keys:
+                self._direct.append(b)
+                if name == default:
+                    self._default = b
+        self.plans.clear()
+
+    cdef _Bucket _bucket(self, str name):
+        cdef _Bucket b = self._buckets.get(name)
+        if b is None:
+            b = _Bucket.__new__(_Bucket)
+            b.name = name
+            b.prefix = name.encode() + b":"
+            self._buckets[name] = b
+        return b
+
+    cdef _Bucket _direct_bucket(self, const unsigned char* k, Py_ssize_t n, Py_ssize_t* off):
+        """The bucket that answers raw key k without the planner, and where its KV key starts;
+        None when the planner must decide."""
+        cdef const unsigned char* colon = <const unsigned char*>memchr(k, 58, n)
+        cdef _Bucket b
+        cdef Py_ssize_t pn
+        if colon == NULL:
+            off[0] = 0
+            return self._default
+        for o in self._direct:
+            b = <_Bucket>o
+            pn = PyBytes_GET_SIZE(b.prefix)
+            if pn <= n and memcmp(k, PyBytes_AS_STRING(b.prefix), pn) == 0:
+                off[0] = pn
+                return b
+        return None
+
+    cdef int _reserve(self, Py_ssize_t extra) except -1:
+        cdef Py_ssize_t need = self._len + extra
+        cdef unsigned char* grown
+        if need <= self._cap:
+            return 0
+        need = max(need, self._cap * 2, 65536)
+        grown = <unsigned char*>PyMem_Realloc(self._out, need)
+        if grown == NULL:
+            raise MemoryError()
+        self._out = grown
+        self._cap = need
+        return 0
+
+    cdef int _begin(self, MDB_txn** txn) except -1:
+        cdef int rc = mdb_txn_begin(self._env, NULL, MDB_RDONLY, txn)
+        if rc == MDB_MAP_RESIZED:  # the writer grew the map: adopt its size
+            rc = mdb_env_set_mapsize(self._env, 0)
+            if rc == 0:
+                rc = mdb_txn_begin(self._env, NULL, MDB_RDONLY, txn)
+        if rc != 0:
+            txn[0] = NULL
+            raise ReplicaError(f"replica read failed: {mdb_strerror(rc).decode()}")
+        return 0
+
+    cdef object _plan(self, bytes key):
+        cdef _Plan p
+        plan = self.planner(key)
+        if plan:
+            feed, max_stale, bucket, lkey = plan
+            p = _Plan.__new__(_Plan)
+            p.bucket = self._bucket(bucket)
+            p.bucket.feed = feed
+            p.bucket.max_stale = max_stale
+            p.lkey = lkey
+            plan = p
+        if len(self.plans) >= _PLAN_CACHE:
+            self.plans.clear()
+        self.plans[key] = plan
+        return plan
+
+    cdef int _open_dbi(self, _Bucket b) except -1:
+        """Named databases are opened once, in a transaction of their own that is then
+        committed: a handle opened in a read transaction lives on only if it commits."""
+        cdef MDB_txn* t = NULL
+        cdef MDB_dbi dbi
+        cdef int rc
+        name = self.replica.db_name(b.name)
+        self._begin(&t)
+        rc = mdb_dbi_open(t, PyBytes_AS_STRING(name), 0, &dbi)
+        if rc == 0:
+            rc = mdb_txn_commit(t)
+        else:
+            mdb_txn_abort(t)
+        if rc == MDB_NOTFOUND:
+            return 0  # not created yet by the writer: every key is a miss for now
+        if rc != 0:
+            raise ReplicaError(f"replica read failed: {mdb_strerror(rc).decode()}")
+        b.dbi = dbi
+        b.has_dbi = True
+        return 0
+
+    def serve(self, list lengths, list keys, int proto, Py_ssize_t budget):
+        """See kvcache.getpath.LocalGets.serve."""
+        cdef Py_ssize_t i, n = PyList_GET_SIZE(keys), klen, vlen, hlen, off
+        cdef Py_ssize_t answered = 0, notfound = 0
+        cdef object key, declared, fresh = None
+        cdef PyObject* found
+        cdef _Bucket b
+        cdef const unsigned char* kp
+        cdef MDB_txn* txn = NULL
+        cdef MDB_val k, v
+        cdef int rc
+        cdef char head[24]
+        cdef const unsigned char* rec
+        cdef const char* nil = b"_\r\n" if proto == 3 else b"$-1\r\n"
+        cdef Py_ssize_t nil_len = 3 if proto == 3 else 5
+        if self._closed:
+            raise ReplicaError("the GET path is closed")
+        if pthread_self() != self._thread:
+            raise RuntimeError("LocalGets.serve must run on the thread that created it")
+        self._len = 0
+        try:
+            for i in range(n):
+                key = <object>PyList_GET_ITEM(keys, i)
+                declared = <object>PyList_GET_ITEM(lengths, i)
+                klen = PyBytes_GET_SIZE(key)
+                if declared is not <object>PyList_GET_ITEM(_GET_LEN, klen) and \
+                        declared != <object>PyList_GET_ITEM(_GET_LEN, klen):
+                    break  # a length the full parser must judge
+                kp = <const unsigned char*>PyBytes_AS_STRING(key)
+                b = self._direct_bucket(kp, klen, &off) if self._direct else None
+                if b is not None and _kv_key(kp + off, klen - off):
+                    k.mv_size = klen - off
+                    k.mv_data = <void*>(kp + off)
+                else:
+                    found = PyDict_GetItem(self.plans, key)
+                    plan = <object>found if found != NULL else self._plan(key)
+                    if plan is False:
+                        break
+                    b = (<_Plan>plan).bucket
+                    k.mv_size = PyBytes_GET_SIZE((<_Plan>plan).lkey)
+                    k.mv_data = PyBytes_AS_STRING((<_Plan>plan).lkey)
+                if b.feed is not fresh:
+                    if not b.feed.fresh_enough(b.max_stale):
+                        break
+                    fresh = b.feed
+                if not b.has_dbi:
+                    self._open_dbi(b)
+                if txn == NULL:
+                    self._begin(&txn)
+                answered += 1
+                rc = mdb_get(txn, b.dbi, &k, &v) if b.has_dbi else MDB_NOTFOUND
+                if rc == MDB_NOTFOUND:
+                    notfound += 1
+                    self._reserve(nil_len)
+                    memcpy(self._out + self._len, nil, nil_len)
+                    self._len += nil_len
+                elif rc != 0:
+                    raise ReplicaError(f"replica read failed: {mdb_strerror(rc).decode()}")
+                else:
+                    rec = <const unsigned char*>v.mv_data
+                    if v.mv_size < 20:
+                        raise ReplicaError("replica record is truncated")
+                    off = 20 + _u32le(rec + 16)
+                    if <size_t>off > v.mv_size:
+                        raise ReplicaError("replica record is truncated")
+                    vlen = v.mv_size - off
+                    hlen = _bulk_header(head, vlen)
+                    self._reserve(hlen + vlen + 2)
+                    memcpy(self._out + self._len, head, hlen)
+                    memcpy(self._out + self._len + hlen, rec + off, vlen)
+                    self._out[self._len + hlen + vlen] = 13
+                    self._out[self._len + hlen + vlen + 1] = 10
+                    self._len += hlen + vlen + 2
+                if self._len >= budget:
+                    break
+        finally:
+            if txn != NULL:
+                mdb_txn_abort(txn)
+        return PyBytes_FromStringAndSize(<char*>self._out, self._len), answered, notfound
+
+
+cdef Py_ssize_t _bulk_header(char* out, Py_ssize_t n) noexcept nogil:
+    """`$<n>\\r\\n` into out (24 bytes are enough for any Py_ssize_t); returns its length."""
+    cdef char digits[20]
+    cdef int d = 0, i
+    out[0] = 36
+    if n == 0:
+        digits[0] = 48
+        d = 1
+    while n > 0:
+        digits[d] = <char>(48 + n % 10)
+        n //= 10
+        d += 1
+    for i in range(d):
+        out[1 + i] = digits[d - 1 - i]
+    out[1 + d] = 13
+    out[2 + d] = 10
+    return d + 3

@@ -1,0 +1,98 @@
+"""The server's per-request GET path: a run of pipelined GETs answered from the replica.
+
+Pure-Python twin of ext/getpath.pyx (same API, same replies). The server hands over what
+`RequestReader.take_gets()` cut from a client's buffer; `serve()` answers GETs in order, in
+one LMDB read transaction, until one cannot be answered locally (a key that is invalid, remote
+or in a replica that is not fresh enough: the generic path answers that one) or the replies
+reach the byte budget (the server writes them out first, then calls again).
+
+    gets = LocalGets(replica, planner)
+    replies, answered, notfound = gets.serve(lengths, keys, proto, budget)
+
+`planner(key)` says how to read a raw key locally: `(feed, max_stale_ms, bucket, lmdb key)`,
+or False when the generic path must answer it. Plans are cached here (a bounded dict), so
+the planner runs once per distinct key; freshness (`feed.fresh_enough(max_stale_ms)`) is
+asked once per feed per call.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .record import LONG_KEY_PREFIX, RECORD
+from .replica import Replica
+from .resp import GET_LEN, NIL2, NIL3
+
+PLAN_CACHE = 65536
+BULK_HEADER = [b"$%d\r\n" % n for n in range(10_000)]
+
+Planner = Callable[[bytes], "tuple | bool"]
+
+
+class LocalGets:
+    def __init__(self, replica: Replica, planner: Planner) -> None:
+        self.replica = replica
+        self.planner = planner
+        self.plans: dict[bytes, tuple | bool] = {}
+
+    def set_buckets(self, buckets: list[tuple], default: str | None) -> None:
+        """`[(name, feed, max_stale_ms, replicates_every_key)]` and the default bucket. The
+        native GET path reads valid keys of such buckets without asking the planner (same
+        answers, less work); here the planner answers everything, so only its cache resets."""
+        self.plans.clear()
+
+    def _plan(self, key: bytes) -> tuple | bool:
+        plan = self.planner(key)
+        if plan:
+            feed, max_stale, bucket, lkey = plan
+            plan = (feed, max_stale, self.replica.db(bucket), lkey,
+                    None if lkey.startswith(LONG_KEY_PREFIX) else RECORD.size)
+        if len(self.plans) >= PLAN_CACHE:
+            self.plans.clear()
+        self.plans[key] = plan
+        return plan
+
+    def serve(self, lengths: list, keys: list, proto: int, budget: int) -> tuple[bytes, int, int]:
+        """Replies for the longest answerable prefix of the run: (bytes, answered, not found)."""
+        out: list[bytes] = []
+        append = out.append
+        plans = self.plans
+        nil = NIL3 if proto == 3 else NIL2
+        size = answered = notfound = 0
+        fresh = txn = None
+        try:
+            for declared, key in zip(lengths, keys):
+                if declared != GET_LEN[len(key)]:
+                    break  # a length the full parser must judge
+                plan = plans.get(key)
+                if plan is None:
+                    plan = self._plan(key)
+                if not plan:
+                    break
+                feed, max_stale, db, lkey, offset = plan
+                if feed is not fresh:
+                    if not feed.fresh_enough(max_stale):
+                        break
+                    fresh = feed
+                if txn is None:
+                    txn = self.replica.env.begin()
+                raw = txn.get(lkey, None, db)
+                answered += 1
+                if raw is None:
+                    notfound += 1
+                    append(nil)
+                    size += len(nil)
+                else:
+                    value = raw[offset if offset is not None else
+                                RECORD.size + RECORD.unpack_from(raw)[2]:]
+                    n = len(value)
+                    header = BULK_HEADER[n] if n < 10_000 else b"$%d\r\n" % n
+                    append(header)
+                    append(value)
+                    append(b"\r\n")
+                    size += len(header) + n + 2
+                if size >= budget:
+                    break
+        finally:
+            if txn is not None:
+                txn.abort()
+        return b"".join(out), answered, notfound
