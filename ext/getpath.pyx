@@ -301,6 +301,9 @@ cdef class LocalGets:
                         break
                     fresh = b.feed
                 if not b.has_dbi:
+                    if txn != NULL:  # a handle opened after a transaction began is not
+                        mdb_txn_abort(txn)  # valid in it (and a map resize needs none open)
+                        txn = NULL
                     self._open_dbi(b)
                 if txn == NULL:
                     self._begin(&txn)

@@ -66,6 +66,9 @@ class LocalGets:
                 plan = plans.get(key)
                 if plan is None:
                     plan = self._plan(key)
+                    if txn is not None:  # the plan may have created its database: a
+                        txn.abort()      # transaction begun before could not see it
+                        txn = None
                 if not plan:
                     break
                 feed, max_stale, db, lkey, offset = plan

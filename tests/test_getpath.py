@@ -1,0 +1,222 @@
+"""The server's GET path: the Cython one against its pure-Python twin, on a real replica.
+
+Both must give byte-identical replies, stop at the same request and count the same misses,
+on vectors and on generated runs; the native one must also follow the writer's map growth
+and databases created after it opened. The feed here is a stand-in with only what the GET
+path asks of it (`fresh_enough`), so that staleness can be switched at will.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcache import getpath as twin
+from kvcache.record import item, lmdb_key
+from kvcache.replica import BucketMeta, Replica
+from kvcache.resp import GET_LEN
+
+try:
+    from kvcache._native import getpath as native
+except ImportError:
+    native = None
+
+IMPLS = [
+    pytest.param(twin, id="python"),
+    pytest.param(native, id="native",
+                 marks=pytest.mark.skipif(native is None, reason="kvcache._native.getpath not built")),
+]
+MiB = 1 << 20
+LONG = "long." + "k" * 600
+VALUES = {"a": b"1", "empty": b"", "bin": b"\r\n$-1\r\n\x00\xff", "nine": b"x" * 9999,
+          "ten": b"y" * 10000, "big": bytes(range(256)) * 400, LONG: b"long value",
+          "dot.ted.key": b"dotted", "b/c=d_e-f": b"punct"}
+OTHER = {"a": b"other a", "only.here": b"o"}
+
+
+class Feed:
+    """What the GET path asks of kvcache.feed.Feed: may the replica answer now?"""
+
+    def __init__(self, bucket: str) -> None:
+        self.bucket = bucket
+        self.fresh = True
+        self.asked = 0
+
+    def fresh_enough(self, max_stale_ms: int) -> bool:
+        self.asked += 1
+        return self.fresh
+
+
+def load(replica: Replica, bucket: str, values: dict[str, bytes]) -> None:
+    items = [item(k.encode(), v, i + 1, 1_700_000_000_000_000_000) for i, (k, v) in enumerate(values.items())]
+    replica.apply_items(bucket, items, BucketMeta(stream=f"KV_{bucket}", applied_seq=len(items), synced=True))
+
+
+class Planner:
+    """commands.local_plan's contract, for buckets `main` (default, every key) and `other`
+    (only keys under `only.` are replicated: the rest is remote)."""
+
+    def __init__(self, feeds: dict[str, Feed]) -> None:
+        self.feeds = feeds
+        self.calls = 0
+
+    def __call__(self, raw: bytes):
+        self.calls += 1
+        text = raw.decode()
+        bucket, sep, key = text.partition(":")
+        if not sep:
+            bucket, key = "main", text
+        if bucket not in self.feeds or not key or ":" in key or key.startswith(".") \
+                or key.endswith(".") or ".." in key:
+            return False
+        if bucket == "other" and not key.startswith("only."):
+            return False
+        return self.feeds[bucket], 1000, bucket, lmdb_key(key)
+
+
+@pytest.fixture
+def env(tmp_path):
+    replica = Replica(str(tmp_path / "replica"), map_size=4 * MiB)
+    load(replica, "main", VALUES)
+    load(replica, "other", OTHER)
+    feeds = {"main": Feed("main"), "other": Feed("other"), "later": Feed("later")}
+    yield replica, feeds
+    replica.close()
+
+
+def make(mod, replica, feeds, direct: bool = True):
+    planner = Planner(feeds)
+    gets = mod.LocalGets(replica, planner)
+    if direct:
+        gets.set_buckets([("main", feeds["main"], 1000, True), ("other", feeds["other"], 1000, False),
+                          ("later", feeds["later"], 1000, True)], "main")
+    return gets, planner
+
+
+def request(keys: list[str]) -> tuple[list, list]:
+    raw = [k.encode() for k in keys]
+    return [GET_LEN[len(k)] for k in raw], raw
+
+
+def expected(values: list[bytes | None], proto: int = 2) -> bytes:
+    nil = b"_\r\n" if proto == 3 else b"$-1\r\n"
+    return b"".join(nil if v is None else b"$%d\r\n%s\r\n" % (len(v), v) for v in values)
+
+
+@pytest.mark.parametrize("mod", IMPLS)
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "planned"])
+def test_answers_in_order_with_misses(mod, env, direct):
+    replica, feeds = env
+    gets, _ = make(mod, replica, feeds, direct)
+    keys = list(VALUES) + ["missing", "main:a", "other:only.here", "other:only.gone", "later:x"]
+    for proto in (2, 3):
+        out, answered, notfound = gets.serve(*request(keys), proto, 1 << 30)
+        want = [VALUES[k] for k in VALUES] + [None, b"1", b"o", None, None]
+        assert (answered, notfound) == (len(keys), 3)
+        assert out == expected(want, proto)
+
+
+@pytest.mark.parametrize("mod", IMPLS)
+def test_stops_where_the_generic_path_must_answer(mod, env):
+    replica, feeds = env
+    gets, _ = make(mod, replica, feeds)
+    cases = {
+        "remote (outside the bucket's filters)": ["a", "other:remote.key", "a"],
+        "invalid key": ["a", ".bad", "a"],
+        "empty token": ["a", "x..y", "a"],
+        "unknown bucket": ["a", "nope:a", "a"],
+        "second colon": ["a", "main:a:b", "a"],
+    }
+    for name, keys in cases.items():
+        out, answered, notfound = gets.serve(*request(keys), 2, 1 << 30)
+        assert (out, answered, notfound) == (expected([b"1"]), 1, 0), name
+    lengths, raw = request(["a", "a"])
+    lengths[1] = b"$01"  # a spelling only the full parser may judge
+    assert gets.serve(lengths, raw, 2, 1 << 30)[1] == 1
+
+
+@pytest.mark.parametrize("mod", IMPLS)
+def test_stale_replica_is_not_served_and_freshness_is_asked_once_per_call(mod, env):
+    replica, feeds = env
+    gets, _ = make(mod, replica, feeds)
+    assert gets.serve(*request(["a", "bin", "a", "other:only.here"]), 2, 1 << 30)[1] == 4
+    assert feeds["main"].asked in (1, 2)   # once per stretch of one bucket's keys
+    feeds["main"].fresh = False
+    assert gets.serve(*request(["a"]), 2, 1 << 30) == (b"", 0, 0)
+    assert gets.serve(*request(["other:only.here", "a"]), 2, 1 << 30)[1] == 1
+
+
+@pytest.mark.parametrize("mod", IMPLS)
+def test_budget_cuts_after_the_reply_that_reaches_it(mod, env):
+    replica, feeds = env
+    gets, _ = make(mod, replica, feeds)
+    keys = ["nine", "a", "ten", "a"]
+    out, answered, _ = gets.serve(*request(keys), 2, 10_010)  # nine's reply is 10,008 bytes
+    assert answered == 2 and out == expected([VALUES["nine"], b"1"])
+    out, answered, _ = gets.serve(*request(keys), 2, 1)
+    assert answered == 1
+
+
+@pytest.mark.parametrize("mod", IMPLS)
+def test_planner_runs_once_per_key(mod, env):
+    replica, feeds = env
+    gets, planner = make(mod, replica, feeds, direct=False)
+    for _ in range(3):
+        gets.serve(*request(["a", "bin", "other:only.here", "other:remote"]), 2, 1 << 30)
+    assert planner.calls == 4
+
+
+@pytest.mark.parametrize("mod", IMPLS)
+def test_follows_writes_map_growth_and_new_databases(mod, env):
+    replica, feeds = env
+    gets, _ = make(mod, replica, feeds)
+    assert gets.serve(*request(["later:x"]), 2, 1 << 30) == (b"$-1\r\n", 1, 1)
+    load(replica, "later", {"x": b"now here"})           # a database created after the open
+    assert gets.serve(*request(["later:x"]), 2, 1 << 30)[0] == expected([b"now here"])
+    before = replica.map_size()
+    big = {f"g.{i}": bytes([i % 256]) * 65536 for i in range(200)}  # 12.5 MiB: the map must grow
+    load(replica, "main", big)
+    assert replica.map_size() > before
+    keys = [f"g.{i}" for i in range(0, 200, 7)]
+    out, answered, _ = gets.serve(*request(keys), 2, 1 << 30)
+    assert answered == len(keys) and out == expected([big[k] for k in keys])
+
+
+@pytest.mark.skipif(native is None, reason="kvcache._native.getpath not built")
+def test_native_refuses_other_threads(env):
+    replica, feeds = env
+    gets, _ = make(native, replica, feeds)
+    errors = []
+
+    def other():
+        try:
+            gets.serve(*request(["a"]), 2, 1 << 30)
+        except RuntimeError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert errors and "thread" in str(errors[0])
+
+
+_keys = st.sampled_from(list(VALUES) + ["missing", "main:a", "main:missing", "other:a", "other:only.here",
+                                        "other:only.x", "later:x", "nope:a", ".bad", "x..y", "a.", "a:b:c",
+                                        LONG + "x", "main:" + LONG])
+
+
+@pytest.mark.skipif(native is None, reason="kvcache._native.getpath not built")
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(_keys, min_size=1, max_size=20), st.sampled_from([2, 3]), st.integers(1, 40_000),
+       st.booleans(), st.booleans())
+def test_twins_agree(env, keys, proto, budget, direct, stale_other):
+    replica, feeds = env
+    feeds["other"].fresh = not stale_other
+    try:
+        a, _ = make(twin, replica, feeds, direct)
+        b, _ = make(native, replica, feeds, direct)
+        assert a.serve(*request(keys), proto, budget) == b.serve(*request(keys), proto, budget)
+    finally:
+        feeds["other"].fresh = True
