@@ -42,10 +42,8 @@ import os
 import random
 import resource
 import shlex
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -243,6 +241,16 @@ async def measure_reads(rs: ReadSetup, hot: int, cold: int, reads: int, timeout:
         await nc_leaf.close()
 
 
+def sources_note(sources: dict[str, tuple[str, list[str]]]) -> str:
+    text = " ".join(f"The sidecar on the {k}: remote reads answered by `{src}` (KV.GET source), "
+                    f"router peers {', '.join(f'`{x}`' for x in peers)}." for k, (src, peers) in sources.items())
+    if not any("leaf" in peers for _, peers in sources.values()):
+        text += (" The config's [[peer]] `leaf` (the leaf's mirror) is not among them: at this commit the "
+                 "router only uses the main connection, so pointing the sidecar at the leaf means "
+                 "connecting it there (`--nats` = the leaf).")
+    return text
+
+
 def latency_table(samples: dict[str, list[float]], wrong: dict[str, int]) -> tuple[str, list[dict]]:
     rows = [{"path": label, **percentiles(xs), "wrong": wrong[label]} for label, xs in samples.items() if xs]
     ref = next((r["p50"] for r in rows if r["path"].startswith("nats-py kv.get")), None)
@@ -414,12 +422,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="kvcache-compare-"))
     started = datetime.now(timezone.utc)
     md: list[str] = []
     figures: dict[str, Any] = {}
     problems: list[str] = []
-    try:
+    with socket_bench.work_dir("kvcache-compare-", lambda: args.keep) as work:
         if "get" in args.sections:
             print("== get: redis-benchmark over the Unix socket", file=sys.stderr, flush=True)
             g = socket_bench.run(work / "get", args.requests, repeat=args.repeat, timeout=args.timeout)
@@ -440,14 +447,7 @@ def main(argv: list[str] | None = None) -> int:
                            f"{args.reads:,} reads per path, interleaved in rounds of {ROUND:,}; "
                            f"{args.hot_keys:,} replicated keys and {args.cold_keys:,} outside the filter, "
                            f"values {len(value_of(key_name(HOT_PREFIX, 0)))} B; nats-py on uvloop. "
-                           + " ".join(f"The sidecar on the {k}: remote reads answered by `{src}` "
-                                      f"(KV.GET source), router peers {', '.join(f'`{x}`' for x in peers)}."
-                                      for k, (src, peers) in sources.items())
-                           + ("" if any("leaf" in peers for _, peers in sources.values()) else
-                              " The config's [[peer]] `leaf` (the leaf's mirror) is not among them: at this "
-                              "commit the router only uses the main connection, so pointing the sidecar at "
-                              "the leaf means connecting it there (`--nats` = the leaf)."),
-                           "", table, ""]
+                           + sources_note(sources), "", table, ""]
                     figures["latency"] = rows
                     problems += [f"{r['path']}: {r['wrong']} wrong replies" for r in rows if r["wrong"]]
                 if "locust" in args.sections:
@@ -467,14 +467,6 @@ def main(argv: list[str] | None = None) -> int:
                  "rate": s.rate(r.kind), "note": r.note} for r in s.results]}
             problems += [f"sync: {r.method} did not finish" for r in s.results
                          if not r.finished and r.kind != "watch"]
-    except BaseException:
-        args.keep = True
-        raise
-    finally:
-        if args.keep:
-            print(f"kept {work}", file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
 
     seconds = (datetime.now(timezone.utc) - started).total_seconds()
     head = ["# kvcache compared", "",

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import csv
 import io
 import os
@@ -41,6 +42,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterator
 
 import nats
 
@@ -73,6 +75,22 @@ def wait_until(pred, timeout: float, what: str):
             pass
         time.sleep(0.05)
     raise TimeoutError(f"{what}: not after {timeout}s")
+
+
+@contextlib.contextmanager
+def work_dir(prefix: str, keep: Callable[[], bool]) -> Iterator[Path]:
+    """A temporary directory for one run: removed at the end, unless `keep()` says otherwise
+    or the run failed (then its logs are worth reading)."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    failed = True
+    try:
+        yield work
+        failed = False
+    finally:
+        if failed or keep():
+            print(f"kept {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def stop(proc: subprocess.Popen | None, timeout: float = 15) -> int | None:
@@ -247,6 +265,7 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
         timeout: float = 600, profile_seconds: int | None = None) -> GetBench:
     """Start nats-server, kvcache and redis-server under `work`, run every variant `repeat`
     times against both (alternating), stop everything (by PID) and return the figures."""
+    work.mkdir(parents=True, exist_ok=True)
     value = b"x" * value_size
     bench = GetBench(requests, value_size, repeat)
     nats_srv = None
@@ -310,21 +329,12 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3, help="runs per target and variant")
     args = ap.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="kvcache-socket-bench-"))
-    try:
+    with work_dir("kvcache-socket-bench-", lambda: args.keep) as work:
         bench = run(work, args.requests, args.value_size, args.repeat, args.timeout,
                     args.profile_seconds if args.profile else None)
         print("\n" + bench.table())
         args.keep = args.keep or bool(bench.problems)
         return 1 if bench.problems else 0
-    except BaseException:
-        args.keep = True
-        raise
-    finally:
-        if args.keep:
-            print(f"kept {work}", file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
