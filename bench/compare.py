@@ -336,11 +336,16 @@ def versions() -> str:
     redis = cmd(socket_bench.REDIS_SERVER, "--version").split(" sha=")[0].replace("Redis server v=", "")
     commit = cmd("git", "-C", str(ROOT), "rev-parse", "--short", "HEAD") or "? (not a git checkout)"
     dirty = cmd("git", "-C", str(ROOT), "status", "--porcelain", "--", "kvcache", "ext")
-    from kvcache.native import is_native, pick
-    native = "native" if is_native(pick("resp", "resp")) else "pure-Python twins"
+    import pkgutil
+
+    import kvcache._native
+    from kvcache.native import NO_EXTENSIONS
+    built = sorted(m.name for m in pkgutil.iter_modules(kvcache._native.__path__))
+    native = ("pure-Python twins (KVCACHE_NO_EXTENSIONS)" if NO_EXTENSIONS else
+              f"native: {', '.join(built)}" if built else "pure-Python twins (extensions not built)")
     return (f"{sync_bench.versions()}, redis-server {redis}, locust {version('locust')}; "
             f"kvcache at {commit}{' + uncommitted changes in kvcache/ or ext/' if dirty else ''} "
-            f"({native} readers)")
+            f"({native})")
 
 
 def chart(figures: dict[str, Any], path: Path) -> None:
