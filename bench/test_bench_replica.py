@@ -48,6 +48,17 @@ def test_raw_lmdb_txn_per_get(benchmark, reader):
     benchmark(run)
 
 
+def test_raw_lmdb_txn_per_get_bare(benchmark, reader):
+    """The cheapest transaction-per-get py-lmdb allows: no context manager (the transaction
+    is aborted when dropped)."""
+    begin, db, lkeys = reader.env.begin, _db(reader), [lmdb_key(k) for k in KEYS]
+
+    def run():
+        for k in lkeys:
+            begin(db=db).get(k)
+    benchmark(run)
+
+
 def test_raw_lmdb_reused_txn(benchmark, reader):
     env, db, lkeys = reader.env, _db(reader), [lmdb_key(k) for k in KEYS]
 

@@ -99,3 +99,35 @@ def test_stale_after_the_sidecar_stops(tmp_path, nats_server):
     with LocalReader(str(sc.data_dir), max_stale_ms=3_600_000) as lenient:
         assert lenient.get("a.1") is not None
     reader.close()
+
+
+def test_fast_path_twins_agree(sidecar):
+    """LocalGet (native and twin) on the same reader: same values, same fallbacks."""
+    from kvcache import localget as twin_mod
+    try:
+        from kvcache._native import localget as native_mod
+    except ImportError:
+        pytest.skip("kvcache._native.localget not built")
+    keys = [f"a.{i}" for i in range(0, 200, 13)] + [LONG_KEY, "lr2:x", "missing", "lr2:missing"]
+    with LocalReader(sidecar.data_dir, max_stale_ms=60_000) as r:
+        slow_calls: list[str] = []
+
+        def slow(key):
+            slow_calls.append(key)
+            return r._get_checked(key)
+
+        results = []
+        for mod in (twin_mod, native_mod):
+            slow_calls.clear()
+            get = mod.LocalGet(r._plans, r._fresh_until, r.env.begin, slow)
+            first = [get(k) for k in keys]
+            again = [get(k) for k in keys]
+            assert first == again
+            assert set(slow_calls) >= set(keys)   # the first read of every key is checked
+            results.append(first)
+            r._plans.clear()
+            r._fresh_until.clear()
+        assert results[0] == results[1]
+        assert results[0][-4] == b"long value" and results[0][-3] == b"from lr2"
+        assert results[0][-2:] == [None, None]
+        assert results[0][0] == b"value-0\r\n\x00"

@@ -1,0 +1,80 @@
+"""LocalReader.get's hot path in C: same API and behaviour as kvcache/localget.py.
+
+The plan and freshness lookups, the clock read and the value copy happen here; the read
+itself stays with py-lmdb (a short read transaction of the reader's environment), so locking
+and reader registration are py-lmdb's as everywhere else in the reader.
+"""
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_FromStringAndSize
+from cpython.dict cimport PyDict_GetItem
+from cpython.object cimport PyObject_Call
+from cpython.ref cimport PyObject
+from cpython.tuple cimport PyTuple_GET_ITEM
+from libc.time cimport timespec
+
+from kvcache.record import RECORD
+
+assert RECORD.format == "<QQI" and RECORD.size == 20, "record layout changed: update LocalGet"
+
+cdef extern from "<time.h>" nogil:
+    int clock_gettime(int clk_id, timespec* tp)
+    enum: CLOCK_MONOTONIC
+
+cdef tuple _NOARGS = ()
+
+
+cdef inline double _monotonic() noexcept nogil:
+    # the clock time.monotonic() reads
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+cdef class LocalGet:
+    cdef readonly dict plans
+    cdef readonly dict fresh_until
+    cdef readonly object begin
+    cdef readonly object slow
+    cdef dict _kwargs_by_db
+
+    def __init__(self, dict plans, dict fresh_until, begin, slow):
+        self.plans = plans
+        self.fresh_until = fresh_until
+        self.begin = begin
+        self.slow = slow
+        self._kwargs_by_db = {}
+
+    def __call__(self, key):
+        cdef PyObject* p = PyDict_GetItem(self.plans, key)
+        cdef PyObject* f
+        cdef object plan, db, kwargs, raw
+        cdef Py_ssize_t offset, n
+        cdef const unsigned char* r
+        if p == NULL:
+            return self.slow(key)
+        plan = <object>p
+        f = PyDict_GetItem(self.fresh_until, <object>PyTuple_GET_ITEM(plan, 0))
+        if f == NULL or <double>(<object>f) <= _monotonic():
+            return self.slow(key)
+        db = <object>PyTuple_GET_ITEM(plan, 1)
+        p = PyDict_GetItem(self._kwargs_by_db, db)
+        if p == NULL:
+            kwargs = {"db": db}
+            self._kwargs_by_db[db] = kwargs
+        else:
+            kwargs = <object>p
+        try:
+            raw = PyObject_Call(self.begin, _NOARGS, kwargs).get(<object>PyTuple_GET_ITEM(plan, 2))
+        except Exception:  # e.g. the writer grew the map: the slow path adopts it, retries
+            return self.slow(key)
+        if raw is None:
+            return None
+        r = <const unsigned char*>PyBytes_AS_STRING(raw)
+        n = PyBytes_GET_SIZE(raw)
+        offset = <object>PyTuple_GET_ITEM(plan, 3)
+        if offset == 0:
+            if n < 20:
+                raise ValueError("replica record is truncated")
+            offset = 20 + (r[16] | (r[17] << 8) | (r[18] << 16) | (<Py_ssize_t>r[19] << 24))
+        if offset > n:
+            raise ValueError("replica record is truncated")
+        return PyBytes_FromStringAndSize(<const char*>r + offset, n - offset)

@@ -1,0 +1,42 @@
+"""LocalReader.get's hot path (pure-Python twin of ext/localget.pyx; same behaviour).
+
+    get = LocalGet(plans, fresh_until, env.begin, slow)
+    value = get(key)
+
+`plans[key]` is `(bucket, db, lmdb key, value offset or 0 for a long key)`, and
+`fresh_until[bucket]` the monotonic time until which the bucket counts as fresh. With both
+in hand a read is one short transaction and a copy of the value; anything else (no plan yet,
+freshness to check again, an LMDB error such as a map the writer grew) goes to `slow(key)`,
+which does the checking, fills the dicts and returns the value itself (or raises).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from .record import RECORD
+
+_monotonic = time.monotonic
+
+
+class LocalGet:
+    __slots__ = ("plans", "fresh_until", "begin", "slow")
+
+    def __init__(self, plans: dict, fresh_until: dict, begin: Callable, slow: Callable) -> None:
+        self.plans = plans
+        self.fresh_until = fresh_until
+        self.begin = begin
+        self.slow = slow
+
+    def __call__(self, key: str) -> bytes | None:
+        plan = self.plans.get(key)
+        if plan is None or self.fresh_until.get(plan[0], 0.0) <= _monotonic():
+            return self.slow(key)
+        try:
+            raw = self.begin(db=plan[1]).get(plan[2])
+        except Exception:  # e.g. the writer grew the map: the slow path adopts it, retries
+            return self.slow(key)
+        if raw is None:
+            return None
+        offset = plan[3]
+        return raw[offset:] if offset else raw[RECORD.size + RECORD.unpack_from(raw)[2]:]
