@@ -130,4 +130,4 @@ def test_fast_path_twins_agree(sidecar):
         assert results[0] == results[1]
         assert results[0][-4] == b"long value" and results[0][-3] == b"from lr2"
         assert results[0][-2:] == [None, None]
-        assert results[0][0] == b"value-0\r\n\x00"
+        assert results[0][1] == b"value-13\r\n\x00"
