@@ -68,8 +68,9 @@ class Report:
         return {"top_keys": self.top, "peers": self.peers, "filters": filters}
 
 
-def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """The `kvcache hotkeys` command."""
+    out = out or sys.stdout
     if not 0 < args.cover <= 1:
         raise ConfigError(f"--cover must be within 0 and 1, got {args.cover}")
     if args.top < 1:

@@ -24,7 +24,7 @@ from ..config import BUCKET_NAME
 from ..errors import BucketNotFound, ConfigError, UpstreamError
 from . import spark as sparkio
 from .keys import KeySpec
-from .writer import RESULT_DDL, PartitionResult, WriteOptions, arrow_partition_fn, result_from_row
+from .writer import RESULT_DDL, PartitionResult, WriteOptions, arrow_partition_fn, quiet, result_from_row
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -78,6 +78,7 @@ class Summary:
     invalid: int
     failed: int
     retried: int
+    disconnects: int
     seconds: float
     rows_per_s: float
     partitions: int
@@ -87,7 +88,7 @@ class Summary:
 
     def lines(self) -> list[str]:
         out = [f"kvcache load: {self.rows:,} rows read, {self.written:,} written, {self.invalid:,} invalid, "
-               f"{self.failed:,} failed ({self.retried:,} retries) into bucket '{self.bucket}' in "
+               f"{self.failed:,} failed ({self.retried:,} retries, {self.disconnects:,} disconnects) into bucket '{self.bucket}' in "
                f"{self.seconds:.1f}s: {self.rows_per_s:,.0f} rows/s over {self.partitions} partitions"]
         if self.invalid_examples:
             out.append(f"invalid rows (first {len(self.invalid_examples)}): " + "; ".join(self.invalid_examples))
@@ -96,8 +97,9 @@ class Summary:
         return out
 
 
-def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """The `kvcache load` command: 0 when every row was written, 1 otherwise."""
+    out, err = out or sys.stdout, err or sys.stderr
     summary = load(args, err=err)
     for line in summary.lines():
         print(line, file=out)
@@ -108,8 +110,9 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.st
     return 1 if bad else 0
 
 
-def load(args: argparse.Namespace, err: TextIO = sys.stderr) -> Summary:
+def load(args: argparse.Namespace, err: TextIO | None = None) -> Summary:
     """Check everything that can be checked before Spark starts, then run the job."""
+    err = err or sys.stderr
     key = KeySpec.parse(args.key)
     json_cols = _json_columns(args.json)
     if not BUCKET_NAME.match(args.bucket):
@@ -156,7 +159,7 @@ def load(args: argparse.Namespace, err: TextIO = sys.stderr) -> Summary:
         total.add(result_from_row(r.asDict()), EXAMPLES)
     return Summary(
         bucket=args.bucket, rows=total.rows, written=total.written, invalid=total.invalid,
-        failed=total.failed, retried=total.retried, seconds=round(seconds, 3),
+        failed=total.failed, retried=total.retried, disconnects=total.disconnects, seconds=round(seconds, 3),
         rows_per_s=round(total.written / seconds, 1) if seconds > 0 else 0.0, partitions=have,
         created_bucket=created, invalid_examples=total.invalid_examples,
         failed_examples=total.failed_examples)
@@ -236,10 +239,12 @@ async def connect(opts: WriteOptions) -> nats.NATS:
     """One bounded connection attempt for the driver: an unreachable server is a clear error."""
     nc = nats.NATS()
     try:
-        await nc.connect(servers=list(opts.servers), connect_timeout=3, allow_reconnect=False,
-                         max_reconnect_attempts=0, name="kvcache-load-driver", **opts.connect_options())
+        # allow_reconnect with one attempt: nats-py's bounded first connect (see the sidecar)
+        await nc.connect(servers=list(opts.servers), connect_timeout=3, allow_reconnect=True,
+                         max_reconnect_attempts=1, reconnect_time_wait=0.2, error_cb=quiet,
+                         name="kvcache-load-driver", **opts.connect_options())
     except (OSError, asyncio.TimeoutError, nats.errors.Error) as e:
-        why = "timed out" if isinstance(e, asyncio.TimeoutError) else (str(e) or type(e).__name__)
+        why = "timed out" if isinstance(e, asyncio.TimeoutError) else (str(e) or type(e).__name__).replace("nats: ", "")
         raise UpstreamError(f"cannot connect to NATS at {', '.join(opts.servers)}: {why}") from None
     return nc
 

@@ -29,11 +29,11 @@ def session(master: str | None, app: str) -> tuple["SparkSession", bool]:
     (default `local[*]`). Returns (session, owned): the caller stops only what it started."""
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"pyspark\..*")
     warnings.filterwarnings("ignore", category=UserWarning, module=r"pyspark\..*")
+    from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
-    active = SparkSession.getActiveSession()
-    if active is not None:
-        return active, False
+    if SparkContext._active_spark_context is not None:  # any thread's: not ours to stop
+        return SparkSession.builder.getOrCreate(), False
     b = SparkSession.builder.appName(app).config("spark.ui.showConsoleProgress", "false")
     # Under spark-submit the launcher has set the master already (and the JVM runs).
     launched = "PYSPARK_GATEWAY_PORT" in os.environ

@@ -3,7 +3,10 @@
 A KV put is a JetStream publish to `$KV.<bucket>.<key>` answered by a publish ack. Rather than
 one request (a future and a timer) per row as nats-py's `kv.put` does, the writer publishes
 with reply subjects under one wildcard inbox subscription and keeps a bounded window of rows
-in flight: pipelined, so the round trip is paid once per window, not once per row.
+in flight: pipelined, so the round trip is paid once per window, not once per row. The
+connection is nats-py with kvcache's wire reader (`kvcache.natsconn`), and the inbox is a fast
+lane: the acks of one socket read arrive as one list, with no Msg object, queue or coroutine
+step per ack.
 
 A row whose ack is an error, a 503 (no JetStream responder: a server restarting), or does not
 arrive in time is sent again after an exponential backoff with jitter, up to `retries` times;
@@ -21,9 +24,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
-import nats
 import nats.errors
 
+from ..natsconn import Connection
 from .keys import key_problem
 
 BACKOFF_BASE_S = 0.05
@@ -67,12 +70,13 @@ class PartitionResult:
     invalid: int = 0
     failed: int = 0
     retried: int = 0
+    disconnects: int = 0  # times a partition lost its NATS connection (and reconnected)
     invalid_examples: list[str] = field(default_factory=list)
     failed_examples: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     def add(self, other: "PartitionResult", examples: int) -> None:
-        for name in ("rows", "written", "invalid", "failed", "retried"):
+        for name in ("rows", "written", "invalid", "failed", "retried", "disconnects"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.seconds = max(self.seconds, other.seconds)
         _extend(self.invalid_examples, other.invalid_examples, examples)
@@ -80,7 +84,7 @@ class PartitionResult:
 
 
 # The Arrow/Spark shape of a PartitionResult (examples as JSON text: one schema for both sides).
-RESULT_DDL = ("rows long, written long, invalid long, failed long, retried long, "
+RESULT_DDL = ("rows long, written long, invalid long, failed long, retried long, disconnects long, "
               "invalid_examples string, failed_examples string, seconds double")
 
 
@@ -118,8 +122,11 @@ class PartitionWriter:
     def __init__(self, opts: WriteOptions) -> None:
         self.opts = opts
         self.result = PartitionResult()
-        self.nc: nats.NATS | None = None
-        self._subject = f"$KV.{opts.bucket}."
+        self.nc: Connection | None = None
+        self._subject = f"$KV.{opts.bucket}.".encode()
+        self._inbox_b = b""
+        self._out: list[bytes] = []  # PUB frames not yet handed to nats-py
+        self._out_rids: list[int] = []
         self._inbox = ""
         self._pending: dict[int, _Row] = {}  # reply id -> row, oldest first
         self._retry: list[tuple[float, int, _Row]] = []  # heap by due time
@@ -146,9 +153,15 @@ class PartitionWriter:
                     row = self._accept(key, value)
                     if row is None:
                         continue
-                    while len(self._pending) >= window or (self._retry and self._retry[0][0] <= time.monotonic()):
-                        await self._turn()
-                    await self._send(row)
+                    self._frame(row)
+                    if len(self._pending) >= window:
+                        await self._flush()
+                        while len(self._pending) >= window:
+                            await self._turn()
+                await self._flush()
+                if self._retry and self._retry[0][0] <= time.monotonic():
+                    await self._turn()
+            await self._flush()
             while self._pending or self._retry:
                 await self._turn()
         finally:
@@ -191,13 +204,13 @@ class PartitionWriter:
         deadline = time.monotonic() + self.opts.connect_timeout_s
         delay = 0.1
         while True:
-            nc = nats.NATS()
+            nc = Connection()
             try:
                 await nc.connect(
                     servers=list(self.opts.servers), name="kvcache-load", connect_timeout=2,
                     allow_reconnect=True, max_reconnect_attempts=1, reconnect_time_wait=0.2,
                     pending_size=64 << 20, skip_subject_validation=True,
-                    error_cb=_quiet, **self.opts.connect_options())
+                    error_cb=quiet, disconnected_cb=self._on_disconnect, **self.opts.connect_options())
                 break
             except (OSError, asyncio.TimeoutError, nats.errors.Error):
                 if time.monotonic() + delay > deadline:
@@ -207,8 +220,9 @@ class PartitionWriter:
         nc.options["max_reconnect_attempts"] = -1
         self.nc = nc
         self._inbox = nc.new_inbox()
-        await nc.subscribe(self._inbox + ".*", cb=self._on_ack, pending_msgs_limit=0,
-                           pending_bytes_limit=0)  # unbounded: the window bounds it
+        self._inbox_b = self._inbox.encode()
+        sub = await nc.subscribe(self._inbox + ".*")
+        nc.add_lane(sub._id, "", self._on_acks)
 
     async def _close(self) -> None:
         if self.nc is not None and not self.nc.is_closed:
@@ -217,41 +231,65 @@ class PartitionWriter:
             except (asyncio.TimeoutError, nats.errors.Error):
                 pass
 
-    async def _send(self, row: _Row) -> None:
+    def _frame(self, row: _Row) -> None:
+        """Queue the PUB frame of one row (sent by `_flush`); the row is in flight from now."""
+        if len(row.value) > self.nc.max_payload:
+            self._failed(row.key, f"value of {len(row.value)} bytes exceeds the server's max_payload")
+            return
         self._seq += 1
         rid = self._seq
         row.deadline = time.monotonic() + self.opts.ack_timeout_s
         self._pending[rid] = row
-        try:
-            await self.nc.publish(self._subject + row.key, row.value, reply=f"{self._inbox}.{rid}")
-        except nats.errors.MaxPayloadError:
-            del self._pending[rid]
-            self._failed(row.key, f"value of {len(row.value)} bytes exceeds the server's max_payload")
-        except nats.errors.Error as e:  # reconnect buffer full, connection closed...
-            del self._pending[rid]
-            self._again(row, type(e).__name__)
+        self._out.append(b"PUB %b%b %b.%d %d\r\n%b\r\n" % (
+            self._subject, row.key.encode(), self._inbox_b, rid, len(row.value), row.value))
+        self._out_rids.append(rid)
 
-    async def _on_ack(self, msg: Any) -> None:
-        try:
-            rid = int(msg.subject[len(self._inbox) + 1:])
-        except ValueError:
+    async def _flush(self) -> None:
+        """Hand the queued frames to nats-py as one write. While reconnecting nats-py buffers
+        them (up to its pending_size); past that the rows go back to the retry queue."""
+        if not self._out:
             return
-        row = self._pending.pop(rid, None)
-        if row is None:
-            return  # the ack of a send we already gave up on (and sent again)
-        status = msg.headers.get("Status") if msg.headers else None
-        if status:
-            self._again(row, f"status {status} {msg.headers.get('Description', '')}".strip())
-        elif b'"error"' in msg.data:
+        data = b"".join(self._out)
+        rids = self._out_rids
+        self._out, self._out_rids = [], []
+        nc = self.nc
+        if nc.is_closed or (not nc.is_connected and
+                            nc._pending_data_size + len(data) > nc._max_pending_size):
+            for rid in rids:
+                row = self._pending.pop(rid, None)
+                if row is not None:
+                    self._again(row, "disconnected from NATS")
+            return
+        # One PUB batch through nats-py's own buffer and flusher (publish() does the same
+        # per message: this is its _send_command without a coroutine per row).
+        await nc._send_command(data)
+        await nc._flush_pending()
+
+    async def _on_disconnect(self) -> None:
+        if self.nc is not None and not self.nc.is_closed:
+            self.result.disconnects += 1
+
+    def _on_acks(self, events: list[Any]) -> None:
+        """The publish acks of one socket read (Msg, or HMsg for a status such as 503)."""
+        pending = self._pending
+        cut = len(self._inbox) + 1
+        written = 0
+        for ev in events:
             try:
-                err = json.loads(msg.data)["error"]
-                why = f"{err.get('description', 'error')} (err_code {err.get('err_code', 0)})"
-            except (ValueError, KeyError, AttributeError):
-                why = "error ack"
-            self._again(row, why)
-        else:
-            self.result.written += 1
-        if len(self._pending) <= self._low:
+                row = pending.pop(int(ev.subject[cut:]), None)
+            except ValueError:
+                continue
+            if row is None:
+                continue  # the ack of a send we already gave up on (and sent again)
+            status = getattr(ev, "status", 0)
+            if status:
+                self._again(row, f"status {status} {ev.description}".strip())
+            elif b'"error"' in ev.payload:
+                self._again(row, _ack_error(ev.payload))
+            else:
+                written += 1
+        self.result.written += written
+        if len(pending) <= self._low:
             self._wake.set()
 
     # ------------------------------------------------------------------ retries
@@ -296,10 +334,19 @@ class PartitionWriter:
             for rid in overdue:
                 self._again(self._pending.pop(rid), f"no ack within {self.opts.ack_timeout_s:g}s")
         while self._retry and self._retry[0][0] <= now and len(self._pending) < self.opts.max_inflight:
-            await self._send(heapq.heappop(self._retry)[2])
+            self._frame(heapq.heappop(self._retry)[2])
+        await self._flush()
 
 
-async def _quiet(e: Exception) -> None:
+def _ack_error(payload: bytes) -> str:
+    try:
+        err = json.loads(payload)["error"]
+        return f"{err.get('description', 'error')} (err_code {err.get('err_code', 0)})"
+    except (ValueError, KeyError, AttributeError, TypeError):
+        return "error ack"
+
+
+async def quiet(e: Exception) -> None:
     """nats-py's error callback: disconnects are handled by retries, not logged per partition."""
 
 

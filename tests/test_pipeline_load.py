@@ -1,0 +1,293 @@
+"""`kvcache load` on local Spark against real nats-servers: every input format, key templates,
+JSON values, invalid keys, a server restarted mid-load, reruns, errors, spark-submit.
+
+One SparkSession (local[2]) serves the whole test session; the CLI run in-process reuses it.
+"""
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import nats
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from kvcache import cli
+from kvcache import jetstream as jsapi
+from sidecar_proc import run_cli
+from topology import wait_until
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[object]:
+    """The test session's one SparkSession: local[2], small shuffles, no UI."""
+    from kvcache.pipeline import spark as sparkio
+
+    session, owned = sparkio.session("local[2]", "kvcache-tests")
+    session.conf.set("spark.sql.shuffle.partitions", "4")
+    yield session
+    if owned:
+        session.stop()
+
+
+def load(capsys, *args: str) -> tuple[int, str, str]:
+    """`kvcache load ...` in-process (on the session's Spark): exit code, stdout, stderr."""
+    code = cli.main(["load", *args, "--progress", "0"])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+async def _contents(url: str, bucket: str) -> tuple[dict[str, bytes], dict]:
+    """Every key's last value (read from the stream with nats-py) and the stream's info."""
+    nc = await nats.connect(url)
+    try:
+        info = await jsapi.stream_info(nc, f"KV_{bucket}", 5)
+        js = nc.jetstream()
+        out: dict[str, bytes] = {}
+        sub = await js.subscribe(f"$KV.{bucket}.>", ordered_consumer=True, deliver_policy="last_per_subject")
+        try:
+            want = info["state"].get("num_subjects", 0)
+            while len(out) < want:
+                msg = await sub.next_msg(timeout=10)
+                out[msg.subject[len(f"$KV.{bucket}."):]] = msg.data
+        finally:
+            await sub.unsubscribe()
+        return out, info
+    finally:
+        await nc.close()
+
+
+def contents(url: str, bucket: str) -> tuple[dict[str, bytes], dict]:
+    return asyncio.run(_contents(url, bucket))
+
+
+def summary_of(out: str) -> dict[str, int]:
+    """The counts of the summary line (`N rows read, N written, N invalid, N failed (N retries)`)."""
+    m = re.search(r"([\d,]+) rows read, ([\d,]+) written, ([\d,]+) invalid, ([\d,]+) failed "
+                  r"\(([\d,]+) retries, ([\d,]+) disconnects\)", out)
+    assert m, out
+    names = ("read", "written", "invalid", "failed", "retries", "disconnects")
+    return dict(zip(names, (int(g.replace(",", "")) for g in m.groups())))
+
+
+# ---------------------------------------------------------------------------- formats
+
+
+def test_parquet_key_column_binary_value(spark, nats_server, tmp_path, capsys):
+    rows = 300
+    path = tmp_path / "users.parquet"
+    pq.write_table(pa.table({
+        "id": pa.array([f"user.{i:04d}" for i in range(rows)]),
+        "blob": pa.array([bytes([i % 256, 0, 255]) + b"\n" for i in range(rows)], pa.binary()),
+    }), path)
+    code, out, err = load(capsys, str(path), "--nats", nats_server.url, "--bucket", "users",
+                          "--key", "id", "--value", "blob", "--history", "3")
+    assert code == 0, out + err
+    assert summary_of(out) == {"read": rows, "written": rows, "invalid": 0, "failed": 0, "retries": 0,
+                                "disconnects": 0}
+    assert "created bucket 'users'" in err
+    data, info = contents(nats_server.url, "users")
+    assert data == {f"user.{i:04d}": bytes([i % 256, 0, 255]) + b"\n" for i in range(rows)}
+    assert info["config"]["allow_direct"] is True and info["config"]["max_msgs_per_subject"] == 3
+
+
+def test_csv_key_template_and_json_of_columns(spark, nats_server, tmp_path, capsys):
+    path = tmp_path / "stock.csv"
+    rows = [{"region": r, "id": f"{i:03d}", "name": f"item {i}", "qty": str(i * 7)}
+            for i, r in enumerate(["eu", "us", "apac"] * 40)]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    code, out, err = load(capsys, str(path), "--nats", nats_server.url, "--bucket", "stock",
+                          "--key", "stock.{region}.{id}", "--json", "name,qty")
+    assert code == 0, out + err
+    data, _ = contents(nats_server.url, "stock")
+    # CSV columns stay text unless --infer-schema: "007" keeps its zeros in the key
+    assert {k: json.loads(v) for k, v in data.items()} == {
+        f"stock.{r['region']}.{r['id']}": {"name": r["name"], "qty": r["qty"]} for r in rows}
+
+
+def test_json_lines_directory_whole_row_as_json(spark, nats_server, tmp_path, capsys):
+    d = tmp_path / "events"
+    d.mkdir()
+    docs = [{"k": f"ev.{i}", "n": i, "tags": ["a", "b"][: i % 3], "note": None if i % 2 else "x"}
+            for i in range(90)]
+    for part in range(3):  # a directory of JSON-lines files, as Spark itself writes them
+        (d / f"part-{part}.json").write_text("".join(json.dumps(doc) + "\n" for doc in docs[part::3]))
+    code, out, err = load(capsys, str(d), "--nats", nats_server.url, "--bucket", "events", "--key", "k")
+    assert code == 0, out + err
+    data, _ = contents(nats_server.url, "events")
+    assert len(data) == 90
+    for doc in docs:  # no --value/--json: the whole row, nulls kept
+        assert json.loads(data[doc["k"]]) == doc
+
+
+def test_format_flag_overrides_the_extension(spark, nats_server, tmp_path, capsys):
+    path = tmp_path / "data.txt"
+    path.write_text("key\tvalue\nplain.1\tone\nplain.2\ttwo\n")
+    code, out, err = load(capsys, str(path), "--nats", nats_server.url, "--bucket", "plain",
+                          "--key", "key", "--value", "value", "--format", "csv", "--delimiter", "\t")
+    assert code == 0, out + err
+    assert contents(nats_server.url, "plain")[0] == {"plain.1": b"one", "plain.2": b"two"}
+
+
+# ---------------------------------------------------------------------------- invalid keys
+
+
+def test_invalid_keys_are_counted_with_examples_and_fail_the_run(spark, nats_server, tmp_path, capsys):
+    keys = ["ok.1", "bad key", "a..b", "_kv.reserved", None, "ok.2", ".lead", "wild.*", "ok.3"]
+    path = tmp_path / "mixed.parquet"
+    pq.write_table(pa.table({"key": pa.array(keys, pa.string()),
+                             "v": pa.array([f"v{i}" for i in range(len(keys))])}), path)
+    args = [str(path), "--nats", nats_server.url, "--bucket", "mixed", "--key", "key", "--value", "v"]
+    code, out, err = load(capsys, *args)
+    assert code == 1
+    assert summary_of(out) == {"read": 9, "written": 3, "invalid": 6, "failed": 0, "retries": 0,
+                                "disconnects": 0}
+    assert "'bad key'" in out and "'_kv.reserved': reserved prefix _kv" in out and "None: null key" in out
+    assert contents(nats_server.url, "mixed")[0] == {"ok.1": b"v0", "ok.2": b"v5", "ok.3": b"v8"}
+    code, out, _ = load(capsys, *args, "--skip-invalid")  # still reported, no longer fatal
+    assert code == 0 and summary_of(out)["invalid"] == 6
+
+
+# ---------------------------------------------------------------------------- reruns, restarts
+
+
+def test_rerun_is_idempotent(spark, nats_server, tmp_path, capsys):
+    path = tmp_path / "ref.parquet"
+    pq.write_table(pa.table({"code": [f"ref.{i}" for i in range(500)],
+                             "label": [f"label {i}" for i in range(500)]}), path)
+    args = [str(path), "--nats", nats_server.url, "--bucket", "ref", "--key", "code", "--value", "label"]
+    assert load(capsys, *args)[0] == 0
+    first, info1 = contents(nats_server.url, "ref")
+    code, out, err = load(capsys, *args)
+    assert code == 0 and "created bucket" not in err
+    assert summary_of(out)["written"] == 500
+    second, info2 = contents(nats_server.url, "ref")
+    assert second == first and len(second) == 500
+    assert info2["state"]["messages"] == info1["state"]["messages"] == 500  # history 1: no growth
+
+
+def test_server_restart_mid_load_loses_nothing(spark, nats_server, tmp_path, capsys):
+    rows = 40_000
+    path = tmp_path / "big.parquet"
+    pq.write_table(pa.table({"k": [f"big.{i % 97}.{i}" for i in range(rows)],
+                             "v": [f"value-{i}" for i in range(rows)]}), path)
+    result: dict[str, object] = {}
+
+    def run() -> None:
+        # a small window keeps the load going long enough to be interrupted
+        result["code"] = cli.main(["load", str(path), "--nats", nats_server.url, "--bucket", "big",
+                                   "--key", "k", "--value", "v", "--max-inflight", "32",
+                                   "--ack-timeout", "2", "--retries", "30", "--progress", "1"])
+
+    def stored() -> int:
+        try:
+            return contents_seq(nats_server.url, "big")
+        except Exception:
+            return 0
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        wait_until(lambda: stored() >= 2000, 120, "the load to be under way")
+        nats_server.stop()  # mid-load: partitions lose their connections and acks
+        nats_server.start()
+    finally:
+        t.join(300)
+    out = capsys.readouterr()
+    assert not t.is_alive()
+    assert result["code"] == 0, out.out + out.err
+    s = summary_of(out.out)
+    assert s["written"] == rows and s["failed"] == 0
+    assert s["disconnects"] >= 1  # the restart happened while partitions were writing
+    data, _ = contents(nats_server.url, "big")
+    assert len(data) == rows
+    assert all(data[f"big.{i % 97}.{i}"] == f"value-{i}".encode() for i in range(rows))
+
+
+def contents_seq(url: str, bucket: str) -> int:
+    async def go() -> int:
+        nc = await nats.connect(url, allow_reconnect=False, connect_timeout=1)
+        try:
+            return (await jsapi.stream_info(nc, f"KV_{bucket}", 2))["state"]["last_seq"]
+        finally:
+            await nc.close()
+    return asyncio.run(go())
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def test_usage_and_input_errors_exit_2_with_one_line(tmp_path, nats_server):
+    data = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"k": ["a"]}), data)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        (["load", str(tmp_path / "nope.parquet"), "--nats", nats_server.url, "--bucket", "b", "--key", "k"],
+         "input not found"),
+        (["load", str(data), "--nats", nats_server.url, "--bucket", "no.dots", "--key", "k"], "invalid bucket name"),
+        (["load", str(data), "--nats", nats_server.url, "--bucket", "b"], "--key"),
+        (["load", str(data), "--nats", nats_server.url, "--bucket", "b", "--key", "k", "--value", "v",
+          "--json", "a"], "not allowed with"),
+        (["load", str(data), "--nats", nats_server.url, "--bucket", "b", "--key", "{}"], "plain {column}"),
+        (["load", str(empty), "--nats", nats_server.url, "--bucket", "b", "--key", "k"], "--format"),
+    ]
+    for argv, message in cases:
+        p = run_cli(*argv)
+        assert p.returncode == 2, (argv, p.stderr)
+        assert message in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert "Traceback" not in p.stderr
+
+
+def test_unreachable_nats_exits_1_before_spark(tmp_path):
+    from kvcache.natsserver import free_port
+
+    data = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"k": ["a"]}), data)
+    p = run_cli("load", str(data), "--nats", f"nats://127.0.0.1:{free_port()}", "--bucket", "b", "--key", "k")
+    assert p.returncode == 1
+    assert "cannot connect to NATS" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_unknown_column_exits_2(spark, nats_server, tmp_path, capsys):
+    data = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"k": ["a"], "v": ["1"]}), data)
+    code, _, err = load(capsys, str(data), "--nats", nats_server.url, "--bucket", "b", "--key", "{k}.{zone}")
+    assert code == 2
+    assert "no column 'zone' in the input (columns: k, v)" in err
+
+
+# ---------------------------------------------------------------------------- cluster form
+
+
+def test_spark_submit_with_the_bundle(nats_server, tmp_path):
+    """The README's cluster form, on a local master: the zip on --py-files, the submit script."""
+    from kvcache.pipeline import bundle
+
+    zpath, spath = bundle.build(str(tmp_path / "dist"))
+    import zipfile
+    names = zipfile.ZipFile(zpath).namelist()
+    assert "kvcache/pipeline/writer.py" in names and "nats/aio/client.py" in names
+    assert not any(n.endswith(".so") for n in names)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"id": i, "v": f"x{i}"}) + "\n" for i in range(50)))
+    spark_submit = Path(sys.executable).with_name("spark-submit")
+    p = subprocess.run([str(spark_submit), "--master", "local[2]", "--py-files", zpath, spath, "load",
+                        str(data), "--nats", nats_server.url, "--bucket", "submitted", "--key", "item.{id}",
+                        "--value", "v", "--progress", "0"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYSPARK_PYTHON": sys.executable})
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    assert "50 rows read, 50 written" in p.stdout
+    assert contents(nats_server.url, "submitted")[0] == {f"item.{i}": f"x{i}".encode() for i in range(50)}
