@@ -255,6 +255,30 @@ cdef class LocalGets:
         b.has_dbi = True
         return 0
 
+    def answer(self, reader, data, int proto, Py_ssize_t budget):
+        """See kvcache.getpath.LocalGets.answer."""
+        cdef list parts = []
+        cdef Py_ssize_t size = 0, answered = 0, notfound = 0, n, nf
+        cdef list lengths, keys
+        reader.feed(data)
+        while True:
+            run = reader.take_gets()
+            if run is None:
+                break
+            lengths, keys, start = run
+            replies, n, nf = self.serve(lengths, keys, proto, budget - size)
+            parts.append(replies)
+            size += PyBytes_GET_SIZE(replies)
+            answered += n
+            notfound += nf
+            if n < PyList_GET_SIZE(keys):
+                reader.rewind_gets(start, lengths, keys, n)
+                return (parts[0] if len(parts) == 1 else b"".join(parts)), answered, notfound, True
+            if size >= budget:
+                break
+        out = b"" if not parts else (parts[0] if len(parts) == 1 else b"".join(parts))
+        return out, answered, notfound, reader.buffered > 0
+
     def serve(self, list lengths, list keys, int proto, Py_ssize_t budget):
         """See kvcache.getpath.LocalGets.serve."""
         cdef Py_ssize_t i, n = PyList_GET_SIZE(keys), klen, vlen, hlen, off

@@ -8,6 +8,12 @@ reach the byte budget (the server writes them out first, then calls again).
 
     gets = LocalGets(replica, planner)
     replies, answered, notfound = gets.serve(lengths, keys, proto, budget)
+    replies, answered, notfound, more = gets.answer(reader, data, proto, budget)
+
+`answer` is the server's whole per-read step for GET-only traffic: feed the bytes to the
+request reader, then cut and serve GET runs until the buffer is empty (more=False), or
+something other than an answerable GET is next or the budget is reached (more=True: the
+server's generic loop takes over from there).
 
 `planner(key)` says how to read a raw key locally: `(feed, max_stale_ms, bucket, lmdb key)`,
 or False when the generic path must answer it. Plans are cached here (a bounded dict), so
@@ -50,6 +56,27 @@ class LocalGets:
             self.plans.clear()
         self.plans[key] = plan
         return plan
+
+    def answer(self, reader, data: bytes, proto: int, budget: int) -> tuple[bytes, int, int, bool]:
+        reader.feed(data)
+        out: list[bytes] = []
+        size = answered = notfound = 0
+        while True:
+            run = reader.take_gets()
+            if run is None:
+                break
+            lengths, keys, start = run
+            replies, n, nf = self.serve(lengths, keys, proto, budget - size)
+            out.append(replies)
+            size += len(replies)
+            answered += n
+            notfound += nf
+            if n < len(keys):
+                reader.rewind_gets(start, lengths, keys, n)
+                return b"".join(out), answered, notfound, True
+            if size >= budget:
+                break
+        return b"".join(out), answered, notfound, reader.buffered > 0
 
     def serve(self, lengths: list, keys: list, proto: int, budget: int) -> tuple[bytes, int, int]:
         """Replies for the longest answerable prefix of the run: (bytes, answered, not found)."""

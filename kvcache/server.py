@@ -81,8 +81,17 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._closing:
             return
-        self.reader.feed(data)
-        if self._busy is None:
+        if self._busy is not None or self._paused_writing or self._draining:
+            self.reader.feed(data)
+            return
+        # GET-only traffic is answered here in one call to the GET path; the rest (and a GET
+        # it cannot answer) goes through _process.
+        replies, local, notfound, more = self.srv.gets.answer(self.reader, data, self.proto, FLUSH_AT)
+        if local:
+            self._count(local, notfound)
+        if replies:
+            self.transport.write(replies)
+        if more:
             self._process()
 
     def eof_received(self) -> bool:
