@@ -220,3 +220,44 @@ def test_twins_agree(env, keys, proto, budget, direct, stale_other):
         assert a.serve(*request(keys), proto, budget) == b.serve(*request(keys), proto, budget)
     finally:
         feeds["other"].fresh = True
+
+
+def resp_get(key: str) -> bytes:
+    k = key.encode()
+    return b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k)
+
+
+READERS = [pytest.param("resp", id="twin-reader")]
+try:
+    from kvcache._native import resp as native_resp
+    READERS.append(pytest.param("native", id="native-reader"))
+except ImportError:
+    native_resp = None
+
+
+@pytest.mark.parametrize("mod", IMPLS)
+@pytest.mark.parametrize("reader_kind", READERS)
+def test_answer_feeds_cuts_and_hands_over_the_rest(mod, reader_kind, env):
+    from kvcache import resp as twin_resp
+    wire_mod = twin_resp if reader_kind == "resp" else native_resp
+    replica, feeds = env
+    gets, _ = make(mod, replica, feeds)
+    reader = wire_mod.RequestReader()
+    data = resp_get("a") + resp_get("missing") + b"*1\r\n$4\r\nPING\r\n" + resp_get("bin")
+    # split in two at every boundary: what was answered plus what is left is always the same
+    for cut in range(1, len(data)):
+        reader = wire_mod.RequestReader()
+        out1, n1, nf1, more1 = gets.answer(reader, data[:cut], 2, 1 << 30)
+        out2, n2, nf2, more2 = gets.answer(reader, data[cut:], 2, 1 << 30)
+        assert out1 + out2 == expected([b"1", None])
+        assert (n1 + n2, nf1 + nf2, more2) == (2, 1, True)
+        assert reader.next_command() == [b"PING"]
+        out3, n3, _, more3 = gets.answer(reader, b"", 2, 1 << 30)
+        assert (out3, n3, more3) == (expected([VALUES["bin"]]), 1, False)
+    # GET-only input: all answered, nothing more to do
+    reader = wire_mod.RequestReader()
+    assert gets.answer(reader, resp_get("a") * 3, 3, 1 << 30) == (expected([b"1"] * 3, 3), 3, 0, False)
+    # the budget stops it with more to do
+    reader = wire_mod.RequestReader()
+    out, n, _, more = gets.answer(reader, resp_get("nine") + resp_get("a"), 2, 100)
+    assert (n, more) == (1, True)
