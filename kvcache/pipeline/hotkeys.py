@@ -253,7 +253,8 @@ def chart(report: Report, path: str) -> None:
     for bucket, curve in report.curves.items():
         ax.plot(range(1, len(curve) + 1), curve, marker=".", label=bucket)
     ax.axhline(report.cover, color="grey", linestyle="--", label=f"cover {report.cover:.0%}")
-    ax.set_xscale("log")
+    if max((len(c) for c in report.curves.values()), default=0) > 20:
+        ax.set_xscale("log")
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("key groups, most read first")
     ax.set_ylabel("share of reads")
