@@ -212,36 +212,42 @@ cdef bint _is_delete(const unsigned char* h, Py_ssize_t hn) noexcept nogil:
     """Does this header block stand for a delete? Operation.of's rules: the last
     `KV-Operation` value (DEL or PURGE, any case) decides; without one, a server marker
     (`Nats-Marker-Reason`) is a delete."""
-    cdef Py_ssize_t i, ls, le, j, ns, ne, vs, ve
-    cdef const unsigned char* q
+    cdef Py_ssize_t i, ns, ne, vs, ve
     cdef int op = -1          # -1 no KV-Operation header, 0 put, 1 delete
     cdef bint marker = False
     i = _crlf(h, 0, hn) + 2
     while i < hn:
-        ls = i
-        le = _crlf(h, i, hn)
-        i = le + 2
-        q = <const unsigned char*>memchr(h + ls, 58, le - ls)
-        if q == NULL:
-            continue
-        j = q - h
-        ns = ls
-        ne = j
-        while ns < ne and _is_ws(h[ns]):
-            ns += 1
-        while ne > ns and _is_ws(h[ne - 1]):
-            ne -= 1
+        i = _header_line(h, i, hn, &ns, &ne, &vs, &ve)
         if ne - ns == 12 and memcmp(h + ns, b"KV-Operation", 12) == 0:
-            vs = j + 1
-            ve = le
-            while vs < ve and _is_ws(h[vs]):
-                vs += 1
-            while ve > vs and _is_ws(h[ve - 1]):
-                ve -= 1
             op = 1 if (_ieq(h + vs, ve - vs, b"DEL", 3) or _ieq(h + vs, ve - vs, b"PURGE", 5)) else 0
         elif ne - ns == 18 and memcmp(h + ns, b"Nats-Marker-Reason", 18) == 0:
             marker = True
     return op == 1 if op >= 0 else marker
+
+
+cdef inline Py_ssize_t _header_line(const unsigned char* h, Py_ssize_t i, Py_ssize_t hn,
+                                    Py_ssize_t* ns, Py_ssize_t* ne, Py_ssize_t* vs,
+                                    Py_ssize_t* ve) noexcept nogil:
+    """The header line at i: its name and value spans, whitespace-trimmed (an empty name when
+    the line has no ':'). Returns where the next line starts."""
+    cdef Py_ssize_t le = _crlf(h, i, hn)
+    cdef const unsigned char* q = <const unsigned char*>memchr(h + i, 58, le - i)
+    if q == NULL:
+        ns[0] = ne[0] = vs[0] = ve[0] = i
+        return le + 2
+    ns[0] = i
+    ne[0] = q - h
+    vs[0] = q - h + 1
+    ve[0] = le
+    while ns[0] < ne[0] and _is_ws(h[ns[0]]):
+        ns[0] += 1
+    while ne[0] > ns[0] and _is_ws(h[ne[0] - 1]):
+        ne[0] -= 1
+    while vs[0] < ve[0] and _is_ws(h[vs[0]]):
+        vs[0] += 1
+    while ve[0] > vs[0] and _is_ws(h[ve[0] - 1]):
+        ve[0] -= 1
+    return le + 2
 
 
 cdef inline Py_ssize_t _crlf(const unsigned char* h, Py_ssize_t i, Py_ssize_t hn) noexcept nogil:
@@ -439,21 +445,8 @@ cdef class NatsReader:
         # header lines
         i = le + 2
         while i < hn:
-            ls = i
-            le = _crlf(h, i, hn)
-            i = le + 2
-            # name up to ':'
-            q = <const unsigned char*>memchr(h + ls, 58, le - ls)
-            if q == NULL:
-                continue
-            j = q - h
-            ns = ls
-            ne = j
-            while ns < ne and _is_ws(h[ns]):
-                ns += 1
-            while ne > ns and _is_ws(h[ne - 1]):
-                ne -= 1
-            if ne == ns:
+            i = _header_line(h, i, hn, &ns, &ne, &vs, &ve)
+            if ne == ns:  # no ':', or an empty name
                 continue
             for k in range(ns, ne):
                 if _name_bad(h[k]):
@@ -462,12 +455,6 @@ cdef class NatsReader:
                 k = -1
             if k >= 0:
                 continue
-            vs = j + 1
-            ve = le
-            while vs < ve and _is_ws(h[vs]):
-                vs += 1
-            while ve > vs and _is_ws(h[ve - 1]):
-                ve -= 1
             name = self._name(h + ns, ne - ns)
             val = _utf8(h + vs, ve - vs)
             c = PyDict_GET_SIZE(headers)
