@@ -12,6 +12,7 @@ from ..errors import ConfigError
 RESERVED_PREFIX = "_kv"  # ADR-8: keys starting with _kv are for internal use
 _TOKEN = KEY_TOKEN.pattern.lstrip("^").rstrip("$")
 KEY = re.compile(rf"{_TOKEN}(?:\.{_TOKEN})*")  # tokens joined by single dots, as one regex
+KEY_RE2 = f"^(?:{KEY.pattern})$"  # the same for Arrow's match_substring_regex (RE2: $ is the end)
 
 
 def key_problem(key: str | None) -> str | None:

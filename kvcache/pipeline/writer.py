@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import itertools
 import json
 import random
 import time
@@ -27,7 +28,7 @@ from typing import Any, Callable, Iterable, Iterator
 import nats.errors
 
 from ..natsconn import Connection
-from .keys import key_problem
+from .keys import KEY_RE2, RESERVED_PREFIX, key_problem
 
 BACKOFF_BASE_S = 0.05
 BACKOFF_MAX_S = 2.0
@@ -107,61 +108,90 @@ def _extend(out: list[str], more: list[str], limit: int) -> None:
 
 
 class _Row:
+    """A row sent on its own: a retry (first sends go out in slices)."""
+
     __slots__ = ("key", "value", "attempts", "deadline")
 
-    def __init__(self, key: str, value: bytes) -> None:
+    def __init__(self, key: str, value: bytes, attempts: int = 0) -> None:
         self.key = key
         self.value = value
-        self.attempts = 0
+        self.attempts = attempts
         self.deadline = 0.0
+
+    def row(self, rid: int) -> "_Row":
+        return self
+
+
+class _Slice:
+    """Rows sent together for the first time: reply ids base .. base+len-1. A row is taken out
+    (as a _Row) only when it has to be sent again."""
+
+    __slots__ = ("keys", "values", "base", "deadline")
+
+    def __init__(self, keys: Any, values: Any, base: int, deadline: float) -> None:
+        self.keys = keys
+        self.values = values
+        self.base = base
+        self.deadline = deadline
+
+    def row(self, rid: int) -> _Row:
+        i = rid - self.base
+        return _Row(self.keys[i].as_py(), self.values[i].as_py())
 
 
 class PartitionWriter:
-    """Pipelined KV puts with a bounded window, retries and counts (one per partition)."""
+    """Pipelined KV puts with a bounded window, retries and counts (one per partition).
+
+    Rows come in Arrow batches of (key string, value binary) and go out as slices: validity
+    (ADR-8's key rule as a regex) and the PUB frames of a whole slice are computed by Arrow
+    kernels, so the per-row Python work on the send side is one dict entry. Rows sent again
+    take the per-row path (`_frame`)."""
 
     def __init__(self, opts: WriteOptions) -> None:
         self.opts = opts
         self.result = PartitionResult()
         self.nc: Connection | None = None
         self._subject = f"$KV.{opts.bucket}.".encode()
+        self._inbox = ""
         self._inbox_b = b""
         self._out: list[bytes] = []  # PUB frames not yet handed to nats-py
-        self._out_rids: list[int] = []
-        self._inbox = ""
-        self._pending: dict[int, _Row] = {}  # reply id -> row, oldest first
+        self._out_rids: list[range] = []  # their reply ids
+        self._pending: dict[int, _Row | _Slice] = {}  # reply id -> its row or slice, oldest first
         self._retry: list[tuple[float, int, _Row]] = []  # heap by due time
         self._seq = 0
         self._low = max(1, opts.max_inflight // 2)
         self._wake = asyncio.Event()
         self._next_expire = 0.0
 
-    async def write(self, chunks: Iterable[tuple[list[Any], list[Any]]]) -> PartitionResult:
-        """Write every (keys, values) chunk; returns the counts. Never raises for rows that
-        could not be written: they are counted (a partition that cannot reach NATS at all
-        reports every valid row as failed)."""
+    async def write(self, batches: Iterable[Any]) -> PartitionResult:
+        """Write every Arrow batch (columns: key, value); returns the counts. Never raises for
+        rows that could not be written: they are counted (a partition that cannot reach NATS
+        at all reports every valid row as failed)."""
         start = time.monotonic()
         try:
             await self._connect()
         except (OSError, asyncio.TimeoutError, nats.errors.Error) as e:
-            self._fail_all(chunks, f"cannot connect to NATS: {type(e).__name__} {e}".strip())
+            why = f"cannot connect to NATS: {type(e).__name__} {e}".strip()
+            for batch in batches:
+                keys, _ = self._accept(batch)
+                if len(keys):
+                    self._failed(keys[0].as_py(), why, len(keys))
             self.result.seconds = time.monotonic() - start
             return self.result
         try:
             window = self.opts.max_inflight
-            for keys, values in chunks:
-                for key, value in zip(keys, values):
-                    row = self._accept(key, value)
-                    if row is None:
+            for batch in batches:
+                keys, values = self._accept(batch)
+                done = 0
+                while done < len(keys):
+                    free = window - len(self._pending)
+                    if free <= 0 or (self._retry and self._retry[0][0] <= time.monotonic()):
+                        await self._turn()
                         continue
-                    self._frame(row)
-                    if len(self._pending) >= window:
-                        await self._flush()
-                        while len(self._pending) >= window:
-                            await self._turn()
-                await self._flush()
-                if self._retry and self._retry[0][0] <= time.monotonic():
-                    await self._turn()
-            await self._flush()
+                    n = min(free, len(keys) - done)
+                    self._send_slice(keys.slice(done, n), values.slice(done, n))
+                    done += n
+                    await self._flush()
             while self._pending or self._retry:
                 await self._turn()
         finally:
@@ -171,28 +201,39 @@ class PartitionWriter:
 
     # ------------------------------------------------------------------ rows
 
-    def _accept(self, key: Any, value: Any) -> _Row | None:
-        r = self.result
-        r.rows += 1
-        problem = key_problem(key)
-        if problem is None and value is None:
-            problem = "null value"
-        if problem is not None:
-            r.invalid += 1
-            if len(r.invalid_examples) < self.opts.examples:
-                r.invalid_examples.append(f"{key!r}: {problem}")
-            return None
-        return _Row(key, value if isinstance(value, bytes) else bytes(value))
+    def _accept(self, batch: Any) -> tuple[Any, Any]:
+        """Count the batch; set aside (counted, with examples) rows with an invalid key, a null
+        value or a value over the server's max_payload. Returns the (keys, values) to send."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
 
-    def _fail_all(self, chunks: Iterable[tuple[list[Any], list[Any]]], why: str) -> None:
-        for keys, values in chunks:
-            for key, value in zip(keys, values):
-                if self._accept(key, value) is not None:
-                    self._failed(key, why)
-
-    def _failed(self, key: str, why: str) -> None:
+        keys, values = batch.column(0), batch.column(1)
+        if not pa.types.is_binary(values.type) and not pa.types.is_large_binary(values.type):
+            values = pc.cast(values, pa.binary())
         r = self.result
-        r.failed += 1
+        r.rows += len(keys)
+        ok = pc.and_kleene(pc.match_substring_regex(keys, KEY_RE2),
+                           pc.invert(pc.starts_with(keys, RESERVED_PREFIX)))
+        ok = pc.and_(pc.fill_null(ok, False), pc.is_valid(values))
+        bad = pc.indices_nonzero(pc.invert(ok))
+        if len(bad):
+            r.invalid += len(bad)
+            for i in bad.to_pylist()[: max(0, self.opts.examples - len(r.invalid_examples))]:
+                key = keys[i].as_py()
+                r.invalid_examples.append(f"{key!r}: {key_problem(key) or 'null value'}")
+        if self.nc is not None:
+            big = pc.and_(pc.fill_null(pc.greater(pc.binary_length(values), self.nc.max_payload), False), ok)
+            for i in pc.indices_nonzero(big).to_pylist():
+                self._failed(keys[i].as_py(), f"value of {len(values[i].as_py())} bytes exceeds "
+                             "the server's max_payload")
+                ok = pc.and_not(ok, big)
+        if len(bad) or not pc.all(ok).as_py():
+            keys, values = pc.filter(keys, ok), pc.filter(values, ok)
+        return keys, values
+
+    def _failed(self, key: str, why: str, count: int = 1) -> None:
+        r = self.result
+        r.failed += count
         if len(r.failed_examples) < self.opts.examples:
             r.failed_examples.append(f"{key}: {why}")
 
@@ -232,17 +273,37 @@ class PartitionWriter:
                 pass
 
     def _frame(self, row: _Row) -> None:
-        """Queue the PUB frame of one row (sent by `_flush`); the row is in flight from now."""
-        if len(row.value) > self.nc.max_payload:
-            self._failed(row.key, f"value of {len(row.value)} bytes exceeds the server's max_payload")
-            return
+        """Queue the PUB frame of one row sent again (sent by `_flush`)."""
         self._seq += 1
         rid = self._seq
         row.deadline = time.monotonic() + self.opts.ack_timeout_s
         self._pending[rid] = row
         self._out.append(b"PUB %b%b %b.%d %d\r\n%b\r\n" % (
             self._subject, row.key.encode(), self._inbox_b, rid, len(row.value), row.value))
-        self._out_rids.append(rid)
+        self._out_rids.append(range(rid, rid + 1))
+
+    def _send_slice(self, keys: Any, values: Any) -> None:
+        """Queue the PUB frames of a slice of new rows, built by Arrow kernels into one buffer:
+        `PUB $KV.<bucket>.<key> <inbox>.<reply id> <size>\\r\\n<value>\\r\\n` each."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        n = len(keys)
+        base = self._seq + 1
+        self._seq += n
+        binary = pa.binary()
+        rids = pc.cast(pc.cast(pa.array(range(base, base + n), pa.int64()), pa.string()), binary)
+        sizes = pc.cast(pc.cast(pc.binary_length(values), pa.string()), binary)
+        frames = pc.binary_join_element_wise(
+            b"PUB " + self._subject, pc.cast(keys, binary), b" " + self._inbox_b + b".", rids, b" ",
+            sizes, b"\r\n", pc.cast(values, binary), b"\r\n", b"")  # the last argument: separator
+        bufs = frames.buffers()
+        offsets = pa.Array.from_buffers(pa.int32(), n + 1, [None, bufs[1]], offset=frames.offset)
+        self._out.append(bufs[2][offsets[0].as_py():offsets[n].as_py()].to_pybytes())
+        ids = range(base, base + n)
+        self._out_rids.append(ids)
+        sl = _Slice(keys, values, base, time.monotonic() + self.opts.ack_timeout_s)
+        self._pending.update(zip(ids, itertools.repeat(sl)))
 
     async def _flush(self) -> None:
         """Hand the queued frames to nats-py as one write. While reconnecting nats-py buffers
@@ -255,10 +316,11 @@ class PartitionWriter:
         nc = self.nc
         if nc.is_closed or (not nc.is_connected and
                             nc._pending_data_size + len(data) > nc._max_pending_size):
-            for rid in rids:
-                row = self._pending.pop(rid, None)
-                if row is not None:
-                    self._again(row, "disconnected from NATS")
+            for ids in rids:
+                for rid in ids:
+                    entry = self._pending.pop(rid, None)
+                    if entry is not None:
+                        self._again(entry.row(rid), "disconnected from NATS")
             return
         # One PUB batch through nats-py's own buffer and flusher (publish() does the same
         # per message: this is its _send_command without a coroutine per row).
@@ -276,16 +338,17 @@ class PartitionWriter:
         written = 0
         for ev in events:
             try:
-                row = pending.pop(int(ev.subject[cut:]), None)
+                rid = int(ev.subject[cut:])
             except ValueError:
                 continue
-            if row is None:
+            entry = pending.pop(rid, None)
+            if entry is None:
                 continue  # the ack of a send we already gave up on (and sent again)
             status = getattr(ev, "status", 0)
             if status:
-                self._again(row, f"status {status} {ev.description}".strip())
+                self._again(entry.row(rid), f"status {status} {ev.description}".strip())
             elif b'"error"' in ev.payload:
-                self._again(row, _ack_error(ev.payload))
+                self._again(entry.row(rid), _ack_error(ev.payload))
             else:
                 written += 1
         self.result.written += written
@@ -327,12 +390,12 @@ class PartitionWriter:
         if now >= self._next_expire:
             self._next_expire = now + EXPIRE_EVERY_S
             overdue = []
-            for rid, row in self._pending.items():
-                if row.deadline > now:
+            for rid, entry in self._pending.items():
+                if entry.deadline > now:
                     break
                 overdue.append(rid)
             for rid in overdue:
-                self._again(self._pending.pop(rid), f"no ack within {self.opts.ack_timeout_s:g}s")
+                self._again(self._pending.pop(rid).row(rid), f"no ack within {self.opts.ack_timeout_s:g}s")
         while self._retry and self._retry[0][0] <= now and len(self._pending) < self.opts.max_inflight:
             self._frame(heapq.heappop(self._retry)[2])
         await self._flush()
@@ -350,14 +413,15 @@ async def quiet(e: Exception) -> None:
     """nats-py's error callback: disconnects are handled by retries, not logged per partition."""
 
 
-def run_partition(opts: WriteOptions, chunks: Iterable[tuple[list[Any], list[Any]]]) -> PartitionResult:
-    """Write one partition on a fresh event loop (uvloop when installed)."""
+def run_partition(opts: WriteOptions, batches: Iterable[Any]) -> PartitionResult:
+    """Write one partition's Arrow batches (key, value) on a fresh event loop (uvloop when
+    installed)."""
     try:
         import uvloop
         runner: Callable[..., PartitionResult] = uvloop.run
     except ImportError:
         runner = asyncio.run
-    return runner(PartitionWriter(opts).write(chunks))
+    return runner(PartitionWriter(opts).write(batches))
 
 
 def arrow_partition_fn(opts: WriteOptions) -> Callable[[Iterator[Any]], Iterator[Any]]:
@@ -366,7 +430,6 @@ def arrow_partition_fn(opts: WriteOptions) -> Callable[[Iterator[Any]], Iterator
     def write_batches(batches: Iterator[Any]) -> Iterator[Any]:
         import pyarrow as pa
 
-        chunks = ((b.column(0).to_pylist(), b.column(1).to_pylist()) for b in batches)
-        result = run_partition(opts, chunks)
+        result = run_partition(opts, batches)
         yield pa.RecordBatch.from_pylist([result_to_row(result)])
     return write_batches
