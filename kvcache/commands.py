@@ -548,6 +548,7 @@ class Commands:
                 ("total_commands_processed", st.commands),
                 ("total_connections_received", st.connections_received),
                 ("protocol_errors", st.protocol_errors),
+                ("access_log_records", self.access.records),
             ],
             "buckets": [(name, _fields(
                 synced=int(f.synced), keys=self.replica.count(name), applied_seq=f.meta.applied_seq,

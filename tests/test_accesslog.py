@@ -73,9 +73,13 @@ def test_real_sidecar_logs_local_remote_and_misses(tmp_path, nats_server):
             await kv.put(f"cold.{i}", f"c{i}".encode())
     nats_run(nats_server.url, fill)
     logdir = tmp_path / "logs"
-    sc = Sidecar(tmp_path / "data", nats_server.url, ["app:hot.>"],
-                 extra=["--access-log-rate", "1", "--access-log-dir", str(logdir),
-                        "--access-log-max-bytes", "4000", "--access-log-files", "2"])
+
+    def sidecar() -> Sidecar:  # every read logged; rotation at 4000 bytes, 2 files kept
+        return Sidecar(tmp_path / "data", nats_server.url, ["app:hot.>"],
+                       extra=["--access-log-rate", "1", "--access-log-dir", str(logdir),
+                              "--access-log-max-bytes", "4000", "--access-log-files", "2"])
+
+    sc = sidecar()
     with sc:
         sc.start()
         r = redis.Redis(unix_socket_path=sc.socket)
@@ -86,6 +90,7 @@ def test_real_sidecar_logs_local_remote_and_misses(tmp_path, nats_server):
         assert r.mget("hot.3", "cold.3") == [b"h3", b"c3"]
         assert r.exists("hot.4", "hot.none") == 1
         assert r.execute_command("KV.GET", "cold.4")[0] == b"c4"
+        assert r.info("stats")["access_log_records"] == 9
         assert sc.stop() == 0  # SIGTERM: buffered lines are flushed on exit
     recs = read_records(logdir)
     got = [(r["command"], r["bucket"], r["key"], r["source"], r["hit"]) for r in recs]
@@ -104,9 +109,7 @@ def test_real_sidecar_logs_local_remote_and_misses(tmp_path, nats_server):
     assert int(recs[2]["latency_us"]) > 0  # a NATS round trip takes some microseconds
 
     # many reads: rotation keeps access.log plus 2 rotated files
-    sc2 = Sidecar(tmp_path / "data", nats_server.url, ["app:hot.>"],
-                  extra=["--access-log-rate", "1", "--access-log-dir", str(logdir),
-                         "--access-log-max-bytes", "4000", "--access-log-files", "2"])
+    sc2 = sidecar()
     with sc2:
         sc2.start()
         r = redis.Redis(unix_socket_path=sc2.socket)
