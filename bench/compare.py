@@ -381,6 +381,7 @@ def chart(figures: dict[str, Any], path: Path) -> None:
             ax.set_yticks(list(ys), labels, fontsize=8)
             ax.invert_yaxis()
             ax.set_xscale("log")
+            ax.margins(x=0.12)
             ax.set_xlabel("µs (log)")
             ax.set_title("single-key reads, one at a time" if name == "latency"
                          else "locust mix over the socket (per request, µs)")
@@ -391,6 +392,7 @@ def chart(figures: dict[str, Any], path: Path) -> None:
             ax.bar_label(bars, [f"{r['rate']:,.0f}" for r in rows], fontsize=8)
             ax.set_yticks(range(len(rows)), [r["method"] for r in rows], fontsize=8)
             ax.invert_yaxis()
+            ax.margins(x=0.12)
             ax.set_xlabel("keys/s")
             ax.set_title(f"initial sync of {data['keys']:,} keys")
     fig.tight_layout()
