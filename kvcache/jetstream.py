@@ -15,6 +15,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 
 from .errors import BucketNotFound, UpstreamError
+from .natsproto import decode_headers, status_headers
 
 STREAM_NOT_FOUND = 10059
 
@@ -91,19 +92,7 @@ def parse_time_ns(text: str) -> int:
 
 
 def parse_header_block(raw: bytes) -> dict[str, str]:
-    """`NATS/1.0 [status [desc]]\\r\\nName: value\\r\\n...` as a dict; status under `Status`."""
-    out: dict[str, str] = {}
-    lines = raw.decode("utf-8", "replace").split("\r\n")
-    first = lines[0]
-    if first.startswith("NATS/1.0"):
-        rest = first[8:].strip()
-        if rest:
-            code, _, desc = rest.partition(" ")
-            out["Status"] = code
-            if desc:
-                out["Description"] = desc
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if sep and name:
-            out[name.strip()] = value.strip()
-    return out
+    """`NATS/1.0 [status [desc]]\r\nName: value\r\n...` as a dict, as nats-py shows headers
+    (status under `Status`, its text under `Description`); the wire reader's own rules."""
+    status, desc, headers, _ = decode_headers(raw)
+    return status_headers(status, desc, headers)

@@ -20,6 +20,7 @@ from nats.aio.client import Client
 
 from . import native
 from .errors import ProtocolError
+from .natsproto import status_headers
 
 proto = native.pick("natsproto", "natsproto")
 _Msg, _HMsg, _Run = proto.Msg, proto.HMsg, proto.Run
@@ -32,13 +33,7 @@ LaneHandler = Callable[[list], None]
 
 def nats_headers(ev) -> dict | None:
     """nats-py's view of an HMsg's headers: inline status as `Status`/`Description`."""
-    if not ev.status:
-        return ev.headers or None
-    hdrs = dict(ev.headers)
-    hdrs["Status"] = f"{ev.status:03d}"
-    if ev.description:
-        hdrs["Description"] = ev.description
-    return hdrs
+    return status_headers(ev.status, ev.description, ev.headers) or None
 
 
 class _Parser:

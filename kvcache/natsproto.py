@@ -49,7 +49,7 @@ from kvcache.record import item as _item
 
 __all__ = [
     "Msg", "HMsg", "Ping", "Pong", "Ok", "Err", "Info", "PING", "PONG", "OK",
-    "AckMeta", "NatsReader", "Run", "parse_ack", "decode_headers", "ProtocolError",
+    "AckMeta", "NatsReader", "Run", "parse_ack", "decode_headers", "status_headers", "ProtocolError",
 ]
 
 MAX_CONTROL_LINE = 4096
@@ -215,6 +215,18 @@ def decode_headers(block: bytes) -> tuple[int, str, dict, dict | None]:
                 multi[key] = [headers[key], val]
         headers[key] = val
     return status, desc, headers, multi
+
+
+def status_headers(status: int, description: str, headers: dict) -> dict:
+    """nats-py's shape of a header block: the inline status as `Status` (3 digits) and
+    `Description` entries beside the headers (what nats-py's users, the router included, read)."""
+    if not status:
+        return headers
+    out = dict(headers)
+    out["Status"] = f"{status:03d}"
+    if description:
+        out["Description"] = description
+    return out
 
 
 def _deliver(events: list, sid: int, ack: AckMeta, key: bytes, header_block: bytes,
