@@ -214,7 +214,10 @@ class Commands:
     def _log(self, t0: int, bucket: str, key: str, source: str, hit: bool, command: str) -> None:
         """One read into the access log, if sampled."""
         if t0 and self.access.sampled():
-            self.access.record(bucket, key, source, hit, (time.perf_counter_ns() - t0) // 1000, command)
+            self._record(t0, bucket, key, source, hit, command)
+
+    def _record(self, t0: int, bucket: str, key: str, source: str, hit: bool, command: str) -> None:
+        self.access.record(bucket, key, source, hit, (time.perf_counter_ns() - t0) // 1000, command)
 
     async def remote_entry(self, bc: BucketConfig, key: str, strong: bool = False, t0: int = 0,
                            command: str = "KV.GET") -> Entry | None:
@@ -267,9 +270,9 @@ class Commands:
                     txn = self.replica.env.begin()
                 rec = txn.get(lkey, None, db)
                 local += 1
-                if t0:
+                if t0 and self.access.sampled():  # resolved again only when sampled
                     bc, key = self.resolve(raw)
-                    self._log(t0, bc.name, key, "local", rec is not None, command)
+                    self._record(t0, bc.name, key, "local", rec is not None, command)
                 if rec is None:
                     notfound += 1
                 else:
