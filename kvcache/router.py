@@ -1,234 +1,64 @@
-"""Fallback reads: what the replica cannot answer is fetched from NATS with Direct Get (ADR-31).
+"""Latency-aware routing of fallback reads across a bucket's peers (DESIGN.md, Routing).
 
-A Peer is one (connection, stream) pair that can answer reads for a bucket. Single keys use
-the subject-appended form `$JS.API.DIRECT.GET.<stream>.<subject>`; MGET misses use `multi_last`
-batches (at most 1024 subjects a request, pinned to one snapshot with `up_to_seq`). Streams
-without `allow_direct` have no Direct Get responders, so such a peer uses the leader API
-`$JS.API.STREAM.MSG.GET`, which is also what `CONSISTENCY strong` reads use (read-after-write).
+NATS picks a Direct Get responder at random inside a cluster, so choosing the fast one is ours
+to do. A read goes to the better of two peers by cost (power of two choices; the two candidates
+are drawn with probability inversely proportional to cost, so a peer ten times slower is
+rarely even considered, yet every peer keeps being measured). When the answer is late (about
+the chosen peer's p95, which is the best peer's but when that one is busy) a **hedged** request goes to another peer, within a budget of extra
+requests (a token bucket refilled by a share of the ordinary requests); the first good answer
+wins and the other request is cancelled. Errors fail over to the next peer at once. Repeated
+failures (errors, timeouts, hedges lost) **eject** a peer; it comes back after a successful
+probe, tried with exponential backoff. Peers idle for a while are probed too, so an estimate
+never goes stale because the peer stopped being chosen.
+
+Strong reads go to the leader API of a peer reaching the bucket's own stream (not a mirror).
 """
 from __future__ import annotations
 
-import base64
-import contextlib
-import json
+import asyncio
+import random
 import time
-from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Iterable
 
-import nats.errors
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-
-from . import jetstream as jsapi
-from .entry import Entry, Operation
+from .entry import Entry
 from .errors import UpstreamError
+from .peer import MULTI_LAST_MAX, Peer, PeerStats
 
-MULTI_LAST_MAX = 1024
-NO_MESSAGE = 10037
-EWMA_DECAY = 0.2
-
-
-@dataclass
-class PeerStats:
-    requests: int = 0
-    errors: int = 0
-    hedges: int = 0
-    ewma_us: float = 0.0
-
-    def observe(self, seconds: float) -> None:
-        us = seconds * 1e6
-        # Peak-sensitive: a slower sample is taken at once, a faster one decays in.
-        self.ewma_us = us if us > self.ewma_us else self.ewma_us + EWMA_DECAY * (us - self.ewma_us)
+__all__ = ["MULTI_LAST_MAX", "Peer", "PeerStats", "Policy", "Router"]
 
 
 @dataclass
-class Peer:
-    name: str
-    nc: NATS
-    stream: str
-    bucket: str
-    domain: str | None = None
-    direct: bool = True
-    state: str = "up"
-    stats: PeerStats = field(default_factory=PeerStats)
+class Policy:
+    """The routing knobs; the defaults suit a sidecar reading at up to tens of thousands/s."""
 
-    @property
-    def api(self) -> str:
-        return jsapi.api_prefix(self.domain)
+    hedge_ratio: float = 0.10       # hedged requests allowed per ordinary request
+    hedge_burst: float = 10.0       # tokens the budget can save up (and starts with)
+    hedge_min_s: float = 0.0005     # never hedge sooner than this
+    hedge_default_s: float = 0.05   # hedge delay before any peer has been measured
+    hedge_percentile: float = 0.95
+    eject_after: int = 3            # consecutive failures that eject a peer
+    probe_backoff_s: float = 0.5    # first retry of an ejected peer; doubles on each failure
+    probe_backoff_max_s: float = 30.0
+    refresh_s: float = 1.0          # probe a healthy peer not measured for this long
 
-    @property
-    def label(self) -> str:
-        """The name INFO lists this peer under and KV.GET reports as the source. The main
-        connection serves every bucket, so its peers are told apart by bucket."""
-        return f"{self.name}.{self.bucket}" if self.name == "main" else self.name
 
-    # ------------------------------------------------------------------ single key
-
-    @contextlib.contextmanager
-    def _accounted(self) -> Iterator[None]:
-        """Count one request with its latency or its error; a NATS failure becomes an
-        UpstreamError. No-responders passes through uncounted: the caller switches to the
-        leader API and that request is the one that counts."""
-        self.stats.requests += 1
-        start = time.perf_counter()
-        try:
-            yield
-        except nats.errors.NoRespondersError:
-            self.stats.requests -= 1
-            raise
-        except UpstreamError:
-            self.stats.errors += 1
-            raise
-        except (nats.errors.Error, OSError) as e:
-            self.stats.errors += 1
-            raise UpstreamError(f"peer {self.label}: {type(e).__name__}: {e}") from None
-        self.stats.observe(time.perf_counter() - start)
-
-    async def get(self, key: str, timeout: float, leader: bool = False) -> Entry | None:
-        if self.direct and not leader:
-            try:
-                with self._accounted():
-                    return await self._direct_get(key, timeout)
-            except nats.errors.NoRespondersError:
-                self.direct = False  # no allow_direct (nats-py's default for new buckets)
-        with self._accounted():
-            return await self._leader_get(key, timeout)
-
-    async def _direct_get(self, key: str, timeout: float) -> Entry | None:
-        return await self.direct_request(key, b"", timeout)
-
-    async def direct_request(self, key: str | None, payload: bytes, timeout: float) -> Entry | None:
-        """One single-message Direct Get: subject-appended (`...DIRECT.GET.<stream>.<subject>`)
-        when `key` is given, else `payload` is the request. A 404 is None; any other status
-        (408 bad or empty request, 413, ...) raises UpstreamError."""
-        subject = f"{self.api}.DIRECT.GET.{self.stream}"
-        if key is not None:
-            subject += "." + jsapi.kv_subject(self.bucket, key)
-        try:
-            msg = await self.nc.request(subject, payload, timeout=timeout)
-        except nats.errors.TimeoutError:
-            raise UpstreamError(f"peer {self.label}: Direct Get timed out after {timeout:.1f}s") from None
-        return self._entry_from_msg(msg, key)
-
-    def _entry_from_msg(self, msg: Msg, key: str | None = None) -> Entry | None:
-        hdrs = msg.headers or {}
-        status = hdrs.get("Status")
-        if status:
-            if status == "404":
-                return None
-            raise UpstreamError(
-                f"peer {self.label}: Direct Get failed: {status} {hdrs.get('Description', '')}".rstrip())
-        if key is None:
-            key = hdrs.get("Nats-Subject", "")[len(jsapi.kv_subject(self.bucket, "")):]
-        return self._entry(key, msg.data, hdrs, int(hdrs.get("Nats-Sequence", 0) or 0),
-                           jsapi.parse_time_ns(hdrs.get("Nats-Time-Stamp", "")))
-
-    async def _leader_get(self, key: str, timeout: float) -> Entry | None:
-        try:
-            doc = await jsapi.api_request(
-                self.nc, f"{self.api}.STREAM.MSG.GET.{self.stream}",
-                {"last_by_subj": jsapi.kv_subject(self.bucket, key)}, timeout)
-        except jsapi.ApiError as e:
-            # Only "no message found" is a miss. A 404 with another err_code (stream not
-            # found: 10059) is an error, or a deleted bucket would read as all keys missing.
-            if e.err_code == NO_MESSAGE or (e.code == 404 and not e.err_code):
-                return None
-            raise
-        m = doc.get("message", {})
-        hdrs = jsapi.parse_header_block(base64.b64decode(m["hdrs"])) if m.get("hdrs") else {}
-        data = base64.b64decode(m.get("data", "")) if m.get("data") else b""
-        return self._entry(key, data, hdrs, m.get("seq", 0), jsapi.parse_time_ns(m.get("time", "")),
-                           source="leader")
-
-    def _entry(self, key: str, data: bytes, hdrs: dict, seq: int, created: int,
-               source: str | None = None) -> Entry:
-        op = Operation.of(hdrs)
-        return Entry(self.bucket, key, data if op is Operation.PUT else None, seq, created,
-                     0, op, source or self.label)
-
-    # ------------------------------------------------------------------ many keys
-
-    async def get_many(self, keys: list[str], timeout: float,
-                       up_to_seq: int | None = None) -> dict[str, Entry | None]:
-        """multi_last batches; one snapshot across batches via the first batch's up-to sequence
-        (or `up_to_seq`: the keys as they were at that stream sequence)."""
-        if not self.direct and up_to_seq is None:
-            return {k: await self.get(k, timeout, leader=True) for k in keys}
-        out: dict[str, Entry | None] = {}
-        up_to = up_to_seq
-        try:
-            with self._accounted():
-                for i in range(0, len(keys), MULTI_LAST_MAX):
-                    chunk = keys[i : i + MULTI_LAST_MAX]
-                    up_to = await self._multi_last(chunk, up_to, timeout, out)
-        except nats.errors.NoRespondersError:
-            if up_to_seq is not None:
-                raise UpstreamError(f"peer {self.label}: no Direct Get responders "
-                                    "(a point-in-time read needs allow_direct)") from None
-            self.direct = False
-            return await self.get_many(keys, timeout)
-        for k in keys:
-            out.setdefault(k, None)
-        return out
-
-    async def _multi_last(self, keys: list[str], up_to: int | None, timeout: float,
-                          out: dict[str, Entry | None]) -> int | None:
-        remaining = {jsapi.kv_subject(self.bucket, k): k for k in keys}
-        while remaining:
-            req: dict = {"multi_last": list(remaining), "batch": len(remaining)}
-            if up_to:
-                req["up_to_seq"] = up_to
-            inbox = self.nc.new_inbox()
-            sub = await self.nc.subscribe(inbox)
-            try:
-                await self.nc.publish(f"{self.api}.DIRECT.GET.{self.stream}",
-                                      json.dumps(req).encode(), reply=inbox)
-                more = False
-                got_any = False
-                deadline = time.monotonic() + timeout
-                while True:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise UpstreamError(f"peer {self.label}: multi_last timed out")
-                    try:
-                        msg = await sub.next_msg(timeout=left)
-                    except nats.errors.TimeoutError:
-                        raise UpstreamError(f"peer {self.label}: multi_last timed out") from None
-                    hdrs = msg.headers or {}
-                    status = hdrs.get("Status")
-                    if status == "503":
-                        raise nats.errors.NoRespondersError
-                    if status == "204":  # EOB
-                        up_to = up_to or int(hdrs.get("Nats-UpTo-Sequence", 0) or 0) or None
-                        more = int(hdrs.get("Nats-Num-Pending", 0) or 0) > 0
-                        break
-                    if status == "404":  # none of the subjects has a message
-                        break
-                    if status:
-                        raise UpstreamError(f"peer {self.label}: multi_last failed: {status} "
-                                            f"{hdrs.get('Description', '')}".rstrip())
-                    subject = hdrs.get("Nats-Subject", "")
-                    key = remaining.pop(subject, None)
-                    if key is not None:
-                        got_any = True
-                        out[key] = self._entry_from_msg(msg, key)
-                if not more or not got_any:
-                    return up_to
-            finally:
-                try:
-                    await sub.unsubscribe()
-                except nats.errors.Error:
-                    pass
-        return up_to
+Fetch = Callable[[Peer], Awaitable]
 
 
 class Router:
-    """Chooses the peer for a fallback read. One peer per bucket on the main connection for now;
-    latency-aware choice across replicas and mirrors builds on this (see DESIGN.md, Routing)."""
+    """Chooses peers for fallback reads, hedges slow ones and ejects failing ones."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, policy: Policy | None = None, rng: random.Random | None = None) -> None:
         self.timeout = timeout
+        self.policy = policy or Policy()
         self._peers: dict[str, list[Peer]] = {}
+        self._rng = rng or random.Random()
+        self._tokens = self.policy.hedge_burst
+        self._background: set[asyncio.Task] = set()
+        self.hedges_sent = 0
+        self.hedges_won = 0
+        self.requests = 0
 
     def add(self, peer: Peer) -> None:
         self._peers.setdefault(peer.bucket, []).append(peer)
@@ -237,15 +67,189 @@ class Router:
         for ps in self._peers.values():
             yield from ps
 
-    def _pick(self, bucket: str) -> Peer:
-        ps = self._peers.get(bucket)
-        if not ps:
-            raise UpstreamError(f"no peer can read bucket {bucket}")
-        up = [p for p in ps if p.state == "up"] or ps
-        return min(up, key=lambda p: p.stats.ewma_us)
+    async def close(self) -> None:
+        """Cancel the probes still running (they hold no state worth waiting for)."""
+        for t in list(self._background):
+            t.cancel()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+    # ------------------------------------------------------------------ reads
 
     async def get(self, bucket: str, key: str, strong: bool = False) -> Entry | None:
-        return await self._pick(bucket).get(key, self.timeout, leader=strong)
+        ps = self._bucket_peers(bucket, strong)
+        self._schedule_probes(ps, key)
+        return await self._route(ps, lambda p: p.get(key, self.timeout, leader=strong), hedge=True)
 
     async def get_many(self, bucket: str, keys: list[str]) -> dict[str, Entry | None]:
-        return await self._pick(bucket).get_many(keys, self.timeout)
+        """MGET misses: one peer answers them all (one snapshot); errors fail over."""
+        ps = self._bucket_peers(bucket, False)
+        return await self._route(ps, lambda p: p.get_many(keys, self.timeout), hedge=False)
+
+    def _bucket_peers(self, bucket: str, strong: bool) -> list[Peer]:
+        ps = self._peers.get(bucket)
+        if ps and strong:
+            ps = [p for p in ps if p.upstream]
+        if not ps:
+            raise UpstreamError(f"no peer can read bucket {bucket}" + (" from its leader" if strong else ""))
+        return ps
+
+    # ------------------------------------------------------------------ choice
+
+    def choose(self, peers: list[Peer], exclude: Iterable[Peer] = ()) -> Peer | None:
+        """Power of two choices by cost among the healthy peers not excluded (all of them when
+        every one is ejected). Unmeasured peers go first: they have to be measured."""
+        excluded = set(map(id, exclude))
+        pool = [p for p in peers if id(p) not in excluded]
+        healthy = [p for p in pool if not p.ejected and p.nc.is_connected]
+        pool = healthy or [p for p in pool if not p.ejected] or pool
+        if len(pool) <= 1:
+            return pool[0] if pool else None
+        fresh = [p for p in pool if not p.stats.last_sample and not p.inflight]
+        if fresh:
+            return fresh[0]
+        now = time.perf_counter()
+        costs = {id(p): max(p.cost(now), 1.0) for p in pool}
+        a = self._draw(pool, costs)
+        b = self._draw([p for p in pool if p is not a], costs)
+        return a if costs[id(a)] <= costs[id(b)] else b
+
+    def _draw(self, pool: list[Peer], costs: dict[int, float]) -> Peer:
+        weights = [1.0 / costs[id(p)] for p in pool]
+        return self._rng.choices(pool, weights)[0]
+
+    def hedge_delay(self, primary: Peer, peers: list[Peer]) -> float:
+        """When the request to `primary` is late: its p95 (seconds). The primary is the best
+        peer but when that one is busy or ejected; timing a slower primary by the best peer's
+        p95 would hedge every such request and spend the budget for nothing. An unmeasured
+        primary is timed by the best measured peer."""
+        pol = self.policy
+        q = pol.hedge_percentile
+        if primary.stats.samples:
+            p95 = primary.stats.percentile(q)
+        else:
+            p95 = min((p.stats.percentile(q) for p in peers if p.stats.samples and not p.ejected),
+                      default=pol.hedge_default_s * 1e6)
+        return max(pol.hedge_min_s, p95 / 1e6)
+
+    def _take_hedge_token(self) -> bool:
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        return False
+
+    # ------------------------------------------------------------------ one routed request
+
+    async def _route(self, peers: list[Peer], fetch: Fetch, hedge: bool):
+        """Run `fetch` on the chosen peer; hedge it when late, fail over when it fails; the
+        first answer wins and the requests still running are cancelled."""
+        pol = self.policy
+        self.requests += 1
+        self._tokens = min(pol.hedge_burst, self._tokens + pol.hedge_ratio)
+        loop = asyncio.get_running_loop()
+        tried: list[Peer] = []
+        running: dict[asyncio.Task, tuple[Peer, bool, float]] = {}
+
+        def launch(p: Peer, hedged: bool) -> None:
+            tried.append(p)
+            running[loop.create_task(fetch(p))] = (p, hedged, time.perf_counter())
+
+        first = self.choose(peers)
+        assert first is not None
+        launch(first, False)
+        hedge_at = loop.time() + self.hedge_delay(first, peers) if hedge else None
+        last_exc: BaseException | None = None
+        try:
+            while True:
+                wait = None if hedge_at is None else max(0.0, hedge_at - loop.time())
+                done, _ = await asyncio.wait(running, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    hedge_at = None  # one hedge per read at most
+                    nxt = self.choose(peers, exclude=tried)
+                    if nxt is not None and self._take_hedge_token():
+                        self.hedges_sent += 1
+                        nxt.stats.hedges += 1
+                        launch(nxt, True)
+                    continue
+                for t in done:
+                    p, hedged, _ = running.pop(t)
+                    exc = t.exception()
+                    if exc is None:
+                        self._succeeded(p)
+                        if hedged:
+                            self.hedges_won += 1
+                            p.stats.hedges_won += 1
+                        for lp, lhedged, started in running.values():
+                            if not lhedged:
+                                self._lost(lp, time.perf_counter() - started)
+                        return t.result()
+                    if not isinstance(exc, UpstreamError):
+                        raise exc
+                    self._failed(p)
+                    last_exc = exc
+                if not running:
+                    nxt = self.choose(peers, exclude=tried)
+                    if nxt is None:
+                        assert last_exc is not None
+                        raise last_exc
+                    launch(nxt, False)
+        finally:
+            for t in running:
+                if t.done():
+                    t.cancelled() or t.exception()  # retrieved: no "never retrieved" warning
+                else:
+                    t.cancel()
+
+    # ------------------------------------------------------------------ health
+
+    def _succeeded(self, p: Peer) -> None:
+        p.failures = 0
+
+    def _failed(self, p: Peer) -> None:
+        p.failures += 1
+        if p.failures >= self.policy.eject_after and not p.ejected:
+            self._eject(p)
+
+    def _lost(self, p: Peer, seconds: float) -> None:
+        """A first request overtaken by its hedge: what it waited is a lower bound of its
+        latency, and losing counts as a failure (a stalled peer loses every time)."""
+        p.stats.observe(seconds)
+        self._failed(p)
+
+    def _eject(self, p: Peer) -> None:
+        p.ejected = True
+        p.stats.ejections += 1
+        p.backoff = self.policy.probe_backoff_s
+        p.next_probe = time.monotonic() + p.backoff
+
+    def _schedule_probes(self, peers: list[Peer], key: str) -> None:
+        """Probe (in the background, reading the same key) every ejected peer due for a retry
+        and every healthy one not measured for `refresh_s`."""
+        now = time.monotonic()
+        for p in peers:
+            if p.probing:
+                continue
+            due = p.next_probe if p.ejected else p.stats.last_sample + self.policy.refresh_s
+            if (p.ejected or p.stats.last_sample) and now >= due and not p.inflight:
+                p.probing = True
+                t = asyncio.get_running_loop().create_task(self._probe(p, key))
+                self._background.add(t)
+                t.add_done_callback(self._background.discard)
+
+    async def _probe(self, p: Peer, key: str) -> None:
+        p.stats.probes += 1
+        try:
+            await p.get(key, self.timeout)
+        except UpstreamError:
+            if p.ejected:
+                p.backoff = min(self.policy.probe_backoff_max_s, p.backoff * 2)
+                p.next_probe = time.monotonic() + p.backoff
+            else:
+                self._failed(p)
+        else:
+            if p.ejected:
+                p.ejected = False
+                p.failures = 0
+                p.stats.restart()
+        finally:
+            p.probing = False

@@ -6,6 +6,7 @@ directory. Readiness is checked through each server's HTTP monitor, never by sle
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,3 +156,128 @@ def nats_run(url: str, fn):
         finally:
             await nc.close()
     return asyncio.run(go())
+
+
+class DelayProxy:
+    """A TCP forwarder on 127.0.0.1 in front of one server: every byte waits `delay` seconds in
+    each direction (a one-way delay; the kernel here has no netem), and `freeze()` holds all
+    traffic until `thaw()` (a stall the client cannot tell from a hung server).
+
+    It runs its own event loop in a thread, so sync fixtures, async tests and benches can all
+    use it; `delay` can be changed at any time."""
+
+    def __init__(self, target_port: int, delay: float = 0.0, host: str = HOST) -> None:
+        self.target = (host, target_port)
+        self.host = host
+        self.port = free_port(host)
+        self.delay = delay
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._flowing: asyncio.Event | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._conns: set[asyncio.StreamWriter] = set()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self) -> "DelayProxy":
+        ready = threading.Event()
+
+        def run() -> None:
+            loop = self._loop = asyncio.new_event_loop()
+            self._flowing = asyncio.Event()
+            self._flowing.set()
+            self._server = loop.run_until_complete(asyncio.start_server(self._accept, self.host, self.port))
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name=f"delay-proxy-{self.port}", daemon=True)
+        self._thread.start()
+        if not ready.wait(10):
+            raise TimeoutError("delay proxy did not start")
+        return self
+
+    def freeze(self) -> None:
+        assert self._loop and self._flowing
+        self._loop.call_soon_threadsafe(self._flowing.clear)
+
+    def thaw(self) -> None:
+        assert self._loop and self._flowing
+        self._loop.call_soon_threadsafe(self._flowing.set)
+
+    def stop(self) -> None:
+        if not self._loop:
+            return
+
+        async def shut() -> None:
+            assert self._server
+            self._server.close()
+            for w in list(self._conns):
+                w.close()
+            me = asyncio.current_task()
+            rest = [t for t in asyncio.all_tasks() if t is not me]
+            for t in rest:
+                t.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+        asyncio.run_coroutine_threadsafe(shut(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        assert self._thread
+        self._thread.join(5)
+        self._loop = None
+
+    def __enter__(self) -> "DelayProxy":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    async def _accept(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
+        try:
+            sreader, swriter = await asyncio.open_connection(*self.target)
+        except OSError:
+            cwriter.close()
+            return
+        self._conns |= {cwriter, swriter}
+        try:
+            await asyncio.gather(self._pump(creader, swriter), self._pump(sreader, cwriter))
+        except asyncio.CancelledError:
+            pass  # stop(): asyncio's stream callback would log a cancelled handler as an error
+        finally:
+            for w in (cwriter, swriter):
+                self._conns.discard(w)
+                w.close()
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Read as it comes, write each chunk `delay` after it arrived, in order."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def read() -> None:
+            loop = asyncio.get_running_loop()
+            try:
+                while data := await reader.read(65536):
+                    queue.put_nowait((loop.time() + self.delay, data))
+            except OSError:
+                pass
+            queue.put_nowait((0.0, b""))
+
+        reading = asyncio.get_running_loop().create_task(read())
+        try:
+            loop = asyncio.get_running_loop()
+            while True:
+                due, data = await queue.get()
+                if not data:
+                    break
+                if due > loop.time():
+                    await asyncio.sleep(due - loop.time())
+                assert self._flowing
+                await self._flowing.wait()
+                writer.write(data)
+                await writer.drain()
+        except OSError:
+            pass
+        finally:
+            reading.cancel()
+            writer.close()

@@ -1,0 +1,302 @@
+"""One read target: a (connection, stream) pair answering Direct Get (ADR-31) for a bucket.
+
+Single keys use the subject-appended form `$JS.API.DIRECT.GET.<stream>.<subject>`; MGET misses
+use `multi_last` batches (at most 1024 subjects a request, pinned to one snapshot with
+`up_to_seq`). Streams without `allow_direct` have no Direct Get responders, so such a peer uses
+the leader API `$JS.API.STREAM.MSG.GET`, which is also what `CONSISTENCY strong` reads use
+(read-after-write). A peer also keeps the figures the router chooses by (kvcache.router).
+"""
+from __future__ import annotations
+
+import base64
+import contextlib
+import itertools
+import json
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from . import jetstream as jsapi
+from .entry import Entry, Operation
+from .errors import UpstreamError
+
+MULTI_LAST_MAX = 1024
+NO_MESSAGE = 10037
+EWMA_TAU_S = 0.5      # decay time of the latency estimate
+SAMPLES = 256          # latency samples kept per peer for percentiles
+RESORT_EVERY = 16      # percentiles are re-sorted after this many new samples
+
+
+@dataclass
+class PeerStats:
+    """What INFO shows about a peer, and the latency figures the router decides on."""
+
+    requests: int = 0
+    errors: int = 0
+    hedges: int = 0        # hedged requests sent to this peer
+    hedges_won: int = 0    # ...that answered first
+    ejections: int = 0
+    probes: int = 0
+    ewma_us: float = 0.0
+    last_sample: float = 0.0  # time.monotonic() of the latest sample; 0 = never measured
+    samples: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))
+    _sorted: list = field(default_factory=list)
+    _fresh: int = 0
+
+    def observe(self, seconds: float) -> None:
+        """Peak-sensitive EWMA: a slower sample is taken at once; a faster one weighs by the time
+        since the previous sample (decay time EWMA_TAU_S), so an estimate last updated long ago
+        (a peer probed once a second) follows its next sample almost entirely, at any rate."""
+        us = seconds * 1e6
+        now = time.monotonic()
+        if us >= self.ewma_us or not self.last_sample:
+            self.ewma_us = us
+        else:
+            w = math.exp(-(now - self.last_sample) / EWMA_TAU_S)
+            self.ewma_us = self.ewma_us * w + us * (1 - w)
+        self._sample(us, now)
+
+    def restart(self) -> None:
+        """A peer back from ejection starts over, unmeasured: its old figures describe a peer
+        that failed, and the probe that brought it back may have waited out the failure."""
+        self.samples.clear()
+        self._sorted = []
+        self._fresh = 0
+        self.ewma_us = 0.0
+        self.last_sample = 0.0
+
+    def _sample(self, us: float, now: float) -> None:
+        self.samples.append(us)
+        self._fresh += 1
+        self.last_sample = now
+
+    def percentile(self, q: float) -> float:
+        """Latency (µs) below which a share `q` of the recent samples fall; 0 without samples."""
+        if self._fresh >= RESORT_EVERY or len(self._sorted) < min(len(self.samples), RESORT_EVERY):
+            self._sorted = sorted(self.samples)
+            self._fresh = 0
+        s = self._sorted
+        return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
+
+
+@dataclass
+class Peer:
+    name: str
+    nc: NATS
+    stream: str
+    bucket: str
+    domain: str | None = None
+    direct: bool = True
+    stats: PeerStats = field(default_factory=PeerStats)
+    # Routing state, owned by the Router: consecutive failures, ejection and probe schedule.
+    failures: int = 0
+    ejected: bool = False
+    backoff: float = 0.0
+    next_probe: float = 0.0
+    probing: bool = False
+    _started: dict = field(default_factory=dict)   # request id -> perf_counter() at start
+    _ids: Iterator[int] = field(default_factory=itertools.count)
+
+    @property
+    def state(self) -> str:
+        """`ejected` by the router, `down` while its connection is lost, else `up`."""
+        if self.ejected:
+            return "ejected"
+        return "up" if self.nc.is_connected else "down"
+
+    @property
+    def inflight(self) -> int:
+        return len(self._started)
+
+    @property
+    def upstream(self) -> bool:
+        """Does this peer reach the bucket's own stream (whose leader has every write), rather
+        than a mirror?"""
+        return self.stream == jsapi.kv_stream(self.bucket)
+
+    def cost(self, now: float) -> float:
+        """Expected wait (µs) for one more request: the latency estimate, raised by the age of
+        the oldest unanswered request (a stalled peer gets costlier by the millisecond, before
+        any timeout), times the queue it would join."""
+        est = self.stats.ewma_us
+        if self._started:
+            est = max(est, (now - min(self._started.values())) * 1e6)
+        return est * (len(self._started) + 1)
+
+    @property
+    def api(self) -> str:
+        return jsapi.api_prefix(self.domain)
+
+    @property
+    def label(self) -> str:
+        """The name INFO lists this peer under and KV.GET reports as the source. The main
+        connection serves every bucket, so its peers are told apart by bucket."""
+        return f"{self.name}.{self.bucket}" if self.name == "main" else self.name
+
+    # ------------------------------------------------------------------ single key
+
+    @contextlib.contextmanager
+    def _accounted(self) -> Iterator[None]:
+        """Count one request with its latency or its error; a NATS failure becomes an
+        UpstreamError. No-responders passes through uncounted: the caller switches to the
+        leader API and that request is the one that counts."""
+        self.stats.requests += 1
+        rid = next(self._ids)
+        start = self._started[rid] = time.perf_counter()
+        try:
+            yield
+        except nats.errors.NoRespondersError:
+            self.stats.requests -= 1
+            raise
+        except UpstreamError:
+            self.stats.errors += 1
+            raise
+        except (nats.errors.Error, OSError) as e:
+            self.stats.errors += 1
+            raise UpstreamError(f"peer {self.label}: {type(e).__name__}: {e}") from None
+        finally:
+            del self._started[rid]
+        self.stats.observe(time.perf_counter() - start)
+
+    async def get(self, key: str, timeout: float, leader: bool = False) -> Entry | None:
+        if self.direct and not leader:
+            try:
+                with self._accounted():
+                    return await self._direct_get(key, timeout)
+            except nats.errors.NoRespondersError:
+                self.direct = False  # no allow_direct (nats-py's default for new buckets)
+        with self._accounted():
+            return await self._leader_get(key, timeout)
+
+    async def _direct_get(self, key: str, timeout: float) -> Entry | None:
+        return await self.direct_request(key, b"", timeout)
+
+    async def direct_request(self, key: str | None, payload: bytes, timeout: float) -> Entry | None:
+        """One single-message Direct Get: subject-appended (`...DIRECT.GET.<stream>.<subject>`)
+        when `key` is given, else `payload` is the request. A 404 is None; any other status
+        (408 bad or empty request, 413, ...) raises UpstreamError."""
+        subject = f"{self.api}.DIRECT.GET.{self.stream}"
+        if key is not None:
+            subject += "." + jsapi.kv_subject(self.bucket, key)
+        try:
+            msg = await self.nc.request(subject, payload, timeout=timeout)
+        except nats.errors.TimeoutError:
+            raise UpstreamError(f"peer {self.label}: Direct Get timed out after {timeout:.1f}s") from None
+        return self._entry_from_msg(msg, key)
+
+    def _entry_from_msg(self, msg: Msg, key: str | None = None) -> Entry | None:
+        hdrs = msg.headers or {}
+        status = hdrs.get("Status")
+        if status:
+            if status == "404":
+                return None
+            raise UpstreamError(
+                f"peer {self.label}: Direct Get failed: {status} {hdrs.get('Description', '')}".rstrip())
+        if key is None:
+            key = hdrs.get("Nats-Subject", "")[len(jsapi.kv_subject(self.bucket, "")):]
+        return self._entry(key, msg.data, hdrs, int(hdrs.get("Nats-Sequence", 0) or 0),
+                           jsapi.parse_time_ns(hdrs.get("Nats-Time-Stamp", "")))
+
+    async def _leader_get(self, key: str, timeout: float) -> Entry | None:
+        try:
+            doc = await jsapi.api_request(
+                self.nc, f"{self.api}.STREAM.MSG.GET.{self.stream}",
+                {"last_by_subj": jsapi.kv_subject(self.bucket, key)}, timeout)
+        except jsapi.ApiError as e:
+            # Only "no message found" is a miss. A 404 with another err_code (stream not
+            # found: 10059) is an error, or a deleted bucket would read as all keys missing.
+            if e.err_code == NO_MESSAGE or (e.code == 404 and not e.err_code):
+                return None
+            raise
+        m = doc.get("message", {})
+        hdrs = jsapi.parse_header_block(base64.b64decode(m["hdrs"])) if m.get("hdrs") else {}
+        data = base64.b64decode(m.get("data", "")) if m.get("data") else b""
+        return self._entry(key, data, hdrs, m.get("seq", 0), jsapi.parse_time_ns(m.get("time", "")),
+                           source="leader")
+
+    def _entry(self, key: str, data: bytes, hdrs: dict, seq: int, created: int,
+               source: str | None = None) -> Entry:
+        op = Operation.of(hdrs)
+        return Entry(self.bucket, key, data if op is Operation.PUT else None, seq, created,
+                     0, op, source or self.label)
+
+    # ------------------------------------------------------------------ many keys
+
+    async def get_many(self, keys: list[str], timeout: float,
+                       up_to_seq: int | None = None) -> dict[str, Entry | None]:
+        """multi_last batches; one snapshot across batches via the first batch's up-to sequence
+        (or `up_to_seq`: the keys as they were at that stream sequence)."""
+        if not self.direct and up_to_seq is None:
+            return {k: await self.get(k, timeout, leader=True) for k in keys}
+        out: dict[str, Entry | None] = {}
+        up_to = up_to_seq
+        try:
+            with self._accounted():
+                for i in range(0, len(keys), MULTI_LAST_MAX):
+                    chunk = keys[i : i + MULTI_LAST_MAX]
+                    up_to = await self._multi_last(chunk, up_to, timeout, out)
+        except nats.errors.NoRespondersError:
+            if up_to_seq is not None:
+                raise UpstreamError(f"peer {self.label}: no Direct Get responders "
+                                    "(a point-in-time read needs allow_direct)") from None
+            self.direct = False
+            return await self.get_many(keys, timeout)
+        for k in keys:
+            out.setdefault(k, None)
+        return out
+
+    async def _multi_last(self, keys: list[str], up_to: int | None, timeout: float,
+                          out: dict[str, Entry | None]) -> int | None:
+        remaining = {jsapi.kv_subject(self.bucket, k): k for k in keys}
+        while remaining:
+            req: dict = {"multi_last": list(remaining), "batch": len(remaining)}
+            if up_to:
+                req["up_to_seq"] = up_to
+            inbox = self.nc.new_inbox()
+            sub = await self.nc.subscribe(inbox)
+            try:
+                await self.nc.publish(f"{self.api}.DIRECT.GET.{self.stream}",
+                                      json.dumps(req).encode(), reply=inbox)
+                more = False
+                got_any = False
+                deadline = time.monotonic() + timeout
+                while True:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise UpstreamError(f"peer {self.label}: multi_last timed out")
+                    try:
+                        msg = await sub.next_msg(timeout=left)
+                    except nats.errors.TimeoutError:
+                        raise UpstreamError(f"peer {self.label}: multi_last timed out") from None
+                    hdrs = msg.headers or {}
+                    status = hdrs.get("Status")
+                    if status == "503":
+                        raise nats.errors.NoRespondersError
+                    if status == "204":  # EOB
+                        up_to = up_to or int(hdrs.get("Nats-UpTo-Sequence", 0) or 0) or None
+                        more = int(hdrs.get("Nats-Num-Pending", 0) or 0) > 0
+                        break
+                    if status == "404":  # none of the subjects has a message
+                        break
+                    if status:
+                        raise UpstreamError(f"peer {self.label}: multi_last failed: {status} "
+                                            f"{hdrs.get('Description', '')}".rstrip())
+                    subject = hdrs.get("Nats-Subject", "")
+                    key = remaining.pop(subject, None)
+                    if key is not None:
+                        got_any = True
+                        out[key] = self._entry_from_msg(msg, key)
+                if not more or not got_any:
+                    return up_to
+            finally:
+                try:
+                    await sub.unsubscribe()
+                except nats.errors.Error:
+                    pass
+        return up_to

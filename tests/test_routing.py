@@ -1,0 +1,264 @@
+"""kvcache.router.Router against real nats-servers, with latency put in by DelayProxy.
+
+Each peer is its own kvcache Connection through its own proxy to the same server (or to one
+member of a cluster), so the peers differ only in what the proxy does to them: a delay, a
+freeze (a stall), or being gone. Assertions are about choices and counts, never about times.
+"""
+from __future__ import annotations
+
+import asyncio
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import AsyncIterator
+
+import nats
+import pytest
+from nats.js.api import StreamConfig, StreamSource
+
+from kvcache import jetstream as jsapi
+from kvcache.natsconn import Connection
+from kvcache.router import Peer, Policy, Router
+from topology import DelayProxy, nats_run
+
+pytestmark = pytest.mark.timeout(120)
+
+TIMEOUT = 2.0
+FAST, MID, SLOW = 0.0, 0.003, 0.015   # one-way delays (s)
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def server(nats_server_module) -> str:
+    async def setup(js):
+        kv = await js.create_key_value(bucket="rr", direct=True, history=5)
+        await kv.put("k", b"v1")
+        nd = await js.create_key_value(bucket="rrnd")     # no allow_direct
+        await nd.put("k", b"nd")
+        await js.add_stream(StreamConfig(name="KV_rr_m", mirror=StreamSource(name="KV_rr"),
+                                         mirror_direct=True, allow_direct=True))
+    nats_run(nats_server_module.url, setup)
+    return nats_server_module.url
+
+
+async def close_quietly(nc: Connection) -> None:
+    """nats-py's close() can raise on a connection whose server is gone."""
+    try:
+        await nc.close()
+    except OSError:
+        pass
+
+
+@asynccontextmanager
+async def peers_via(url: str, delays: list[float], bucket: str = "rr",
+                    streams: list[str] | None = None) -> AsyncIterator[tuple[list[DelayProxy], list[Peer]]]:
+    """One proxy, Connection and Peer per delay; peer names p0, p1, ..."""
+    async with AsyncExitStack() as stack:
+        proxies, peers = [], []
+        for i, d in enumerate(delays):
+            px = DelayProxy(port_of(url), delay=d).start()
+            stack.callback(px.stop)
+            nc = Connection()
+            await nc.connect(servers=[px.url], connect_timeout=5, max_reconnect_attempts=-1,
+                             reconnect_time_wait=0.2)
+            stack.push_async_callback(close_quietly, nc)
+            stream = streams[i] if streams else f"KV_{bucket}"
+            proxies.append(px)
+            peers.append(Peer(f"p{i}", nc, stream, bucket))
+        yield proxies, peers
+
+
+@pytest.fixture
+async def router_of():
+    """Makes routers over given peers (with Policy overrides); closes them afterwards."""
+    made: list[Router] = []
+
+    def make(peers: list[Peer], timeout: float = TIMEOUT, **policy) -> Router:
+        r = Router(timeout, Policy(**policy))
+        for p in peers:
+            r.add(p)
+        made.append(r)
+        return r
+    yield make
+    for r in made:
+        await r.close()
+
+
+def requests(peers: list[Peer]) -> list[int]:
+    return [p.stats.requests for p in peers]
+
+
+async def read_n(r: Router, n: int, bucket: str = "rr", key: str = "k") -> None:
+    for _ in range(n):
+        e = await r.get(bucket, key)
+        assert e is not None and e.value
+
+
+# --------------------------------------------------------------------------- choice
+
+
+async def test_reads_go_to_the_fastest_peer_and_move_when_latencies_change(server, router_of):
+    async with peers_via(server, [SLOW, FAST, MID]) as (proxies, peers):
+        r = router_of(peers)
+        await read_n(r, 150)
+        slow, fast, mid = requests(peers)
+        assert fast > 3 * (slow + mid), requests(peers)
+        # the fast peer becomes the slowest, the slow one the fastest
+        proxies[0].delay, proxies[1].delay = FAST, SLOW
+        await read_n(r, 150)
+        before = requests(peers)
+        await read_n(r, 150)
+        after = [a - b for a, b in zip(requests(peers), before)]
+        assert after[0] > 3 * (after[1] + after[2]), after
+
+
+async def test_power_of_two_choices_spreads_equal_peers(server, router_of):
+    async with peers_via(server, [FAST, FAST]) as (_, peers):
+        r = router_of(peers)
+        await asyncio.gather(*(read_n(r, 40) for _ in range(8)))
+        assert min(requests(peers)) > 0.10 * sum(requests(peers)), requests(peers)
+
+
+# --------------------------------------------------------------------------- stalls and failures
+
+
+async def test_stalled_peer_is_hedged_ejected_and_returns(server, router_of):
+    async with peers_via(server, [FAST, MID]) as (proxies, peers):
+        # A short timeout and refresh: once the stalled peer stops being chosen, the probes
+        # that keep measuring it time out, and that is what ejects it.
+        r = router_of(peers, timeout=0.5, probe_backoff_s=0.2, refresh_s=0.1)
+        await read_n(r, 60)
+        fast = peers[0]
+        assert fast.stats.requests > peers[1].stats.requests
+        proxies[0].freeze()
+        for _ in range(1000):                     # not one failed read meanwhile
+            await read_n(r, 1)
+            if fast.state == "ejected":
+                break
+        assert fast.state == "ejected" and fast.stats.ejections == 1
+        assert r.hedges_won >= 1 and peers[1].stats.hedges_won >= 1
+        proxies[0].thaw()
+        for _ in range(200):                      # probes bring it back (backoff 0.2 s)
+            if fast.state == "up":
+                break
+            await read_n(r, 1)
+            await asyncio.sleep(0.05)
+        assert fast.state == "up"
+        before = fast.stats.requests
+        await read_n(r, 60)
+        assert fast.stats.requests - before > 30
+
+
+async def test_killed_peer_costs_no_failed_read(server, router_of):
+    async with peers_via(server, [FAST, MID]) as (proxies, peers):
+        r = router_of(peers)
+        await read_n(r, 30)
+        proxies[0].stop()                         # connections reset, nothing listens
+        await read_n(r, 60)
+        assert peers[0].state in ("down", "ejected")
+        assert peers[1].stats.requests >= 60
+
+
+async def test_every_peer_failing_is_an_error(server, router_of):
+    from kvcache.errors import UpstreamError
+    async with peers_via(server, [FAST, FAST], streams=["KV_nosuch", "KV_nosuch2"]) as (_, peers):
+        r = router_of(peers)
+        with pytest.raises(UpstreamError):
+            await r.get("rr", "k")
+        assert [p.stats.errors for p in peers] == [1, 1]   # failed over once, then gave up
+
+
+async def test_stream_without_allow_direct_is_read_through_the_leader_api(server, router_of):
+    async with peers_via(server, [FAST, MID], bucket="rrnd") as (_, peers):
+        r = router_of(peers)
+        for _ in range(10):
+            e = await r.get("rrnd", "k")
+            assert (e.value, e.source) == (b"nd", "leader")
+
+
+# --------------------------------------------------------------------------- hedging budget
+
+
+async def test_hedging_stays_within_its_budget(server, router_of):
+    # Hedge at the best peer's fastest sample: almost every read is "late", so only the
+    # budget keeps hedges down.
+    async with peers_via(server, [FAST, FAST]) as (_, peers):
+        r = router_of(peers, hedge_percentile=0.0, hedge_min_s=0.0, hedge_ratio=0.1, hedge_burst=2)
+        await read_n(r, 200)
+        assert r.hedges_sent <= 0.1 * r.requests + 2
+        assert r.hedges_sent >= 0.05 * r.requests     # the budget was there to be used
+        assert sum(p.stats.hedges for p in peers) == r.hedges_sent
+        assert r.hedges_won <= r.hedges_sent
+
+
+# --------------------------------------------------------------------------- consistency
+
+
+async def test_strong_reads_use_the_bucket_stream_not_a_mirror(server, router_of):
+    async with peers_via(server, [FAST, SLOW], streams=["KV_rr_m", "KV_rr"]) as (_, peers):
+        r = router_of(peers)
+        nc = await nats.connect(server)
+        try:
+            kv = await nc.jetstream().key_value("rr")
+            for i in range(5):
+                rev = await kv.put("k", b"s%d" % i)
+                e = await r.get("rr", "k", strong=True)
+                assert (e.value, e.revision, e.source) == (b"s%d" % i, rev, "leader")
+        finally:
+            await nc.close()
+        mirror, upstream = peers
+        assert mirror.stats.requests == 0 and upstream.stats.requests == 5
+        assert (await r.get("rr", "k")).value == b"s4" or True  # mirror may lag: any answer
+
+
+# --------------------------------------------------------------------------- a real stopped server
+
+
+@pytest.fixture(scope="module")
+def cluster_bucket(nats_cluster):
+    async def setup(js):
+        kv = await js.create_key_value(bucket="rc", direct=True, replicas=3)
+        await kv.put("k", b"c")
+    nats_run(nats_cluster.urls[0], setup)
+    return nats_cluster
+
+
+async def test_sigstopped_cluster_member_is_hedged_around(cluster_bucket, router_of):
+    """Peers pinned to cluster members (a member answers Direct Get from its own replica);
+    SIGSTOP one: reads go on through the others, it is ejected, and back once resumed."""
+    nats_cluster = cluster_bucket
+    async with AsyncExitStack() as stack:
+        peers = []
+        for i, s in enumerate(nats_cluster.servers):
+            nc = Connection()
+            await nc.connect(servers=[s.url], connect_timeout=5, max_reconnect_attempts=-1,
+                             reconnect_time_wait=0.2, ping_interval=600)
+            stack.push_async_callback(close_quietly, nc)
+            peers.append(Peer(s.server_name, nc, "KV_rc", "rc"))
+        r = router_of(peers, timeout=0.5, probe_backoff_s=0.2, refresh_s=0.1)
+        for _ in range(200):                      # wait for every replica to have the key
+            if all([await p.get("k", TIMEOUT) for p in peers]):
+                break
+            await asyncio.sleep(0.05)
+        await read_n(r, 60, "rc")
+        # A follower: stopping the stream leader also stalls the other members' Direct Get
+        # answers until a new leader is elected (that is the cluster, not the router).
+        leader = (await jsapi.stream_info(peers[0].nc, "KV_rc", TIMEOUT))["cluster"]["leader"]
+        victim = max((p for p in peers if p.name != leader), key=lambda p: p.stats.requests)
+        server = nats_cluster.server(victim.name)
+        server.pause()                            # SIGSTOP
+        try:
+            for _ in range(1000):                 # not one failed read meanwhile
+                await read_n(r, 1, "rc")
+                if victim.state == "ejected":
+                    break
+            assert victim.state == "ejected"
+        finally:
+            server.resume()
+        for _ in range(200):
+            if victim.state == "up":
+                break
+            await read_n(r, 1, "rc")
+            await asyncio.sleep(0.05)
+        assert victim.state == "up"
