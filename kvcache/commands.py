@@ -561,9 +561,12 @@ class Commands:
                 stream=p.stream, state=p.state, ewma_us=int(p.stats.ewma_us),
                 requests=p.stats.requests, errors=p.stats.errors, hedges=p.stats.hedges))
                 for p in sc.router.peers()],
+            "routing": sc.router.info_rows(),
         }
         default = {"server", "clients", "stats", "buckets", "peers"}
-        show = default if not wanted or wanted & {"all", "everything", "default"} else wanted
+        show = default if not wanted or "default" in wanted else wanted
+        if wanted & {"all", "everything"}:
+            show = set(sections)
         lines: list[str] = []
         for name, items in sections.items():
             if name not in show:

@@ -66,6 +66,7 @@ class Config:
     access_log_dir: str | None = None  # default: <data_dir>/access-logs
     access_log_max_bytes: int = 64 * 1024 * 1024  # rotate access.log at this size
     access_log_files: int = 10  # rotated files kept (access.log.1 .. .N)
+    discover_peers: bool = False  # add the mirrors each bucket stream lists as `alternates`
     nats: NatsConfig = field(default_factory=NatsConfig)
     buckets: list[BucketConfig] = field(default_factory=list)
     peers: list[PeerConfig] = field(default_factory=list)
@@ -301,6 +302,10 @@ def _set_field(obj: Any, known: dict[str, Any], key: str, value: Any, where: str
 
 def _coerce(value: Any, type_name: str, what: str) -> Any:
     base = type_name.split("|")[0].strip()
+    if base == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{what} must be true or false, got {value!r}")
+        return value
     if base == "int":
         return _typed(value, int, what)
     if base == "float":
@@ -312,6 +317,10 @@ def _coerce(value: Any, type_name: str, what: str) -> Any:
 
 def _parse_scalar(text: str, type_name: str, what: str) -> Any:
     base = type_name.split("|")[0].strip()
+    if base == "bool":
+        if text.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+            raise ConfigError(f"{what} must be true or false, got '{text}'")
+        return text.lower() in ("1", "true", "yes", "on")
     try:
         if base == "int":
             return int(text)

@@ -74,6 +74,20 @@ class Router:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
 
+    def info_rows(self) -> list[tuple[str, object]]:
+        """INFO's `# Routing` section: totals, then per-peer latency percentiles (µs),
+        in-flight requests, hedges won, ejections and probes."""
+        rows: list[tuple[str, object]] = [
+            ("routed_requests", self.requests), ("hedges_sent", self.hedges_sent),
+            ("hedges_won", self.hedges_won), ("hedge_budget_ratio", self.policy.hedge_ratio)]
+        for p in self.peers():
+            st = p.stats
+            rows.append((p.label, ",".join(f"{k}={v}" for k, v in (
+                ("p50_us", int(st.percentile(0.5))), ("p95_us", int(st.percentile(0.95))),
+                ("p99_us", int(st.percentile(0.99))), ("inflight", p.inflight),
+                ("hedges_won", st.hedges_won), ("ejections", st.ejections), ("probes", st.probes)))))
+        return rows
+
     # ------------------------------------------------------------------ reads
 
     async def get(self, bucket: str, key: str, strong: bool = False) -> Entry | None:
@@ -226,8 +240,9 @@ class Router:
         """Probe (in the background, reading the same key) every ejected peer due for a retry
         and every healthy one not measured for `refresh_s`."""
         now = time.monotonic()
+        refresh = len(peers) > 1   # a lone peer's estimate chooses nothing
         for p in peers:
-            if p.probing:
+            if p.probing or not (p.ejected or refresh):
                 continue
             due = p.next_probe if p.ejected else p.stats.last_sample + self.policy.refresh_s
             if (p.ejected or p.stats.last_sample) and now >= due and not p.inflight:

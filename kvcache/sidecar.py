@@ -19,6 +19,7 @@ from .errors import BucketNotFound, UpstreamError
 from .feed import Feed
 from .natsconn import Connection
 from .natsserver import NatsServer
+from .peerset import PeerConnections, configured_peers, discovered_peers
 from .replica import Replica
 from .router import Peer, Router
 from .server import RespServer, claim_socket_path
@@ -38,6 +39,7 @@ class Sidecar:
         self.replica: Replica | None = None
         self.feeds: dict[str, Feed] = {}
         self.router = Router(cfg.nats.request_timeout_ms / 1000)
+        self.peer_conns: PeerConnections | None = None
         self.server: RespServer | None = None
         self.nats_url = ""
         self.use_embedded = cfg.embedded  # decided once: starting it fills in nats.servers
@@ -72,6 +74,7 @@ class Sidecar:
             self.feeds[b.name] = feed
             self.router.add(Peer("main", self.nc, feed.stream, b.name,
                                  direct=bool(feed.stream_config.get("allow_direct"))))
+        await self._add_peers(timeout)
         self.commands = Commands(self)
         self.server = RespServer(self.cfg, self.commands, self.stats)
         await self.server.start()
@@ -100,6 +103,9 @@ class Sidecar:
         self._stopping.set()
         if self.server:
             await self.server.stop()
+        await self.router.close()
+        if self.peer_conns:
+            await self.peer_conns.close()
         for feed in self.feeds.values():
             await feed.stop()
         if self.nc and not self.nc.is_closed:
@@ -134,7 +140,23 @@ class Sidecar:
         log.info("started embedded nats-server %s (pid %d, store %s)",
                  self.embedded.url, self.embedded.pid, store)
 
-    async def _connect(self, servers: list[str]) -> nats.NATS:
+    async def _add_peers(self, timeout: float) -> None:
+        """The [[peer]] entries (one connection per server set) and, when asked, the mirrors
+        each bucket stream lists as alternates."""
+        assert self.nc is not None
+        self.peer_conns = PeerConnections(self.cfg.nats.servers, self.nc,
+                                          functools.partial(self._connect, peer=True))
+        for p in await configured_peers(self.cfg.peers, set(self.feeds), self.peer_conns, timeout):
+            self.router.add(p)
+        if self.cfg.discover_peers:
+            for name, feed in self.feeds.items():
+                info = await jsapi.stream_info(self.nc, feed.stream, timeout)
+                for p in discovered_peers(self.nc, name, info, self.router.peers()):
+                    self.router.add(p)
+        for p in self.router.peers():
+            log.info("peer %s: stream %s%s", p.label, p.stream, f" in domain {p.domain}" if p.domain else "")
+
+    async def _connect(self, servers: list[str], peer: bool = False) -> nats.NATS:
         n = self.cfg.nats
         opts: dict = dict(
             servers=servers, name="kvcache", connect_timeout=n.connect_timeout_s,
@@ -142,6 +164,9 @@ class Sidecar:
             error_cb=self._on_error, disconnected_cb=self._on_disconnect,
             reconnected_cb=self._on_reconnect,
         )
+        if peer:  # a read-only peer: its connection's ups and downs are no business of the feeds
+            opts.update(name="kvcache-peer", error_cb=self._on_error, disconnected_cb=_noop,
+                        reconnected_cb=_noop)
         if n.creds:
             opts["user_credentials"] = n.creds
         if n.nkey:
@@ -206,6 +231,10 @@ class Sidecar:
     def in_filters(self, bucket: str, key: str) -> bool:
         """Is the key inside the bucket's replicated set (its `keys` filters)?"""
         return any(_subject_match(f, key) for f in self.cfg.bucket(bucket).keys)
+
+
+async def _noop() -> None:
+    pass
 
 
 def _subject_match(pattern: str, key: str) -> bool:
