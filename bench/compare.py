@@ -428,6 +428,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    socket_bench.exit_on_sigterm()
     args.out.mkdir(parents=True, exist_ok=True)
     started = datetime.now(timezone.utc)
     md: list[str] = []

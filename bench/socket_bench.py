@@ -77,6 +77,12 @@ def wait_until(pred, timeout: float, what: str):
     raise TimeoutError(f"{what}: not after {timeout}s")
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM (`timeout`, a CI runner) raises SystemExit, so every `finally` runs and the
+    processes started so far are stopped; by default Python would just die."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 @contextlib.contextmanager
 def work_dir(prefix: str, keep: Callable[[], bool]) -> Iterator[Path]:
     """A temporary directory for one run: removed at the end, unless `keep()` says otherwise
@@ -328,7 +334,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=600, help="per redis-benchmark run")
     ap.add_argument("--repeat", type=int, default=3, help="runs per target and variant")
     args = ap.parse_args()
-
+    exit_on_sigterm()
     with work_dir("kvcache-socket-bench-", lambda: args.keep) as work:
         bench = run(work, args.requests, args.value_size, args.repeat, args.timeout,
                     args.profile_seconds if args.profile else None)

@@ -48,10 +48,11 @@ import nats
 import nats.errors
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from kvcache.client import Client, ConnectionFailed  # noqa: E402
-from kvcache.natsserver import NatsServer  # noqa: E402
+from kvcache.natsserver import NatsServer, die_with_parent  # noqa: E402
+from socket_bench import exit_on_sigterm  # noqa: E402
 
 BUCKET = "bench"
 
@@ -103,7 +104,7 @@ def bench_kvcache(url: str, n: int, work: Path, timeout: float) -> Result:
     with open(log_path, "ab") as log:
         t0 = time.monotonic()
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=env)
+                                stdin=subprocess.DEVNULL, env=env, preexec_fn=die_with_parent)
     try:
         deadline = t0 + timeout
         state: dict = {}
@@ -410,6 +411,7 @@ def main() -> int:
     methods = tuple(m for m in args.methods.split(",") if m)
     if unknown := set(methods) - set(METHODS):
         p.error(f"unknown method(s): {', '.join(sorted(unknown))}")
+    exit_on_sigterm()
     with tempfile.TemporaryDirectory(prefix="kvcache-bench-") as tmp:
         out = asyncio.run(run(Path(tmp), args.keys, args.value_size, args.chunk, args.timeout,
                               args.stall, args.load_timeout, args.window, methods, args.repeat))
