@@ -71,8 +71,8 @@ async def configured_peers(peers: Iterable[PeerConfig], buckets: set[str], conns
 
 
 def bucket_of(stream: str, info: dict) -> str | None:
-    """The KV bucket whose subjects a stream holds: its own, or its mirror's upstream's."""
-    for name in (stream, (info.get("config", {}).get("mirror") or {}).get("name", "")):
+    """The KV bucket whose subjects a stream holds: its mirror's upstream's, or its own."""
+    for name in ((info.get("config", {}).get("mirror") or {}).get("name", ""), stream):
         if name.startswith("KV_"):
             return name[3:]
     return None
@@ -82,11 +82,13 @@ def discovered_peers(nc: NATS, bucket: str, info: dict, known: Iterable[Peer]) -
     """Mirrors listed in the bucket stream's `alternates`, reached over the main connection
     (a mirror in another domain through `$JS.<domain>.API`); the stream itself and streams
     already configured are skipped."""
-    own = (jsapi.kv_stream(bucket), info.get("domain") or None)
-    seen = {(p.stream, p.domain) for p in known} | {own}
+    here = info.get("domain") or None
+    seen = {(p.stream, p.domain) for p in known} | {(jsapi.kv_stream(bucket), None)}
     out = []
     for alt in info.get("alternates") or []:
         stream, domain = alt.get("name", ""), alt.get("domain") or None
+        if domain == here:
+            domain = None  # our own domain: the plain $JS.API reaches it
         if not stream or (stream, domain) in seen:
             continue
         seen.add((stream, domain))

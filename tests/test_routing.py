@@ -7,16 +7,20 @@ freeze (a stall), or being gone. Assertions are about choices and counts, never 
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import AsyncIterator
 
 import nats
 import pytest
-from nats.js.api import StreamConfig, StreamSource
+import redis
+from nats.js.api import ExternalStream, StreamConfig, StreamSource
 
 from kvcache import jetstream as jsapi
 from kvcache.natsconn import Connection
 from kvcache.router import Peer, Policy, Router
+from sidecar_proc import Sidecar
 from topology import DelayProxy, nats_run
 
 pytestmark = pytest.mark.timeout(120)
@@ -262,3 +266,132 @@ async def test_sigstopped_cluster_member_is_hedged_around(cluster_bucket, router
             await read_n(r, 1, "rc")
             await asyncio.sleep(0.05)
         assert victim.state == "up"
+
+
+# --------------------------------------------------------------------------- the sidecar, hub and leaves
+
+
+@pytest.fixture(scope="module")
+def hub_and_mirrors(nats_cluster, leaf_servers):
+    """Bucket `rs` (R3) on the hub; a mirror of it in each leaf's domain, caught up."""
+    async def hub(js):
+        kv = await js.create_key_value(bucket="rs", direct=True, replicas=3, history=5)
+        await kv.put("far.k", b"far")
+        await kv.put("local.k", b"near")
+        return (await js.stream_info("KV_rs")).state.last_seq
+    last = nats_run(nats_cluster.urls[0], hub)
+
+    for name, leaf in leaf_servers.items():
+        async def mirror(js, name=name):
+            await js.add_stream(StreamConfig(
+                name=f"KV_rs_{name}", mirror_direct=True, allow_direct=True,
+                mirror=StreamSource(name="KV_rs", external=ExternalStream(api="$JS.hub.API"))))
+            for _ in range(400):
+                if (await js.stream_info(f"KV_rs_{name}")).state.last_seq >= last:
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"mirror on {name} did not catch up")
+        nats_run(leaf.url, mirror)
+    return nats_cluster, leaf_servers
+
+
+def _toml(**kv) -> str:
+    return "\n".join(f"{k} = {json.dumps(v)}" for k, v in kv.items())
+
+
+def sidecar_config(path, main: str, peers: list[tuple[str, str]], **extra) -> str:
+    """A config file: bucket `rs` replicating `local.>` only (`far.*` is read from peers)."""
+    text = _toml(**extra) + "\n[nats]\n" + _toml(servers=[main], request_timeout_ms=500)
+    text += "\n[[bucket]]\n" + _toml(name="rs", keys=["local.>"])
+    for name, url in peers:
+        text += "\n[[peer]]\n" + _toml(name=name, servers=[url], stream=f"KV_rs_{name}", domain=name)
+    path.write_text(text + "\n")
+    return str(path)
+
+
+@pytest.fixture
+def proxied_sidecar(hub_and_mirrors, tmp_path):
+    """A sidecar whose main connection (hub) and two peers (the leaf mirrors) each go through
+    a DelayProxy: hub 5 ms, leaf1 0 ms, leaf2 20 ms one way."""
+    cluster, leaves = hub_and_mirrors
+    proxies = {"hub": DelayProxy(port_of(cluster.urls[0]), 0.005).start(),
+               "leaf1": DelayProxy(port_of(leaves["leaf1"].url), 0.0).start(),
+               "leaf2": DelayProxy(port_of(leaves["leaf2"].url), 0.020).start()}
+    cfg = sidecar_config(tmp_path / "kvcache.toml", proxies["hub"].url,
+                         [(n, proxies[n].url) for n in ("leaf1", "leaf2")])
+    sc = Sidecar(tmp_path / "sc", None, extra=["--config", cfg])
+    try:
+        sc.start()
+        yield sc, proxies, redis.Redis(unix_socket_path=sc.socket, protocol=3)
+    finally:
+        sc.kill()
+        for px in proxies.values():
+            px.stop()
+
+
+def test_sidecar_reads_from_the_fastest_mirror_and_strong_reads_from_the_leader(
+        proxied_sidecar, hub_and_mirrors):
+    sc, _, r = proxied_sidecar
+    for _ in range(100):
+        assert r.get("far.k") == b"far"
+    peers = r.info("peers")
+    assert set(peers) == {"main.rs", "leaf1", "leaf2"}, peers
+    assert peers["leaf1"]["requests"] > 2 * (peers["leaf2"]["requests"] + peers["main.rs"]["requests"])
+    assert peers["leaf1"]["stream"] == "KV_rs_leaf1" and peers["leaf1"]["state"] == "up"
+    value, _, _, _, source = r.execute_command("KV.GET", "far.k")
+    assert (value, source) == (b"far", b"leaf1")
+
+    async def put(js):
+        return await (await js.key_value("rs")).put("far.k", b"written")
+    cluster, _ = hub_and_mirrors
+    rev = nats_run(cluster.urls[0], put)
+    value, got_rev, _, _, source = r.execute_command("KV.GET", "far.k", "CONSISTENCY", "strong")
+    assert (value, got_rev, source) == (b"written", rev, b"leader")
+    routing = r.info("routing")
+    assert routing["routed_requests"] >= 102 and routing["hedges_sent"] <= 0.1 * routing["routed_requests"] + 10
+    assert {"p50_us", "p99_us", "hedges_won", "ejections"} <= set(routing["leaf1"])
+
+
+def test_sidecar_survives_a_stalled_mirror(proxied_sidecar):
+    sc, proxies, r = proxied_sidecar
+    for _ in range(30):
+        assert r.get("far.k") is not None
+    proxies["leaf1"].freeze()
+    try:
+        for _ in range(2000):                     # not one failed read meanwhile
+            assert r.get("far.k") is not None
+            if r.info("peers")["leaf1"]["state"] == "ejected":
+                break
+        assert r.info("peers")["leaf1"]["state"] == "ejected"
+    finally:
+        proxies["leaf1"].thaw()
+    for _ in range(400):
+        if r.info("peers")["leaf1"]["state"] == "up":
+            break
+        assert r.get("far.k") is not None
+        time.sleep(0.02)
+    assert r.info("peers")["leaf1"]["state"] == "up"
+    assert r.info("routing")["leaf1"]["ejections"] == 1
+
+
+def test_sidecar_discovers_mirrors_from_alternates(hub_and_mirrors, tmp_path):
+    """The server lists as alternates the mirrors its own JetStream cluster holds (the leaf
+    domains' mirrors are not among them: those are [[peer]] entries)."""
+    cluster, _ = hub_and_mirrors
+
+    async def hub_mirror(js):
+        await js.add_stream(StreamConfig(name="KV_rs_hubm", mirror=StreamSource(name="KV_rs"),
+                                         mirror_direct=True, allow_direct=True, num_replicas=1))
+        m = await js._nc.request("$JS.API.STREAM.INFO.KV_rs", b"", timeout=TIMEOUT)
+        return [a["name"] for a in json.loads(m.data).get("alternates", [])]
+    assert "KV_rs_hubm" in nats_run(cluster.urls[0], hub_mirror)
+    cfg = sidecar_config(tmp_path / "kvcache.toml", cluster.urls[0], [], discover_peers=True)
+    with Sidecar(tmp_path / "sc", None, extra=["--config", cfg]) as sc:
+        sc.start()
+        r = redis.Redis(unix_socket_path=sc.socket, protocol=3)
+        peers = r.info("peers")
+        assert set(peers) == {"main.rs", "KV_rs_hubm"}, peers
+        assert peers["KV_rs_hubm"]["stream"] == "KV_rs_hubm"
+        for _ in range(50):
+            assert r.get("far.k") is not None
+        assert sum(p["requests"] for p in r.info("peers").values()) >= 50
