@@ -24,10 +24,11 @@ wait and every child process is bounded in time. Sections (--only, comma separat
 The read topology (latency, locust): a hub nats-server (domain `hub`) holds bucket `read`
 (allow_direct) with `hot.*` and `cold.*` keys; the leaf (domain `leaf`) holds a mirror of
 `KV_read` named `KV_read` in its own domain (mirror_direct, allow_direct), which is what lets
-both a plain Direct Get and a sidecar connected to the leaf use it. The sidecar replicates only
-`hot.>`, so `cold.*` reads go remote. Two sidecars run: one connected to the hub (the default
-deployment; locust uses it) and one connected to the leaf, whose remote reads are answered by
-the leaf's mirror. The config also lists the leaf's mirror as a [[peer]].
+both a plain Direct Get and a sidecar connected to the leaf use it. The sidecars replicate only
+`hot.>`, so `cold.*` reads go remote. Three sidecars (SIDECARS): `hub`, connected to the hub
+(the default deployment; locust uses it); `peer`, connected to the hub with the leaf's mirror as
+a [[peer]] (the router picks by latency); `leaf`, connected to the leaf (its feed and its
+remote reads use the mirror).
 
 Writes --out/compare.md (also printed), --out/compare.png and --out/compare.json.
 """
@@ -100,12 +101,21 @@ def child_env() -> dict[str, str]:
 
 # ----------------------------------------------------------------------------- read topology
 
+# The sidecars of the read topology: name -> (what its main connection is, whether its config
+# lists the leaf's mirror as a [[peer]]).
+SIDECARS = {"hub": ("hub", False), "peer": ("hub", True), "leaf": ("leaf", False)}
+
+
 @dataclass
 class ReadSetup:
     hub: NatsServer
     leaf: NatsServer
-    sidecar: Sidecar              # connected to the hub
-    leaf_sidecar: Sidecar | None  # connected to the leaf (its mirror)
+    sidecars: dict[str, Sidecar]  # started ones, by SIDECARS name
+
+    @property
+    def sidecar(self) -> Sidecar:
+        """The default deployment: connected to the hub, no extra peers."""
+        return self.sidecars["hub"]
 
 
 async def load_read_bucket(hub_url: str, leaf_url: str, hot: int, cold: int, timeout: float) -> None:
@@ -132,34 +142,35 @@ async def load_read_bucket(hub_url: str, leaf_url: str, hot: int, cold: int, tim
 
 
 @contextlib.contextmanager
-def read_setup(work: Path, hot: int, cold: int, leaf_sidecar: bool, timeout: float) -> Iterator[ReadSetup]:
+def read_setup(work: Path, hot: int, cold: int, names: list[str], timeout: float) -> Iterator[ReadSetup]:
+    """Hub, leaf with its mirror, the loaded bucket, and the sidecars `names` (see SIDECARS)."""
     hub = NatsServer(work / "hub" / "js", server_name="hub", domain="hub", leafnodes_listen_port=free_port())
     servers: list[NatsServer] = []
-    sidecars: list[Sidecar] = []
+    sidecars: dict[str, Sidecar] = {}
     try:
         servers.append(hub.start())
         leaf = start_leaf(work, Cluster(name="hub", domain="hub", servers=[hub]), domain="leaf")
         servers.append(leaf)
         asyncio.run(load_read_bucket(hub.url, leaf.url, hot, cold, timeout))
-        config = work / "kvcache.toml"
-        config.write_text(f'[[bucket]]\nname = "{READ_BUCKET}"\nkeys = ["{HOT_PREFIX}>"]\n\n'
-                          f'[[peer]]\nname = "leaf"\nservers = ["{leaf.url}"]\nstream = "{READ_STREAM}"\n')
-
-        def sidecar(name: str, url: str) -> Sidecar:
-            sc = Sidecar(work / name, url, extra=["--config", str(config), "--log-level", "warning"],
-                         env=child_env())
-            sidecars.append(sc)
-            return sc.start(timeout=timeout)
-
-        yield ReadSetup(hub, leaf, sidecar("sc-hub", hub.url), sidecar("sc-leaf", leaf.url) if leaf_sidecar else None)
+        bucket = f'[[bucket]]\nname = "{READ_BUCKET}"\nkeys = ["{HOT_PREFIX}>"]\n'
+        peer = f'\n[[peer]]\nname = "leaf"\nservers = ["{leaf.url}"]\nstream = "{READ_STREAM}"\n'
+        for name in names:
+            where, with_peer = SIDECARS[name]
+            config = work / f"kvcache-{name}.toml"
+            config.write_text(bucket + (peer if with_peer else ""))
+            sc = sidecars[name] = Sidecar(work / f"sc-{name}", (hub if where == "hub" else leaf).url,
+                                          extra=["--config", str(config), "--log-level", "warning"],
+                                          env=child_env())
+            sc.start(timeout=timeout)
+        yield ReadSetup(hub, leaf, sidecars)
     finally:
-        for sc in reversed(sidecars):
+        for sc in reversed(list(sidecars.values())):
             try:
                 sc.stop()
             except RuntimeError as e:  # ignored SIGTERM: stop() killed it
                 print(e, file=sys.stderr)
-        for s in reversed(servers):
-            s.stop()
+        for srv in reversed(servers):
+            srv.stop()
 
 
 # ----------------------------------------------------------------------------- latency
@@ -173,16 +184,15 @@ class ReadPath:
 
 
 async def measure_reads(rs: ReadSetup, hot: int, cold: int, reads: int, timeout: float
-                        ) -> tuple[dict[str, list[float]], dict[str, int], dict[str, str]]:
-    """Sequential single-key reads per path, µs each; returns samples, wrong replies, and
-    which source answered each sidecar path (KV.GET's source field)."""
+                        ) -> tuple[dict[str, list[float]], dict[str, int], dict[str, dict]]:
+    """Sequential single-key reads per path, µs each; returns the samples, the wrong replies
+    per path, and each sidecar's router peers (INFO peers) after the run."""
     rng = random.Random(7)
     hot_keys = [key_name(HOT_PREFIX, rng.randrange(hot)) for _ in range(reads)]
     cold_keys = [key_name(COLD_PREFIX, rng.randrange(cold)) for _ in range(reads)]
     nc_hub = await nats.connect(rs.hub.url, connect_timeout=5, allow_reconnect=False)
     nc_leaf = await nats.connect(rs.leaf.url, connect_timeout=5, allow_reconnect=False)
-    client = Client(rs.sidecar.socket, timeout=5)
-    leaf_client = Client(rs.leaf_sidecar.socket, timeout=5) if rs.leaf_sidecar else None
+    clients = {name: Client(sc.socket, timeout=5) for name, sc in rs.sidecars.items()}
     reader = LocalReader(str(rs.sidecar.data_dir))
     try:
         kv = await nc_hub.jetstream(timeout=5).key_value(READ_BUCKET)
@@ -195,23 +205,18 @@ async def measure_reads(rs: ReadSetup, hot: int, cold: int, reads: int, timeout:
             msg = await nc_leaf.request(f"$JS.API.DIRECT.GET.{READ_STREAM}.$KV.{READ_BUCKET}.{key}", b"", timeout=2)
             return msg.data if not (msg.headers or {}).get("Status") else b""
 
+        miss_labels = {
+            "hub": "kvcache GET, outside the filter: Direct Get to the hub (sidecar on the hub)",
+            "peer": "kvcache GET, outside the filter: routed to the hub or the leaf's mirror ([[peer]])",
+            "leaf": "kvcache GET, outside the filter: Direct Get to the leaf's mirror (sidecar on the leaf)",
+        }
         paths = [
-            ReadPath("kvcache GET, replica hit (Client over the socket)", hot_keys, client.get),
+            ReadPath("kvcache GET, replica hit (Client over the socket)", hot_keys, clients["hub"].get),
             ReadPath("kvcache LocalReader.get, in-process (same replica)", hot_keys, reader.get),
-            ReadPath("kvcache GET, outside the filter: sidecar's Direct Get to the hub", cold_keys, client.get),
-        ]
-        if leaf_client:
-            paths.append(ReadPath("kvcache (on the leaf) GET, outside the filter: Direct Get to the leaf's mirror",
-                               cold_keys, leaf_client.get))
-        paths += [
+            *(ReadPath(miss_labels[name], cold_keys, c.get) for name, c in clients.items()),
             ReadPath("nats-py kv.get (Direct Get to the hub)", hot_keys, nats_kv_get, True),
             ReadPath("nats-py Direct Get to the leaf's mirror (client on the leaf)", hot_keys, leaf_direct_get, True),
         ]
-        sources = {}  # which peer answered a remote read, and which peers the router has
-        for label, c in (("hub", client), ("leaf", leaf_client)):
-            if c:
-                e = c.entry(cold_keys[0])
-                sources[label] = (e.source if e else "?", sorted(c.info("peers").get("peers", {})))
         samples: dict[str, list[float]] = {p.label: [] for p in paths}
         wrong = dict.fromkeys(samples, 0)
         for p in paths:  # warm up: connections, caches, the router's estimates
@@ -231,23 +236,26 @@ async def measure_reads(rs: ReadSetup, hot: int, cold: int, reads: int, timeout:
                     xs.append((perf() - t0) * 1e6)
                     if v != value_of(key):
                         wrong[p.label] += 1
-        return samples, wrong, sources
+        peers = {name: c.info("peers").get("peers", {}) for name, c in clients.items()}
+        return samples, wrong, peers
     finally:
-        client.close()
-        if leaf_client:
-            leaf_client.close()
+        for c in clients.values():
+            c.close()
         reader.close()
         await nc_hub.close()
         await nc_leaf.close()
 
 
-def sources_note(sources: dict[str, tuple[str, list[str]]]) -> str:
-    text = " ".join(f"The sidecar on the {k}: remote reads answered by `{src}` (KV.GET source), "
-                    f"router peers {', '.join(f'`{x}`' for x in peers)}." for k, (src, peers) in sources.items())
-    if not any("leaf" in peers for _, peers in sources.values()):
-        text += (" The config's [[peer]] `leaf` (the leaf's mirror) is not among them: at this commit the "
-                 "router only uses the main connection, so pointing the sidecar at the leaf means "
-                 "connecting it there (`--nats` = the leaf).")
+def peers_note(peers: dict[str, dict]) -> str:
+    """Which peers each sidecar's router had, and how many remote reads each served."""
+    where = {"hub": "on the hub", "peer": "on the hub with the [[peer]]", "leaf": "on the leaf"}
+    parts = [f"{where[name]}: " + ", ".join(
+        f"`{label}` {row.get('requests', 0):,} requests" + (f" ({row['hedges']:,} hedges)" if row.get("hedges") else "")
+        for label, row in rows.items()) for name, rows in peers.items()]
+    text = "Router peers after the run (INFO peers), sidecar " + "; ".join(parts) + "."
+    if "peer" in peers and "leaf" not in peers["peer"]:
+        text += (" The [[peer]] `leaf` is missing: this kvcache does not use configured peers, so "
+                 "only the sidecar connected to the leaf reads from its mirror.")
     return text
 
 
@@ -443,19 +451,19 @@ def main(argv: list[str] | None = None) -> int:
             problems += g.problems
 
         if "latency" in args.sections or "locust" in args.sections:
-            with read_setup(work / "read", args.hot_keys, args.cold_keys, "latency" in args.sections,
-                            args.timeout) as rs:
+            names = list(SIDECARS) if "latency" in args.sections else ["hub"]
+            with read_setup(work / "read", args.hot_keys, args.cold_keys, names, args.timeout) as rs:
                 if "latency" in args.sections:
                     print("== latency: single-key reads", file=sys.stderr, flush=True)
                     import uvloop
-                    samples, wrong, sources = uvloop.run(
+                    samples, wrong, peers = uvloop.run(
                         measure_reads(rs, args.hot_keys, args.cold_keys, args.reads, args.timeout))
                     table, rows = latency_table(samples, wrong)
                     md += ["## Single-key read latency (sequential, one request at a time)", "",
                            f"{args.reads:,} reads per path, interleaved in rounds of {ROUND:,}; "
                            f"{args.hot_keys:,} replicated keys and {args.cold_keys:,} outside the filter, "
                            f"values {len(value_of(key_name(HOT_PREFIX, 0)))} B; nats-py on uvloop. "
-                           + sources_note(sources), "", table, ""]
+                           + peers_note(peers), "", table, ""]
                     figures["latency"] = rows
                     problems += [f"{r['path']}: {r['wrong']} wrong replies" for r in rows if r["wrong"]]
                 if "locust" in args.sections:
