@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -46,6 +47,8 @@ def session(master: str | None, app: str) -> tuple["SparkSession", bool]:
             f.write(QUIET_LOG4J)
         b = (b.config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
              .config("spark.ui.enabled", "false")
+             # local workers run this interpreter (not whatever `python3` is on PATH)
+             .config("spark.pyspark.python", os.environ.get("PYSPARK_PYTHON", sys.executable))
              .config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile=file:{log4j}"))
     try:
         spark = b.getOrCreate()
