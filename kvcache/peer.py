@@ -28,7 +28,8 @@ from .errors import UpstreamError
 
 MULTI_LAST_MAX = 1024
 NO_MESSAGE = 10037
-EWMA_TAU_S = 0.5      # decay time of the latency estimate
+EWMA_TAU_S = 0.5      # decay time of the latency estimate between sparse samples
+EWMA_ALPHA = 0.1      # least weight of a new (faster) sample
 SAMPLES = 256          # latency samples kept per peer for percentiles
 RESORT_EVERY = 16      # percentiles are re-sorted after this many new samples
 
@@ -50,16 +51,17 @@ class PeerStats:
     _fresh: int = 0
 
     def observe(self, seconds: float) -> None:
-        """Peak-sensitive EWMA: a slower sample is taken at once; a faster one weighs by the time
-        since the previous sample (decay time EWMA_TAU_S), so an estimate last updated long ago
-        (a peer probed once a second) follows its next sample almost entirely, at any rate."""
+        """Peak-sensitive EWMA: a slower sample is taken at once; a faster one weighs at least
+        EWMA_ALPHA (a one-off spike fades within a few dozen answers), more when the previous
+        sample is old (decay time EWMA_TAU_S: an estimate last updated long ago, as for a peer
+        only probed, follows its next sample almost entirely)."""
         us = seconds * 1e6
         now = time.monotonic()
         if us >= self.ewma_us or not self.last_sample:
             self.ewma_us = us
         else:
-            w = math.exp(-(now - self.last_sample) / EWMA_TAU_S)
-            self.ewma_us = self.ewma_us * w + us * (1 - w)
+            a = max(EWMA_ALPHA, 1 - math.exp(-(now - self.last_sample) / EWMA_TAU_S))
+            self.ewma_us += a * (us - self.ewma_us)
         self._sample(us, now)
 
     def restart(self) -> None:
@@ -100,6 +102,10 @@ class Peer:
     backoff: float = 0.0
     next_probe: float = 0.0
     probing: bool = False
+    # perf_counter() at which a request overtaken by a hedge (and cancelled) was sent; until
+    # the peer answers again it counts as still unanswered, so a stalled peer keeps getting
+    # costlier although its requests were cancelled. 0 = none.
+    unanswered_since: float = 0.0
     _started: dict = field(default_factory=dict)   # request id -> perf_counter() at start
     _ids: Iterator[int] = field(default_factory=itertools.count)
 
@@ -125,8 +131,10 @@ class Peer:
         the oldest unanswered request (a stalled peer gets costlier by the millisecond, before
         any timeout), times the queue it would join."""
         est = self.stats.ewma_us
-        if self._started:
-            est = max(est, (now - min(self._started.values())) * 1e6)
+        oldest = min(self._started.values(), default=self.unanswered_since or now)
+        if self.unanswered_since:
+            oldest = min(oldest, self.unanswered_since)
+        est = max(est, (now - oldest) * 1e6)
         return est * (len(self._started) + 1)
 
     @property
@@ -163,6 +171,7 @@ class Peer:
         finally:
             del self._started[rid]
         self.stats.observe(time.perf_counter() - start)
+        self.unanswered_since = 0.0
 
     async def get(self, key: str, timeout: float, leader: bool = False) -> Entry | None:
         if self.direct and not leader:

@@ -37,10 +37,11 @@ class Policy:
     hedge_min_s: float = 0.0005     # never hedge sooner than this
     hedge_default_s: float = 0.05   # hedge delay before any peer has been measured
     hedge_percentile: float = 0.95
+    hedge_patience: bool = True     # wait as long as a slower alternative would take (hedge_delay)
     eject_after: int = 3            # consecutive failures that eject a peer
     probe_backoff_s: float = 0.5    # first retry of an ejected peer; doubles on each failure
     probe_backoff_max_s: float = 30.0
-    refresh_s: float = 1.0          # probe a healthy peer not measured for this long
+    refresh_s: float = 0.25         # probe a healthy peer not measured for this long
 
 
 Fetch = Callable[[Peer], Awaitable]
@@ -113,10 +114,7 @@ class Router:
     def choose(self, peers: list[Peer], exclude: Iterable[Peer] = ()) -> Peer | None:
         """Power of two choices by cost among the healthy peers not excluded (all of them when
         every one is ejected). Unmeasured peers go first: they have to be measured."""
-        excluded = set(map(id, exclude))
-        pool = [p for p in peers if id(p) not in excluded]
-        healthy = [p for p in pool if not p.ejected and p.nc.is_connected]
-        pool = healthy or [p for p in pool if not p.ejected] or pool
+        pool = self._pool(peers, exclude)
         if len(pool) <= 1:
             return pool[0] if pool else None
         fresh = [p for p in pool if not p.stats.last_sample and not p.inflight]
@@ -128,23 +126,43 @@ class Router:
         b = self._draw([p for p in pool if p is not a], costs)
         return a if costs[id(a)] <= costs[id(b)] else b
 
+    @staticmethod
+    def _pool(peers: list[Peer], exclude: Iterable[Peer]) -> list[Peer]:
+        """The peers not excluded that are up; else those not ejected; else all of them."""
+        excluded = set(map(id, exclude))
+        pool = [p for p in peers if id(p) not in excluded]
+        healthy = [p for p in pool if not p.ejected and p.nc.is_connected]
+        return healthy or [p for p in pool if not p.ejected] or pool
+
     def _draw(self, pool: list[Peer], costs: dict[int, float]) -> Peer:
         weights = [1.0 / costs[id(p)] for p in pool]
         return self._rng.choices(pool, weights)[0]
 
     def hedge_delay(self, primary: Peer, peers: list[Peer]) -> float:
-        """When the request to `primary` is late: its p95 (seconds). The primary is the best
+        """When the request to `primary` is late (seconds): its p95. The primary is the best
         peer but when that one is busy or ejected; timing a slower primary by the best peer's
-        p95 would hedge every such request and spend the budget for nothing. An unmeasured
-        primary is timed by the best measured peer."""
+        p95 would hedge every such request and spend the budget for nothing. When even the
+        best alternative is slower than the primary's p99, a hedge sent at the p95 would
+        rarely win: it waits until the primary has taken as long as the alternative would
+        (by then the primary is past its p99: likely stalled). An unmeasured primary is timed
+        by the best measured peer."""
         pol = self.policy
         q = pol.hedge_percentile
         if primary.stats.samples:
-            p95 = primary.stats.percentile(q)
+            delay = primary.stats.percentile(q)
+            alt = self.best(peers, exclude=(primary,))
+            if pol.hedge_patience and alt is not None and alt.stats.ewma_us > primary.stats.percentile(0.99):
+                delay = max(delay, alt.stats.ewma_us)
         else:
-            p95 = min((p.stats.percentile(q) for p in peers if p.stats.samples and not p.ejected),
-                      default=pol.hedge_default_s * 1e6)
-        return max(pol.hedge_min_s, p95 / 1e6)
+            delay = min((p.stats.percentile(q) for p in peers if p.stats.samples and not p.ejected),
+                        default=pol.hedge_default_s * 1e6)
+        return max(pol.hedge_min_s, delay / 1e6)
+
+    def best(self, peers: list[Peer], exclude: Iterable[Peer] = ()) -> Peer | None:
+        """The cheapest healthy peer not excluded: where a hedge has the best chance to win."""
+        pool = self._pool(peers, exclude)
+        now = time.perf_counter()
+        return min(pool, key=lambda p: p.cost(now)) if pool else None
 
     def _take_hedge_token(self) -> bool:
         if self._tokens >= 1.0:
@@ -179,7 +197,7 @@ class Router:
                 done, _ = await asyncio.wait(running, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 if not done:
                     hedge_at = None  # one hedge per read at most
-                    nxt = self.choose(peers, exclude=tried)
+                    nxt = self.best(peers, exclude=tried)
                     if nxt is not None and self._take_hedge_token():
                         self.hedges_sent += 1
                         nxt.stats.hedges += 1
@@ -195,7 +213,7 @@ class Router:
                             p.stats.hedges_won += 1
                         for lp, lhedged, started in running.values():
                             if not lhedged:
-                                self._lost(lp, time.perf_counter() - started)
+                                self._lost(lp, started)
                         return t.result()
                     if not isinstance(exc, UpstreamError):
                         raise exc
@@ -224,10 +242,11 @@ class Router:
         if p.failures >= self.policy.eject_after and not p.ejected:
             self._eject(p)
 
-    def _lost(self, p: Peer, seconds: float) -> None:
+    def _lost(self, p: Peer, started: float) -> None:
         """A first request overtaken by its hedge: what it waited is a lower bound of its
         latency, and losing counts as a failure (a stalled peer loses every time)."""
-        p.stats.observe(seconds)
+        p.stats.observe(time.perf_counter() - started)
+        p.unanswered_since = min(p.unanswered_since or started, started)
         self._failed(p)
 
     def _eject(self, p: Peer) -> None:
@@ -244,7 +263,12 @@ class Router:
         for p in peers:
             if p.probing or not (p.ejected or refresh):
                 continue
-            due = p.next_probe if p.ejected else p.stats.last_sample + self.policy.refresh_s
+            if p.ejected:
+                due = p.next_probe
+            elif p.unanswered_since:
+                due = 0.0  # suspect: find out now whether it answers at all
+            else:
+                due = p.stats.last_sample + self.policy.refresh_s
             if (p.ejected or p.stats.last_sample) and now >= due and not p.inflight:
                 p.probing = True
                 t = asyncio.get_running_loop().create_task(self._probe(p, key))
@@ -262,9 +286,9 @@ class Router:
             else:
                 self._failed(p)
         else:
+            p.failures = 0
             if p.ejected:
                 p.ejected = False
-                p.failures = 0
                 p.stats.restart()
         finally:
             p.probing = False
