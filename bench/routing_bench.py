@@ -185,9 +185,9 @@ def run(n: int, tmp: Path) -> dict:
                                               "--log-level", "warning"]).start()
         r = redis.Redis(unix_socket_path=sc.socket)
         sidecar_latency(r, 200)                                  # warm-up: every peer measured
-        before = r.info("routing")
+        before, peers_before = r.info("routing"), r.info("peers")
         steady, steady_failed = sidecar_latency(r, n)
-        mid = r.info("routing")
+        mid, peers_mid = r.info("routing"), r.info("peers")
         hedge_delay_s = mid["leaf1"]["p95_us"] / 1e6
         stall_at = n // 3
         stalled, stalled_failed = sidecar_latency(r, n, {stall_at: lambda: proxies.do("freeze", "leaf1")})
@@ -224,6 +224,9 @@ def run(n: int, tmp: Path) -> dict:
         "hedges": {"steady": (steady_h, steady_req), "stall": (stall_h, stall_req), "ratio": budget},
         "hedge_delay_ms": hedge_delay_s * 1000,
         "leaf1_after_stall": peers_after["leaf1"]["state"],
+        "requests_by_peer": {phase: {p: b[p]["requests"] - a[p]["requests"] for p in b}
+                             for phase, a, b in (("steady", peers_before, peers_mid),
+                                                 ("stall", peers_mid, peers_after))},
         "targets": {
             "p99 <= 1.2 x fastest peer p99": (pct(steady, 99), 1.2 * fastest_p99),
             "stalled p99 <= hedge delay + next peer p99": (pct(after_stall, 99), hedge_delay_s + next_p99),
@@ -244,6 +247,9 @@ def report(res: dict) -> None:
         sent, req = h[phase]
         print(f"\nhedges ({phase}): {sent} of {req} routed requests = {sent / max(req, 1):.1%} "
               f"(budget {h['ratio']:.0%} + burst)")
+    for phase, by_peer in res["requests_by_peer"].items():
+        print(f"requests by peer ({phase}, hedges and probes included): "
+              + ", ".join(f"{p} {n}" for p, n in by_peer.items()))
     print(f"hedge delay (leaf1 p95 before the stall): {res['hedge_delay_ms']:.3f} ms; "
           f"leaf1 after the stall: {res['leaf1_after_stall']}")
     print("\ntargets:")

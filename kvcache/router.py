@@ -12,12 +12,15 @@ probe, tried with exponential backoff. Peers idle for a while are probed too, so
 never goes stale because the peer stopped being chosen.
 
 Strong reads go to the leader API of a peer reaching the bucket's own stream (not a mirror).
+Followers and mirrors lag: an answer older than a revision of the same key already read is
+read again from the leader, so a key's reads never go back in time.
 """
 from __future__ import annotations
 
 import asyncio
 import random
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable
 
@@ -45,6 +48,32 @@ class Policy:
 
 
 Fetch = Callable[[Peer], Awaitable]
+FLOORS_MAX = 65536
+
+
+class Floors:
+    """The highest revision read so far per key (the most recent FLOORS_MAX keys), so that
+    reads of a key never go back in time when peers of different lag answer them."""
+
+    def __init__(self, size: int = FLOORS_MAX) -> None:
+        self._rev: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._size = size
+
+    def behind(self, bucket: str, key: str, e: Entry | None) -> bool:
+        """Is this answer older than one already read (a not-found after a read value, too)?"""
+        floor = self._rev.get((bucket, key))
+        return floor is not None and (e is None or e.revision < floor)
+
+    def saw(self, bucket: str, key: str, e: Entry | None) -> None:
+        if e is None:
+            return
+        k = (bucket, key)
+        if e.revision > self._rev.get(k, 0):
+            self._rev[k] = e.revision
+        if k in self._rev:
+            self._rev.move_to_end(k)
+        if len(self._rev) > self._size:
+            self._rev.popitem(last=False)
 
 
 class Router:
@@ -57,6 +86,7 @@ class Router:
         self._rng = rng or random.Random()
         self._tokens = self.policy.hedge_burst
         self._background: set[asyncio.Task] = set()
+        self.floors = Floors()
         self.hedges_sent = 0
         self.hedges_won = 0
         self.requests = 0
@@ -94,12 +124,31 @@ class Router:
     async def get(self, bucket: str, key: str, strong: bool = False) -> Entry | None:
         ps = self._bucket_peers(bucket, strong)
         self._schedule_probes(ps, key)
-        return await self._route(ps, lambda p: p.get(key, self.timeout, leader=strong), hedge=True)
+        e = await self._route(ps, lambda p: p.get(key, self.timeout, leader=strong), hedge=True)
+        if not strong and self.floors.behind(bucket, key, e):
+            e = await self._from_leader(bucket, key, e)
+        self.floors.saw(bucket, key, e)
+        return e
 
     async def get_many(self, bucket: str, keys: list[str]) -> dict[str, Entry | None]:
-        """MGET misses: one peer answers them all (one snapshot); errors fail over."""
+        """MGET misses: one peer answers them all (one snapshot); errors fail over. A key the
+        peer answers older than a revision already read is read again from the leader."""
         ps = self._bucket_peers(bucket, False)
-        return await self._route(ps, lambda p: p.get_many(keys, self.timeout), hedge=False)
+        got = await self._route(ps, lambda p: p.get_many(keys, self.timeout), hedge=False)
+        for key, e in got.items():
+            if self.floors.behind(bucket, key, e):
+                got[key] = e = await self._from_leader(bucket, key, e)
+            self.floors.saw(bucket, key, e)
+        return got
+
+    async def _from_leader(self, bucket: str, key: str, stale: Entry | None) -> Entry | None:
+        """A lagging follower or mirror answered older than what was read before: the leader
+        has every acknowledged write. Without a peer reaching it, the stale answer stands."""
+        try:
+            ps = self._bucket_peers(bucket, True)
+        except UpstreamError:
+            return stale
+        return await self._route(ps, lambda p: p.get(key, self.timeout, leader=True), hedge=False)
 
     def _bucket_peers(self, bucket: str, strong: bool) -> list[Peer]:
         ps = self._peers.get(bucket)

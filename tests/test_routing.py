@@ -21,7 +21,8 @@ from kvcache import jetstream as jsapi
 from kvcache.natsconn import Connection
 from kvcache.router import Peer, Policy, Router
 from sidecar_proc import Sidecar
-from topology import DelayProxy, nats_run
+from kvcache.natsserver import NatsServer
+from topology import DelayProxy, nats_run, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -395,3 +396,75 @@ def test_sidecar_discovers_mirrors_from_alternates(hub_and_mirrors, tmp_path):
         for _ in range(50):
             assert r.get("far.k") is not None
         assert sum(p["requests"] for p in r.info("peers").values()) >= 50
+
+
+# --------------------------------------------------------------------------- peers of different lag
+
+
+@pytest.fixture(scope="module")
+def lagging_mirror(nats_cluster, tmp_path_factory):
+    """Bucket `mono` on the hub and its mirror on leaf `lag`, whose leaf connection runs
+    through a DelayProxy: freezing it stops the mirror from replicating (a lagging mirror)."""
+    hub0 = nats_cluster.servers[0]
+    link = DelayProxy(hub0.leafnodes_listen_port).start()
+    leaf = NatsServer(tmp_path_factory.mktemp("lag") / "js", host="127.0.0.1", server_name="lag",
+                      domain="lag", leaf_remotes=[f"nats-leaf://127.0.0.1:{link.port}"]).start()
+    try:
+        wait_until(lambda: leaf.monitor("/leafz").get("leafnodes", 0) >= 1, 15, "leaf lag connected")
+
+        async def hub(js):
+            kv = await js.create_key_value(bucket="mono", direct=True, replicas=3)
+            return await kv.put("k", b"v1")
+        rev = nats_run(hub0.url, hub)
+
+        async def mirror(js):
+            await js.add_stream(StreamConfig(
+                name="KV_mono_lag", mirror_direct=True, allow_direct=True,
+                mirror=StreamSource(name="KV_mono", external=ExternalStream(api="$JS.hub.API"))))
+            for _ in range(400):
+                if (await js.stream_info("KV_mono_lag")).state.last_seq >= rev:
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError("mirror did not catch up")
+        nats_run(leaf.url, mirror)
+        yield hub0, leaf, link
+    finally:
+        leaf.stop()
+        link.stop()
+
+
+async def test_revisions_never_go_back_across_peers_of_different_lag(lagging_mirror, router_of):
+    hub0, leaf, link = lagging_mirror
+    async with AsyncExitStack() as stack:
+        conns = []
+        for url in (leaf.url, hub0.url):
+            nc = Connection()
+            await nc.connect(servers=[url], connect_timeout=5)
+            stack.push_async_callback(close_quietly, nc)
+            conns.append(nc)
+        mirror = Peer("lag", conns[0], "KV_mono_lag", "mono")
+        upstream = Peer("hub", conns[1], "KV_mono", "mono")
+        r = router_of([mirror, upstream])
+        writer = await nats.connect(hub0.url)
+        stack.push_async_callback(writer.close)
+        kv = await writer.jetstream().key_value("mono")
+        link.freeze()                                   # the mirror stops replicating
+        try:
+            rev2 = await kv.put("k", b"v2")
+            rev_new = await kv.put("new", b"n")
+            assert (await mirror.get("k", TIMEOUT)).value == b"v1"     # it does lag
+            assert await mirror.get("new", TIMEOUT) is None
+            e = await r.get("mono", "k", strong=True)
+            assert (e.value, e.revision) == (b"v2", rev2)
+            e = await r.get("mono", "new", strong=True)
+            assert e.revision == rev_new
+            for _ in range(30):   # whichever peer answers, never older than what was read
+                e = await r.get("mono", "k")
+                assert (e.value, e.revision) == (b"v2", rev2)
+                e = await r.get("mono", "new")
+                assert e is not None and e.revision == rev_new
+                got = await r.get_many("mono", ["k", "new"])
+                assert [got["k"].revision, got["new"].revision] == [rev2, rev_new]
+            assert mirror.stats.requests > 0             # the lagging mirror was asked
+        finally:
+            link.thaw()
