@@ -27,7 +27,7 @@ from libc.string cimport memchr, memcmp, memcpy
 import os
 
 from kvcache.errors import ReplicaError
-from kvcache.getpath import PLAN_CACHE
+from kvcache.getpath import FLUSH_AT, FRESH_VERDICT_S, PLAN_CACHE
 from kvcache.record import RECORD
 from kvcache.replica import MAX_DBS
 from kvcache.resp import GET_LEN
@@ -73,6 +73,7 @@ cdef object _PLAN_CACHE = PLAN_CACHE
 cdef class _Bucket:
     cdef object feed
     cdef object max_stale
+    cdef long long fresh_until_ns  # feed.fresh_enough said yes: believed until then
     cdef str name
     cdef bytes prefix      # b"<name>:"
     cdef MDB_dbi dbi
@@ -101,6 +102,21 @@ cdef inline bint _kv_key(const unsigned char* k, Py_ssize_t n) noexcept nogil:
                   or c == 95 or c == 61):
             return False
     return True
+
+
+from libc.time cimport timespec
+
+cdef extern from "<time.h>" nogil:
+    int clock_gettime(int clk_id, timespec* tp)
+    enum: CLOCK_MONOTONIC
+
+cdef long long FRESH_VERDICT_NS = FRESH_VERDICT_S * 1_000_000_000
+
+
+cdef inline long long _now_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec * 1_000_000_000LL + ts.tv_nsec
 
 
 cdef inline unsigned int _u32le(const unsigned char* p) noexcept nogil:
@@ -287,6 +303,7 @@ cdef class LocalGets:
         cdef PyObject* found
         cdef _Bucket b
         cdef const unsigned char* kp
+        cdef long long now = 0
         cdef MDB_txn* txn = NULL
         cdef MDB_val k, v
         cdef int rc
@@ -321,8 +338,12 @@ cdef class LocalGets:
                     k.mv_size = PyBytes_GET_SIZE((<_Plan>plan).lkey)
                     k.mv_data = PyBytes_AS_STRING((<_Plan>plan).lkey)
                 if b.feed is not fresh:
-                    if not b.feed.fresh_enough(b.max_stale):
-                        break
+                    if now == 0:
+                        now = _now_ns()
+                    if b.fresh_until_ns <= now:
+                        if not b.feed.fresh_enough(b.max_stale):
+                            break
+                        b.fresh_until_ns = now + FRESH_VERDICT_NS
                     fresh = b.feed
                 if not b.has_dbi:
                     if txn != NULL:  # a handle opened after a transaction began is not
@@ -380,3 +401,45 @@ cdef Py_ssize_t _bulk_header(char* out, Py_ssize_t n) noexcept nogil:
     out[1 + d] = 13
     out[2 + d] = 10
     return d + 3
+
+
+cdef Py_ssize_t _FLUSH_AT = FLUSH_AT
+
+
+cdef class GetConnection:
+    """See kvcache.getpath.GetConnection: the same attributes and data_received, in C."""
+    cdef public LocalGets gets
+    cdef public object stats, transport, reader, _busy
+    cdef public int proto
+    cdef public bint _closing, _paused_writing, _eof, _draining
+
+    def __init__(self, LocalGets gets, stats, reader):
+        self.gets = gets
+        self.stats = stats
+        self.reader = reader
+        self.transport = None
+        self.proto = 2
+        self._busy = None
+
+    def data_received(self, data):
+        if self._closing:
+            return
+        if self._busy is not None or self._paused_writing or self._draining:
+            self.reader.feed(data)
+            return
+        replies, local, notfound, more = self.gets.answer(self.reader, data, self.proto, _FLUSH_AT)
+        if local:
+            self._count(local, notfound)
+        if replies:
+            self.transport.write(replies)
+        if more:
+            self._process()
+
+    def _count(self, local, notfound):
+        stats = self.stats
+        stats.commands += local
+        stats.gets_local += local
+        stats.gets_notfound += notfound
+
+    def _process(self):
+        raise NotImplementedError  # the generic request loop: kvcache.server.Connection

@@ -10,6 +10,10 @@ reach the byte budget (the server writes them out first, then calls again).
     replies, answered, notfound = gets.serve(lengths, keys, proto, budget)
     replies, answered, notfound, more = gets.answer(reader, data, proto, budget)
 
+`GetConnection` is the part of the server's connection that runs on every socket read: its
+`data_received` answers GET-only reads with one `answer` call and hands anything else to the
+subclass's `_process` (kvcache.server.Connection). In C it is one call from uvloop to the reply.
+
 `answer` is the server's whole per-read step for GET-only traffic: feed the bytes to the
 request reader, then cut and serve GET runs until the buffer is empty (more=False), or
 something other than an answerable GET is next or the budget is reached (more=True: the
@@ -18,10 +22,11 @@ server's generic loop takes over from there).
 `planner(key)` says how to read a raw key locally: `(feed, max_stale_ms, bucket, lmdb key)`,
 or False when the generic path must answer it. Plans are cached here (a bounded dict), so
 the planner runs once per distinct key; freshness (`feed.fresh_enough(max_stale_ms)`) is
-asked once per feed per call.
+asked at most once per feed per call, and a yes is believed for FRESH_VERDICT_S.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from .record import LONG_KEY_PREFIX, RECORD
@@ -29,7 +34,14 @@ from .replica import Replica
 from .resp import GET_LEN, NIL2, NIL3
 
 PLAN_CACHE = 65536
+FLUSH_AT = 256 * 1024  # write out what a batch has answered once it is this big
+# How long a feed's "fresh enough" verdict is reused. The bound a read promises is
+# max_stale_ms (seconds, typically); reusing the answer for a millisecond saves a Python
+# call per batch, which at one GET a batch is a good part of the request's cost.
+FRESH_VERDICT_S = 0.001
 BULK_HEADER = [b"$%d\r\n" % n for n in range(10_000)]
+
+_monotonic = time.monotonic
 
 Planner = Callable[[bytes], "tuple | bool"]
 
@@ -39,6 +51,7 @@ class LocalGets:
         self.replica = replica
         self.planner = planner
         self.plans: dict[bytes, tuple | bool] = {}
+        self._fresh_until: dict[object, float] = {}  # feed -> monotonic time
 
     def set_buckets(self, buckets: list[tuple], default: str | None) -> None:
         """`[(name, feed, max_stale_ms, replicates_every_key)]` and the default bucket. The
@@ -100,8 +113,11 @@ class LocalGets:
                     break
                 feed, max_stale, db, lkey, offset = plan
                 if feed is not fresh:
-                    if not feed.fresh_enough(max_stale):
-                        break
+                    now = _monotonic()
+                    if self._fresh_until.get(feed, 0.0) <= now:
+                        if not feed.fresh_enough(max_stale):
+                            break
+                        self._fresh_until[feed] = now + FRESH_VERDICT_S
                     fresh = feed
                 if txn is None:
                     txn = self.replica.env.begin()
@@ -126,3 +142,45 @@ class LocalGets:
             if txn is not None:
                 txn.abort()
         return b"".join(out), answered, notfound
+
+
+class GetConnection:
+    """Per-connection state of the hot path; kvcache.server.Connection adds the rest."""
+
+    __slots__ = ("gets", "stats", "transport", "reader", "proto", "_busy", "_closing",
+                 "_paused_writing", "_eof", "_draining")
+
+    def __init__(self, gets: LocalGets, stats, reader) -> None:
+        self.gets = gets
+        self.stats = stats            # commands.Stats: commands, gets_local, gets_notfound
+        self.reader = reader
+        self.transport = None
+        self.proto = 2
+        self._busy = None
+        self._closing = False         # no more requests: QUIT, protocol error, connection lost
+        self._paused_writing = False  # the client is not reading: neither do we
+        self._eof = False             # the client half-closed: answer what it sent, then close
+        self._draining = False        # shutting down: finish the request in flight, then close
+
+    def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return
+        if self._busy is not None or self._paused_writing or self._draining:
+            self.reader.feed(data)
+            return
+        replies, local, notfound, more = self.gets.answer(self.reader, data, self.proto, FLUSH_AT)
+        if local:
+            self._count(local, notfound)
+        if replies:
+            self.transport.write(replies)
+        if more:
+            self._process()
+
+    def _count(self, local: int, notfound: int) -> None:
+        stats = self.stats
+        stats.commands += local
+        stats.gets_local += local
+        stats.gets_notfound += notfound
+
+    def _process(self) -> None:
+        raise NotImplementedError  # the generic request loop: kvcache.server.Connection

@@ -20,6 +20,7 @@ import stat
 from typing import TYPE_CHECKING
 
 from . import resp
+from .getpath import FLUSH_AT
 from .native import pick
 from .errors import KvcacheError, ProtocolError
 
@@ -35,27 +36,22 @@ WIRE = pick("resp", "resp")
 GETPATH = pick("getpath", "getpath")
 
 WRITE_HIGH_WATER = 1 << 20
-FLUSH_AT = 256 * 1024  # write out what a batch has answered once it is this big
 TOO_MANY_CLIENTS = resp.error("ERR max number of clients reached")
 SHUTTING_DOWN = resp.error("ERR kvcache is shutting down")
 
 
-class Connection(asyncio.Protocol):
-    __slots__ = ("srv", "id", "proto", "name", "transport", "reader", "_busy", "_closing",
-                 "_paused_writing", "_eof", "_draining")
+class Connection(GETPATH.GetConnection, asyncio.Protocol):
+    """One client. The per-read hot path (data_received, and the state it reads: transport,
+    reader, proto and the flags) is GetConnection's, in C when built; the rest is here."""
+
+    __slots__ = ("srv", "id", "name")
 
     def __init__(self, srv: "RespServer", conn_id: int) -> None:
+        super().__init__(srv.gets, srv.stats,
+                         WIRE.RequestReader(srv.cfg.max_request_bytes, srv.cfg.max_args))
         self.srv = srv
         self.id = conn_id
-        self.proto = 2
         self.name = b""
-        self.transport: asyncio.Transport | None = None
-        self.reader = WIRE.RequestReader(srv.cfg.max_request_bytes, srv.cfg.max_args)
-        self._busy: asyncio.Task | None = None
-        self._closing = False         # no more requests: QUIT, protocol error, connection lost
-        self._paused_writing = False  # the client is not reading: neither do we
-        self._eof = False             # the client half-closed: answer what it sent, then close
-        self._draining = False        # shutting down: finish the request in flight, then close
 
     # ------------------------------------------------------------------ asyncio.Protocol
 
@@ -77,22 +73,6 @@ class Connection(asyncio.Protocol):
         self._closing = True
         if self._busy is not None:
             self._busy.cancel()
-
-    def data_received(self, data: bytes) -> None:
-        if self._closing:
-            return
-        if self._busy is not None or self._paused_writing or self._draining:
-            self.reader.feed(data)
-            return
-        # GET-only traffic is answered here in one call to the GET path; the rest (and a GET
-        # it cannot answer) goes through _process.
-        replies, local, notfound, more = self.srv.gets.answer(self.reader, data, self.proto, FLUSH_AT)
-        if local:
-            self._count(local, notfound)
-        if replies:
-            self.transport.write(replies)
-        if more:
-            self._process()
 
     def eof_received(self) -> bool:
         # Keep the write side open: a client may half-close after its last request and still
@@ -202,12 +182,6 @@ class Connection(asyncio.Protocol):
             # QUIT, or the client half-closed and everything it sent is answered
             if not self.transport.is_closing():
                 self.transport.close()
-
-    def _count(self, local: int, notfound: int) -> None:
-        stats = self.srv.stats
-        stats.commands += local
-        stats.gets_local += local
-        stats.gets_notfound += notfound
 
     async def _finish(self, pending) -> None:
         try:
