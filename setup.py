@@ -50,7 +50,7 @@ def extensions():
                   extra_compile_args=cflags)
         for src in sources
     ]
-    return cythonize(exts, compiler_directives=directives, annotate=DEBUG,
+    return cythonize(exts, compiler_directives=directives, annotate=DEBUG, include_path=["ext"],
                      force=DEBUG, quiet=True)
 
 

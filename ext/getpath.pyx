@@ -24,6 +24,8 @@ from cpython.mem cimport PyMem_Free, PyMem_Realloc
 from cpython.ref cimport PyObject
 from libc.string cimport memchr, memcmp, memcpy
 
+from resp_get cimport match_get
+
 import os
 
 from kvcache.errors import ReplicaError
@@ -135,9 +137,17 @@ cdef class LocalGets:
     cdef unsigned char* _out
     cdef Py_ssize_t _cap, _len
     cdef bint _closed
+    # one call's state (see _start/_finish)
+    cdef MDB_txn* _txn
+    cdef long long _now
+    cdef object _fresh
+    cdef Py_ssize_t _notfound
+    cdef const char* _nil
+    cdef Py_ssize_t _nil_len
 
     def __cinit__(self):
         self._env = NULL
+        self._txn = NULL
 
     def __init__(self, replica, planner):
         self.replica = replica
@@ -272,11 +282,31 @@ cdef class LocalGets:
         return 0
 
     def answer(self, reader, data, int proto, Py_ssize_t budget):
-        """See kvcache.getpath.LocalGets.answer."""
+        """See kvcache.getpath.LocalGets.answer. When the reader holds nothing, the GETs at
+        the front of `data` are served from `data` itself and only the rest is fed."""
         cdef list parts = []
-        cdef Py_ssize_t size = 0, answered = 0, notfound = 0, n, nf
+        cdef Py_ssize_t size = 0, answered = 0, notfound = 0, n, nf, used, dn
         cdef list lengths, keys
-        reader.feed(data)
+        if type(data) is bytes and reader.idle():
+            dn = PyBytes_GET_SIZE(data)
+            self._start(proto)
+            try:
+                used = self._serve_wire(<const unsigned char*>PyBytes_AS_STRING(data), dn, proto,
+                                        budget, &answered)
+            finally:
+                self._finish()
+            notfound = self._notfound
+            if self._len:
+                parts.append(PyBytes_FromStringAndSize(<char*>self._out, self._len))
+                size = self._len
+            if used == dn:
+                return (parts[0] if parts else b""), answered, notfound, False
+            reader.feed(data if used == 0 else
+                        PyBytes_FromStringAndSize(PyBytes_AS_STRING(data) + used, dn - used))
+            if size >= budget:
+                return parts[0], answered, notfound, True
+        else:
+            reader.feed(data)
         while True:
             run = reader.take_gets()
             if run is None:
@@ -295,27 +325,97 @@ cdef class LocalGets:
         out = b"" if not parts else (parts[0] if len(parts) == 1 else b"".join(parts))
         return out, answered, notfound, reader.buffered > 0
 
-    def serve(self, list lengths, list keys, int proto, Py_ssize_t budget):
-        """See kvcache.getpath.LocalGets.serve."""
-        cdef Py_ssize_t i, n = PyList_GET_SIZE(keys), klen, vlen, hlen, off
-        cdef Py_ssize_t answered = 0, notfound = 0
-        cdef object key, declared, fresh = None
+    # ---------------------------------------------------------------- one call's state
+
+    cdef int _start(self, int proto) except -1:
+        if self._closed:
+            raise ReplicaError("the GET path is closed")
+        if pthread_self() != self._thread:
+            raise RuntimeError("LocalGets must run on the thread that created it")
+        self._len = 0
+        self._notfound = 0
+        self._now = 0
+        self._fresh = None
+        self._nil = b"_\r\n" if proto == 3 else b"$-1\r\n"
+        self._nil_len = 3 if proto == 3 else 5
+        return 0
+
+    cdef void _finish(self) noexcept:
+        if self._txn != NULL:
+            mdb_txn_abort(self._txn)
+            self._txn = NULL
+        self._fresh = None
+
+    cdef int _one(self, const unsigned char* kp, Py_ssize_t klen, object key) except -1:
+        """Answer GET `kp` into the output buffer: 1, or 0 when the generic path must answer
+        it. `key` is its bytes object, or None (made here if the planner needs it)."""
+        cdef Py_ssize_t off, vlen, hlen
         cdef PyObject* found
         cdef _Bucket b
-        cdef const unsigned char* kp
-        cdef long long now = 0
-        cdef MDB_txn* txn = NULL
         cdef MDB_val k, v
         cdef int rc
         cdef char head[24]
         cdef const unsigned char* rec
-        cdef const char* nil = b"_\r\n" if proto == 3 else b"$-1\r\n"
-        cdef Py_ssize_t nil_len = 3 if proto == 3 else 5
-        if self._closed:
-            raise ReplicaError("the GET path is closed")
-        if pthread_self() != self._thread:
-            raise RuntimeError("LocalGets.serve must run on the thread that created it")
-        self._len = 0
+        b = self._direct_bucket(kp, klen, &off) if self._direct else None
+        if b is not None and _kv_key(kp + off, klen - off):
+            k.mv_size = klen - off
+            k.mv_data = <void*>(kp + off)
+        else:
+            if key is None:
+                key = PyBytes_FromStringAndSize(<const char*>kp, klen)
+            found = PyDict_GetItem(self.plans, key)
+            plan = <object>found if found != NULL else self._plan(key)
+            if plan is False:
+                return 0
+            b = (<_Plan>plan).bucket
+            k.mv_size = PyBytes_GET_SIZE((<_Plan>plan).lkey)
+            k.mv_data = PyBytes_AS_STRING((<_Plan>plan).lkey)
+        if b.feed is not self._fresh:
+            if self._now == 0:
+                self._now = _now_ns()
+            if b.fresh_until_ns <= self._now:
+                if not b.feed.fresh_enough(b.max_stale):
+                    return 0
+                b.fresh_until_ns = self._now + FRESH_VERDICT_NS
+            self._fresh = b.feed
+        if not b.has_dbi:
+            if self._txn != NULL:  # a handle opened after a transaction began is not
+                mdb_txn_abort(self._txn)  # valid in it (and a map resize needs none open)
+                self._txn = NULL
+            self._open_dbi(b)
+        if self._txn == NULL:
+            self._begin(&self._txn)
+        rc = mdb_get(self._txn, b.dbi, &k, &v) if b.has_dbi else MDB_NOTFOUND
+        if rc == MDB_NOTFOUND:
+            self._notfound += 1
+            self._reserve(self._nil_len)
+            memcpy(self._out + self._len, self._nil, self._nil_len)
+            self._len += self._nil_len
+            return 1
+        if rc != 0:
+            raise ReplicaError(f"replica read failed: {mdb_strerror(rc).decode()}")
+        rec = <const unsigned char*>v.mv_data
+        if v.mv_size < 20:
+            raise ReplicaError("replica record is truncated")
+        off = 20 + _u32le(rec + 16)
+        if <size_t>off > v.mv_size:
+            raise ReplicaError("replica record is truncated")
+        vlen = v.mv_size - off
+        hlen = _bulk_header(head, vlen)
+        self._reserve(hlen + vlen + 2)
+        memcpy(self._out + self._len, head, hlen)
+        memcpy(self._out + self._len + hlen, rec + off, vlen)
+        self._out[self._len + hlen + vlen] = 13
+        self._out[self._len + hlen + vlen + 1] = 10
+        self._len += hlen + vlen + 2
+        return 1
+
+    def serve(self, list lengths, list keys, int proto, Py_ssize_t budget):
+        """See kvcache.getpath.LocalGets.serve."""
+        cdef Py_ssize_t i, n = PyList_GET_SIZE(keys), klen
+        cdef Py_ssize_t answered = 0
+        cdef object key, declared
+        self._start(proto)
         try:
             for i in range(n):
                 key = <object>PyList_GET_ITEM(keys, i)
@@ -324,65 +424,33 @@ cdef class LocalGets:
                 if declared is not <object>PyList_GET_ITEM(_GET_LEN, klen) and \
                         declared != <object>PyList_GET_ITEM(_GET_LEN, klen):
                     break  # a length the full parser must judge
-                kp = <const unsigned char*>PyBytes_AS_STRING(key)
-                b = self._direct_bucket(kp, klen, &off) if self._direct else None
-                if b is not None and _kv_key(kp + off, klen - off):
-                    k.mv_size = klen - off
-                    k.mv_data = <void*>(kp + off)
-                else:
-                    found = PyDict_GetItem(self.plans, key)
-                    plan = <object>found if found != NULL else self._plan(key)
-                    if plan is False:
-                        break
-                    b = (<_Plan>plan).bucket
-                    k.mv_size = PyBytes_GET_SIZE((<_Plan>plan).lkey)
-                    k.mv_data = PyBytes_AS_STRING((<_Plan>plan).lkey)
-                if b.feed is not fresh:
-                    if now == 0:
-                        now = _now_ns()
-                    if b.fresh_until_ns <= now:
-                        if not b.feed.fresh_enough(b.max_stale):
-                            break
-                        b.fresh_until_ns = now + FRESH_VERDICT_NS
-                    fresh = b.feed
-                if not b.has_dbi:
-                    if txn != NULL:  # a handle opened after a transaction began is not
-                        mdb_txn_abort(txn)  # valid in it (and a map resize needs none open)
-                        txn = NULL
-                    self._open_dbi(b)
-                if txn == NULL:
-                    self._begin(&txn)
+                if not self._one(<const unsigned char*>PyBytes_AS_STRING(key), klen, key):
+                    break
                 answered += 1
-                rc = mdb_get(txn, b.dbi, &k, &v) if b.has_dbi else MDB_NOTFOUND
-                if rc == MDB_NOTFOUND:
-                    notfound += 1
-                    self._reserve(nil_len)
-                    memcpy(self._out + self._len, nil, nil_len)
-                    self._len += nil_len
-                elif rc != 0:
-                    raise ReplicaError(f"replica read failed: {mdb_strerror(rc).decode()}")
-                else:
-                    rec = <const unsigned char*>v.mv_data
-                    if v.mv_size < 20:
-                        raise ReplicaError("replica record is truncated")
-                    off = 20 + _u32le(rec + 16)
-                    if <size_t>off > v.mv_size:
-                        raise ReplicaError("replica record is truncated")
-                    vlen = v.mv_size - off
-                    hlen = _bulk_header(head, vlen)
-                    self._reserve(hlen + vlen + 2)
-                    memcpy(self._out + self._len, head, hlen)
-                    memcpy(self._out + self._len + hlen, rec + off, vlen)
-                    self._out[self._len + hlen + vlen] = 13
-                    self._out[self._len + hlen + vlen + 1] = 10
-                    self._len += hlen + vlen + 2
                 if self._len >= budget:
                     break
         finally:
-            if txn != NULL:
-                mdb_txn_abort(txn)
-        return PyBytes_FromStringAndSize(<char*>self._out, self._len), answered, notfound
+            self._finish()
+        return PyBytes_FromStringAndSize(<char*>self._out, self._len), answered, self._notfound
 
+    cdef Py_ssize_t _serve_wire(self, const unsigned char* p, Py_ssize_t n, int proto,
+                                Py_ssize_t budget, Py_ssize_t* answered) except -1:
+        """Serve the GET units at the front of a socket read straight from its bytes (no
+        copy into the request reader, no key objects); returns how many bytes they took.
+        Stops where take_gets + serve would stop: at anything else, at a length the full
+        parser must judge, at a GET the generic path must answer, or at the budget."""
+        cdef Py_ssize_t pos = 0, unit_end, d0, nd, declared, k0, kn
+        while pos < n:
+            unit_end = match_get(p, pos, n, &d0, &nd, &declared, &k0, &kn)
+            if unit_end < 0 or declared != kn or (nd > 1 and p[d0] == 48):
+                break
+            if not self._one(p + k0, kn, None):
+                break
+            answered[0] += 1
+            pos = unit_end
+            if self._len >= budget:
+                break
+        return pos
 
 cdef Py_ssize_t _bulk_header(char* out, Py_ssize_t n) noexcept nogil:
     """`$<n>\\r\\n` into out (24 bytes are enough for any Py_ssize_t); returns its length."""

@@ -16,6 +16,8 @@ from cpython.long cimport PyLong_FromLongLong, PyLong_FromUnsignedLongLong
 from cpython.mem cimport PyMem_Free, PyMem_Realloc
 from libc.string cimport memchr, memcpy, memmove
 
+from resp_get cimport match_get
+
 from kvcache import resp as _twin
 from kvcache.errors import ProtocolError
 from kvcache.resp import (  # noqa: F401  (re-exported: this module stands in for kvcache.resp)
@@ -39,12 +41,6 @@ cdef enum:
 
 cdef unsigned long long LLMAX = 9223372036854775807ULL
 
-# KV key characters and ':' (take_gets' key pattern [-/_=.:a-zA-Z0-9])
-cdef unsigned char _KEYCHAR[256]
-cdef int _c
-for _c in range(256):
-    _KEYCHAR[_c] = 1 if (48 <= _c <= 58 or 65 <= _c <= 90 or 97 <= _c <= 122
-                         or _c in (45, 47, 95, 61, 46)) else 0
 
 
 cdef inline bint _parse_int(const unsigned char* p, Py_ssize_t n, bint* neg,
@@ -146,37 +142,17 @@ cdef class _BufferedReader:
 
 cdef Py_ssize_t _match_get(const unsigned char* buf, Py_ssize_t pos, Py_ssize_t end,
                            list lengths, list keys) except -2:
-    """End of the `*2\\r\\n$3\\r\\nGET\\r\\n$<n>\\r\\n<key>\\r\\n` unit at pos (its header
-    and key appended to the lists), or -1."""
-    cdef Py_ssize_t p, d0, k0, n, v
-    if end - pos < 20 or (buf[pos] != 42 or buf[pos + 1] != 50 or buf[pos + 2] != _CR
-                          or buf[pos + 3] != _LF or buf[pos + 4] != 36 or buf[pos + 5] != 51
-                          or buf[pos + 6] != _CR or buf[pos + 7] != _LF or buf[pos + 8] != 71
-                          or buf[pos + 9] != 69 or buf[pos + 10] != 84
-                          or buf[pos + 11] != _CR or buf[pos + 12] != _LF
-                          or buf[pos + 13] != 36):
+    """End of the GET unit at pos (its header and key appended to the lists), or -1."""
+    cdef Py_ssize_t d0, nd, v, k0, kn
+    cdef Py_ssize_t unit_end = match_get(buf, pos, end, &d0, &nd, &v, &k0, &kn)
+    if unit_end < 0:
         return -1
-    d0 = pos + 14
-    p = d0
-    v = 0
-    while p < end and p - d0 < 4 and 48 <= buf[p] <= 57:
-        v = v * 10 + (buf[p] - 48)
-        p += 1
-    n = p - d0
-    if n == 0 or p + 1 >= end or buf[p] != _CR or buf[p + 1] != _LF:
-        return -1
-    k0 = p + 2
-    p = k0
-    while p < end and p - k0 < 9999 and _KEYCHAR[buf[p]]:
-        p += 1
-    if p == k0 or p + 1 >= end or buf[p] != _CR or buf[p + 1] != _LF:
-        return -1
-    if buf[d0] != 48 or n == 1:
+    if buf[d0] != 48 or nd == 1:
         PyList_Append(lengths, <object>PyList_GET_ITEM(_GET_LEN, v))
     else:  # leading zeros: not GET_LEN's spelling, so the caller's check fails as in the twin
-        PyList_Append(lengths, PyBytes_FromStringAndSize(<const char*>buf + d0 - 1, n + 1))
-    PyList_Append(keys, PyBytes_FromStringAndSize(<const char*>buf + k0, p - k0))
-    return p + 2
+        PyList_Append(lengths, PyBytes_FromStringAndSize(<const char*>buf + d0 - 1, nd + 1))
+    PyList_Append(keys, PyBytes_FromStringAndSize(<const char*>buf + k0, kn))
+    return unit_end
 
 
 cdef class RequestReader(_BufferedReader):
@@ -221,6 +197,12 @@ cdef class RequestReader(_BufferedReader):
     def max_args(self, value):
         self._max_args = min(max(value, -2**62), 2**62)
         self._max_args_obj = value
+
+    def idle(self):
+        """Nothing held: no partial request, no error, the fast path allowed. The next bytes
+        start a new command (the GET path may then read GETs from them directly)."""
+        return (self._pos == self._len and self._argc == 0 and self._bulklen < 0
+                and self._error is None and not self._no_fast)
 
     def take_gets(self):
         """The run of complete multibulk `GET <key>` commands at the front of the buffer (the

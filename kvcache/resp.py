@@ -100,6 +100,12 @@ class RequestReader(_BufferedReader):
         self._inline_max = min(INLINE_MAX, max_request_bytes)  # an inline request is a request
 
 
+    def idle(self) -> bool:
+        """Nothing held: no partial request, no error, the fast path allowed. The next bytes
+        start a new command (the GET path may then read GETs from them directly)."""
+        return (not self.buffered and self._argc == 0 and self._bulklen < 0
+                and self._error is None and not self._no_fast)
+
     def take_gets(self) -> tuple[list[bytes], list[bytes], int] | None:
         """The run of complete multibulk `GET <key>` commands at the front of the buffer (the
         server's fast path), consumed: `(bulk headers "$<n>", keys, start offset)`; None when

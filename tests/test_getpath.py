@@ -263,3 +263,58 @@ def test_answer_feeds_cuts_and_hands_over_the_rest(mod, reader_kind, env):
     reader = wire_mod.RequestReader()
     out, n, _, more = gets.answer(reader, resp_get("nine") + resp_get("a"), 2, 100)
     assert (n, more) == (1, True)
+
+
+_wire_units = st.one_of(
+    _keys.map(resp_get),
+    st.sampled_from([b"*1\r\n$4\r\nPING\r\n", b"PING\r\n", b"*2\r\n$3\r\nget\r\n$1\r\na\r\n",
+                     b"*2\r\n$3\r\nGET\r\n$2\r\na\r\n", b"*2\r\n$3\r\nGET\r\n$01\r\na\r\n",
+                     b"*3\r\n$3\r\nGET\r\n$1\r\na\r\n$1\r\nb\r\n"]))
+
+
+def drive(gets, reader_mod, chunks: list[bytes], budget: int) -> list:
+    """What the server does with each read: answer, then hand the rest to the full parser."""
+    reader = reader_mod.RequestReader()
+    seen: list = []
+    for chunk in chunks:
+        out, n, nf, more = gets.answer(reader, chunk, 2, budget)
+        seen.append((out, n, nf))
+        while more:
+            try:
+                cmd = reader.next_command()
+            except Exception as e:  # noqa: BLE001 - the error text is compared
+                seen.append(("error", str(e)))
+                return seen
+            if cmd is None:
+                break
+            seen.append(("cmd", cmd))
+            out, n, nf, more = gets.answer(reader, b"", 2, budget)
+            seen.append((out, n, nf))
+    return seen
+
+
+@pytest.mark.skipif(native is None or native_resp is None, reason="native modules not built")
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(_wire_units, min_size=1, max_size=12), st.randoms(use_true_random=False),
+       st.sampled_from([1 << 30, 10_020, 30]))
+def test_answer_twins_agree_on_any_split(env, units, rnd, budget):
+    """The native answer reads GETs straight from a read's bytes when the reader is idle; the
+    twin always goes through the reader. Same replies, same hand-over, whatever the split."""
+    from kvcache import resp as twin_resp
+    replica, feeds = env
+    wire = b"".join(units)
+    cuts = sorted(rnd.sample(range(1, len(wire)), min(3, len(wire) - 1))) if len(wire) > 1 else []
+    chunks = [wire[a:b] for a, b in zip([0] + cuts, cuts + [len(wire)])]
+
+    def flat(seen):  # replies concatenated, commands in order: how the client sees it
+        out, cmds = b"", []
+        for s in seen:
+            if s[0] in ("cmd", "error"):
+                cmds.append((s, len(out)))
+            else:
+                out += s[0]
+        return out, cmds, sum(s[1] for s in seen if s[0] not in ("cmd", "error"))
+
+    a, _ = make(twin, replica, feeds)
+    b, _ = make(native, replica, feeds)
+    assert flat(drive(a, twin_resp, chunks, budget)) == flat(drive(b, native_resp, chunks, budget))
