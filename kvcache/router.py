@@ -177,10 +177,11 @@ class Router:
 
     @staticmethod
     def _pool(peers: list[Peer], exclude: Iterable[Peer]) -> list[Peer]:
-        """The peers not excluded that are up; else those not ejected; else all of them."""
+        """The peers not excluded that are up and not suspect (overtaken by a hedge, not heard
+        from since: it is being probed); else those not ejected; else all of them."""
         excluded = set(map(id, exclude))
         pool = [p for p in peers if id(p) not in excluded]
-        healthy = [p for p in pool if not p.ejected and p.nc.is_connected]
+        healthy = [p for p in pool if not p.ejected and not p.unanswered_since and p.nc.is_connected]
         return healthy or [p for p in pool if not p.ejected] or pool
 
     def _draw(self, pool: list[Peer], costs: dict[int, float]) -> Peer:
