@@ -23,10 +23,13 @@ import multiprocessing as mp
 import sys
 import tempfile
 import time
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import nats
+import nats.errors
 import redis
+import redis.asyncio as aioredis
 from nats.js.api import ExternalStream, StreamConfig, StreamSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -126,38 +129,54 @@ async def peer_latency(url: str, subject_prefix: str, n: int) -> list[float]:
         await nc.close()
 
 
-async def kv_get_latency(url: str, n: int) -> list[float]:
-    nc = await nats.connect(url)
-    try:
-        kv = await nc.jetstream().key_value(BUCKET)
-        out = []
-        for i in range(n + 50):
-            t = time.perf_counter()
-            await kv.get(f"far.{i % KEYS}")
-            if i >= 50:
-                out.append(time.perf_counter() - t)
-        return out
-    finally:
-        await nc.close()
+async def interleaved(urls: dict[str, str], socket: str, n: int, proxies: "ProxyHost") -> dict:
+    """Each iteration times, one after the other on the same key: leaf1's and the hub's own
+    Direct Get, nats-py `kv.get` via the hub and a sidecar GET, so the machine's noise (2
+    shared cores) falls on all of them alike. Phase `steady`, then phase `stall`, in which
+    leaf1's proxy freezes a third of the way in (leaf1's own reads stop there)."""
+    ncs = {name: await nats.connect(urls[name]) for name in ("leaf1", "hub")}
+    subject = {"leaf1": f"$JS.leaf1.API.DIRECT.GET.KV_{BUCKET}_leaf1",
+               "hub": f"$JS.API.DIRECT.GET.KV_{BUCKET}"}
+    kv = await ncs["hub"].jetstream().key_value(BUCKET)
+    r = aioredis.Redis(unix_socket_path=socket)
+    lat: dict[str, list[float]] = defaultdict(list)
+    failed: Counter = Counter()
 
-
-def sidecar_latency(r: redis.Redis, n: int, on: dict | None = None) -> tuple[list[float], int]:
-    """n GETs; `on` maps a request index to a callable run before it. Returns (latencies of the
-    successful reads, failed reads)."""
-    out, failed = [], 0
-    for i in range(n):
-        if on and i in on:
-            on[i]()
+    async def timed(label: str, op) -> None:
         t = time.perf_counter()
         try:
-            if r.get(f"far.{i % KEYS}") is None:
-                failed += 1
-                continue
-        except redis.RedisError:
-            failed += 1
-            continue
-        out.append(time.perf_counter() - t)
-    return out, failed
+            if await op() is None:
+                failed[label] += 1
+                return
+        except (redis.RedisError, nats.errors.Error, asyncio.TimeoutError):
+            failed[label] += 1
+            return
+        lat[label].append(time.perf_counter() - t)
+
+    try:
+        for i in range(200):                                    # warm-up: every peer measured
+            await r.get(f"far.{i % KEYS}")
+        info = {"before": (await r.info("routing"), await r.info("peers"))}
+        for phase in ("steady", "stall"):
+            for i in range(n):
+                key = f"far.{i % KEYS}"
+                frozen = phase == "stall" and i >= n // 3
+                if phase == "stall" and i == n // 3:
+                    info["freeze"] = (await r.info("routing"), await r.info("peers"))
+                    proxies.do("freeze", "leaf1")
+                for name in ("leaf1", "hub"):
+                    if not (frozen and name == "leaf1"):
+                        await timed(f"{phase} {name}", lambda name=name: ncs[name].request(
+                            f"{subject[name]}.$KV.{BUCKET}.{key}", b"", timeout=5))
+                await timed(f"{phase} kv.get", lambda: kv.get(key))
+                await timed(f"{phase} sidecar" + (" frozen" if frozen else ""), lambda: r.get(key))
+            info[phase] = (await r.info("routing"), await r.info("peers"))
+        proxies.do("thaw", "leaf1")
+        return {"lat": lat, "failed": failed, "info": info}
+    finally:
+        await r.aclose()
+        for nc in ncs.values():
+            await nc.close()
 
 
 def ms(x: float) -> str:
@@ -174,26 +193,11 @@ def run(n: int, tmp: Path) -> dict:
         proxies = ProxyHost({"hub": cluster.servers[0].port, "leaf1": leaves["leaf1"].port,
                              "leaf2": leaves["leaf2"].port}, DELAYS)
         urls = proxies.urls
-        own = {}
-        for name in ("leaf1", "hub", "leaf2"):
-            prefix = ("$JS.API" if name == "hub" else f"$JS.{name}.API") + ".DIRECT.GET." + (
-                f"KV_{BUCKET}" if name == "hub" else f"KV_{BUCKET}_{name}")
-            own[name] = asyncio.run(peer_latency(urls[name], prefix, n))
-        kvget = asyncio.run(kv_get_latency(urls["hub"], n))
-
+        leaf2 = asyncio.run(peer_latency(urls["leaf2"], f"$JS.leaf2.API.DIRECT.GET.KV_{BUCKET}_leaf2",
+                                         max(100, n // 10)))
         sc = Sidecar(tmp / "sc", None, extra=["--config", str(sidecar_config(tmp / "kvcache.toml", urls)),
                                               "--log-level", "warning"]).start()
-        r = redis.Redis(unix_socket_path=sc.socket)
-        sidecar_latency(r, 200)                                  # warm-up: every peer measured
-        before, peers_before = r.info("routing"), r.info("peers")
-        steady, steady_failed = sidecar_latency(r, n)
-        mid, peers_mid = r.info("routing"), r.info("peers")
-        hedge_delay_s = mid["leaf1"]["p95_us"] / 1e6
-        stall_at = n // 3
-        stalled, stalled_failed = sidecar_latency(r, n, {stall_at: lambda: proxies.do("freeze", "leaf1")})
-        after = r.info("routing")
-        peers_after = r.info("peers")
-        proxies.do("thaw", "leaf1")
+        m = asyncio.run(interleaved(urls, sc.socket, n, proxies))
     finally:
         if sc:
             sc.kill()
@@ -203,48 +207,56 @@ def run(n: int, tmp: Path) -> dict:
             leaf.stop()
         cluster.stop()
 
-    def hedges(a: dict, b: dict) -> tuple[int, int]:
-        return b["hedges_sent"] - a["hedges_sent"], b["routed_requests"] - a["routed_requests"]
+    lat, failed, info = m["lat"], m["failed"], m["info"]
 
-    fastest_p99 = pct(own["leaf1"], 99)
-    next_p99 = pct(own["hub"], 99)
-    after_stall = stalled[stall_at:]
-    steady_h, steady_req = hedges(before, mid)
-    stall_h, stall_req = hedges(mid, after)
-    budget = before["hedge_budget_ratio"]
-    res = {
+    def delta(a: str, b: str, what: str) -> dict:
+        (ra, pa), (rb_, pb) = info[a], info[b]
+        if what == "hedges":
+            return {"sent": rb_["hedges_sent"] - ra["hedges_sent"],
+                    "routed": rb_["routed_requests"] - ra["routed_requests"]}
+        return {p: pb[p]["requests"] - pa[p]["requests"] for p in pb}
+
+    stall_all = lat["stall sidecar"] + lat["stall sidecar frozen"]
+    hedge_delay_s = info["freeze"][0]["leaf1"]["p95_us"] / 1e6
+    sidecar_failed = sum(v for k, v in failed.items() if "sidecar" in k)
+    return {
         "requests": n,
-        "rows": [(f"peer leaf1 own Direct Get ({DELAYS['leaf1'] * 1000:g} ms)", own["leaf1"], 0),
-                 (f"peer hub own Direct Get ({DELAYS['hub'] * 1000:g} ms)", own["hub"], 0),
-                 (f"peer leaf2 own Direct Get ({DELAYS['leaf2'] * 1000:g} ms)", own["leaf2"], 0),
-                 ("nats-py kv.get via the hub", kvget, 0),
-                 ("sidecar GET (fallback, routed)", steady, steady_failed),
-                 ("sidecar GET, leaf1 frozen at 1/3", stalled, stalled_failed),
-                 ("  ...the reads after the freeze", after_stall, stalled_failed)],
-        "hedges": {"steady": (steady_h, steady_req), "stall": (stall_h, stall_req), "ratio": budget},
+        "rows": [("peer leaf1 own Direct Get (0 ms)", lat["steady leaf1"], failed["steady leaf1"]),
+                 ("peer hub own Direct Get (5 ms)", lat["steady hub"], failed["steady hub"]),
+                 ("peer leaf2 own Direct Get (20 ms), separate run", leaf2, 0),
+                 ("nats-py kv.get via the hub", lat["steady kv.get"], failed["steady kv.get"]),
+                 ("sidecar GET (fallback, routed)", lat["steady sidecar"], failed["steady sidecar"]),
+                 ("stall phase: peer hub own Direct Get", lat["stall hub"], failed["stall hub"]),
+                 ("stall phase: sidecar GET, leaf1 frozen at 1/3", stall_all,
+                  failed["stall sidecar"] + failed["stall sidecar frozen"]),
+                 ("  ...the sidecar GETs after the freeze", lat["stall sidecar frozen"],
+                  failed["stall sidecar frozen"])],
+        "hedges": {"steady": delta("before", "steady", "hedges"), "stall": delta("steady", "stall", "hedges"),
+                   "ratio": info["before"][0]["hedge_budget_ratio"]},
         "hedge_delay_ms": hedge_delay_s * 1000,
-        "leaf1_after_stall": peers_after["leaf1"]["state"],
-        "requests_by_peer": {phase: {p: b[p]["requests"] - a[p]["requests"] for p in b}
-                             for phase, a, b in (("steady", peers_before, peers_mid),
-                                                 ("stall", peers_mid, peers_after))},
+        "leaf1_after_stall": info["stall"][1]["leaf1"]["state"],
+        "requests_by_peer": {"steady": delta("before", "steady", "peers"),
+                             "stall": delta("steady", "stall", "peers")},
         "targets": {
-            "p99 <= 1.2 x fastest peer p99": (pct(steady, 99), 1.2 * fastest_p99),
-            "stalled p99 <= hedge delay + next peer p99": (pct(after_stall, 99), hedge_delay_s + next_p99),
-            "zero failed reads": (steady_failed + stalled_failed, 0),
+            "p99 <= 1.2 x fastest peer p99": (pct(lat["steady sidecar"], 99),
+                                              1.2 * pct(lat["steady leaf1"], 99)),
+            "stalled p99 <= hedge delay + next peer p99": (
+                pct(lat["stall sidecar frozen"], 99), hedge_delay_s + pct(lat["stall hub"], 99)),
+            "zero failed reads": (sidecar_failed, 0),
         },
     }
-    return res
 
 
 def report(res: dict) -> None:
-    print(f"\n{res['requests']} GETs per row, sequential, one client\n")
+    print(f"\n{res['requests']} iterations per phase, sequential, one client; each iteration reads the "
+          "same key from leaf1 and the hub directly, with nats-py kv.get and through the sidecar\n")
     print("| reads | p50 ms | p99 ms | max ms | failed |")
     print("|---|---:|---:|---:|---:|")
     for label, lat, failed in res["rows"]:
         print(f"| {label} | {ms(pct(lat, 50))} | {ms(pct(lat, 99))} | {ms(max(lat))} | {failed} |")
     h = res["hedges"]
     for phase in ("steady", "stall"):
-        sent, req = h[phase]
+        sent, req = h[phase]["sent"], h[phase]["routed"]
         print(f"\nhedges ({phase}): {sent} of {req} routed requests = {sent / max(req, 1):.1%} "
               f"(budget {h['ratio']:.0%} + burst)")
     for phase, by_peer in res["requests_by_peer"].items():
