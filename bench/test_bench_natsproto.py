@@ -97,7 +97,22 @@ def _ours(mod):
     return run
 
 
-WHO = {"native": _ours(native), "python": _ours(twin), "nats-py": _natspy}
+def _lane(mod):
+    """The feed's fast lane: deliveries on the lane's sid come out as replica items in Runs
+    (ack subject parsed, operation decided, record built); other frames as ordinary events."""
+    def run(chunks) -> int:
+        reader = mod.NatsReader()
+        reader.add_lane(1, len("$KV.config."))
+        n = 0
+        for chunk in chunks:
+            for e in reader.feed(chunk):
+                n += len(e.items) if type(e).__name__ == "Run" else 1
+        return n
+    return run
+
+
+WHO = {"native": _ours(native), "native-lane": _lane(native), "python": _ours(twin),
+       "python-lane": _lane(twin), "nats-py": _natspy}
 _RESULTS: dict[str, dict[str, float]] = {}
 
 
