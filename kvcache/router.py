@@ -2,10 +2,11 @@
 
 NATS picks a Direct Get responder at random inside a cluster, so choosing the fast one is ours
 to do. A read goes to the better of two peers by cost (power of two choices; the two candidates
-are drawn with probability inversely proportional to cost, so a peer ten times slower is
-rarely even considered, yet every peer keeps being measured). When the answer is late (about
-the chosen peer's p95, which is the best peer's but when that one is busy) a **hedged** request goes to another peer, within a budget of extra
-requests (a token bucket refilled by a share of the ordinary requests); the first good answer
+are drawn with probability inversely proportional to the square of cost, so two slow peers
+are almost never the pair a read must choose from, while equal peers share the reads; probes
+keep every peer measured). When the answer is late (about the chosen peer's p95, which is
+the best peer's but when that one is busy) a **hedged** request goes to another peer, within
+a budget of extra requests (a token bucket refilled by a share of the ordinary requests); the first good answer
 wins and the other request is cancelled. Errors fail over to the next peer at once. Repeated
 failures (errors, timeouts, hedges lost) **eject** a peer; it comes back after a successful
 probe, tried with exponential backoff. Peers idle for a while are probed too, so an estimate
@@ -185,7 +186,7 @@ class Router:
         return healthy or [p for p in pool if not p.ejected] or pool
 
     def _draw(self, pool: list[Peer], costs: dict[int, float]) -> Peer:
-        weights = [1.0 / costs[id(p)] for p in pool]
+        weights = [1.0 / costs[id(p)] ** 2 for p in pool]
         return self._rng.choices(pool, weights)[0]
 
     def hedge_delay(self, primary: Peer, peers: list[Peer]) -> float:
