@@ -229,6 +229,17 @@ class Router:
         pol = self.policy
         self.requests += 1
         self._tokens = min(pol.hedge_burst, self._tokens + pol.hedge_ratio)
+        if len(peers) == 1:
+            # Nothing to choose, hedge to or fail over to: await the request itself, not a
+            # task and a wait() around it (each costs turns of the event loop on every read).
+            p = peers[0]
+            try:
+                result = await fetch(p)
+            except UpstreamError:
+                self._failed(p)
+                raise
+            self._succeeded(p)
+            return result
         loop = asyncio.get_running_loop()
         tried: list[Peer] = []
         running: dict[asyncio.Task, tuple[Peer, bool, float]] = {}
