@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 from . import jetstream as jsapi
 from .entry import Entry, Operation
 from .errors import UpstreamError
+from .natsconn import Connection
 
 MULTI_LAST_MAX = 1024
 NO_MESSAGE = 10037
@@ -194,7 +195,10 @@ class Peer:
         if key is not None:
             subject += "." + jsapi.kv_subject(self.bucket, key)
         try:
-            msg = await self.nc.request(subject, payload, timeout=timeout)
+            if isinstance(self.nc, Connection):
+                msg = await self.nc.fast_request(subject, payload, timeout)
+            else:
+                msg = await self.nc.request(subject, payload, timeout=timeout)
         except nats.errors.TimeoutError:
             raise UpstreamError(f"peer {self.label}: Direct Get timed out after {timeout:.1f}s") from None
         return self._entry_from_msg(msg, key)

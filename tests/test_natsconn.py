@@ -138,3 +138,35 @@ def test_reader_in_use_is_the_one_native_py_picks():
     nc = Connection()
     assert type(nc._ps.reader).__module__.endswith(
         "_native.natsproto" if NATIVE_OR_TWIN == "native" else "kvcache.natsproto")
+
+
+async def test_fast_request_answers_like_natspy_request(pair):
+    """Found, not found, no responders and a timeout: the same Msg or error as request()."""
+    ours, _ = pair
+    js = ours.jetstream()
+    kv = await js.create_key_value(bucket="fastreq", direct=True)
+    rev = await kv.put("a", b"value a")
+    found = "$JS.API.DIRECT.GET.KV_fastreq.$KV.fastreq.a"
+    missing = "$JS.API.DIRECT.GET.KV_fastreq.$KV.fastreq.nope"
+    for _ in range(3):  # the first call sets the inbox up and may go through request()
+        for subject in (found, missing):
+            a = await ours.fast_request(subject, b"", 5)
+            b = await ours.request(subject, b"", timeout=5)
+            assert (a.data, a.headers) == (b.data, b.headers)
+    assert a.headers is not None
+    got = await ours.fast_request(found, b"", 5)
+    assert got.data == b"value a" and got.headers["Nats-Sequence"] == str(rev)
+    with pytest.raises(nats.errors.NoRespondersError):
+        await ours.fast_request("no.one.listens.here", b"", 5)
+    sub = await ours.subscribe("silent.service")  # someone listens, nobody answers
+    with pytest.raises(nats.errors.TimeoutError):
+        await ours.fast_request("silent.service", b"ping", 0.2)
+    await sub.unsubscribe()
+    assert not ours._fast_waiting  # nothing left behind, answered or not
+    # many at once, each gets its own answer
+    keys = [f"k{i}" for i in range(50)]
+    for k in keys:
+        await kv.put(k, k.encode())
+    replies = await asyncio.gather(*(ours.fast_request(f"$JS.API.DIRECT.GET.KV_fastreq.$KV.fastreq.{k}", b"", 5)
+                                     for k in keys))
+    assert [r.data for r in replies] == [k.encode() for k in keys]
