@@ -108,11 +108,9 @@ class Commands:
         self.stats = sidecar.stats
         self._cursors: OrderedDict[int, tuple[str, bytes]] = OrderedDict()
         self.access = AccessLog.from_config(self.cfg)
-        # The server's GET fast path: raw key -> how to read it locally (see local_plan).
-        # With the access log on, the fast path gets no plans (every GET comes through
-        # dispatch, where reads are logged) and MGET/EXISTS keep theirs to themselves.
-        self.plans: dict[bytes, tuple | bool] = {}
-        self._plans = {} if self.access.enabled else self.plans
+        # Raw key -> how to read it locally (see _plan), for MGET/EXISTS; the server's GET
+        # path plans through local_plan and caches its own.
+        self._plans: dict[bytes, tuple | bool] = {}
         self._next_cursor = 1
         self._table: dict[bytes, Callable[["Connection", list[bytes]], Reply]] = {
             b"get": self.get, b"mget": self.mget, b"exists": self.exists,

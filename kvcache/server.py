@@ -99,10 +99,9 @@ class Connection(GETPATH.GetConnection, asyncio.Protocol):
         """Answer buffered requests in order until one needs NATS, the buffer is empty, or the
         client stops reading. Replies of one batch go out in one write (or one per FLUSH_AT).
 
-        Runs of `GET` take a fast path: framing cut by RequestReader.take_gets, then answered
-        by the GET path (kvcache.getpath, in C when built): cached key plans, freshness asked
-        once per bucket, every read in one LMDB read transaction that closes before it
-        returns, never held across an await. Anything else, and any GET the fast path cannot
+        Runs of `GET` take a fast path, the GET path's `answer` (kvcache.getpath, in C when
+        built): cached key plans, freshness asked once per bucket, every read in one LMDB
+        read transaction that closes before it returns, never held across an await. Anything else, and any GET the fast path cannot
         answer (remote, invalid, stale replica, lower-case or inline), goes through dispatch."""
         if self._closing or self._paused_writing or self._draining:
             return
@@ -114,17 +113,13 @@ class Connection(GETPATH.GetConnection, asyncio.Protocol):
         size = local = notfound = 0  # local/notfound: fast-path GETs (dispatch counts the rest)
         try:
             while True:
-                run = reader.take_gets()
-                if run is not None:
-                    lengths, keys, start = run
-                    replies, answered, nf = gets.serve(lengths, keys, self.proto, FLUSH_AT - size)
+                # the GETs at the front of the buffer, as data_received answers them
+                replies, answered, nf, _ = gets.answer(reader, b"", self.proto, FLUSH_AT - size)
+                if answered:
                     local += answered
                     notfound += nf
-                    if replies:
-                        out.append(replies)
-                        size += len(replies)
-                    if answered < len(keys):
-                        reader.rewind_gets(start, lengths, keys, answered)
+                    out.append(replies)
+                    size += len(replies)
                     if size >= FLUSH_AT:
                         self.transport.write(b"".join(out))
                         out.clear()
@@ -132,9 +127,7 @@ class Connection(GETPATH.GetConnection, asyncio.Protocol):
                         if self._paused_writing:
                             break
                         continue
-                    if answered == len(keys):
-                        continue
-                    # the next GET is for the generic path
+                # anything else, or a GET the GET path leaves to the generic path
                 try:
                     args = reader.next_command()
                 except ProtocolError as e:
