@@ -83,15 +83,20 @@ async def settled(call, timeout: float = 60.0):
 
 
 async def upstream_state(kv) -> dict[str, tuple[bytes, int]]:
-    """key -> (value, revision) of every live key, as nats-py sees the bucket."""
+    """key -> (value, revision) of every live key, as the stream leader sees the bucket.
+
+    Keys come from STREAM.INFO's per-subject state rather than nats-py's kv.keys(): keys()
+    runs an ordered consumer, and right after a leader change it can end early with a
+    partial list (seen in CI), which would make a correct replica look wrong."""
     async def read() -> dict[str, tuple[bytes, int]]:
-        try:
-            keys = await kv.keys()
-        except nats.js.errors.NoKeysError:
-            return {}
+        info = await kv._js.stream_info(kv._stream, subjects_filter=f"{kv._pre}>")
         out = {}
-        for key in keys:
-            e = await kv.get(key)
+        for subject in (info.state.subjects or {}):
+            key = subject[len(kv._pre):]
+            try:
+                e = await kv.get(key)
+            except nats.js.errors.KeyNotFoundError:  # deleted or purged: its marker is the last message
+                continue
             out[key] = (e.value or b"", e.revision)
         return out
     return await settled(read)
