@@ -33,6 +33,7 @@ import redis.asyncio as aioredis
 from nats.js.api import ExternalStream, StreamConfig, StreamSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from kvcache.client import AsyncClient, KvcacheError  # noqa: E402
 from sidecar_proc import Sidecar  # noqa: E402
 from topology import DelayProxy, nats_run, start_cluster, start_leaf  # noqa: E402
 
@@ -140,6 +141,7 @@ async def interleaved(urls: dict[str, str], socket: str, n: int, proxies: "Proxy
                "hub": f"$JS.API.DIRECT.GET.KV_{BUCKET}"}
     kv = await ncs["hub"].jetstream().key_value(BUCKET)
     r = aioredis.Redis(unix_socket_path=socket)
+    kc = AsyncClient(socket)        # the package's own client: the leanest way in
     lat: dict[str, list[float]] = defaultdict(list)
     failed: Counter = Counter()
 
@@ -149,7 +151,7 @@ async def interleaved(urls: dict[str, str], socket: str, n: int, proxies: "Proxy
             if await op() is None:
                 failed[label] += 1
                 return
-        except (redis.RedisError, nats.errors.Error, asyncio.TimeoutError):
+        except (redis.RedisError, KvcacheError, nats.errors.Error, asyncio.TimeoutError):
             failed[label] += 1
             return
         lat[label].append(time.perf_counter() - t)
@@ -170,13 +172,16 @@ async def interleaved(urls: dict[str, str], socket: str, n: int, proxies: "Proxy
                         await timed(f"{phase} {name}", lambda name=name: ncs[name].request(
                             f"{subject[name]}.$KV.{BUCKET}.{key}", b"", timeout=5))
                 await timed(f"{phase} kv.get", lambda: kv.get(key))
-                await timed(f"{phase} sidecar" + (" frozen" if frozen else ""), lambda: r.get(key))
-                await timed(f"{phase} sidecar local", lambda: r.get("local.0"))
+                await timed(f"{phase} sidecar" + (" frozen" if frozen else ""), lambda: kc.get(key))
+                await timed(f"{phase} sidecar local", lambda: kc.get("local.0"))
+                await timed(f"{phase} redis-py", lambda: r.get(key))
+                await timed(f"{phase} redis-py local", lambda: r.get("local.0"))
             info[phase] = (await r.info("routing"), await r.info("peers"))
         proxies.do("thaw", "leaf1")
         return {"lat": lat, "failed": failed, "info": info}
     finally:
         await r.aclose()
+        await kc.aclose()
         for nc in ncs.values():
             await nc.close()
 
@@ -220,16 +225,22 @@ def run(n: int, tmp: Path) -> dict:
 
     stall_all = lat["stall sidecar"] + lat["stall sidecar frozen"]
     hedge_delay_s = info["freeze"][0]["leaf1"]["p95_us"] / 1e6
-    sidecar_failed = sum(v for k, v in failed.items() if "sidecar" in k and "local" not in k)
+    sidecar_failed = sum(v for k, v in failed.items()
+                         if ("sidecar" in k or "redis-py" in k) and "local" not in k)
     return {
         "requests": n,
         "rows": [("peer leaf1 own Direct Get (0 ms)", lat["steady leaf1"], failed["steady leaf1"]),
                  ("peer hub own Direct Get (5 ms)", lat["steady hub"], failed["steady hub"]),
                  ("peer leaf2 own Direct Get (20 ms), separate run", leaf2, 0),
                  ("nats-py kv.get via the hub", lat["steady kv.get"], failed["steady kv.get"]),
-                 ("sidecar GET (fallback, routed)", lat["steady sidecar"], failed["steady sidecar"]),
-                 ("sidecar GET of a replicated key (the hop alone)", lat["steady sidecar local"],
-                  failed["steady sidecar local"]),
+                 ("sidecar GET (fallback, routed), kvcache.AsyncClient", lat["steady sidecar"],
+                  failed["steady sidecar"]),
+                 ("sidecar GET of a replicated key (the hop alone), kvcache.AsyncClient",
+                  lat["steady sidecar local"], failed["steady sidecar local"]),
+                 ("sidecar GET (fallback, routed), redis-py asyncio", lat["steady redis-py"],
+                  failed["steady redis-py"]),
+                 ("sidecar GET of a replicated key, redis-py asyncio", lat["steady redis-py local"],
+                  failed["steady redis-py local"]),
                  ("stall phase: peer hub own Direct Get", lat["stall hub"], failed["stall hub"]),
                  ("stall phase: sidecar GET, leaf1 frozen at 1/3", stall_all,
                   failed["stall sidecar"] + failed["stall sidecar frozen"]),
@@ -239,6 +250,7 @@ def run(n: int, tmp: Path) -> dict:
                    "ratio": info["before"][0]["hedge_budget_ratio"]},
         "hedge_delay_ms": hedge_delay_s * 1000,
         "leaf1_after_stall": info["stall"][1]["leaf1"]["state"],
+        "router_view": {p: v for p, v in info["steady"][0].items() if isinstance(v, dict)},
         "requests_by_peer": {"steady": delta("before", "steady", "peers"),
                              "stall": delta("steady", "stall", "peers")},
         "targets": {
@@ -268,6 +280,9 @@ def report(res: dict) -> None:
               + ", ".join(f"{p} {n}" for p, n in by_peer.items()))
     print(f"hedge delay (leaf1 p95 before the stall): {res['hedge_delay_ms']:.3f} ms; "
           f"leaf1 after the stall: {res['leaf1_after_stall']}")
+    print("\nthe router's own view after the steady phase (INFO routing, µs, in the sidecar):")
+    for peer, row in res["router_view"].items():
+        print(f"  {peer}: p50 {row['p50_us']}, p95 {row['p95_us']}, p99 {row['p99_us']}")
     print("\ntargets:")
     for name, (got, limit) in res["targets"].items():
         ok = got <= limit

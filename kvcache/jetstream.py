@@ -73,7 +73,7 @@ def kv_subject(bucket: str, key: str) -> str:
 
 # ---------------------------------------------------------------------------- times and headers
 
-_GO_TIME = re.compile(r"^(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:\.(\d{1,9}))?\s*(Z|[+-]\d\d:?\d\d)?")
+_GO_TIME = re.compile(r"^(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:\.(\d{1,9}))?\s*(Z|[+-]\d\d:?\d\d)?", re.ASCII)
 
 
 def parse_time_ns(text: str) -> int:
@@ -83,6 +83,8 @@ def parse_time_ns(text: str) -> int:
     if not m:
         return 0
     y, mo, d, h, mi, s, frac, tz = m.groups()
+    if not (1 <= int(mo) <= 12 and 1 <= int(d) <= 31):
+        return 0  # timegm would raise on a month 13 and count a day 0 as the month's last
     secs = calendar.timegm((int(y), int(mo), int(d), int(h), int(mi), int(s), 0, 0, 0))
     if tz and tz != "Z":
         sign = 1 if tz[0] == "+" else -1

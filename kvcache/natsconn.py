@@ -94,6 +94,11 @@ class _Parser:
             raise nats.errors.ProtocolError() from error
 
 
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(nats.errors.TimeoutError())
+
+
 class Connection(Client):
     """A nats-py client whose wire reader is kvcache's, with fast lanes for the feed."""
 
@@ -121,15 +126,18 @@ class Connection(Client):
             # setup): its request keeps them in order.
             return await self.request(subject, payload, timeout=timeout)
         token = b"%d" % next(self._fast_tokens)
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         self._fast_waiting[token] = fut
+        # A timer on the future itself: asyncio.wait_for wraps it in another future and
+        # callback (tens of µs a read on a slow core).
+        timer = loop.call_later(timeout, _expire, fut)
         try:
             transport.write(b"PUB %s %s%s %d\r\n%s\r\n" % (
                 subject.encode(), self._fast_inbox, token, len(payload), payload))
-            ev = await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            raise nats.errors.TimeoutError from None
+            ev = await fut
         finally:
+            timer.cancel()
             self._fast_waiting.pop(token, None)
         headers = nats_headers(ev) if type(ev) is _HMsg else None
         if headers and headers.get("Status") == "503" and not ev.payload:

@@ -148,44 +148,65 @@ class Peer:
         connection serves every bucket, so its peers are told apart by bucket."""
         return f"{self.name}.{self.bucket}" if self.name == "main" else self.name
 
-    # ------------------------------------------------------------------ single key
-
-    @contextlib.contextmanager
-    def _accounted(self) -> Iterator[None]:
-        """Count one request with its latency or its error; a NATS failure becomes an
-        UpstreamError. No-responders passes through uncounted: the caller switches to the
-        leader API and that request is the one that counts."""
+    def _begin(self) -> tuple[int, float]:
+        """Count one request and time it: `_done` or `_error` ends it."""
         self.stats.requests += 1
         rid = next(self._ids)
         start = self._started[rid] = time.perf_counter()
-        try:
-            yield
-        except nats.errors.NoRespondersError:
-            self.stats.requests -= 1
-            raise
-        except UpstreamError:
-            self.stats.errors += 1
-            raise
-        except (nats.errors.Error, OSError) as e:
-            self.stats.errors += 1
-            raise UpstreamError(f"peer {self.label}: {type(e).__name__}: {e}") from None
-        finally:
-            del self._started[rid]
+        return rid, start
+
+    def _done(self, rid: int, start: float) -> None:
+        del self._started[rid]
         self.stats.observe(time.perf_counter() - start)
         self.unanswered_since = 0.0
 
+    def _error(self, rid: int, exc: BaseException) -> BaseException:
+        """The exception a failed request raises: a NATS failure becomes an UpstreamError.
+        No-responders passes through uncounted: the caller switches to the leader API and
+        that request is the one that counts."""
+        del self._started[rid]
+        if isinstance(exc, nats.errors.NoRespondersError):
+            self.stats.requests -= 1
+        elif isinstance(exc, UpstreamError):
+            self.stats.errors += 1
+        elif isinstance(exc, (nats.errors.Error, OSError)):
+            self.stats.errors += 1
+            return UpstreamError(f"peer {self.label}: {type(exc).__name__}: {exc}")
+        return exc
+
+    @contextlib.contextmanager
+    def _accounted(self) -> Iterator[None]:
+        """`_begin`/`_done`/`_error` around a block (the hot single-key path calls them inline:
+        a generator context manager costs a few µs a read)."""
+        rid, start = self._begin()
+        try:
+            yield
+        except BaseException as exc:
+            err = self._error(rid, exc)
+            if err is exc:
+                raise
+            raise err from None
+        self._done(rid, start)
+
+    # ------------------------------------------------------------------ single key
+
     async def get(self, key: str, timeout: float, leader: bool = False) -> Entry | None:
         if self.direct and not leader:
+            rid, start = self._begin()
             try:
-                with self._accounted():
-                    return await self._direct_get(key, timeout)
-            except nats.errors.NoRespondersError:
+                e = await self.direct_request(key, b"", timeout)
+            except BaseException as exc:
+                err = self._error(rid, exc)
+                if not isinstance(err, nats.errors.NoRespondersError):
+                    if err is exc:
+                        raise
+                    raise err from None
                 self.direct = False  # no allow_direct (nats-py's default for new buckets)
+            else:
+                self._done(rid, start)
+                return e
         with self._accounted():
             return await self._leader_get(key, timeout)
-
-    async def _direct_get(self, key: str, timeout: float) -> Entry | None:
-        return await self.direct_request(key, b"", timeout)
 
     async def direct_request(self, key: str | None, payload: bytes, timeout: float) -> Entry | None:
         """One single-message Direct Get: subject-appended (`...DIRECT.GET.<stream>.<subject>`)
