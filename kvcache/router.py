@@ -243,22 +243,32 @@ class Router:
         loop = asyncio.get_running_loop()
         tried: list[Peer] = []
         running: dict[asyncio.Task, tuple[Peer, bool, float]] = {}
+        # One future wakes this coroutine when a request ends or the hedge is due: cheaper
+        # than asyncio.wait(), which hooks and unhooks every task and a timer on each call.
+        wake = loop.create_future()
+
+        def rouse(_: object = None) -> None:
+            if not wake.done():
+                wake.set_result(None)
 
         def launch(p: Peer, hedged: bool) -> None:
             tried.append(p)
-            running[loop.create_task(fetch(p))] = (p, hedged, time.perf_counter())
+            t = loop.create_task(fetch(p))
+            t.add_done_callback(rouse)
+            running[t] = (p, hedged, time.perf_counter())
 
         first = self.choose(peers)
         assert first is not None
         launch(first, False)
-        hedge_at = loop.time() + self.hedge_delay(first, peers) if hedge else None
+        timer = loop.call_later(self.hedge_delay(first, peers), rouse) if hedge else None
         last_exc: BaseException | None = None
         try:
             while True:
-                wait = None if hedge_at is None else max(0.0, hedge_at - loop.time())
-                done, _ = await asyncio.wait(running, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
-                if not done:
-                    hedge_at = None  # one hedge per read at most
+                await wake
+                wake = loop.create_future()
+                done = [t for t in running if t.done()]
+                if not done:  # the hedge is due (one per read at most)
+                    timer = None
                     nxt = self.best(peers, exclude=tried)
                     if nxt is not None and self._take_hedge_token():
                         self.hedges_sent += 1
@@ -288,7 +298,10 @@ class Router:
                         raise last_exc
                     launch(nxt, False)
         finally:
+            if timer is not None:
+                timer.cancel()
             for t in running:
+                t.remove_done_callback(rouse)
                 if t.done():
                     t.cancelled() or t.exception()  # retrieved: no "never retrieved" warning
                 else:
