@@ -5,17 +5,14 @@ LMDB files themselves) or over the socket, and compared with what nats-py's `kv.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import os
-import time
-import uuid
-from typing import Any, Callable
 
 import nats
 import nats.js.errors
 import pytest
 from nats.js.api import KeyValueConfig
 
+from checkers import converged, new_bucket, replica_state, settled, until, upstream_state
 from kvcache import LocalReader
 from sidecar_proc import Sidecar
 from topology import start_single
@@ -26,81 +23,6 @@ HEARTBEAT = ["--heartbeat-ms", "500"]
 
 
 # ----------------------------------------------------------------------------- helpers
-
-async def until(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condition",
-                interval: float = 0.05) -> Any:
-    """Poll `pred` (sync or async) until it returns something truthy; fail at the deadline."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    err: BaseException | None = None
-    while True:
-        try:
-            last = pred()
-            if inspect.isawaitable(last):
-                last = await last
-            if last:
-                return last
-            err = None
-        except Exception as e:  # noqa: BLE001 - reported at the deadline
-            err = e
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}; "
-                                 f"last value {last!r}, last error {err!r}")
-        await asyncio.sleep(interval)
-
-
-def new_bucket() -> str:
-    return "t" + uuid.uuid4().hex[:10]
-
-
-def replica_state(sc: Sidecar, bucket: str) -> dict[str, tuple[bytes, int]]:
-    """key -> (value, revision), straight from the sidecar's LMDB files."""
-    with LocalReader(str(sc.data_dir), max_stale_ms=10**9, bucket=bucket) as r:
-        out = {}
-        for key in r.keys("*", bucket=bucket):
-            e = r.entry(f"{bucket}:{key}")
-            assert e is not None, key
-            out[key] = (e.value, e.revision)
-        return out
-
-
-# What JetStream answers while a clustered stream is being created or elects a new leader.
-SETTLING = (nats.errors.NoRespondersError, nats.errors.TimeoutError,
-            nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError)
-
-
-async def settled(call, timeout: float = 60.0):
-    """`await call()`, retried while JetStream is settling (right after a stream is created,
-    during a leader failover), until the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return await call()
-        except SETTLING:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.2)
-
-
-async def upstream_state(kv) -> dict[str, tuple[bytes, int]]:
-    """key -> (value, revision) of every live key, as the stream leader sees the bucket.
-
-    Keys come from STREAM.INFO's per-subject state rather than nats-py's kv.keys(): keys()
-    runs an ordered consumer, and right after a leader change it can end early with a
-    partial list (seen in CI), which would make a correct replica look wrong."""
-    async def read() -> dict[str, tuple[bytes, int]]:
-        info = await kv._js.stream_info(kv._stream, subjects_filter=f"{kv._pre}>")
-        out = {}
-        for subject in (info.state.subjects or {}):
-            key = subject[len(kv._pre):]
-            try:
-                e = await kv.get(key)
-            except nats.js.errors.KeyNotFoundError:  # deleted or purged: its marker is the last message
-                continue
-            out[key] = (e.value or b"", e.revision)
-        return out
-    return await settled(read)
-
 
 def bucket_info(sc: Sidecar, bucket: str) -> dict:
     return sc.buckets()[bucket]
@@ -113,21 +35,6 @@ async def wait_synced(sc: Sidecar, bucket: str, keys: int | None = None, timeout
             return row
         return None
     return await until(ok, timeout, f"bucket {bucket} synced" + (f" with {keys} keys" if keys is not None else ""))
-
-
-async def converged(sc: Sidecar, kv, bucket: str, timeout: float = 30.0) -> dict:
-    """Until the replica equals the bucket (keys, values and revisions)."""
-    want = await upstream_state(kv)
-    try:
-        await until(lambda: replica_state(sc, bucket) == want, timeout, f"replica of {bucket} == upstream")
-    except AssertionError:
-        have = replica_state(sc, bucket)
-        extra = sorted(set(have) - set(want))[:10]
-        missing = sorted(set(want) - set(have))[:10]
-        differ = sorted(k for k in set(want) & set(have) if want[k] != have[k])[:10]
-        raise AssertionError(f"replica != upstream: extra {extra}, missing {missing}, differ {differ}\n"
-                             f"{sc.log()}") from None
-    return want
 
 
 def log_since(sc: Sidecar, offset: int) -> str:
@@ -184,7 +91,7 @@ async def test_initial_sync_matches_upstream(nats_server_module, nc, sidecars):
     sc = sidecars(nats_server_module.url, b).start(wait_synced=False)
     want = await upstream_state(kv)
     row = await wait_synced(sc, b, keys=len(want))
-    assert replica_state(sc, b) == want
+    assert replica_state(sc.data_dir, b) == want
     assert long_key in want and "bin" in want and "k.000" not in want and "k.005" not in want
     status = await js.stream_info(f"KV_{b}")
     assert row["applied_seq"] == status.state.last_seq
@@ -205,7 +112,7 @@ async def test_empty_bucket_syncs(nats_server_module, nc, sidecars):
     assert (row["keys"], row["applied_seq"], row["resyncs"]) == (0, 0, 0)
     # ...and then live updates arrive.
     await kv.put("first", b"1")
-    await until(lambda: replica_state(sc, b) == {"first": (b"1", 1)}, what="first live put")
+    await until(lambda: replica_state(sc.data_dir, b) == {"first": (b"1", 1)}, what="first live put")
 
 
 async def test_key_filters(nats_server_module, nc, sidecars):
@@ -217,7 +124,7 @@ async def test_key_filters(nats_server_module, nc, sidecars):
         await kv.put(key, key.encode())
     sc = sidecars(nats_server_module.url, f"{b}:a.>,b.*").start(wait_synced=False)
     await wait_synced(sc, b, keys=3)
-    assert sorted(replica_state(sc, b)) == ["a.1", "a.x.y", "b.1"]
+    assert sorted(replica_state(sc.data_dir, b)) == ["a.1", "a.x.y", "b.1"]
     with sc.client() as c:
         assert sorted(c.keys("*")) == ["a.1", "a.x.y", "b.1"]
 
@@ -226,7 +133,7 @@ async def test_key_filters(nats_server_module, nc, sidecars):
     await kv.put("a.2", b"yes")
     await kv.delete("b.1")
     every += ["c.2", "a.2"]
-    await until(lambda: sorted(replica_state(sc, b)) == ["a.1", "a.2", "a.x.y"], what="filtered live updates")
+    await until(lambda: sorted(replica_state(sc.data_dir, b)) == ["a.1", "a.2", "a.x.y"], what="filtered live updates")
 
     # Unmatched keys churn: the position still follows the stream (the consumer's heartbeats
     # say how far it has looked), and is stored.
@@ -249,11 +156,11 @@ async def test_key_filters(nats_server_module, nc, sidecars):
     assert first == last + 1
     offset = log_size(sc)
     sc.start(wait_synced=False)
-    await until(lambda: sorted(replica_state(sc, b)) == ["a.1", "a.2", "a.x.y", "b.1", "b.9"], what="resumed filtered replica")
+    await until(lambda: sorted(replica_state(sc.data_dir, b)) == ["a.1", "a.2", "a.x.y", "b.1", "b.9"], what="resumed filtered replica")
     row = await wait_synced(sc, b)
     assert row["resyncs"] == 0
     assert f"resuming after sequence {last}" in log_since(sc, offset)
-    assert replica_state(sc, b)["a.1"][0] == b"while down"
+    assert replica_state(sc.data_dir, b)["a.1"][0] == b"while down"
 
 
 # ----------------------------------------------------------------------------- live updates
@@ -267,17 +174,17 @@ async def test_live_put_del_purge(nats_server_module, nc, sidecars):
     await wait_synced(sc, b, keys=1)
 
     rev = await kv.put("k", b"v1")
-    await until(lambda: replica_state(sc, b).get("k") == (b"v1", rev), what="put")
+    await until(lambda: replica_state(sc.data_dir, b).get("k") == (b"v1", rev), what="put")
     rev = await kv.put("k", b"v2")
-    await until(lambda: replica_state(sc, b).get("k") == (b"v2", rev), what="update")
+    await until(lambda: replica_state(sc.data_dir, b).get("k") == (b"v2", rev), what="update")
     await kv.delete("k")
-    await until(lambda: "k" not in replica_state(sc, b), what="delete")
+    await until(lambda: "k" not in replica_state(sc.data_dir, b), what="delete")
     rev = await kv.put("k", b"v3")
-    await until(lambda: replica_state(sc, b).get("k") == (b"v3", rev), what="put after delete")
+    await until(lambda: replica_state(sc.data_dir, b).get("k") == (b"v3", rev), what="put after delete")
     await kv.purge("k")
-    await until(lambda: "k" not in replica_state(sc, b), what="purge")
+    await until(lambda: "k" not in replica_state(sc.data_dir, b), what="purge")
     rev = await kv.put("k", b"v4")
-    await until(lambda: replica_state(sc, b).get("k") == (b"v4", rev), what="put after purge")
+    await until(lambda: replica_state(sc.data_dir, b).get("k") == (b"v4", rev), what="put after purge")
     with sc.client() as c:
         assert c.get(f"{b}:k") == b"v4"
     await converged(sc, kv, b)
@@ -292,8 +199,8 @@ async def test_server_placed_expiry_markers_remove_keys(nats_server_module, nc, 
     sc = sidecars(nats_server_module.url, b).start(wait_synced=False)
     await wait_synced(sc, b, keys=0)
     await kv.put("short-lived", b"x")
-    await until(lambda: "short-lived" in replica_state(sc, b), what="put")
-    await until(lambda: "short-lived" not in replica_state(sc, b), timeout=30, what="expiry marker applied")
+    await until(lambda: "short-lived" in replica_state(sc.data_dir, b), what="put")
+    await until(lambda: "short-lived" not in replica_state(sc.data_dir, b), timeout=30, what="expiry marker applied")
 
 
 # ----------------------------------------------------------------------------- restarts
@@ -368,7 +275,7 @@ async def test_stream_purged_while_down(nats_server_module, nc, sidecars):
     sc.kill()
     await js.purge_stream(f"KV_{b}")  # everything gone, nothing left to replay
     sc.start(wait_synced=False)
-    await until(lambda: replica_state(sc, b) == {}, what="purged bucket reflected")
+    await until(lambda: replica_state(sc.data_dir, b) == {}, what="purged bucket reflected")
     await kv.put("after", b"a")
     await converged(sc, kv, b)
 
@@ -388,7 +295,7 @@ async def test_ttl_expiry_while_down(nats_server_module, nc, sidecars):
     await until(expired, timeout=30, what="keys expired upstream")
     await kv.put("fresh", b"f")
     sc.start(wait_synced=False)
-    await until(lambda: sorted(replica_state(sc, b)) == ["fresh"], what="expired keys gone")
+    await until(lambda: sorted(replica_state(sc.data_dir, b)) == ["fresh"], what="expired keys gone")
 
 
 async def test_full_resync_when_bucket_recreated_while_down(nats_server_module, nc, sidecars):
@@ -458,7 +365,7 @@ async def test_deleted_consumer_is_recreated(nats_server_module, nc, sidecars):
     names = await until(consumer_names, what="a new consumer")
     assert first not in names
     rev = await kv.put("b", b"2")
-    await until(lambda: replica_state(sc, b).get("b") == (b"2", rev), what="updates after recreation")
+    await until(lambda: replica_state(sc.data_dir, b).get("b") == (b"2", rev), what="updates after recreation")
     row = await wait_synced(sc, b, keys=2)
     assert row["resyncs"] == 0
 
@@ -493,7 +400,7 @@ async def test_nats_server_restart_while_running(tmp_path, sidecars):
             assert row["resyncs"] == 0
             # ...and it keeps following.
             rev = await kv.put("later", b"l")
-            await until(lambda: replica_state(sc, b).get("later") == (b"l", rev), what="later update")
+            await until(lambda: replica_state(sc.data_dir, b).get("later") == (b"l", rev), what="later update")
         finally:
             await conn.close()
     finally:
@@ -570,7 +477,7 @@ async def fill_up(kv, sc: Sidecar, b: str) -> int:
     await until(lambda: sc.log().count("replica map is full") >= 3, what="the feed to fail and retry")
     row = bucket_info(sc, b)
     assert row["applied_seq"] < after
-    assert "after" not in replica_state(sc, b)
+    assert "after" not in replica_state(sc.data_dir, b)
     assert sc.proc.poll() is None
     with sc.client() as c:  # still serving what it has
         assert c.get(f"{b}:a") == b"small"
@@ -608,7 +515,7 @@ async def test_full_replica_recovers_when_upstream_shrinks(nats_server_module, n
     for i in range(6):
         await kv.purge(f"big.{i}")
     await converged(sc, kv, b)
-    assert sorted(replica_state(sc, b)) == ["a", "after"]
+    assert sorted(replica_state(sc.data_dir, b)) == ["a", "after"]
 
 
 # ----------------------------------------------------------------------------- size
