@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing as mp
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ from nats.js.api import ExternalStream, StreamConfig, StreamSource
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from kvcache.client import AsyncClient, KvcacheError  # noqa: E402
 from sidecar_proc import Sidecar  # noqa: E402
-from topology import DelayProxy, nats_run, start_cluster, start_leaf  # noqa: E402
+from topology import ProxyHost, nats_run, start_cluster, start_leaf  # noqa: E402
 
 BUCKET = "rb"
 KEYS = 100
@@ -45,42 +44,6 @@ DELAYS = {"leaf1": 0.0, "hub": 0.005, "leaf2": 0.020}   # one-way, seconds
 def pct(samples: list[float], p: float) -> float:
     s = sorted(samples)
     return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] if s else float("nan")
-
-
-# ---------------------------------------------------------------------------- proxies (child process)
-
-def _proxy_host(targets: dict[str, int], delays: dict[str, float], conn) -> None:
-    proxies = {n: DelayProxy(port, delays[n]).start() for n, port in targets.items()}
-    conn.send({n: px.url for n, px in proxies.items()})
-    while True:
-        cmd, name = conn.recv()
-        if cmd == "stop":
-            break
-        getattr(proxies[name], cmd)()
-        conn.send("ok")
-    for px in proxies.values():
-        px.stop()
-
-
-class ProxyHost:
-    """DelayProxies in a child process; freeze/thaw by name."""
-
-    def __init__(self, targets: dict[str, int], delays: dict[str, float]) -> None:
-        self._conn, child = mp.Pipe()
-        self._proc = mp.get_context("spawn").Process(target=_proxy_host, args=(targets, delays, child),
-                                                     daemon=True)
-        self._proc.start()
-        self.urls: dict[str, str] = self._conn.recv()
-
-    def do(self, cmd: str, name: str) -> None:
-        self._conn.send((cmd, name))
-        self._conn.recv()
-
-    def stop(self) -> None:
-        self._conn.send(("stop", ""))
-        self._proc.join(10)
-        if self._proc.is_alive():
-            self._proc.kill()
 
 
 # ---------------------------------------------------------------------------- topology

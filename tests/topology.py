@@ -6,6 +6,7 @@ directory. Readiness is checked through each server's HTTP monitor, never by sle
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
 import threading
 import time
 from dataclasses import dataclass, field
@@ -281,3 +282,40 @@ class DelayProxy:
         finally:
             reading.cancel()
             writer.close()
+
+
+# ---------------------------------------------------------------------------- proxies in a child process
+
+def _proxy_host(targets: dict[str, int], delays: dict[str, float], conn) -> None:
+    proxies = {n: DelayProxy(port, delays[n]).start() for n, port in targets.items()}
+    conn.send({n: px.url for n, px in proxies.items()})
+    while True:
+        cmd, name = conn.recv()
+        if cmd == "stop":
+            break
+        getattr(proxies[name], cmd)()
+        conn.send("ok")
+    for px in proxies.values():
+        px.stop()
+
+
+class ProxyHost:
+    """DelayProxies in a child process (so a benchmark's client never competes with them for
+    the GIL); freeze/thaw by name; `urls` maps each name to its proxy's URL."""
+
+    def __init__(self, targets: dict[str, int], delays: dict[str, float]) -> None:
+        self._conn, child = mp.Pipe()
+        self._proc = mp.get_context("spawn").Process(target=_proxy_host, args=(targets, delays, child),
+                                                     daemon=True)
+        self._proc.start()
+        self.urls: dict[str, str] = self._conn.recv()
+
+    def do(self, cmd: str, name: str) -> None:
+        self._conn.send((cmd, name))
+        self._conn.recv()
+
+    def stop(self) -> None:
+        self._conn.send(("stop", ""))
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()

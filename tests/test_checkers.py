@@ -1,0 +1,56 @@
+"""The checkers must be able to fail: a checker that never reports is worse than none."""
+from __future__ import annotations
+
+import nats
+import pytest
+
+from checkers import Differences, MonotonicReads, differences, lag_probe, new_bucket, replica_state
+from sidecar_proc import Sidecar
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_differences_name_extra_missing_and_differing_keys() -> None:
+    want = {"a": (b"1", 1), "b": (b"2", 2), "c": (b"3", 3)}
+    have = {"a": (b"1", 1), "b": (b"2", 1), "d": (b"4", 4)}
+    d = Differences.between(want, have)
+    assert (d.extra, d.missing, d.differ, d.count) == (["d"], ["c"], ["b"], 3)
+    assert Differences.between(want, dict(want)).count == 0
+
+
+def test_monotonic_reads_flags_a_revision_going_down() -> None:
+    reads = MonotonicReads("/nonexistent", ["k"])
+    for key, rev in [("k", 3), ("k", 5), ("k", None), ("j", 1), ("k", 5), ("k", 4)]:
+        reads.observe(key, rev)
+    assert [(r.key, r.before, r.after) for r in reads.regressions] == [("k", 5, 4)]
+    assert reads.reads == 6
+
+
+async def test_checkers_on_a_live_sidecar(nats_server, tmp_path) -> None:
+    """A converged replica has no differences; compared with another bucket of other content
+    it has many. The staleness probe sees every write it made; the reads saw no regression."""
+    nc = await nats.connect(nats_server.url)
+    b, other = new_bucket(), new_bucket()
+    sc = None
+    try:
+        js = nc.jetstream()
+        kv = await js.create_key_value(bucket=b)
+        for i in range(20):
+            await kv.put(f"k.{i}", b"%d" % i)
+        sc = Sidecar(tmp_path / "sc", nats_server.url, buckets=[b]).start()
+        async with MonotonicReads(sc.socket, [f"k.{i}" for i in range(20)]) as reads:
+            lag = await lag_probe(js, b, sc.socket, rate=200, seconds=1)
+        assert lag.writes == 200 and lag.unseen == 0 and len(lag.samples) == 200 and not lag.failed_writes
+        assert reads.reads > 0 and not reads.regressions and not reads.failed
+        assert (await differences(sc.data_dir, kv, b, timeout=10)).count == 0
+
+        kv2 = await js.create_key_value(bucket=other)
+        await kv2.put("k.0", b"x")
+        await kv2.put("only.there", b"y")
+        d = await differences(sc.data_dir, kv2, b, timeout=0)
+        assert d.differ == ["k.0"] and d.missing == ["only.there"] and {"k.1", "lag.probe"} <= set(d.extra)
+        assert replica_state(sc.data_dir, b)["k.3"] == (b"3", 4)
+    finally:
+        if sc:
+            sc.kill()
+        await nc.close()
