@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--bucket", metavar="NAME[:FILTER,...]", action="append", dest="buckets",
                        help="bucket to replicate, optionally with key filters (repeatable)")
     serve.add_argument("--max-stale-ms", type=int, dest="max_stale_ms")
+    serve.add_argument("--serve-stale", action=argparse.BooleanOptionalAction, dest="serve_stale",
+                       default=None, help="replica older than max_stale_ms and no peer answering: "
+                       "serve its last known value (marked stale) instead of an error; every bucket")
     serve.add_argument("--socket-mode", type=_octal, dest="socket_mode", metavar="MODE")
     serve.add_argument("--max-clients", type=int, dest="max_clients")
     serve.add_argument("--max-request-bytes", type=int, dest="max_request_bytes")

@@ -18,7 +18,7 @@ from . import __version__, resp
 from .accesslog import AccessLog
 from .config import BucketConfig
 from .entry import Entry, Operation
-from .errors import KvcacheError
+from .errors import KvcacheError, UpstreamError
 from .replica import LONG_KEY_PREFIX, RECORD, lmdb_key
 
 if TYPE_CHECKING:
@@ -32,6 +32,9 @@ KEY_RE = re.compile(r"[-/_=a-zA-Z0-9]+(?:\.[-/_=a-zA-Z0-9]+)*")
 SCAN_CURSORS = 10_000
 MINREV_WAIT_S = 0.25
 PLAN_CACHE = 100_000
+# KV.GET's source for an answer from a replica too stale to be trusted, given because no peer
+# could answer and the bucket has serve_stale on (config.py keeps it from naming a peer).
+STALE_SOURCE = "stale"
 
 READONLY = resp.error("READONLY kvcache is a read replica")
 WRITE_COMMANDS = frozenset(b"""
@@ -81,6 +84,7 @@ class Stats:
     gets_remote: int = 0
     gets_notfound: int = 0
     remote_errors: int = 0
+    gets_stale: int = 0  # answered from a stale replica (serve_stale) after a failed remote read
     commands: int = 0
     connections_received: int = 0
     rejected_connections: int = 0
@@ -218,20 +222,56 @@ class Commands:
         self.access.record(bucket, key, source, hit, (time.perf_counter_ns() - t0) // 1000, command)
 
     async def remote_entry(self, bc: BucketConfig, key: str, strong: bool = False, t0: int = 0,
-                           command: str = "KV.GET") -> Entry | None:
-        """A fallback read; the replica's copy wins when it is newer (reads never go back)."""
+                           command: str = "KV.GET", max_stale_ms: int | None = None) -> Entry | None:
+        """A fallback read; the replica's copy wins when it is newer (reads never go back).
+        When no peer can answer, a stale replica may (see _stale_entry)."""
         self.stats.gets_remote += 1
+        source = "remote"
         try:
             entry = await self.sc.router.get(bc.name, key, strong=strong)
         except KvcacheError as e:
             self.stats.remote_errors += 1
-            raise CommandError(f"ERR upstream read failed: {e}") from None
-        entry = self._newest(bc, key, entry)
+            entry = self._stale_entry(bc, key, e, strong, max_stale_ms)  # or CommandError
+            source = STALE_SOURCE
+            self.stats.gets_stale += 1
+        else:
+            entry = self._newest(bc, key, entry)
         hit = entry is not None and entry.operation is Operation.PUT
-        self._log(t0, bc.name, key, entry.source if entry else "remote", hit, command)
+        self._log(t0, bc.name, key, entry.source if entry else source, hit, command)
         if not hit:
             self.stats.gets_notfound += 1
             return None
+        return entry
+
+    def _stale_entry(self, bc: BucketConfig, key: str, err: KvcacheError, strong: bool = False,
+                     max_stale_ms: int | None = None) -> Entry | None:
+        """A fallback read failed. If it was one the replica passed on for staleness (a key of
+        the replicated set, neither CONSISTENCY strong nor MINREV) and no peer could answer
+        (UpstreamError), the bucket's serve_stale decides: the replica's last known value
+        (source STALE_SOURCE; None for a key it knows to be absent), or a RESP error saying why
+        neither answered. Even with serve_stale, the replica does not answer what it cannot
+        know (a key it lacks while it is not synced) or what would take a key's reads back in
+        time (a newer revision was already read from a peer): those stay errors."""
+        if strong or not isinstance(err, UpstreamError) or not self.sc.in_filters(bc.name, key):
+            raise CommandError(f"ERR upstream read failed: {err}")
+        feed = self.sc.feeds[bc.name]
+        if not feed.synced:
+            why = "replica not synced"
+        else:
+            bound = bc.max_stale_ms if max_stale_ms is None else max_stale_ms
+            why = f"replica stale ({feed.lag_ms() / 1000:.1f}s behind, max_stale_ms {bound})"
+        message = f"ERR bucket {bc.name}: {why} and no peer could answer: {err}"
+        if not self.cfg.serves_stale(bc):
+            raise CommandError(message)
+        rec = self.replica.get(bc.name, key)
+        entry = None if rec is None else Entry(bc.name, key, rec.value, rec.revision, rec.created,
+                                               0, Operation.PUT, STALE_SOURCE)
+        if entry is None and not feed.synced:
+            raise CommandError(f"{message}; not serving stale: the key may exist, the replica "
+                               "has not finished its sync")
+        if self.sc.router.floors.behind(bc.name, key, entry):
+            raise CommandError(f"{message}; not serving stale: a newer revision of the key "
+                               "was already read from a peer")
         return entry
 
     def _newest(self, bc: BucketConfig, key: str, remote: Entry | None) -> Entry | None:
@@ -305,14 +345,18 @@ class Commands:
             bc = self.cfg.bucket(bucket)
             keys = list(dict.fromkeys(k for _, k in wanted))
             self.stats.gets_remote += len(keys)
+            source = "remote"
             try:
                 found = await self.sc.router.get_many(bucket, keys)
             except KvcacheError as e:
                 self.stats.remote_errors += 1
-                raise CommandError(f"ERR upstream read failed: {e}") from None
+                # every key from the stale replica, or the command fails (_stale_entry)
+                found = {k: self._stale_entry(bc, k, e) for k in keys}
+                source = STALE_SOURCE
+                self.stats.gets_stale += len(keys)
             for i, key in wanted:
-                entry = self._newest(bc, key, found.get(key))
-                self._log(t0, bucket, key, entry.source if entry else "remote",
+                entry = found[key] if source == STALE_SOURCE else self._newest(bc, key, found.get(key))
+                self._log(t0, bucket, key, entry.source if entry else source,
                           entry is not None and entry.operation is Operation.PUT, command)
                 if entry is None or entry.operation is not Operation.PUT:
                     self.stats.gets_notfound += 1
@@ -352,7 +396,7 @@ class Commands:
                     min_rev, MINREV_WAIT_S) and self.local_ok(bc, key, max_stale):
                 return self._local_entry(conn, bc, key, t0)
             strong = True  # the replica is behind the revision asked for: the leader has it
-        entry = await self.remote_entry(bc, key, strong=strong, t0=t0)
+        entry = await self.remote_entry(bc, key, strong=strong, t0=t0, max_stale_ms=max_stale)
         if entry is None:
             return resp.null(conn.proto)
         return _entry_reply(entry, conn.proto)
@@ -546,6 +590,7 @@ class Commands:
             "stats": [
                 ("gets_local", st.gets_local), ("gets_remote", st.gets_remote),
                 ("gets_notfound", st.gets_notfound), ("remote_errors", st.remote_errors),
+                ("gets_stale", st.gets_stale),
                 ("total_commands_processed", st.commands),
                 ("total_connections_received", st.connections_received),
                 ("protocol_errors", st.protocol_errors),

@@ -40,6 +40,9 @@ class BucketConfig:
     name: str
     keys: list[str] = field(default_factory=lambda: [">"])
     max_stale_ms: int = 5000
+    # Stale replica and no peer answering: serve the replica's last known value (True) or an
+    # error (False). None: the top-level `serve_stale` decides (Config.serves_stale).
+    serve_stale: bool | None = None
 
 
 @dataclass
@@ -67,6 +70,7 @@ class Config:
     access_log_max_bytes: int = 64 * 1024 * 1024  # rotate access.log at this size
     access_log_files: int = 10  # rotated files kept (access.log.1 .. .N)
     discover_peers: bool = False  # add the mirrors each bucket stream lists as `alternates`
+    serve_stale: bool = False  # default of [[bucket]] serve_stale (see BucketConfig)
     nats: NatsConfig = field(default_factory=NatsConfig)
     buckets: list[BucketConfig] = field(default_factory=list)
     peers: list[PeerConfig] = field(default_factory=list)
@@ -89,6 +93,11 @@ class Config:
             if b.name == name:
                 return b
         return None
+
+    def serves_stale(self, b: BucketConfig) -> bool:
+        """May a stale replica of this bucket answer when no peer can? Its own setting, else
+        the top-level default."""
+        return self.serve_stale if b.serve_stale is None else b.serve_stale
 
 
 # ---------------------------------------------------------------------------- sources
@@ -145,7 +154,7 @@ def _from_mapping(raw: dict[str, Any], where: str) -> Config:
 
 def _bucket_from(raw: Any, where: str) -> BucketConfig:
     _expect(raw, dict, f"{where}: [[bucket]]")
-    unknown = set(raw) - {"name", "keys", "max_stale_ms"}
+    unknown = set(raw) - {"name", "keys", "max_stale_ms", "serve_stale"}
     if unknown:
         raise ConfigError(f"{where}: unknown key '{sorted(unknown)[0]}' in [[bucket]]")
     if "name" not in raw:
@@ -155,6 +164,8 @@ def _bucket_from(raw: Any, where: str) -> BucketConfig:
         b.keys = _str_list(raw["keys"], f"{where}: bucket {b.name}: keys")
     if "max_stale_ms" in raw:
         b.max_stale_ms = _typed(raw["max_stale_ms"], int, f"{where}: bucket {b.name}: max_stale_ms")
+    if "serve_stale" in raw:
+        b.serve_stale = _coerce(raw["serve_stale"], "bool", f"{where}: bucket {b.name}: serve_stale")
     return b
 
 
@@ -202,6 +213,9 @@ def _apply_env(cfg: Config, env: Mapping[str, str]) -> None:
         stale = _parse_scalar(env["KVCACHE_MAX_STALE_MS"], "int", "KVCACHE_MAX_STALE_MS")
         for b in cfg.buckets:
             b.max_stale_ms = stale
+    if "KVCACHE_SERVE_STALE" in env:  # parsed into cfg.serve_stale above; like
+        for b in cfg.buckets:           # KVCACHE_MAX_STALE_MS, it sets every bucket
+            b.serve_stale = cfg.serve_stale
 
 
 def _apply_overrides(cfg: Config, overrides: Mapping[str, Any]) -> None:
@@ -215,6 +229,10 @@ def _apply_overrides(cfg: Config, overrides: Mapping[str, Any]) -> None:
         elif key == "max_stale_ms":
             for b in cfg.buckets:
                 b.max_stale_ms = value
+        elif key == "serve_stale":  # every bucket; buckets named by a later flag inherit it
+            cfg.serve_stale = value
+            for b in cfg.buckets:
+                b.serve_stale = value
         elif key.startswith("nats_") and key[5:] in _NATS_SCALARS:
             setattr(cfg.nats, key[5:], value)
         elif key in _SCALARS:
@@ -274,6 +292,8 @@ def validate(cfg: Config) -> None:
     peer_names = [p.name for p in cfg.peers]
     if len(set(peer_names)) != len(peer_names):
         raise ConfigError("peer names must be unique")
+    if "stale" in peer_names:  # KV.GET's source for a stale replica's answer
+        raise ConfigError("peer name 'stale' is reserved")
 
 
 def valid_key_filter(f: str) -> bool:

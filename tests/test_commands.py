@@ -465,6 +465,12 @@ def test_info(env, r, kc):
     assert kc.info("buckets")["buckets"]["main"]["synced"] == 1
 
 
+def test_gets_stale_counter(r):
+    # answers from a stale replica (serve_stale) are counted apart; test_staleness makes some
+    st = r.info("stats")
+    assert isinstance(st["gets_stale"], int) and st["gets_stale"] >= 0
+
+
 def test_gets_counters(env, r):
     before = stats(env)
     r.get("in.k1")

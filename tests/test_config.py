@@ -5,6 +5,7 @@ import textwrap
 
 import pytest
 
+from kvcache.cli import build_parser
 from kvcache.config import load, parse_bucket_spec, valid_key_filter
 from kvcache.errors import ConfigError
 from sidecar_proc import run_cli
@@ -95,6 +96,9 @@ def test_config_file_from_environment(tmp_path):
     ("this is not toml", "invalid TOML"),
     ("[[peer]]\nname = 'p'\nservers = ['nats://127.0.0.1:1']", "needs 'stream'"),
     ("log_level = 'loud'", "log_level"),
+    ("serve_stale = 1", "serve_stale must be true or false"),
+    ("[[bucket]]\nname = 'a'\nserve_stale = 'yes'", "bucket a: serve_stale must be true or false"),
+    ("[[peer]]\nname = 'stale'\nservers = ['nats://127.0.0.1:1']\nstream = 'KV_a'", "reserved"),
 ])
 def test_bad_configuration_is_one_clear_error(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):
@@ -104,6 +108,42 @@ def test_bad_configuration_is_one_clear_error(tmp_path, text, message):
 def test_bad_environment_value():
     with pytest.raises(ConfigError, match="KVCACHE_MAX_CLIENTS must be an integer"):
         load(None, env={"KVCACHE_MAX_CLIENTS": "many"})
+
+
+STALE = """
+serve_stale = true
+[[bucket]]
+name = "inherits"
+[[bucket]]
+name = "own"
+serve_stale = false
+"""
+
+
+def test_serve_stale_per_bucket_with_a_global_default(tmp_path):
+    cfg = load(None, env={"KVCACHE_BUCKETS": "a"})
+    assert cfg.serve_stale is False and not cfg.serves_stale(cfg.buckets[0])  # off by default
+    cfg = load(write(tmp_path, STALE), env={})
+    assert [cfg.serves_stale(b) for b in cfg.buckets] == [True, False]
+    # like KVCACHE_MAX_STALE_MS / --max-stale-ms: the environment and the flag set every bucket
+    cfg = load(write(tmp_path, STALE), env={"KVCACHE_SERVE_STALE": "on"})
+    assert [cfg.serves_stale(b) for b in cfg.buckets] == [True, True]
+    cfg = load(write(tmp_path, STALE), env={"KVCACHE_SERVE_STALE": "on"},
+               overrides={"serve_stale": False})
+    assert [cfg.serves_stale(b) for b in cfg.buckets] == [False, False]
+    # buckets named by flag or environment take the global value
+    cfg = load(write(tmp_path, STALE), env={}, overrides={"buckets": ["x", "y"]})
+    assert [cfg.serves_stale(b) for b in cfg.buckets] == [True, True]
+    cfg = load(None, env={"KVCACHE_SERVE_STALE": "1"}, overrides={"buckets": ["x"]})
+    assert cfg.serves_stale(cfg.buckets[0])
+    with pytest.raises(ConfigError, match="KVCACHE_SERVE_STALE must be true or false"):
+        load(None, env={"KVCACHE_SERVE_STALE": "maybe"})
+
+
+@pytest.mark.parametrize("argv, value", [([], None), (["--serve-stale"], True),
+                                         (["--no-serve-stale"], False)])
+def test_serve_stale_flag(argv, value):
+    assert build_parser().parse_args(["serve", *argv]).serve_stale is value
 
 
 def test_bucket_spec_and_filters():

@@ -1,0 +1,184 @@
+"""The staleness policy against a real nats-server and a real sidecar process.
+
+The sidecar's main connection (its feeds, and the `main.<bucket>` peers) goes through one
+DelayProxy, its [[peer]] entries through another, both to the same server. Freezing the first
+cuts the feed off (longer than max_stale_ms: the replica is stale); freezing the second too
+leaves no peer that can answer. Writes are made with nats-py straight to the server.
+
+Bucket `on` inherits the top-level `serve_stale = true`, bucket `off` sets
+`serve_stale = false` for itself. Assertions are about sources, values, errors and counts,
+never about times.
+"""
+from __future__ import annotations
+
+import json
+from contextlib import AsyncExitStack
+from typing import AsyncIterator
+
+import nats
+import pytest
+
+from checkers import until
+from kvcache.client import AsyncClient, ResponseError
+from sidecar_proc import Sidecar
+from topology import DelayProxy
+
+pytestmark = pytest.mark.timeout(180)
+
+MAX_STALE_MS = 300
+HEARTBEAT_MS = 300
+REQUEST_TIMEOUT_MS = 500
+
+
+def _toml(**kv) -> str:
+    return "\n".join(f"{k} = {json.dumps(v)}" for k, v in kv.items())
+
+
+def _config(path, main: str, peer: str) -> str:
+    text = _toml(heartbeat_ms=HEARTBEAT_MS, serve_stale=True)
+    text += "\n[nats]\n" + _toml(servers=[main], request_timeout_ms=REQUEST_TIMEOUT_MS)
+    text += "\n[[bucket]]\n" + _toml(name="on", max_stale_ms=MAX_STALE_MS)
+    text += "\n[[bucket]]\n" + _toml(name="off", max_stale_ms=MAX_STALE_MS, serve_stale=False)
+    for b in ("on", "off"):
+        text += "\n[[peer]]\n" + _toml(name=f"peer-{b}", servers=[peer], stream=f"KV_{b}")
+    path.write_text(text + "\n")
+    return str(path)
+
+
+class Setup:
+    def __init__(self, sc: Sidecar, main: DelayProxy, peer: DelayProxy, js, client: AsyncClient):
+        self.sc, self.main, self.peer, self.js, self.c = sc, main, peer, js, client
+        self.revs: dict[str, int] = {}
+
+    async def put(self, bucket: str, key: str, value: bytes) -> int:
+        rev = await (await self.js.key_value(bucket)).put(key, value)
+        self.revs[f"{bucket}:{key}"] = rev
+        return rev
+
+    async def stats(self) -> dict:
+        return (await self.c.info("stats"))["stats"]
+
+    async def stale(self) -> None:
+        """Until INFO shows both replicas behind by more than max_stale_ms (no read needed)."""
+        async def behind():
+            rows = (await self.c.info("buckets"))["buckets"]
+            return all(rows[b]["lag_ms"] > MAX_STALE_MS for b in ("on", "off"))
+        await until(behind, 30, "replicas stale")
+
+
+@pytest.fixture
+async def setup(nats_server, tmp_path) -> AsyncIterator[Setup]:
+    port = nats_server.port
+    async with AsyncExitStack() as stack:
+        nc = await nats.connect(nats_server.url)
+        stack.push_async_callback(nc.close)
+        js = nc.jetstream()
+        for b in ("on", "off"):
+            kv = await js.create_key_value(bucket=b, direct=True, history=5)
+            for key in ("a", "b", "c"):
+                await kv.put(key, f"{key}1".encode())
+        main = DelayProxy(port).start()
+        stack.callback(main.stop)
+        peer = DelayProxy(port).start()
+        stack.callback(peer.stop)
+        sc = Sidecar(tmp_path / "sc", None,
+                     extra=["--config", _config(tmp_path / "kvcache.toml", main.url, peer.url)])
+        stack.callback(sc.kill)
+        sc.start()
+        client = AsyncClient(sc.socket, timeout=30)
+        stack.push_async_callback(client.aclose)
+        s = Setup(sc, main, peer, js, client)
+        for b in ("on", "off"):
+            e = await client.entry(f"{b}:a")
+            assert e is not None and (e.value, e.source) == (b"a1", "local")
+        yield s
+
+
+async def test_stale_replica_reads_go_to_a_reachable_peer(setup: Setup):
+    s, c = setup, setup.c
+    s.main.freeze()                     # the feed is cut off; the peers still answer
+    await s.put("on", "a", b"a2")        # a write the replica cannot see
+    await s.put("off", "a", b"a2")
+    await s.stale()
+    for b in ("on", "off"):             # serve_stale plays no part while a peer answers
+        e = await c.entry(f"{b}:a")
+        assert e is not None
+        assert (e.value, e.revision, e.source) == (b"a2", s.revs[f"{b}:a"], f"peer-{b}")
+        assert await c.get(f"{b}:a") == b"a2"
+        assert await c.mget([f"{b}:a", f"{b}:b", f"{b}:nosuch"]) == [b"a2", b"b1", None]
+    st = await s.stats()
+    assert st["gets_stale"] == 0 and st["gets_remote"] >= 6
+    assert (await c.info("buckets"))["buckets"]["on"]["synced"] == 1
+
+
+async def test_no_peer_reachable_serve_stale_decides(setup: Setup):
+    s, c = setup, setup.c
+    s.main.freeze()
+    await s.put("on", "a", b"a2")        # neither written value can be read below
+    await s.put("off", "a", b"a2")
+    await s.put("on", "c", b"c2")
+    await s.stale()
+    e = await c.entry("on:c")           # read from a peer: on:c's reads may not go back now
+    assert e is not None and (e.value, e.source) == (b"c2", "peer-on")
+    s.peer.freeze()                     # and now nothing can answer
+    before = await s.stats()
+
+    # serve_stale = false: a clear error, for every read command
+    for call in (lambda: c.get("off:a"), lambda: c.entry("off:a"),
+                 lambda: c.mget(["off:a", "off:b"])):
+        with pytest.raises(ResponseError) as err:
+            await call()
+        text = str(err.value)
+        assert text.startswith("ERR bucket off: replica stale (") and "max_stale_ms 300" in text, text
+        assert "no peer could answer" in text, text
+
+    # serve_stale = true (inherited): the last known value, marked stale where the reply can say so
+    assert await c.get("on:a") == b"a1"
+    e = await c.entry("on:a")
+    assert e is not None and (e.value, e.source) == (b"a1", "stale")
+    assert e.revision < s.revs["on:a"]
+    raw = await c.execute("KV.GET", "on:b")
+    assert raw[0] == b"b1" and raw[4] == b"stale"
+    assert await c.mget(["on:a", "on:b", "on:nosuch", "on:a"]) == [b"a1", b"b1", None, b"a1"]
+    assert await c.get("on:nosuch") is None    # the synced replica knows it does not exist
+    # ... but never older than what was read already, nor for a read that asked for the leader
+    with pytest.raises(ResponseError, match="a newer revision of the key was already read"):
+        await c.get("on:c")
+    with pytest.raises(ResponseError, match="^ERR upstream read failed"):
+        await c.entry("on:b", consistency="strong")
+
+    after = await s.stats()
+    # on:a (GET), on:a (KV.GET), on:b (KV.GET), MGET's 3 distinct keys, on:nosuch (GET)
+    assert after["gets_stale"] - before["gets_stale"] == 7
+    assert after["gets_local"] == before["gets_local"]
+    # each read above asked the peers first and failed: 3 in `off`, 7 in `on` (an MGET's
+    # misses of one bucket are one batched request)
+    assert after["remote_errors"] - before["remote_errors"] == 10
+
+
+async def test_reads_are_local_again_after_the_feed_is_restored(setup: Setup):
+    s, c = setup, setup.c
+    s.main.freeze()
+    s.peer.freeze()
+    await s.put("on", "a", b"a2")
+    await s.stale()
+    assert (await c.entry("on:a")).source == "stale"
+    s.main.thaw()
+    s.peer.thaw()
+
+    async def local_again():
+        e = await c.entry("on:a")
+        return e is not None and (e.value, e.source) == (b"a2", "local")
+    await until(local_again, 60, "on:a read locally again with the value written during the cut")
+    async def caught_up():
+        rows = (await c.info("buckets"))["buckets"]
+        return all(rows[b]["lag_ms"] == 0 for b in ("on", "off"))
+    await until(caught_up, 60, "both replicas caught up")
+    before = await s.stats()
+    assert await c.get("on:a") == b"a2"
+    assert await c.mget(["on:a", "off:b"]) == [b"a2", b"b1"]
+    assert (await c.entry("off:a")).source == "local"
+    after = await s.stats()
+    assert after["gets_local"] - before["gets_local"] == 4
+    assert after["gets_remote"] == before["gets_remote"]
+    assert after["gets_stale"] == before["gets_stale"]
