@@ -254,6 +254,7 @@ class Lag:
     writes: int = 0
     unseen: int = 0          # writes never seen served before the probe ended
     failed_writes: int = 0
+    sent: list[float] = field(default_factory=list, repr=False)   # time.monotonic() of write i
     rate: float = 0.0        # writes/s achieved
 
     def p(self, q: float) -> float:
@@ -274,8 +275,8 @@ async def lag_probe(js, bucket: str, socket: str, rate: float = 1000.0, seconds:
     value >= i was first served minus when i was published. The poll's round trip (~0.1-0.3
     ms) bounds the resolution. Bounded: `seconds` of writes, then at most `settle_s`."""
     subject = f"$KV.{bucket}.{key}"
-    sent: list[float] = []                 # publish time of write i
     lag = Lag()
+    sent = lag.sent
     done_writing = asyncio.Event()
     acks: set[asyncio.Task] = set()
 
