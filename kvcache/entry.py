@@ -45,4 +45,4 @@ class Entry:
     created: int  # ns since the epoch
     delta: int = 0
     operation: Operation = Operation.PUT
-    source: str = "local"  # local, a peer's name, or "leader"
+    source: str = "local"  # local, a peer's name, "leader", or "stale" (the replica, past max_stale_ms, no peer reachable)
