@@ -46,7 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--serve-stale", action=argparse.BooleanOptionalAction, dest="serve_stale",
                        default=None, help="replica older than max_stale_ms and no peer answering: "
                        "serve its last known value (marked stale) instead of an error; every bucket")
+    serve.add_argument("--discover-peers", action=argparse.BooleanOptionalAction, dest="discover_peers",
+                       default=None, help="also read from the mirrors each bucket stream lists as alternates")
     serve.add_argument("--socket-mode", type=_octal, dest="socket_mode", metavar="MODE")
+    serve.add_argument("--max-args", type=int, dest="max_args")
+    serve.add_argument("--map-size-mb", type=int, dest="map_size_mb")
+    serve.add_argument("--max-map-size-mb", type=int, dest="max_map_size_mb")
+    serve.add_argument("--connect-timeout-s", type=float, dest="nats_connect_timeout_s")
+    serve.add_argument("--request-timeout-ms", type=int, dest="nats_request_timeout_ms")
     serve.add_argument("--max-clients", type=int, dest="max_clients")
     serve.add_argument("--max-request-bytes", type=int, dest="max_request_bytes")
     serve.add_argument("--heartbeat-ms", type=int, dest="heartbeat_ms")

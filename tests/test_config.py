@@ -191,3 +191,15 @@ def test_cli_missing_bucket(tmp_path, nats_server):
 def test_cli_get_without_sidecar(tmp_path):
     result = run_cli("get", "k", "--socket", str(tmp_path / "none.sock"))
     assert_one_line_error(result, "kvcache at", 1)
+
+
+def test_every_config_key_has_a_flag() -> None:
+    """DESIGN.md: every key is also settable by flag. Flags reach the same fields as TOML."""
+    from kvcache import config
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    dests = {a.dest for a in serve._actions}
+    assert set(config._SCALARS) <= dests
+    assert {f"nats_{n}" for n in config._NATS_SCALARS} - {"nats_servers"} <= dests
+    args = serve.parse_args(["--discover-peers", "--map-size-mb", "64", "--request-timeout-ms", "750"])
+    cfg = load(None, env={}, overrides={k: v for k, v in vars(args).items() if k in dests})
+    assert cfg.discover_peers is True and cfg.map_size_mb == 64 and cfg.nats.request_timeout_ms == 750
