@@ -4,7 +4,10 @@ Pipelined requests that can be answered at once are answered in one write (one p
 of replies). A request that needs NATS suspends the connection's reading until its reply is
 written, which keeps replies in order and applies backpressure to a client that pipelines
 faster than upstream answers. A client that does not read its replies is paused the same way
-(transport write buffer limits), so neither can grow our memory without bound.
+(transport write buffer limits), so neither can grow our memory without bound; one that then
+reads nothing at all of what is queued for CLIENT_WRITE_STALL_MS is cut off (its output buffer
+stayed above the high-water mark without draining), as Redis's client-output-buffer-limit does,
+so it does not hold its slot and buffers for ever.
 
 Local GETs, the bulk of the traffic, skip the generic dispatch: see Connection._process.
 """
@@ -15,6 +18,7 @@ import errno
 import itertools
 import logging
 import os
+import resource
 import socket
 import stat
 from typing import TYPE_CHECKING
@@ -38,13 +42,19 @@ GETPATH = pick("getpath", "getpath")
 WRITE_HIGH_WATER = 1 << 20
 TOO_MANY_CLIENTS = resp.error("ERR max number of clients reached")
 SHUTTING_DOWN = resp.error("ERR kvcache is shutting down")
+# A client whose replies stay above WRITE_HIGH_WATER without it reading any of them for this
+# long is disconnected. Config field `client_write_stall_ms` when the Config has one, else the
+# KVCACHE_CLIENT_WRITE_STALL_MS environment variable; 0 turns the cut-off off.
+WRITE_STALL_MS = 60_000
+# File descriptors beyond max_clients: NATS connections, LMDB, logs, the listening socket.
+FD_MARGIN = 256
 
 
 class Connection(GETPATH.GetConnection, asyncio.Protocol):
     """One client. The per-read hot path (data_received, and the state it reads: transport,
     reader, proto and the flags) is GetConnection's, in C when built; the rest is here."""
 
-    __slots__ = ("srv", "id", "name")
+    __slots__ = ("srv", "id", "name", "_stall", "_stall_size")
 
     def __init__(self, srv: "RespServer", conn_id: int) -> None:
         super().__init__(srv.gets, srv.stats,
@@ -52,6 +62,8 @@ class Connection(GETPATH.GetConnection, asyncio.Protocol):
         self.srv = srv
         self.id = conn_id
         self.name = b""
+        self._stall: asyncio.TimerHandle | None = None  # the cut-off timer while paused
+        self._stall_size = 0                             # write buffer size when armed
 
     # ------------------------------------------------------------------ asyncio.Protocol
 
@@ -71,6 +83,7 @@ class Connection(GETPATH.GetConnection, asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.srv.connections.discard(self)
         self._closing = True
+        self._disarm_stall()
         if self._busy is not None:
             self._busy.cancel()
 
@@ -86,12 +99,43 @@ class Connection(GETPATH.GetConnection, asyncio.Protocol):
         self._paused_writing = True
         if not self._closing:
             self.transport.pause_reading()
+        self._arm_stall()  # also when closing: a close waits for the buffer to drain
 
     def resume_writing(self) -> None:
         self._paused_writing = False
+        self._disarm_stall()
         if self._busy is None and not self._closing:
             self.transport.resume_reading()
             self._process()
+
+    # ------------------------------------------------------------------ output buffer limit
+
+    def _arm_stall(self) -> None:
+        limit = self.srv.write_stall_s
+        if limit and self._stall is None:
+            self._stall_size = self.transport.get_write_buffer_size()
+            self._stall = asyncio.get_running_loop().call_later(limit, self._stalled)
+
+    def _disarm_stall(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _stalled(self) -> None:
+        """Still above the low-water mark a full period after pausing: if the client read
+        anything in that period it is slow, not stuck (another period); else cut it off."""
+        self._stall = None
+        if not self._paused_writing:
+            return
+        transport = self.transport
+        size = transport.get_write_buffer_size()
+        if size < self._stall_size:
+            self._arm_stall()
+            return
+        log.warning("client %d read none of its %d bytes of queued replies in %gs: disconnecting",
+                    self.id, size, self.srv.write_stall_s)
+        self._closing = True
+        transport.abort()  # connection_lost follows: the slot and the buffers are freed
 
     # ------------------------------------------------------------------ request loop
 
@@ -164,7 +208,10 @@ class Connection(GETPATH.GetConnection, asyncio.Protocol):
                     self.transport.write(b"".join(out))
                     out.clear()
                 self.transport.pause_reading()
-                self._busy = asyncio.ensure_future(self._finish(reply))
+                # the command itself is the task (not a wrapper awaiting it), so cancelling it
+                # on connection_lost, even before it started, closes the coroutine
+                busy = self._busy = asyncio.ensure_future(reply)
+                busy.add_done_callback(self._finished)
                 return
             if out:
                 self.transport.write(b"".join(out))
@@ -176,20 +223,24 @@ class Connection(GETPATH.GetConnection, asyncio.Protocol):
             if not self.transport.is_closing():
                 self.transport.close()
 
-    async def _finish(self, pending) -> None:
-        try:
-            reply = await pending
-        except asyncio.CancelledError:
-            raise
-        except KvcacheError as e:
-            reply = resp.error(str(e) if str(e).startswith(("ERR", "READONLY")) else f"ERR {e}")
-        except Exception:
-            log.exception("async command failed")
-            reply = resp.error("ERR internal error")
-        self._busy = None
+    def _finished(self, task: asyncio.Future) -> None:
+        """The command that needed NATS is done: write its reply, read again."""
+        if self._busy is task:
+            self._busy = None
+        if task.cancelled():  # by connection_lost, or (a bug) from inside: say so, go on
+            reply = resp.error("ERR request cancelled")
+        else:
+            e = task.exception()  # retrieved also when the client is gone: no "never retrieved"
+            if e is None:
+                reply = task.result()
+            elif isinstance(e, KvcacheError):
+                reply = resp.error(str(e) if str(e).startswith(("ERR", "READONLY")) else f"ERR {e}")
+            else:
+                log.error("async command failed", exc_info=e)
+                reply = resp.error("ERR internal error")
         transport = self.transport
         if transport.is_closing():
-            return
+            return  # the connection was lost (which cancelled the task) or closed meanwhile
         transport.write(reply)
         if self._draining:
             transport.close()
@@ -239,6 +290,15 @@ class RespServer:
         self._ids = itertools.count(1)
         self._inode: int | None = None
         self.closing = False
+        stall = getattr(cfg, "client_write_stall_ms", None)
+        if stall is None:
+            raw = os.environ.get("KVCACHE_CLIENT_WRITE_STALL_MS", "").strip()
+            try:
+                stall = int(raw) if raw else WRITE_STALL_MS
+            except ValueError:
+                raise KvcacheError("KVCACHE_CLIENT_WRITE_STALL_MS must be an integer (ms), "
+                                   f"got '{raw}'") from None
+        self.write_stall_s = max(0, stall) / 1000
 
     def _plan(self, key: bytes) -> tuple | bool:
         """The GET path's planner (see kvcache.getpath) over the command layer's plans."""
@@ -253,6 +313,7 @@ class RespServer:
         return len(self.connections)
 
     async def start(self) -> None:
+        raise_fd_limit(self.cfg.max_clients + FD_MARGIN)
         claim_socket_path(self.path)
         loop = asyncio.get_running_loop()
         old_umask = os.umask(0o177)  # no window in which the socket is more open than asked
@@ -293,6 +354,30 @@ class RespServer:
                 os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def raise_fd_limit(wanted: int) -> int:
+    """Raise the soft RLIMIT_NOFILE toward `wanted` (never above the hard limit, never
+    lowering it), so max_clients connections do not fail at accept with EMFILE under a
+    default soft limit of 1024. Returns the soft limit in force."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):
+        return -1
+    if soft == resource.RLIM_INFINITY or (soft >= wanted):
+        return soft
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (OSError, ValueError) as e:
+            log.warning("cannot raise the open-files limit from %d to %d: %s", soft, target, e)
+    if soft < wanted:
+        log.warning("open-files limit %d (hard %s) is below max_clients + %d = %d: clients "
+                    "beyond it will be refused at accept", soft,
+                    "unlimited" if hard == resource.RLIM_INFINITY else hard, FD_MARGIN, wanted)
+    return soft
 
 
 def claim_socket_path(path: str) -> None:
