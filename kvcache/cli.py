@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--request-timeout-ms", type=int, dest="nats_request_timeout_ms")
     serve.add_argument("--max-clients", type=int, dest="max_clients")
     serve.add_argument("--max-request-bytes", type=int, dest="max_request_bytes")
+    serve.add_argument("--max-reply-bytes", type=int, dest="max_reply_bytes")
+    serve.add_argument("--client-write-stall-ms", type=int, dest="client_write_stall_ms")
     serve.add_argument("--heartbeat-ms", type=int, dest="heartbeat_ms")
     serve.add_argument("--creds", dest="nats_creds", metavar="FILE")
     serve.add_argument("--nkey", dest="nats_nkey", metavar="FILE")

@@ -18,7 +18,7 @@ from . import __version__, resp
 from .accesslog import AccessLog
 from .config import BucketConfig
 from .entry import Entry, Operation
-from .errors import KvcacheError, UpstreamError
+from .errors import KvcacheError, ReplyBudget, ReplyTooLarge, UpstreamError
 from .replica import LONG_KEY_PREFIX, RECORD, lmdb_key
 
 if TYPE_CHECKING:
@@ -89,6 +89,7 @@ class Stats:
     connections_received: int = 0
     rejected_connections: int = 0
     protocol_errors: int = 0
+    clients_cut_off: int = 0  # read none of their queued replies for client_write_stall_ms
     started: float = field(default_factory=time.time)
 
 
@@ -137,7 +138,7 @@ class Commands:
             shown = " ".join(f"'{a.decode(errors='replace')[:64]}'" for a in args[1:4])
             return resp.error(f"ERR unknown command '{args[0].decode(errors='replace')[:64]}', "
                               f"with args beginning with: {shown}")
-        except CommandError as e:
+        except (CommandError, ReplyTooLarge) as e:
             return resp.error(str(e))
 
     # ------------------------------------------------------------------ addressing
@@ -285,10 +286,11 @@ class Commands:
             return remote
         return Entry(bc.name, key, rec.value, rec.revision, rec.created, 0, Operation.PUT, "local")
 
-    def _lookup(self, raw_keys: list[bytes], t0: int = 0,
-                command: str = "MGET") -> tuple[list[bytes | None], dict[str, list[tuple[int, str]]]]:
+    def _lookup(self, raw_keys: list[bytes], t0: int = 0, command: str = "MGET",
+                budget: ReplyBudget | None = None) -> tuple[list[bytes | None], dict[str, list[tuple[int, str]]]]:
         """Local values for the keys the replica may answer (one read transaction for all),
-        and the rest grouped by bucket. An invalid key fails the whole command."""
+        and the rest grouped by bucket. An invalid key fails the whole command, and so do
+        values beyond `budget` (ReplyTooLarge)."""
         values: list[bytes | None] = [None] * len(raw_keys)
         misses: dict[str, list[tuple[int, str]]] = {}
         plans = self._plans
@@ -314,8 +316,10 @@ class Commands:
                 if rec is None:
                     notfound += 1
                 else:
-                    values[i] = rec[offset if offset is not None else
-                                    RECORD.size + RECORD.unpack_from(rec)[2]:]
+                    start = offset if offset is not None else RECORD.size + RECORD.unpack_from(rec)[2]
+                    if budget is not None:
+                        budget.spend(len(rec) - start)
+                    values[i] = rec[start:]
         finally:
             if txn is not None:
                 txn.abort()
@@ -326,10 +330,12 @@ class Commands:
     @arity(2, exact=False)
     def mget(self, conn: "Connection", args: list[bytes]) -> Reply:
         t0 = self._t0()
-        values, misses = self._lookup(args[1:], t0, "MGET")
+        budget = ReplyBudget(self.cfg.max_reply_bytes)
+        values, misses = self._lookup(args[1:], t0, "MGET", budget)
         if not misses:
             return _values_reply(values, conn.proto)
-        return self._remote_many(values, misses, lambda: _values_reply(values, conn.proto), t0, "MGET")
+        return self._remote_many(values, misses, lambda: _values_reply(values, conn.proto), t0, "MGET",
+                                 budget)
 
     @arity(2, exact=False)
     def exists(self, conn: "Connection", args: list[bytes]) -> Reply:
@@ -339,7 +345,8 @@ class Commands:
         return self._remote_many(values, misses, count, t0, "EXISTS") if misses else count()
 
     async def _remote_many(self, values: list[bytes | None], misses: dict[str, list[tuple[int, str]]],
-                           reply: Callable[[], bytes], t0: int = 0, command: str = "MGET") -> bytes:
+                           reply: Callable[[], bytes], t0: int = 0, command: str = "MGET",
+                           budget: ReplyBudget | None = None) -> bytes:
         """Fill the misses with one batched multi_last read per bucket, then encode."""
         for bucket, wanted in misses.items():
             bc = self.cfg.bucket(bucket)
@@ -347,7 +354,9 @@ class Commands:
             self.stats.gets_remote += len(keys)
             source = "remote"
             try:
-                found = await self.sc.router.get_many(bucket, keys)
+                found = await self.sc.router.get_many(bucket, keys, budget)
+            except ReplyTooLarge:
+                raise
             except KvcacheError as e:
                 self.stats.remote_errors += 1
                 # every key from the stale replica, or the command fails (_stale_entry)
@@ -361,6 +370,8 @@ class Commands:
                 if entry is None or entry.operation is not Operation.PUT:
                     self.stats.gets_notfound += 1
                 else:
+                    if source == STALE_SOURCE and budget is not None and entry.value:
+                        budget.spend(len(entry.value))  # peers charged what they answered
                     values[i] = entry.value
         return reply()
 
@@ -586,6 +597,7 @@ class Commands:
                 ("connected_clients", sc.server.client_count if sc.server else 0),
                 ("maxclients", self.cfg.max_clients),
                 ("rejected_connections", st.rejected_connections),
+                ("clients_cut_off", st.clients_cut_off),
             ],
             "stats": [
                 ("gets_local", st.gets_local), ("gets_remote", st.gets_remote),

@@ -60,6 +60,8 @@ class Config:
     socket_mode: int = 0o660
     max_clients: int = 10_000
     max_request_bytes: int = 4 * 1024 * 1024
+    max_reply_bytes: int = 64 * 1024 * 1024  # one MGET's values, at most (the rest is refused)
+    client_write_stall_ms: int = 60_000  # a client reading none of its queued replies this long is cut off; 0 = never
     max_args: int = 65_536
     heartbeat_ms: int = 2000
     map_size_mb: int = 1024
@@ -261,9 +263,12 @@ def validate(cfg: Config) -> None:
         )
     if not 0 <= cfg.socket_mode <= 0o777:
         raise ConfigError(f"socket_mode must be an octal file mode, got {cfg.socket_mode:o}")
-    for name in ("max_clients", "max_request_bytes", "max_args", "heartbeat_ms", "map_size_mb"):
+    for name in ("max_clients", "max_request_bytes", "max_reply_bytes", "max_args", "heartbeat_ms",
+                 "map_size_mb"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
+    if cfg.client_write_stall_ms < 0:
+        raise ConfigError(f"client_write_stall_ms must be 0 (never) or positive, got {cfg.client_write_stall_ms}")
     if cfg.max_map_size_mb < cfg.map_size_mb:
         raise ConfigError("max_map_size_mb must be at least map_size_mb")
     for url in cfg.nats.servers + [u for p in cfg.peers for u in p.servers]:

@@ -23,3 +23,28 @@ class ReplicaError(KvcacheError):
 
 class ProtocolError(KvcacheError):
     """Malformed RESP: the framing is lost and the connection must close."""
+
+
+class ReplyTooLarge(KvcacheError):
+    """One reply would carry more than max_reply_bytes of values (an MGET of many big keys):
+    refused while it is gathered, before it can take the sidecar's memory."""
+
+
+class ReplyBudget:
+    """Bytes of values one reply may still gather, local and remote alike."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.left = limit
+
+    def fork(self) -> "ReplyBudget":
+        """A budget for one attempt: a failed-over read must not be charged twice."""
+        b = ReplyBudget(self.limit)
+        b.left = self.left
+        return b
+
+    def spend(self, n: int) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise ReplyTooLarge(f"ERR reply too large: its values exceed max_reply_bytes ({self.limit}); "
+                                "ask for fewer keys at a time")

@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 
 from . import jetstream as jsapi
 from .entry import Entry, Operation
-from .errors import UpstreamError
+from .errors import ReplyBudget, UpstreamError
 from .natsconn import Connection
 
 MULTI_LAST_MAX = 1024
@@ -262,31 +262,43 @@ class Peer:
 
     # ------------------------------------------------------------------ many keys
 
-    async def get_many(self, keys: list[str], timeout: float,
-                       up_to_seq: int | None = None) -> dict[str, Entry | None]:
+    async def get_many(self, keys: list[str], timeout: float, up_to_seq: int | None = None,
+                       budget: ReplyBudget | None = None) -> dict[str, Entry | None]:
         """multi_last batches; one snapshot across batches via the first batch's up-to sequence
-        (or `up_to_seq`: the keys as they were at that stream sequence)."""
+        (or `up_to_seq`: the keys as they were at that stream sequence). Values are charged to
+        `budget` as they arrive (when this peer's answer is the one used): ReplyTooLarge stops
+        the read."""
+        attempt = budget.fork() if budget is not None else None
         if not self.direct and up_to_seq is None:
-            return {k: await self.get(k, timeout, leader=True) for k in keys}
+            got: dict[str, Entry | None] = {}
+            for k in keys:
+                e = got[k] = await self.get(k, timeout, leader=True)
+                if attempt is not None and e is not None and e.value:
+                    attempt.spend(len(e.value))
+            if budget is not None and attempt is not None:
+                budget.left = attempt.left
+            return got
         out: dict[str, Entry | None] = {}
         up_to = up_to_seq
         try:
             with self._accounted():
                 for i in range(0, len(keys), MULTI_LAST_MAX):
                     chunk = keys[i : i + MULTI_LAST_MAX]
-                    up_to = await self._multi_last(chunk, up_to, timeout, out)
+                    up_to = await self._multi_last(chunk, up_to, timeout, out, attempt)
         except nats.errors.NoRespondersError:
             if up_to_seq is not None:
                 raise UpstreamError(f"peer {self.label}: no Direct Get responders "
                                     "(a point-in-time read needs allow_direct)") from None
             self.direct = False
-            return await self.get_many(keys, timeout)
+            return await self.get_many(keys, timeout, budget=budget)
         for k in keys:
             out.setdefault(k, None)
+        if budget is not None and attempt is not None:
+            budget.left = attempt.left
         return out
 
     async def _multi_last(self, keys: list[str], up_to: int | None, timeout: float,
-                          out: dict[str, Entry | None]) -> int | None:
+                          out: dict[str, Entry | None], budget: ReplyBudget | None = None) -> int | None:
         remaining = {jsapi.kv_subject(self.bucket, k): k for k in keys}
         while remaining:
             req: dict = {"multi_last": list(remaining), "batch": len(remaining)}
@@ -325,6 +337,8 @@ class Peer:
                     key = remaining.pop(subject, None)
                     if key is not None:
                         got_any = True
+                        if budget is not None:
+                            budget.spend(len(msg.data))
                         out[key] = self._entry_from_msg(msg, key)
                 if not more or not got_any:
                     return up_to

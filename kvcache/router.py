@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable
 
 from .entry import Entry
-from .errors import UpstreamError
+from .errors import ReplyBudget, UpstreamError
 from .peer import MULTI_LAST_MAX, Peer, PeerStats
 
 __all__ = ["MULTI_LAST_MAX", "Peer", "PeerStats", "Policy", "Router"]
@@ -131,11 +131,12 @@ class Router:
         self.floors.saw(bucket, key, e)
         return e
 
-    async def get_many(self, bucket: str, keys: list[str]) -> dict[str, Entry | None]:
+    async def get_many(self, bucket: str, keys: list[str],
+                       budget: ReplyBudget | None = None) -> dict[str, Entry | None]:
         """MGET misses: one peer answers them all (one snapshot); errors fail over. A key the
         peer answers older than a revision already read is read again from the leader."""
         ps = self._bucket_peers(bucket, False)
-        got = await self._route(ps, lambda p: p.get_many(keys, self.timeout), hedge=False)
+        got = await self._route(ps, lambda p: p.get_many(keys, self.timeout, budget=budget), hedge=False)
         for key, e in got.items():
             if self.floors.behind(bucket, key, e):
                 got[key] = e = await self._from_leader(bucket, key, e)

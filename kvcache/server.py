@@ -5,7 +5,7 @@ of replies). A request that needs NATS suspends the connection's reading until i
 written, which keeps replies in order and applies backpressure to a client that pipelines
 faster than upstream answers. A client that does not read its replies is paused the same way
 (transport write buffer limits), so neither can grow our memory without bound; one that then
-reads nothing at all of what is queued for CLIENT_WRITE_STALL_MS is cut off (its output buffer
+reads nothing at all of what is queued for `client_write_stall_ms` is cut off (its output buffer
 stayed above the high-water mark without draining), as Redis's client-output-buffer-limit does,
 so it does not hold its slot and buffers for ever.
 
@@ -42,10 +42,6 @@ GETPATH = pick("getpath", "getpath")
 WRITE_HIGH_WATER = 1 << 20
 TOO_MANY_CLIENTS = resp.error("ERR max number of clients reached")
 SHUTTING_DOWN = resp.error("ERR kvcache is shutting down")
-# A client whose replies stay above WRITE_HIGH_WATER without it reading any of them for this
-# long is disconnected. Config field `client_write_stall_ms` when the Config has one, else the
-# KVCACHE_CLIENT_WRITE_STALL_MS environment variable; 0 turns the cut-off off.
-WRITE_STALL_MS = 60_000
 # File descriptors beyond max_clients: NATS connections, LMDB, logs, the listening socket.
 FD_MARGIN = 256
 
@@ -134,6 +130,7 @@ class Connection(GETPATH.GetConnection, asyncio.Protocol):
             return
         log.warning("client %d read none of its %d bytes of queued replies in %gs: disconnecting",
                     self.id, size, self.srv.write_stall_s)
+        self.srv.stats.clients_cut_off += 1
         self._closing = True
         transport.abort()  # connection_lost follows: the slot and the buffers are freed
 
@@ -290,15 +287,7 @@ class RespServer:
         self._ids = itertools.count(1)
         self._inode: int | None = None
         self.closing = False
-        stall = getattr(cfg, "client_write_stall_ms", None)
-        if stall is None:
-            raw = os.environ.get("KVCACHE_CLIENT_WRITE_STALL_MS", "").strip()
-            try:
-                stall = int(raw) if raw else WRITE_STALL_MS
-            except ValueError:
-                raise KvcacheError("KVCACHE_CLIENT_WRITE_STALL_MS must be an integer (ms), "
-                                   f"got '{raw}'") from None
-        self.write_stall_s = max(0, stall) / 1000
+        self.write_stall_s = cfg.client_write_stall_ms / 1000
 
     def _plan(self, key: bytes) -> tuple | bool:
         """The GET path's planner (see kvcache.getpath) over the command layer's plans."""

@@ -315,6 +315,25 @@ def test_mget_nodirect_bucket(r):
     assert r.mget("nodirect:in.a", "nodirect:out.a", "nodirect:out.nosuch") == [b"NA", b"NB", None]
 
 
+def test_mget_reply_budget(env, tmp_path):
+    """An MGET whose values exceed max_reply_bytes is refused while it is gathered (local
+    values and remote ones alike) with a clear error; smaller ones and the connection are fine."""
+    sc = Sidecar(tmp_path / "sc", env["url"], ["main:in.>", "many:in.>"],
+                 extra=["--max-reply-bytes", str(len(BIG) + 4000)])
+    with sc:
+        sc.start()
+        c = redis.Redis(unix_socket_path=sc.socket, socket_timeout=30)
+        assert c.mget(["in.big", "in.k1"]) == [BIG, b"v1"]
+        with pytest.raises(redis.ResponseError, match="reply too large.*max_reply_bytes"):
+            c.mget(["in.big", "in.big"])                               # local values
+        remote = [f"many:r.{i:04d}" for i in range(MANY)]              # ~6 KB of remote values
+        with pytest.raises(redis.ResponseError, match="reply too large"):
+            c.mget(["in.big"] + remote)
+        assert c.mget(remote[:100]) == [b"m%d" % i for i in range(100)]
+        assert c.ping() and c.info("stats")["remote_errors"] == 0
+        c.close()
+
+
 def test_exists(r):
     assert r.exists("in.k1") == 1
     assert r.exists("in.k1", "in.k1", "in.nosuch", "in.gone", "out.r1", "out.gone",
