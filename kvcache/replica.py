@@ -10,7 +10,11 @@ transaction held open pins old pages and makes the file grow under a busy writer
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Iterator, Sequence, TypeVar
@@ -24,6 +28,9 @@ from .record import (  # noqa: F401 - re-exported: the replica's record format
 )
 
 T = TypeVar("T")
+
+log = logging.getLogger("kvcache.replica")
+
 
 FORMAT_VERSION = 1
 META_DB = b"__meta__"
@@ -71,20 +78,42 @@ class Replica:
                 self.env = _shared_readonly_env(path)
             else:
                 os.makedirs(path, exist_ok=True)
-                self.env = lmdb.open(
-                    path, map_size=map_size, max_dbs=MAX_DBS,
-                    # Durability comes from NATS: after an OS crash we resume from an older
-                    # applied sequence, which is still consistent because data and position
-                    # share each transaction. Process crashes lose nothing either way.
-                    sync=False, metasync=False, readahead=False, max_readers=1024,
-                )
+                self.env = self._open_checked(map_size)
         except lmdb.Error as e:
             raise ReplicaError(f"cannot open replica at {path}: {e}") from None
         self._meta = self.db_ro(META_DB) if readonly else self._open_rw(META_DB)
         if not readonly:
             self._check_format()
 
-    # ------------------------------------------------------------------ layout
+    def _open_env(self, map_size: int) -> lmdb.Environment:
+        return lmdb.open(
+            self.path, map_size=map_size, max_dbs=MAX_DBS,
+            # Durability comes from NATS: after an OS crash we resume from an older
+            # applied sequence, which is still consistent because data and position
+            # share each transaction. Process crashes lose nothing either way.
+            sync=False, metasync=False, readahead=False, max_readers=1024,
+        )
+
+    def _open_checked(self, map_size: int) -> lmdb.Environment:
+        """Open the writer's environment; a damaged one is deleted and created anew.
+
+        Why: the replica is only a cache of NATS, so a damaged file costs a full resync and
+        nothing else, while using it crashed the process (a truncated data.mdb is mapped past
+        its end: SIGBUS at the first read of a missing page; a zeroed page: an assertion
+        abort in LMDB's cursor), stopped the sidecar at every start (MDB_INVALID) or failed
+        the feed's every write (MDB_CORRUPTED). Since looking at a damaged file can kill the
+        looker, the look happens in a child process (see _damage). LMDB keeps no checksums:
+        damage inside a value cannot be seen, only damage to the file's structure."""
+        damage = _damage(self.path)
+        if damage is not None:
+            log.warning("replica at %s is damaged (%s): deleting it, it will be rebuilt from NATS",
+                        self.path, damage)
+            for name in ("data.mdb", "lock.mdb"):
+                try:
+                    os.unlink(os.path.join(self.path, name))
+                except FileNotFoundError:
+                    pass
+        return self._open_env(map_size)
 
     def _open_rw(self, name: bytes):
         db = self._dbs.get(name)
@@ -217,7 +246,19 @@ class Replica:
             except lmdb.MapFullError:
                 self._grow(what)
             except lmdb.Error as e:
-                raise ReplicaError(f"replica write failed ({what}): {e}") from None
+                raise ReplicaError(f"replica write failed ({what}): {e}{self._disk_hint()}") from None
+
+    def _disk_hint(self) -> str:
+        """LMDB reports a full disk as "Input/output error" (its short-write code): name the
+        likely cause, or the error reads like failing hardware."""
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return ""
+        free = st.f_bavail * st.f_frsize
+        if free >= 64 << 20 and free >= st.f_blocks * st.f_frsize // 100:
+            return ""
+        return f" (disk full? {free >> 10} KiB free on the replica's filesystem)"
 
     def apply(self, bucket: str, puts: Iterable[tuple[str, bytes, int, int]],
               deletes: Iterable[str], meta: BucketMeta) -> None:
@@ -340,6 +381,56 @@ def _release_readonly_env(path: str) -> None:
         del _READONLY_ENVS[key]
         entry[0].close()
 
+
+# Run by _damage in a child process: exit 0 intact, 3 damaged (reason on stdout), 4 cannot
+# tell (no proof of damage: the parent's own open reports the error). A signal is damage too.
+_CHECK = r"""
+import os, sys, lmdb
+path = sys.argv[1]
+damage = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError,
+          lmdb.PageNotFoundError, lmdb.IncompatibleError, lmdb.BadValsizeError)
+try:
+    env = lmdb.open(path, readonly=True, lock=False, max_dbs=%d, create=False)
+    need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    size = os.path.getsize(os.path.join(path, "data.mdb"))
+    if size < need:
+        print(f"data.mdb is {size} bytes, its pages need {need}: truncated")
+        sys.exit(3)
+    with env.begin() as txn:
+        names = list(txn.cursor().iternext(keys=True, values=False))
+    for name in names:
+        db = env.open_db(name, create=False)
+        with env.begin(db=db) as txn:
+            for _ in txn.cursor().iternext(keys=True, values=False):
+                pass
+except damage as e:
+    print(e)
+    sys.exit(3)
+except Exception as e:
+    print(e)
+    sys.exit(4)
+""" % MAX_DBS
+
+
+def _damage(path: str) -> str | None:
+    """Why the replica at `path` cannot be trusted, or None. In a child process, because
+    LMDB answers some damage with SIGBUS or abort(): is the file as long as its meta page
+    says (checked before any other page is read), then a walk over the keys of every
+    database (not the values' overflow pages, so it stays cheap next to a resync), in which
+    LMDB checks each page it reaches."""
+    data = os.path.join(path, "data.mdb")
+    try:
+        if os.path.getsize(data) == 0:
+            return None
+    except FileNotFoundError:
+        return None
+    r = subprocess.run([sys.executable, "-c", _CHECK, path], capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL)
+    if r.returncode == 3:
+        return r.stdout.strip() or "damaged"
+    if r.returncode < 0:
+        return f"reading it killed the checking process with {signal.Signals(-r.returncode).name}"
+    return None
 
 def now_ns() -> int:
     return time.time_ns()

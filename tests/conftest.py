@@ -6,6 +6,8 @@ when the test failed.
 """
 from __future__ import annotations
 
+import os
+import sys
 from typing import Iterator
 
 import pytest
@@ -58,3 +60,20 @@ def leaf_servers(tmp_path_factory, nats_cluster: Cluster) -> Iterator[dict[str, 
     finally:
         for leaf in leaves.values():
             leaf.stop()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """The fault tests' results (test_faults.FAULT_ROWS) as a markdown table; also written
+    to $KVCACHE_FAULT_TABLE when set."""
+    rows = getattr(sys.modules.get("test_faults"), "FAULT_ROWS", None)
+    if not rows:
+        return
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
+    table = "\n".join(lines) + "\n"
+    terminalreporter.section("fault tests")
+    terminalreporter.write(table)
+    if path := os.environ.get("KVCACHE_FAULT_TABLE"):
+        with open(path, "w") as f:
+            f.write(table)

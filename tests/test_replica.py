@@ -216,3 +216,63 @@ def test_format_version_mismatch_wipes_the_replica(tmp_path):
     finally:
         r.close()
 
+
+
+def _truncate(data: str) -> None:
+    os.truncate(data, os.path.getsize(data) // 3)
+
+
+def _bad_header(data: str) -> None:
+    with open(data, "r+b") as f:
+        f.write(b"\xa5" * 8192)  # both meta pages
+
+
+def _zeroed_pages(data: str) -> None:
+    size = os.path.getsize(data)
+    with open(data, "r+b") as f:
+        f.seek(size // 4)
+        f.write(bytes(size // 2))
+
+
+@pytest.mark.parametrize("damage", [_truncate, _bad_header, _zeroed_pages])
+def test_damaged_replica_is_deleted_and_recreated(tmp_path, damage, caplog):
+    """Without the check, a truncated file was a SIGBUS at the first read, a bad header
+    stopped the sidecar at every start (MDB_INVALID), zeroed pages failed the feed's every
+    write (MDB_CORRUPTED)."""
+    path = str(tmp_path / "replica")
+    r = Replica(path, map_size=16 * MiB)
+    r.apply_items("b", [op(i + 1, f"k.{i:05d}", b"v" * 100) for i in range(3000)], meta_at(3000))
+    r.close()
+    damage(os.path.join(path, "data.mdb"))
+    r = Replica(path, map_size=16 * MiB)
+    try:
+        assert r.count("b") == 0 and r.meta("b") == BucketMeta()
+        r.apply_items("b", [op(1, "k", b"v")], meta_at(1))
+        assert r.get("b", "k").value == b"v"
+    finally:
+        r.close()
+    assert "is damaged" in caplog.text
+
+
+def test_intact_replica_is_kept(tmp_path, caplog):
+    path = str(tmp_path / "replica")
+    r = Replica(path, map_size=16 * MiB)
+    r.apply_items("b", [op(i + 1, f"k.{i:05d}", b"v" * 100) for i in range(3000)], meta_at(3000))
+    r.close()
+    r = Replica(path, map_size=16 * MiB)
+    try:
+        assert r.count("b") == 3000 and r.meta("b").applied_seq == 3000
+    finally:
+        r.close()
+    assert "is damaged" not in caplog.text
+
+
+def test_an_error_that_is_not_damage_keeps_the_files(tmp_path):
+    """Only proof of damage costs the replica: an environment LMDB cannot open for another
+    reason (here data.mdb is a directory) is reported, and nothing is deleted."""
+    path = tmp_path / "replica"
+    (path / "data.mdb").mkdir(parents=True)
+    (path / "data.mdb" / "keep").write_bytes(b"x")
+    with pytest.raises(ReplicaError, match="Is a directory"):
+        Replica(str(path), map_size=16 * MiB)
+    assert (path / "data.mdb" / "keep").exists()
