@@ -6,13 +6,16 @@ nats-py `kv.get` connected to the hub (what users do today), in the same run.
 Starts a 3-node JetStream cluster (domain `hub`, an R3 bucket `rb`) and two leaf nodes, each
 in its own domain with a mirror of the bucket (`mirror_direct`), all on 127.0.0.1. A DelayProxy
 (tests/topology.py), run in a child process so it never competes with the measuring client for
-the GIL, puts a one-way delay in front of each: leaf1 0 ms, hub 5 ms, leaf2 20 ms. The sidecar
+the GIL, puts a one-way delay in front of each: leaf1 0 ms, hub 5 ms, leaf2 20 ms (--delays
+changes them; `--delays 1,5,20` gives the fastest peer a network of its own). The sidecar
 connects to the hub through its proxy and has the two mirrors as [[peer]] entries through
 theirs; its bucket replicates `local.>` only, so every `GET far.<n>` is a fallback read.
 
 Phases: each peer's own Direct Get latency; nats-py `kv.get` over the hub proxy; sidecar GETs;
 sidecar GETs with the fastest peer (leaf1) frozen a third of the way in. Reports p50/p99,
-failed reads, hedges against the budget, and whether the issue's targets were met.
+failed reads, hedges against the budget, and whether the issue's targets were met. Sidecar
+reads are timed through kvcache.AsyncClient and through redis-py; the row "the hop alone"
+(a replicated key) is what any read through the sidecar costs on top of the peer.
 """
 from __future__ import annotations
 
@@ -153,7 +156,7 @@ def ms(x: float) -> str:
     return f"{x * 1000:.3f}"
 
 
-def run(n: int, tmp: Path) -> dict:
+def run(n: int, tmp: Path, delays: dict[str, float] = DELAYS) -> dict:
     cluster = start_cluster(tmp / "hub", n=3, domain="hub")
     leaves, proxies, sc = {}, None, None
     try:
@@ -161,7 +164,7 @@ def run(n: int, tmp: Path) -> dict:
             leaves[name] = start_leaf(tmp / "leaves", cluster, domain=name)
         setup_data(cluster.urls[0], leaves)
         proxies = ProxyHost({"hub": cluster.servers[0].port, "leaf1": leaves["leaf1"].port,
-                             "leaf2": leaves["leaf2"].port}, DELAYS)
+                             "leaf2": leaves["leaf2"].port}, delays)
         urls = proxies.urls
         leaf2 = asyncio.run(peer_latency(urls["leaf2"], f"$JS.leaf2.API.DIRECT.GET.KV_{BUCKET}_leaf2",
                                          max(100, n // 10)))
@@ -192,9 +195,10 @@ def run(n: int, tmp: Path) -> dict:
                          if ("sidecar" in k or "redis-py" in k) and "local" not in k)
     return {
         "requests": n,
-        "rows": [("peer leaf1 own Direct Get (0 ms)", lat["steady leaf1"], failed["steady leaf1"]),
-                 ("peer hub own Direct Get (5 ms)", lat["steady hub"], failed["steady hub"]),
-                 ("peer leaf2 own Direct Get (20 ms), separate run", leaf2, 0),
+        "rows": [(f"peer leaf1 own Direct Get ({delays['leaf1'] * 1e3:g} ms)", lat["steady leaf1"],
+                  failed["steady leaf1"]),
+                 (f"peer hub own Direct Get ({delays['hub'] * 1e3:g} ms)", lat["steady hub"], failed["steady hub"]),
+                 (f"peer leaf2 own Direct Get ({delays['leaf2'] * 1e3:g} ms), separate run", leaf2, 0),
                  ("nats-py kv.get via the hub", lat["steady kv.get"], failed["steady kv.get"]),
                  ("sidecar GET (fallback, routed), kvcache.AsyncClient", lat["steady sidecar"],
                   failed["steady sidecar"]),
@@ -258,10 +262,13 @@ def report(res: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--delays", metavar="MS,MS,MS", default="0,5,20",
+                    help="one-way delays (ms) of leaf1, hub and leaf2; leaf1 must stay the fastest")
     ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvroute-") as d:
-        res = run(args.requests, Path(d))
+        ms_ = [float(x) / 1000 for x in args.delays.split(",")]
+        res = run(args.requests, Path(d), dict(zip(("leaf1", "hub", "leaf2"), ms_)))
     report(res)
     if args.json:
         Path(args.json).write_text(json.dumps(
