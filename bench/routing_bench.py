@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import sys
 import tempfile
 import time
@@ -98,9 +99,9 @@ async def peer_latency(url: str, subject_prefix: str, n: int) -> list[float]:
 
 
 async def interleaved(urls: dict[str, str], socket: str, n: int, proxies: "ProxyHost") -> dict:
-    """Each iteration times, one after the other on the same key: leaf1's and the hub's own
-    Direct Get, nats-py `kv.get` via the hub and a sidecar GET, so the machine's noise (2
-    shared cores) falls on all of them alike. Phase `steady`, then phase `stall`, in which
+    """Each iteration times, one after the other (in a shuffled order) on the same key:
+    leaf1's and the hub's own Direct Get, nats-py `kv.get` via the hub and sidecar GETs, so
+    the machine's noise (2 shared cores) falls on all of them alike. Phase `steady`, then phase `stall`, in which
     leaf1's proxy freezes a third of the way in (leaf1's own reads stop there)."""
     ncs = {name: await nats.connect(urls[name]) for name in ("leaf1", "hub")}
     subject = {"leaf1": f"$JS.leaf1.API.DIRECT.GET.KV_{BUCKET}_leaf1",
@@ -110,6 +111,7 @@ async def interleaved(urls: dict[str, str], socket: str, n: int, proxies: "Proxy
     kc = AsyncClient(socket)        # the package's own client: the leanest way in
     lat: dict[str, list[float]] = defaultdict(list)
     failed: Counter = Counter()
+    order = random.Random(1)
 
     async def timed(label: str, op) -> None:
         t = time.perf_counter()
@@ -133,15 +135,20 @@ async def interleaved(urls: dict[str, str], socket: str, n: int, proxies: "Proxy
                 if phase == "stall" and i == n // 3:
                     info["freeze"] = (await r.info("routing"), await r.info("peers"))
                     proxies.do("freeze", "leaf1")
-                for name in ("leaf1", "hub"):
-                    if not (frozen and name == "leaf1"):
-                        await timed(f"{phase} {name}", lambda name=name: ncs[name].request(
-                            f"{subject[name]}.$KV.{BUCKET}.{key}", b"", timeout=5))
-                await timed(f"{phase} kv.get", lambda: kv.get(key))
-                await timed(f"{phase} sidecar" + (" frozen" if frozen else ""), lambda: kc.get(key))
-                await timed(f"{phase} sidecar local", lambda: kc.get("local.0"))
-                await timed(f"{phase} redis-py", lambda: r.get(key))
-                await timed(f"{phase} redis-py local", lambda: r.get("local.0"))
+                ops = [(f"{phase} {name}", lambda name=name: ncs[name].request(
+                    f"{subject[name]}.$KV.{BUCKET}.{key}", b"", timeout=5))
+                    for name in ("leaf1", "hub") if not (frozen and name == "leaf1")]
+                ops += [(f"{phase} kv.get", lambda: kv.get(key)),
+                        (f"{phase} sidecar" + (" frozen" if frozen else ""), lambda: kc.get(key)),
+                        (f"{phase} sidecar local", lambda: kc.get("local.0")),
+                        (f"{phase} redis-py", lambda: r.get(key)),
+                        (f"{phase} redis-py local", lambda: r.get("local.0"))]
+                # In a new order each time: whichever read follows the slow (10+ ms) ones
+                # finds processes and CPUs gone idle and pays for waking them (~0.5 ms here);
+                # a fixed order would charge that to the same path every time.
+                order.shuffle(ops)
+                for label, op in ops:
+                    await timed(label, op)
             info[phase] = (await r.info("routing"), await r.info("peers"))
         proxies.do("thaw", "leaf1")
         return {"lat": lat, "failed": failed, "info": info}
