@@ -36,7 +36,7 @@ test: system-deps install-test
 	$(PYTHON) -m ruff check kvcache tests bench
 	$(PYTHON) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 	# the socket path once more on the pure-Python twins of the native readers
-	KVCACHE_NO_EXTENSIONS=1 $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_server.py tests/test_commands.py tests/test_client.py
+	KVCACHE_NO_EXTENSIONS=1 $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_server.py tests/test_commands.py tests/test_client.py tests/test_hostile.py
 
 clean:
 	rm -rf build dist *.egg-info kvcache-data ext/*.c kvcache/*.so
