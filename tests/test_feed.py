@@ -295,7 +295,11 @@ async def test_ttl_expiry_while_down(nats_server_module, nc, sidecars):
     await until(expired, timeout=30, what="keys expired upstream")
     await kv.put("fresh", b"f")
     sc.start(wait_synced=False)
-    await until(lambda: sorted(replica_state(sc.data_dir, b)) == ["fresh"], what="expired keys gone")
+    # "fresh" has the same 1 s TTL and may itself expire while a loaded machine starts the
+    # sidecar (an expiry without a marker is only seen by the next reconcile): what this
+    # test is about is that no k.* survives the restart.
+    await until(lambda: not any(k.startswith("k.") for k in replica_state(sc.data_dir, b))
+                and bucket_info(sc, b)["synced"] == 1, what="expired keys gone")
 
 
 async def test_full_resync_when_bucket_recreated_while_down(nats_server_module, nc, sidecars):

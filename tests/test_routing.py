@@ -384,7 +384,11 @@ def test_sidecar_discovers_mirrors_from_alternates(hub_and_mirrors, tmp_path):
         await js.add_stream(StreamConfig(name="KV_rs_hubm", mirror=StreamSource(name="KV_rs"),
                                          mirror_direct=True, allow_direct=True, num_replicas=1))
         m = await js._nc.request("$JS.API.STREAM.INFO.KV_rs", b"", timeout=TIMEOUT)
-        return [a["name"] for a in json.loads(m.data).get("alternates", [])]
+        upstream = json.loads(m.data)
+        # the new mirror answers Direct Gets at once: until it has caught up, "not found"
+        while (await js.stream_info("KV_rs_hubm")).state.last_seq < upstream["state"]["last_seq"]:
+            await asyncio.sleep(0.05)
+        return [a["name"] for a in upstream.get("alternates", [])]
     assert "KV_rs_hubm" in nats_run(cluster.urls[0], hub_mirror)
     cfg = sidecar_config(tmp_path / "kvcache.toml", cluster.urls[0], [], discover_peers=True)
     with Sidecar(tmp_path / "sc", None, extra=["--config", cfg]) as sc:
