@@ -300,6 +300,7 @@ class Feed:
         self._consumer: PullConsumer | None = None
         self._task: asyncio.Task | None = None
         self._reconcile_task: asyncio.Task | None = None
+        self._expiry_task: asyncio.Task | None = None
         self._synced_event = asyncio.Event()
         self._last_meta_write = 0
         self._sync_started = 0.0
@@ -315,6 +316,8 @@ class Feed:
         self._plan(info, reconcile=True)
         self._task = asyncio.create_task(self._run(), name=f"feed:{self.bucket}")
         self._task.add_done_callback(self._task_done)
+        if self.stream_config.get("max_age"):
+            self._expiry_task = asyncio.create_task(self._expire_loop(), name=f"expiry:{self.bucket}")
 
     def _plan(self, info: dict, reconcile: bool = False) -> None:
         """Resume or resync. `reconcile`: also check, once caught up, for keys that vanished
@@ -375,7 +378,7 @@ class Feed:
                 self.on_fatal(exc)
 
     async def stop(self) -> None:
-        for task in (self._task, self._reconcile_task):
+        for task in (self._task, self._reconcile_task, self._expiry_task):
             if task and not task.done():
                 task.cancel()
                 try:
@@ -583,6 +586,50 @@ class Feed:
         if max_revision is not None:
             stale = [lk for lk in stale if self.replica.revision(self.bucket, lk) <= max_revision]
         return self.replica.delete_lkeys(self.bucket, stale) if stale else 0
+
+    # -------------------------------------------------------------- live expiry
+
+    async def _expire_loop(self) -> None:
+        """A bucket with a TTL (the stream's max_age) loses old messages from the front of
+        the stream without any message the feed could follow (unless the server places
+        expiry markers). A key whose newest revision is below the stream's first sequence has
+        no message left: it expired. Every half TTL (1 s to 60 s), while caught up, such keys
+        leave the replica; without this they would be served until the next restart."""
+        period = min(60.0, max(1.0, self.stream_config["max_age"] / 2e9))
+        while True:
+            await asyncio.sleep(period)
+            if not self.caught_up or self._full or not self.meta.synced:
+                continue
+            try:
+                info = await jsapi.stream_info(self.nc, self.stream, self.timeout)
+                removed = await self.expire(info.get("state", {}))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the next period tries again; the data is still served
+                log.warning("bucket %s: expiry pass failed: %s", self.bucket, e)
+                continue
+            if removed:
+                log.info("bucket %s: %d keys expired upstream removed", self.bucket, removed)
+
+    async def expire(self, state: dict) -> int:
+        """Drop the keys with no message left in the stream `state` describes. Only while
+        the replica holds everything that stream held (applied up to its last sequence):
+        else a key's newer revision may still be on its way, and dropping the old one would
+        answer "not found" for a key that exists. Each page is read and deleted without an
+        await in between, so no newer revision can land between the two."""
+        first, last = state.get("first_seq", 0), state.get("last_seq", 0)
+        removed = 0
+        after: bytes | None = None
+        while first > 1:
+            if self._full or self.meta.applied_seq < last:
+                break
+            gone, after = self.replica.older_than(self.bucket, first, after)
+            if gone:
+                removed += self.replica.delete_lkeys(self.bucket, gone)
+            if after is None:
+                break
+            await asyncio.sleep(0)  # a page at a time: reads go on meanwhile
+        return removed
 
     # -------------------------------------------------------------- reconcile
 

@@ -220,6 +220,29 @@ class Replica:
                     return
                 ok = cur.next()
 
+    def older_than(self, bucket: str, seq: int, after: bytes | None = None,
+                   limit: int = 10_000) -> tuple[list[bytes], bytes | None]:
+        """LMDB keys (among `limit` after `after`) whose record's revision is below `seq`,
+        and where the next page starts (None at the end): one read transaction a page."""
+        db = self.db(bucket)
+        if db is None:
+            return [], None
+        found: list[bytes] = []
+        last = None
+        n = 0
+        with self.env.begin(db=db, buffers=True) as txn:
+            cur = txn.cursor()
+            ok = cur.set_range(after) if after is not None else cur.first()
+            if ok and after is not None and bytes(cur.key()) == after:
+                ok = cur.next()
+            while ok and n < limit:
+                last = bytes(cur.key())
+                if RECORD.unpack_from(cur.value())[0] < seq:
+                    found.append(last)
+                n += 1
+                ok = cur.next()
+        return found, (last if ok else None)
+
     def revision(self, bucket: str, lkey: bytes) -> int:
         """The revision stored under an LMDB key, 0 if absent."""
         db = self.db(bucket)

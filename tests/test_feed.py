@@ -302,6 +302,33 @@ async def test_ttl_expiry_while_down(nats_server_module, nc, sidecars):
                 and bucket_info(sc, b)["synced"] == 1, what="expired keys gone")
 
 
+async def test_ttl_expiry_while_running(nats_server_module, nc, sidecars):
+    """Keys expired by the bucket's TTL leave a running sidecar's replica (no marker tells
+    the feed; the stream's first sequence does), while a key written again stays."""
+    js = nc.jetstream()
+    b = new_bucket()
+    kv = await js.create_key_value(bucket=b, ttl=2.0)
+    for i in range(10):
+        await kv.put(f"k.{i}", b"v")
+    sc = sidecars(nats_server_module.url, b).start(wait_synced=False)
+    await wait_synced(sc, b, keys=10)
+
+    async def keep_writing() -> None:
+        while True:
+            await kv.put("kept", b"again")
+            await asyncio.sleep(0.3)
+    writer = asyncio.create_task(keep_writing())
+    try:
+        await until(lambda: sorted(replica_state(sc.data_dir, b)) == ["kept"], timeout=30,
+                    what="expired keys gone from the running sidecar")
+        with sc.client() as c:
+            assert c.get(f"{b}:k.0") is None and c.get(f"{b}:kept") == b"again"
+    finally:
+        writer.cancel()
+    assert bucket_info(sc, b)["resyncs"] == 0
+    assert "keys expired upstream removed" in sc.log()
+
+
 async def test_full_resync_when_bucket_recreated_while_down(nats_server_module, nc, sidecars):
     js = nc.jetstream()
     b = new_bucket()

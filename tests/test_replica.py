@@ -104,6 +104,21 @@ def test_iter_keys_pages_and_delete_lkeys(replica):
     assert replica.count("b") == 23
 
 
+def test_older_than_pages_through_every_key(replica):
+    """The live expiry pass: keys whose revision is below a sequence, a page at a time."""
+    keys = [f"k.{i:03d}" for i in range(25)]
+    replica.apply_items("b", [op(i + 1, k, b"v") for i, k in enumerate(keys)], meta_at(25))
+    found, after, pages = [], None, 0
+    while True:
+        page, after = replica.older_than("b", 13, after, limit=4)
+        found += page
+        pages += 1
+        if after is None:
+            break
+    assert found == [lmdb_key(k) for k in keys[:12]] and pages == 7   # revisions 1..12
+    assert replica.older_than("b", 1) == ([], None) and replica.older_than("absent", 99) == ([], None)
+
+
 def test_apply_writes_data_and_position_in_one_transaction(tmp_path):
     r = Replica(str(tmp_path / "replica"), map_size=MiB, max_map_size=4 * MiB)
     try:
