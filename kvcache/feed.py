@@ -41,6 +41,7 @@ log = logging.getLogger("kvcache.feed")
 PULL_BATCH = 8192
 PULL_MAX_BYTES = 16 * 1024 * 1024
 PULL_EXPIRES_S = 30.0
+EXPIRY_PAGE = 2_000     # records looked at per turn of the event loop (~3 ms) by the TTL pass
 META_TOUCH_INTERVAL_NS = 1_000_000_000
 
 # 409 descriptions that end one pull request and nothing more: pull again.
@@ -623,7 +624,7 @@ class Feed:
         while first > 1:
             if self._full or self.meta.applied_seq < last:
                 break
-            gone, after = self.replica.older_than(self.bucket, first, after)
+            gone, after = self.replica.older_than(self.bucket, first, after, EXPIRY_PAGE)
             if gone:
                 removed += self.replica.delete_lkeys(self.bucket, gone)
             if after is None:
