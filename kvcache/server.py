@@ -267,6 +267,9 @@ class Connection(GETPATH.GetConnection, asyncio.Protocol):
                 await asyncio.shield(busy)
             except (asyncio.CancelledError, Exception):
                 pass
+            # A request that ended just before the drain has its _finished (which writes the
+            # reply) scheduled but not run yet, and shield() of a done future does not yield.
+            await asyncio.sleep(0)
         if self.transport and not self.transport.is_closing():
             self.transport.close()
 

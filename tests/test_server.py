@@ -476,7 +476,8 @@ def test_sigterm_with_request_in_flight(tmp_path):
                     connect(s.socket).sendall(b"PING\r\n")
             finally:
                 ns.resume()
-            assert read_until(c, b"remote\r\n") == b"$6\r\nremote\r\n"
+            got = read_until(c, b"remote\r\n")
+            assert got == b"$6\r\nremote\r\n", f"{got!r}\n{s.log()}"
             assert s.proc.wait(30) == 0
             c.close()
             assert not os.path.exists(s.socket)
