@@ -70,6 +70,23 @@ def new_bucket() -> str:
     return "t" + uuid.uuid4().hex[:10]
 
 
+# ----------------------------------------------------------------------------- the sidecar's view
+
+def bucket_info(sc, bucket: str) -> dict:
+    """The sidecar's INFO `# Buckets` row for `bucket` (synced, keys, applied_seq, ...)."""
+    return sc.buckets()[bucket]
+
+
+async def wait_synced(sc, bucket: str, keys: int | None = None, timeout: float = 60.0) -> dict:
+    """Until the sidecar reports `bucket` synced with no lag (and `keys` keys, if given)."""
+    def ok():
+        row = bucket_info(sc, bucket)
+        if row["synced"] == 1 and row["lag_ms"] == 0 and (keys is None or row["keys"] == keys):
+            return row
+        return None
+    return await until(ok, timeout, f"bucket {bucket} synced" + (f" with {keys} keys" if keys is not None else ""))
+
+
 # ----------------------------------------------------------------------------- convergence
 
 def replica_state(data_dir: str | Path, bucket: str) -> State:

@@ -8,12 +8,34 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Iterator
+from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
 
 from kvcache.natsserver import NatsServer
+from sidecar_proc import Sidecar
 from topology import Cluster, start_cluster, start_leaf, start_single
+
+# Feeds notice a lost consumer after 3 heartbeats: short ones keep fault tests quick.
+HEARTBEAT = ["--heartbeat-ms", "500"]
+
+
+@pytest.fixture
+def sidecars(tmp_path) -> Iterator[Callable[..., Sidecar]]:
+    """Make sidecar processes (`kvcache serve` on one bucket spec, short heartbeats); every
+    one still running at the end is killed (by its PID)."""
+    made: list[Sidecar] = []
+
+    def make(url: str, spec: str, name: str = "sc", env: dict[str, str] | None = None,
+             data_dir: Path | None = None) -> Sidecar:
+        sc = Sidecar(data_dir or tmp_path / name, url, buckets=[spec], extra=HEARTBEAT, env=env)
+        made.append(sc)
+        return sc
+
+    yield make
+    for sc in made:
+        sc.kill()
 
 
 @pytest.fixture

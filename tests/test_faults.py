@@ -23,14 +23,14 @@ import nats.errors
 import pytest
 from nats.js.api import KeyValueConfig
 
-from checkers import SETTLING, MonotonicReads, differences, new_bucket, replica_state, settled, until
+from checkers import (SETTLING, MonotonicReads, bucket_info, differences, new_bucket, replica_state, settled,
+                      until, wait_synced)
 from kvcache.replica import FORMAT_KEY, META_DB
 from sidecar_proc import Sidecar
 from topology import DelayProxy
 
 pytestmark = pytest.mark.timeout(180)
 
-HEARTBEAT = ["--heartbeat-ms", "500"]
 SMALL_MAP = {"KVCACHE_MAP_SIZE_MB": "1", "KVCACHE_MAX_MAP_SIZE_MB": "4"}
 READ_KEYS = [f"k.{i:03d}" for i in range(40)]
 
@@ -95,7 +95,7 @@ async def run_fault(name: str, sc: Sidecar, kv, bucket: str, fault: Callable[[],
         last = (await settled(lambda: kv._js.stream_info(kv._stream))).state.last_seq
         caught_up: AssertionError | None = None
         try:
-            await until(lambda: (r := row(sc, bucket))["synced"] == 1 and r["lag_ms"] == 0
+            await until(lambda: (r := bucket_info(sc, bucket))["synced"] == 1 and r["lag_ms"] == 0
                         and r["applied_seq"] >= last, timeout, f"{bucket} caught up with {last}")
         except AssertionError as e:  # the row is still recorded; asserted below
             caught_up = e
@@ -137,35 +137,8 @@ def restart_after(sc: Sidecar, while_down: Callable[[], Awaitable[None]] | None 
     return fault
 
 
-def row(sc: Sidecar, bucket: str) -> dict:
-    return sc.buckets()[bucket]
-
-
-async def synced(sc: Sidecar, bucket: str, keys: int | None = None, timeout: float = 60.0) -> dict:
-    def ok():
-        r = row(sc, bucket)
-        return r if r["synced"] == 1 and r["lag_ms"] == 0 and keys in (None, r["keys"]) else None
-    return await until(ok, timeout, f"{bucket} synced")
-
-
 async def fill(kv, keys: list[str] = READ_KEYS, value: bytes = b"v0") -> None:
     await asyncio.gather(*(kv.put(k, value) for k in keys))
-
-
-@pytest.fixture
-def sidecars(tmp_path):
-    """Make sidecar processes; every one still running at the end is killed (by its PID)."""
-    made: list[Sidecar] = []
-
-    def make(url: str, bucket: str, name: str = "sc", env: dict[str, str] | None = None,
-             data_dir: Path | None = None) -> Sidecar:
-        sc = Sidecar(data_dir or tmp_path / name, url, buckets=[bucket], extra=HEARTBEAT, env=env)
-        made.append(sc)
-        return sc
-
-    yield make
-    for sc in made:
-        sc.kill()
 
 
 @pytest.fixture
@@ -184,7 +157,7 @@ async def started(js, sidecars, url: str, kv_config: KeyValueConfig | None = Non
     b = kv._name
     await fill(kv)
     sc = sidecars(url, b, **make).start(wait_synced=False)
-    await synced(sc, b, keys=len(READ_KEYS))
+    await wait_synced(sc, b, keys=len(READ_KEYS))
     return b, kv, sc
 
 
@@ -215,7 +188,7 @@ async def cluster_bucket(js, sidecars, nats_cluster):
     for k in READ_KEYS:
         await settled(lambda: kv.put(k, b"v0"))
     sc = sidecars(",".join(nats_cluster.urls), b).start(wait_synced=False)
-    await synced(sc, b, keys=len(READ_KEYS))
+    await wait_synced(sc, b, keys=len(READ_KEYS))
     return b, kv, sc
 
 
@@ -238,7 +211,7 @@ async def test_stream_leader_killed_and_restarted_during_writes(nats_cluster, cl
 
     await run_fault("stream leader SIGKILL + restart during writes (R3)", sc, kv, b, fault,
                     reads_may_fail=True)
-    assert row(sc, b)["resyncs"] == 0
+    assert bucket_info(sc, b)["resyncs"] == 0
 
 
 async def test_all_cluster_servers_restarted(nats_cluster, cluster_js, sidecars):
@@ -256,7 +229,7 @@ async def test_all_cluster_servers_restarted(nats_cluster, cluster_js, sidecars)
         return time.monotonic()
 
     await run_fault("all 3 cluster servers restarted", sc, kv, b, fault, reads_may_fail=True)
-    assert row(sc, b)["resyncs"] == 0
+    assert bucket_info(sc, b)["resyncs"] == 0
 
 
 # ----------------------------------------------------------------------------- the connection
@@ -304,7 +277,7 @@ async def test_sidecar_killed_during_initial_sync(nats_server_module, js, sideca
         async def fault() -> float:
             nonlocal offset
             await asyncio.to_thread(sc.start, wait_synced=False)
-            at = await until(lambda: (r := row(sc, b))["keys"] > 0 and r, 30, "the sync to start")
+            at = await until(lambda: (r := bucket_info(sc, b))["keys"] > 0 and r, 30, "the sync to start")
             sc.kill()
             assert at["synced"] == 0 and at["keys"] < n + len(READ_KEYS), at  # really in the middle
             offset = len(sc.log())
@@ -316,7 +289,7 @@ async def test_sidecar_killed_during_initial_sync(nats_server_module, js, sideca
         await run_fault("sidecar kill -9 during initial sync (30k keys)", sc, kv, b, fault,
                         reads_may_fail=True, timeout=90)
         assert "previous full sync did not finish" in sc.log()[offset:]
-        assert row(sc, b)["keys"] == n + len(READ_KEYS)
+        assert bucket_info(sc, b)["keys"] == n + len(READ_KEYS)
     finally:
         proxy.stop()
 
@@ -325,7 +298,7 @@ async def test_sidecar_killed_during_live_updates(nats_server_module, js, sideca
     b, kv, sc = await started(js, sidecars, nats_server_module.url)
     await run_fault("sidecar kill -9 during live updates", sc, kv, b, restart_after(sc),
                     reads_may_fail=True)
-    assert row(sc, b)["resyncs"] == 0
+    assert bucket_info(sc, b)["resyncs"] == 0
 
 
 # ----------------------------------------------------------------------------- while down
@@ -393,7 +366,7 @@ async def test_bucket_deleted_and_recreated_with_other_content(nats_server_modul
 
     # `kv` names the bucket by name: it reads the new one as well as it read the old.
     await run_fault("bucket deleted + recreated with other content", sc, kv, b, fault, write=False)
-    assert row(sc, b)["resyncs"] == 1
+    assert bucket_info(sc, b)["resyncs"] == 1
     assert not set(READ_KEYS[1::2]) & set(replica_state(sc.data_dir, b))
 
 
@@ -468,7 +441,7 @@ async def test_disk_full(small_disk, nats_server_module, js, sidecars):
         return time.monotonic()
 
     await run_fault("disk full (tmpfs), then space freed", sc, kv, b, fault)
-    assert row(sc, b)["resyncs"] == 0
+    assert bucket_info(sc, b)["resyncs"] == 0
 
 
 # ----------------------------------------------------------------------------- a damaged replica
@@ -505,7 +478,7 @@ def old_format(data: Path) -> None:
 async def test_damaged_replica_is_rebuilt(nats_server_module, js, sidecars, damage):
     b, kv, sc = await started(js, sidecars, nats_server_module.url)
     await fill(kv, [f"more.{i:05d}" for i in range(3000)], b"x" * 100)  # a few hundred pages
-    await synced(sc, b, keys=3000 + len(READ_KEYS))
+    await wait_synced(sc, b, keys=3000 + len(READ_KEYS))
     offset = 0
 
     async def while_down() -> None:
@@ -517,4 +490,4 @@ async def test_damaged_replica_is_rebuilt(nats_server_module, js, sidecars, dama
                     restart_after(sc, while_down, graceful=True), reads_may_fail=True)
     if damage is not old_format:
         assert "is damaged" in sc.log()[offset:]
-    assert row(sc, b)["keys"] == 3000 + len(READ_KEYS)
+    assert bucket_info(sc, b)["keys"] == 3000 + len(READ_KEYS)

@@ -12,30 +12,17 @@ import nats.js.errors
 import pytest
 from nats.js.api import KeyValueConfig
 
-from checkers import converged, new_bucket, replica_state, settled, until, upstream_state
+from checkers import (bucket_info, converged, new_bucket, replica_state, settled, until, upstream_state,
+                      wait_synced)
 from kvcache import LocalReader
 from sidecar_proc import Sidecar
 from topology import start_single
 
 pytestmark = pytest.mark.timeout(120)
 
-HEARTBEAT = ["--heartbeat-ms", "500"]
 
 
 # ----------------------------------------------------------------------------- helpers
-
-def bucket_info(sc: Sidecar, bucket: str) -> dict:
-    return sc.buckets()[bucket]
-
-
-async def wait_synced(sc: Sidecar, bucket: str, keys: int | None = None, timeout: float = 30.0) -> dict:
-    def ok():
-        row = bucket_info(sc, bucket)
-        if row["synced"] == 1 and row["lag_ms"] == 0 and (keys is None or row["keys"] == keys):
-            return row
-        return None
-    return await until(ok, timeout, f"bucket {bucket} synced" + (f" with {keys} keys" if keys is not None else ""))
-
 
 def log_since(sc: Sidecar, offset: int) -> str:
     return sc.log_path.read_bytes()[offset:].decode(errors="replace")
@@ -43,21 +30,6 @@ def log_since(sc: Sidecar, offset: int) -> str:
 
 def log_size(sc: Sidecar) -> int:
     return sc.log_path.stat().st_size if sc.log_path.exists() else 0
-
-
-@pytest.fixture
-def sidecars(tmp_path):
-    """Make sidecar processes; every one still running at the end is killed (by its PID)."""
-    made: list[Sidecar] = []
-
-    def make(url: str, spec: str, name: str = "sc", env: dict[str, str] | None = None) -> Sidecar:
-        sc = Sidecar(tmp_path / name, url, buckets=[spec], extra=HEARTBEAT, env=env)
-        made.append(sc)
-        return sc
-
-    yield make
-    for sc in made:
-        sc.kill()
 
 
 @pytest.fixture
