@@ -143,21 +143,12 @@ class Soak:
     async def inject(self, name: str) -> float:
         """Inject one fault; returns when it was lifted (time.monotonic()): the server or
         sidecar restarted, the connection released."""
-        cluster, sc = self.cluster, self.sc
         if name == "leader-kill":
-            leader = (await settled(lambda: self.js.stream_info(f"KV_{BUCKET}"))).cluster.leader
-            victim = cluster.server(leader)
-            victim.kill()
-            await asyncio.sleep(5)
-            lifted = time.monotonic()
-            await asyncio.to_thread(victim.start)
-            await asyncio.to_thread(cluster.wait_ready, 60)
-            return lifted
-        if name == "sidecar-kill9":
-            sc.kill()
-            lifted = time.monotonic()
-            await asyncio.to_thread(sc.start, False)
-            return lifted
+            return await self._bounce(self.cluster.server(await self._leader()), down_s=5, kill=True)
+        if name == "server-restart":
+            leader = await self._leader()
+            follower = next(s for s in self.cluster.servers if s.server_name != leader)
+            return await self._bounce(follower, down_s=2, kill=False)
         if name == "conn-freeze":
             for n in self.proxies.urls:
                 self.proxies.do("freeze", n)
@@ -166,28 +157,42 @@ class Soak:
             for n in self.proxies.urls:
                 self.proxies.do("thaw", n)
             return lifted
-        if name == "server-restart":
-            leader = (await settled(lambda: self.js.stream_info(f"KV_{BUCKET}"))).cluster.leader
-            victim = next(s for s in cluster.servers if s.server_name != leader)
-            await asyncio.to_thread(victim.stop)
-            await asyncio.sleep(2)
-            lifted = time.monotonic()
-            await asyncio.to_thread(victim.start)
-            await asyncio.to_thread(cluster.wait_ready, 60)
-            return lifted
+        if name == "sidecar-kill9":
+            return await self._restart_sidecar(graceful=False)
         if name == "purge-deletes":
             # While the sidecar is down: a purge removes messages without a KV operation the
             # feed could follow, so only the reconcile pass at start can notice (and a purge
             # racing a put removes a live value: upstream's truth, which the replica must follow).
-            sc.kill()
-            await settled(lambda: self.kv.purge_deletes(olderthan=-1))
-            lifted = time.monotonic()
-            await asyncio.to_thread(sc.start, False)
-            return lifted
+            return await self._restart_sidecar(
+                graceful=False, while_down=lambda: settled(lambda: self.kv.purge_deletes(olderthan=-1)))
         assert name == "sidecar-term", name
-        await asyncio.to_thread(sc.stop)
+        return await self._restart_sidecar(graceful=True)
+
+    async def _leader(self) -> str:
+        return (await settled(lambda: self.js.stream_info(f"KV_{BUCKET}"))).cluster.leader
+
+    async def _bounce(self, server, down_s: float, kill: bool) -> float:
+        """Take a cluster member down (SIGKILL or SIGTERM) for `down_s`, then back."""
+        if kill:
+            server.kill()
+        else:
+            await asyncio.to_thread(server.stop)
+        await asyncio.sleep(down_s)
         lifted = time.monotonic()
-        await asyncio.to_thread(sc.start, False)
+        await asyncio.to_thread(server.start)
+        await asyncio.to_thread(self.cluster.wait_ready, 60)
+        return lifted
+
+    async def _restart_sidecar(self, graceful: bool, while_down=None) -> float:
+        """Stop the sidecar (SIGTERM or SIGKILL), run `while_down`, start it again."""
+        if graceful:
+            await asyncio.to_thread(self.sc.stop)
+        else:
+            self.sc.kill()
+        if while_down is not None:
+            await while_down()
+        lifted = time.monotonic()
+        await asyncio.to_thread(self.sc.start, False)
         return lifted
 
     async def recovered(self, n: int, lifted: float, timeout: float = 120.0) -> float:
