@@ -19,6 +19,7 @@ from pathlib import Path
 import nats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from checkers import percentile  # noqa: E402
 from sidecar_proc import Sidecar  # noqa: E402
 
 from kvcache import LocalReader  # noqa: E402
@@ -26,11 +27,6 @@ from kvcache.natsserver import NatsServer  # noqa: E402
 
 
 POLL_S = 0.0001  # a polite poll: a busy loop would steal the CPU the sidecar needs (2 cores)
-
-
-def pct(samples: list[float], p: float) -> float:
-    s = sorted(samples)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
 
 
 async def run(updates: int, timeout: float, tmp: Path) -> None:
@@ -95,8 +91,8 @@ async def run(updates: int, timeout: float, tmp: Path) -> None:
         for name, xs in (("kvcache replica (LocalReader / socket)", local_ms),
                          ("nats-py kv.watch delivery (reference)", watch_ms)):
             if xs:
-                print(f"| {name} | {len(xs)} | {statistics.median(xs):.3f} | {pct(xs, 90):.3f} | "
-                      f"{pct(xs, 99):.3f} | {max(xs):.3f} |")
+                print(f"| {name} | {len(xs)} | {statistics.median(xs):.3f} | {percentile(xs, 90):.3f} | "
+                      f"{percentile(xs, 99):.3f} | {max(xs):.3f} |")
     finally:
         if sc:
             sc.stop()

@@ -37,17 +37,13 @@ from nats.js.api import ExternalStream, StreamConfig, StreamSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from kvcache.client import AsyncClient, KvcacheError  # noqa: E402
+from checkers import percentile  # noqa: E402
 from sidecar_proc import Sidecar  # noqa: E402
 from topology import ProxyHost, nats_run, start_cluster, start_leaf  # noqa: E402
 
 BUCKET = "rb"
 KEYS = 100
 DELAYS = {"leaf1": 0.0, "hub": 0.005, "leaf2": 0.020}   # one-way, seconds
-
-
-def pct(samples: list[float], p: float) -> float:
-    s = sorted(samples)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] if s else float("nan")
 
 
 # ---------------------------------------------------------------------------- topology
@@ -228,10 +224,10 @@ def run(n: int, tmp: Path, delays: dict[str, float] = DELAYS) -> dict:
         "requests_by_peer": {"steady": delta("before", "steady", "peers"),
                              "stall": delta("steady", "stall", "peers")},
         "targets": {
-            "p99 <= 1.2 x fastest peer p99": (pct(lat["steady sidecar"], 99),
-                                              1.2 * pct(lat["steady leaf1"], 99)),
+            "p99 <= 1.2 x fastest peer p99": (percentile(lat["steady sidecar"], 99),
+                                              1.2 * percentile(lat["steady leaf1"], 99)),
             "stalled p99 <= hedge delay + next peer p99": (
-                pct(lat["stall sidecar frozen"], 99), hedge_delay_s + pct(lat["stall hub"], 99)),
+                percentile(lat["stall sidecar frozen"], 99), hedge_delay_s + percentile(lat["stall hub"], 99)),
             "zero failed reads": (sidecar_failed, 0),
         },
     }
@@ -243,7 +239,7 @@ def report(res: dict) -> None:
     print("| reads | p50 ms | p99 ms | max ms | failed |")
     print("|---|---:|---:|---:|---:|")
     for label, lat, failed in res["rows"]:
-        print(f"| {label} | {ms(pct(lat, 50))} | {ms(pct(lat, 99))} | {ms(max(lat))} | {failed} |")
+        print(f"| {label} | {ms(percentile(lat, 50))} | {ms(percentile(lat, 99))} | {ms(max(lat))} | {failed} |")
     h = res["hedges"]
     for phase in ("steady", "stall"):
         sent, req = h[phase]["sent"], h[phase]["routed"]
@@ -279,7 +275,7 @@ def main() -> None:
     report(res)
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {**res, "rows": [(label, pct(lat, 50), pct(lat, 99), failed)
+            {**res, "rows": [(label, percentile(lat, 50), percentile(lat, 99), failed)
                              for label, lat, failed in res["rows"]]}, indent=1, default=str))
 
 
