@@ -113,7 +113,7 @@ async def run_fault(name: str, sc: Sidecar, kv, bucket: str, fault: Callable[[],
     })
     assert caught_up is None, f"{name}: {caught_up}\n{sc.log()}"
     assert diff.count == 0, f"{name}: replica != bucket: {diff}\n{sc.log()}"
-    assert not reads.regressions, f"{name}: {reads.summary()}"
+    assert not reads.regressions, f"{name}: {reads.summary()}\n{sc.log()}"
     assert reads.reads > 0, reads.summary()
     if not reads_may_fail:
         assert reads.failed == 0, f"{name}: {reads.summary()}\n{sc.log()}"
