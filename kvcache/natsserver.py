@@ -306,10 +306,23 @@ class NatsServer:
             self._proc = None
         self._paused = False
 
-    def pause(self) -> None:
-        """SIGSTOP: the server keeps its sockets but answers nothing (a hung peer)."""
+    def pause(self, timeout: float = 2.0) -> None:
+        """SIGSTOP: the server keeps its sockets but answers nothing (a hung peer). Returns
+        once the process is stopped: the signal is asynchronous, and a server thread still
+        running for a moment answered a connection made right after (seen in CI)."""
         self._signal(signal.SIGSTOP)
         self._paused = self.running
+        pid = self.pid
+        deadline = time.monotonic() + timeout
+        while pid and self._paused and time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                return  # no /proc (not Linux) or the process is gone: nothing to wait for
+            if state in ("T", "t"):
+                return
+            time.sleep(0.001)
 
     def resume(self) -> None:
         self._signal(signal.SIGCONT)
