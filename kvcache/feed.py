@@ -42,6 +42,8 @@ PULL_BATCH = 8192
 PULL_MAX_BYTES = 16 * 1024 * 1024
 PULL_EXPIRES_S = 30.0
 EXPIRY_PAGE = 2_000     # records looked at per turn of the event loop (~3 ms) by the TTL pass
+PLACEMENT_TRIES = 32    # consumers made to get one on the stream leader (R3: all miss with p = 2e-6)
+RECONCILE_TRIES = 3
 META_TOUCH_INTERVAL_NS = 1_000_000_000
 
 # 409 descriptions that end one pull request and nothing more: pull again.
@@ -55,19 +57,24 @@ class ConsumerLost(KvcacheError):
 Run = proto.Run  # consecutive deliveries as replica items; see kvcache.natsproto.Run
 
 
+def _consumer_name() -> str:
+    return "kvcache_" + secrets.token_hex(8)
+
+
 class PullConsumer:
     """One ephemeral pull consumer over a KV stream, delivering in order or failing loudly.
 
     `on_batch(runs)` runs synchronously for everything a socket read brought (gap-free Runs, in
     order) and returns True to finish; `on_idle(last_stream_seq)` runs when the server reports, while we are
     caught up, that it has nothing more (0 when unknown). An exception raised by either ends
-    the consumer and propagates out of `run()`.
+    the consumer and propagates out of `run()`. `after_create(stream_info)` runs once the
+    consumer exists on the stream leader, with the leader's STREAM.INFO answer.
     """
 
     def __init__(self, nc: Connection, stream: str, prefix: str, filters: list[str], *,
                  start_seq: int | None, headers_only: bool, heartbeat_s: float,
                  on_batch: Callable[[list[Run]], bool], on_idle: Callable[[int], None],
-                 after_create: Callable[[], Awaitable[None]] | None = None,
+                 after_create: Callable[[dict], Awaitable[None]] | None = None,
                  api: str = "$JS.API", timeout: float = 5.0) -> None:
         self.nc = nc
         self.stream = stream
@@ -81,7 +88,8 @@ class PullConsumer:
         self.after_create = after_create
         self.api = api
         self.timeout = timeout
-        self.name = "kvcache_" + secrets.token_hex(8)
+        self.name = _consumer_name()
+        self.placement_retries = 0
         self.initial_pending = 0
         self.delivered = 0
         self._inbox = nc.new_inbox()
@@ -103,10 +111,10 @@ class PullConsumer:
         self.nc.add_lane(sub._id, self.prefix, self._on_lane)
         created = False
         try:
-            info = await self._create()
+            info, stream_info = await self._create_placed()
             created = True
             if self.after_create is not None:
-                await self.after_create()
+                await self.after_create(stream_info)
             self._last_activity = time.monotonic()
             self.initial_pending = info.get("num_pending", 0)
             if self.initial_pending == 0:
@@ -144,6 +152,34 @@ class PullConsumer:
     def finish(self) -> None:
         self._done = True
         self._wake.set()
+
+    async def _create_placed(self) -> tuple[dict, dict]:
+        """Create the consumer on the stream leader: the consumer info and the leader's
+        STREAM.INFO. A consumer on another replica reads that replica's store (see
+        jsapi.misplaced); a feed reading one that lags after a restart would call an old state
+        caught up, and reads would go back in time (seen in tests/test_faults.py with all
+        servers restarted: revision 110 read from a peer, then 70 from the replica). So a
+        misplaced consumer is deleted and made again (a few ms each): each try lands on the
+        leader with chance 1/replicas; after PLACEMENT_TRIES the feed backs off and tries later."""
+        why = ""
+        for attempt in range(PLACEMENT_TRIES):
+            if attempt:
+                self.placement_retries += 1
+                self.name = _consumer_name()
+            info = await self._create()
+            try:
+                stream_info = await jsapi.stream_info(self.nc, self.stream, self.timeout, self.api,
+                                                      need_leader=True)
+                why = jsapi.misplaced(info, stream_info)
+            except jsapi.NoLeader as e:
+                why = str(e)
+            except BaseException:
+                asyncio.ensure_future(self._delete_quietly())
+                raise
+            if why is None:
+                return info, stream_info
+            await self._delete_quietly()
+        raise ConsumerLost(f"no consumer on the stream leader in {PLACEMENT_TRIES} tries: {why}")
 
     async def _create(self) -> dict:
         cfg: dict = {
@@ -313,12 +349,24 @@ class Feed:
 
     async def start(self) -> None:
         """Check the bucket exists and choose resume or full resync; raises BucketNotFound."""
-        info = await jsapi.stream_info(self.nc, self.stream, self.timeout)
+        info = await self._stream_info()
         self._plan(info, reconcile=True)
         self._task = asyncio.create_task(self._run(), name=f"feed:{self.bucket}")
         self._task.add_done_callback(self._task_done)
         if self.stream_config.get("max_age"):
             self._expiry_task = asyncio.create_task(self._expire_loop(), name=f"expiry:{self.bucket}")
+
+    async def _stream_info(self) -> dict:
+        """The stream as its leader sees it, waiting up to the request timeout for a leader
+        (a member answering meanwhile may be far behind: a lag would look like a purge)."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return await jsapi.stream_info(self.nc, self.stream, self.timeout, need_leader=True)
+            except jsapi.NoLeader:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.1)
 
     def _plan(self, info: dict, reconcile: bool = False) -> None:
         """Resume or resync. `reconcile`: also check, once caught up, for keys that vanished
@@ -492,19 +540,21 @@ class Feed:
             self._sync_started = time.monotonic()
         return consumer
 
-    async def _check_identity(self) -> None:
+    async def _check_identity(self, info: dict) -> None:
         """Right after creating a consumer: is it on the stream we planned for? The stream may
         have been deleted and recreated between our look at it and the consumer's creation."""
-        info = await jsapi.stream_info(self.nc, self.stream, self.timeout)
         created = info.get("created", "")
         if created and self.meta.stream_created and created != self.meta.stream_created:
             raise ConsumerLost("the stream was recreated while the consumer was being created")
+        if self._consumer is not None and self._consumer.placement_retries:
+            log.info("bucket %s: consumer on the stream leader %s after %d misplaced ones",
+                     self.bucket, jsapi.stream_leader(info), self._consumer.placement_retries)
 
     async def _replan(self) -> bool:
         """Before recreating, check the stream: it may have been purged or recreated meanwhile.
         False when the stream cannot be looked at (gone, or NATS unreachable): try again later."""
         try:
-            info = await jsapi.stream_info(self.nc, self.stream, self.timeout)
+            info = await self._stream_info()
         except (UpstreamError, BucketNotFound) as e:  # keep trying, serve what we have
             log.warning("bucket %s: %s", self.bucket, e)
             return False
@@ -602,7 +652,7 @@ class Feed:
             if not self.caught_up or self._full or not self.meta.synced:
                 continue
             try:
-                info = await jsapi.stream_info(self.nc, self.stream, self.timeout)
+                info = await self._stream_info()
                 removed = await self.expire(info.get("state", {}))
             except asyncio.CancelledError:
                 raise
@@ -636,40 +686,52 @@ class Feed:
 
     async def _reconcile(self) -> None:
         """After a resume, find keys that vanished while we were down (purged delete markers,
-        TTL expiry, stream purge) with a headers-only last-per-subject pass, and drop them."""
-        try:
-            info = await jsapi.stream_info(self.nc, self.stream, self.timeout)
-            snapshot = info.get("state", {}).get("last_seq", 0)
-            live: set[bytes] = set()
-            consumer: PullConsumer | None = None
-
-            def collect(runs: list[Run]) -> bool:
-                for r in runs:
-                    for lk, rec in r.items:
-                        if rec is not None:
-                            live.add(lk)
-                        else:
-                            live.discard(lk)
-                return runs[-1].last_pending == 0
-
-            def idle(_last: int) -> None:
-                if consumer is not None:
-                    consumer.finish()
-
-            consumer = PullConsumer(
-                self.nc, self.stream, self.prefix, self.filters, start_seq=None,
-                headers_only=True, heartbeat_s=self.heartbeat_s,
-                on_batch=collect, on_idle=idle, timeout=self.timeout,
-            )
-            await consumer.run()
-            if self._full:  # a full resync started meanwhile and will sweep by itself
+        TTL expiry, stream purge) with a headers-only last-per-subject pass, and drop them.
+        A failed pass (NATS busy electing leaders after a restart) is tried again a little
+        later; after RECONCILE_TRIES the next start tries again, and the data is served meanwhile."""
+        for attempt in range(1, RECONCILE_TRIES + 1):
+            try:
+                removed = await self._reconcile_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("bucket %s: reconcile pass failed (try %d of %d): %s",
+                            self.bucket, attempt, RECONCILE_TRIES, e)
+                await asyncio.sleep(attempt * self.heartbeat_s)
+                continue
+            if removed is None:  # a full resync started meanwhile and sweeps by itself
                 return
-            removed = self._sweep(live, max_revision=snapshot)
             if removed:
                 log.info("bucket %s: reconcile removed %d keys that vanished upstream", self.bucket, removed)
             else:
                 log.info("bucket %s: reconcile found nothing to remove", self.bucket)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # the next restart will try again; the data is still served
-            log.warning("bucket %s: reconcile pass failed: %s", self.bucket, e)
+            return
+
+    async def _reconcile_once(self) -> int | None:
+        info = await self._stream_info()
+        snapshot = info.get("state", {}).get("last_seq", 0)
+        live: set[bytes] = set()
+        consumer: PullConsumer | None = None
+
+        def collect(runs: list[Run]) -> bool:
+            for r in runs:
+                for lk, rec in r.items:
+                    if rec is not None:
+                        live.add(lk)
+                    else:
+                        live.discard(lk)
+            return runs[-1].last_pending == 0
+
+        def idle(_last: int) -> None:
+            if consumer is not None:
+                consumer.finish()
+
+        consumer = PullConsumer(
+            self.nc, self.stream, self.prefix, self.filters, start_seq=None,
+            headers_only=True, heartbeat_s=self.heartbeat_s,
+            on_batch=collect, on_idle=idle, timeout=self.timeout,
+        )
+        await consumer.run()
+        if self._full:
+            return None
+        return self._sweep(live, max_revision=snapshot)

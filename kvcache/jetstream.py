@@ -54,13 +54,46 @@ class ApiError(UpstreamError):
         self.description = description
 
 
-async def stream_info(nc: NATS, stream: str, timeout: float, prefix: str = "$JS.API") -> dict[str, Any]:
+class NoLeader(UpstreamError):
+    """A clustered stream's STREAM.INFO answered while its group has no leader."""
+
+
+async def stream_info(nc: NATS, stream: str, timeout: float, prefix: str = "$JS.API", *,
+                      need_leader: bool = False) -> dict[str, Any]:
+    """`need_leader`: the answer must come from the stream's leader. While a clustered stream
+    has no leader, every member answers from its own store, and a member restarted a moment
+    ago may be many writes behind: its state is no ground for a plan (raises NoLeader)."""
     try:
-        return await api_request(nc, f"{prefix}.STREAM.INFO.{stream}", None, timeout)
+        info = await api_request(nc, f"{prefix}.STREAM.INFO.{stream}", None, timeout)
     except ApiError as e:
         if e.err_code == STREAM_NOT_FOUND or e.code == 404:
             raise BucketNotFound(f"stream {stream} not found") from None
         raise
+    if need_leader and info.get("cluster") is not None and not stream_leader(info):
+        raise NoLeader(f"stream {stream} has no leader yet")
+    return info
+
+
+def stream_leader(info: dict[str, Any]) -> str:
+    """The server leading a stream or consumer ('' when none is known), from its info."""
+    return (info.get("cluster") or {}).get("leader") or ""
+
+
+def misplaced(consumer: dict[str, Any], stream: dict[str, Any]) -> str | None:
+    """Why a consumer may not see the stream as its leader does, or None when it does.
+
+    nats-server puts an R1 consumer on a random active replica of the stream, and the
+    consumer reads that replica's store; a replica catching up after a restart may be
+    thousands of writes behind, yet its consumer reports nothing pending. Outside a cluster
+    (no cluster info) the one server holds the stream."""
+    if consumer.get("cluster") is None:
+        return None
+    host, leader = stream_leader(consumer), stream_leader(stream)
+    if not leader:
+        return "the stream has no leader"
+    if host != leader:
+        return f"placed on {host or 'no server'}, not on the stream leader {leader}"
+    return None
 
 
 def kv_stream(bucket: str) -> str:

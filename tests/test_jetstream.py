@@ -1,4 +1,5 @@
-"""kvcache.jetstream's helpers on their own: the time parser every fallback read goes through."""
+"""kvcache.jetstream's helpers on their own: the time parser every fallback read goes through,
+and the reading of cluster info the feed relies on to trust a consumer."""
 from __future__ import annotations
 
 import calendar
@@ -6,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 
 from hypothesis import given, strategies as st
 
-from kvcache.jetstream import parse_time_ns
+from kvcache.jetstream import misplaced, parse_time_ns, stream_leader
 
 
 def reference_ns(dt: datetime, nanos: int) -> int:
@@ -43,3 +44,17 @@ def test_unparseable_is_zero() -> None:
                  "2022-08-00T00:00:00Z", "２０２２-08-06T00:29:27Z", "2022-08-06T0a:29:27Z",
                  "+022-08-06T00:29:27Z"):
         assert parse_time_ns(text) == 0, text
+
+
+# ----------------------------------------------------------------------------- cluster info
+
+def test_a_consumer_off_the_stream_leader_is_misplaced() -> None:
+    stream = {"cluster": {"name": "hub", "leader": "hub-1", "replicas": [{"name": "hub-0"}, {"name": "hub-2"}]}}
+    assert misplaced({"cluster": {"name": "hub", "leader": "hub-1"}}, stream) is None
+    assert "hub-0" in misplaced({"cluster": {"name": "hub", "leader": "hub-0"}}, stream)
+    assert "no server" in misplaced({"cluster": {"name": "hub"}}, stream)
+    # a member answering while the group has no leader: nothing can be trusted
+    assert "no leader" in misplaced({"cluster": {"leader": "hub-1"}}, {"cluster": {"name": "hub"}})
+    # a single server: no cluster info on the consumer, the one server holds the stream
+    assert misplaced({}, {"cluster": {"leader": "single"}}) is None
+    assert stream_leader(stream) == "hub-1" and stream_leader({}) == ""
