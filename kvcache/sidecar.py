@@ -102,7 +102,9 @@ class Sidecar:
     async def stop(self) -> None:
         self._stopping.set()
         if self.server:
-            await self.server.stop()
+            # A request in flight ends within the request timeout (a fallback read gives up
+            # then), so that long is enough, and never less than the default 5 s.
+            await self.server.stop(grace=max(5.0, self.cfg.nats.request_timeout_ms / 1000 + 1))
         await self.router.close()
         if self.peer_conns:
             await self.peer_conns.close()
