@@ -60,10 +60,9 @@ for p in (ROOT / "tests", BENCH, ROOT):  # ROOT ends up first: this checkout's k
 
 import socket_bench  # noqa: E402
 import sync_bench  # noqa: E402
-from nats.js.api import ExternalStream, StreamConfig, StreamSource  # noqa: E402
 from restart import publish_all  # noqa: E402
 from sidecar_proc import Sidecar  # noqa: E402
-from topology import Cluster, start_leaf  # noqa: E402
+from topology import Cluster, add_hub_mirror, start_leaf  # noqa: E402
 
 from kvcache import LocalReader  # noqa: E402
 from kvcache.client import Client  # noqa: E402
@@ -127,15 +126,9 @@ async def load_read_bucket(hub_url: str, leaf_url: str, hot: int, cold: int, tim
         js = nc.jetstream(timeout=30)
         await js.create_key_value(bucket=READ_BUCKET, direct=True, history=1)
         await publish_all(js, [(f"$KV.{READ_BUCKET}.{k}", value_of(k)) for k in keys])
-        jl = nl.jetstream(timeout=30)
-        await jl.add_stream(StreamConfig(
-            name=READ_STREAM, mirror=StreamSource(name=READ_STREAM, external=ExternalStream(api="$JS.hub.API")),
-            mirror_direct=True, allow_direct=True, max_msgs_per_subject=1))
-        deadline = time.monotonic() + timeout
-        while (await jl.stream_info(READ_STREAM)).state.messages < len(keys):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the leaf's mirror did not catch up in {timeout:.0f}s")
-            await asyncio.sleep(0.1)
+        # a fresh stream: one message per key, so its last sequence is the key count
+        await add_hub_mirror(nl.jetstream(timeout=30), READ_STREAM, READ_STREAM, len(keys), timeout,
+                             max_msgs_per_subject=1)
     finally:
         await nc.close()
         await nl.close()

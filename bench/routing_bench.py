@@ -33,13 +33,12 @@ import nats
 import nats.errors
 import redis
 import redis.asyncio as aioredis
-from nats.js.api import ExternalStream, StreamConfig, StreamSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from kvcache.client import AsyncClient, KvcacheError  # noqa: E402
 from checkers import percentile  # noqa: E402
 from sidecar_proc import Sidecar  # noqa: E402
-from topology import ProxyHost, nats_run, start_cluster, start_leaf  # noqa: E402
+from topology import ProxyHost, add_hub_mirror, nats_run, start_cluster, start_leaf  # noqa: E402
 
 BUCKET = "rb"
 KEYS = 100
@@ -57,14 +56,7 @@ def setup_data(hub_url: str, leaves: dict) -> None:
         return (await js.stream_info(f"KV_{BUCKET}")).state.last_seq
     last = nats_run(hub_url, hub)
     for name, leaf in leaves.items():
-        async def mirror(js, name=name):
-            stream = f"KV_{BUCKET}_{name}"
-            await js.add_stream(StreamConfig(
-                name=stream, mirror_direct=True, allow_direct=True,
-                mirror=StreamSource(name=f"KV_{BUCKET}", external=ExternalStream(api="$JS.hub.API"))))
-            while (await js.stream_info(stream)).state.last_seq < last:
-                await asyncio.sleep(0.05)
-        nats_run(leaf.url, mirror)
+        nats_run(leaf.url, lambda js, name=name: add_hub_mirror(js, f"KV_{BUCKET}_{name}", f"KV_{BUCKET}", last))
 
 
 def sidecar_config(path: Path, urls: dict[str, str]) -> Path:

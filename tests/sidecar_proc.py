@@ -2,6 +2,7 @@
 socket, stopped gracefully (SIGTERM) or killed (SIGKILL), always by its own PID."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -125,3 +126,13 @@ def run_cli(*args: str, timeout: float = 60.0, env: dict[str, str] | None = None
             ) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvcache", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def write_config(path: Path, nats: dict, buckets: list[dict], peers: list[dict] = (), **top) -> str:
+    """A kvcache.toml from plain values: top-level keys, [nats], [[bucket]]s and [[peer]]s."""
+    def table(d: dict) -> str:
+        return "\n".join(f"{k} = {json.dumps(v)}" for k, v in d.items())
+    parts = [table(top), "[nats]", table(nats)]
+    parts += [f"[[bucket]]\n{table(b)}" for b in buckets] + [f"[[peer]]\n{table(p)}" for p in peers]
+    Path(path).write_text("\n".join(parts) + "\n")
+    return str(path)

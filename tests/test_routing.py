@@ -15,14 +15,14 @@ from typing import AsyncIterator
 import nats
 import pytest
 import redis
-from nats.js.api import ExternalStream, StreamConfig, StreamSource
+from nats.js.api import StreamConfig, StreamSource
 
 from kvcache import jetstream as jsapi
 from kvcache.natsconn import Connection
 from kvcache.router import Peer, Policy, Router
-from sidecar_proc import Sidecar
+from sidecar_proc import Sidecar, write_config
 from kvcache.natsserver import NatsServer
-from topology import DelayProxy, nats_run, wait_until
+from topology import DelayProxy, add_hub_mirror, nats_run, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -283,31 +283,16 @@ def hub_and_mirrors(nats_cluster, leaf_servers):
     last = nats_run(nats_cluster.urls[0], hub)
 
     for name, leaf in leaf_servers.items():
-        async def mirror(js, name=name):
-            await js.add_stream(StreamConfig(
-                name=f"KV_rs_{name}", mirror_direct=True, allow_direct=True,
-                mirror=StreamSource(name="KV_rs", external=ExternalStream(api="$JS.hub.API"))))
-            for _ in range(400):
-                if (await js.stream_info(f"KV_rs_{name}")).state.last_seq >= last:
-                    return
-                await asyncio.sleep(0.05)
-            raise AssertionError(f"mirror on {name} did not catch up")
-        nats_run(leaf.url, mirror)
+        nats_run(leaf.url, lambda js, name=name: add_hub_mirror(js, f"KV_rs_{name}", "KV_rs", last))
     return nats_cluster, leaf_servers
-
-
-def _toml(**kv) -> str:
-    return "\n".join(f"{k} = {json.dumps(v)}" for k, v in kv.items())
 
 
 def sidecar_config(path, main: str, peers: list[tuple[str, str]], **extra) -> str:
     """A config file: bucket `rs` replicating `local.>` only (`far.*` is read from peers)."""
-    text = _toml(**extra) + "\n[nats]\n" + _toml(servers=[main], request_timeout_ms=500)
-    text += "\n[[bucket]]\n" + _toml(name="rs", keys=["local.>"])
-    for name, url in peers:
-        text += "\n[[peer]]\n" + _toml(name=name, servers=[url], stream=f"KV_rs_{name}", domain=name)
-    path.write_text(text + "\n")
-    return str(path)
+    return write_config(path, {"servers": [main], "request_timeout_ms": 500},
+                        [{"name": "rs", "keys": ["local.>"]}],
+                        [{"name": name, "servers": [url], "stream": f"KV_rs_{name}", "domain": name}
+                         for name, url in peers], **extra)
 
 
 @pytest.fixture
@@ -421,16 +406,7 @@ def lagging_mirror(nats_cluster, tmp_path_factory):
             return await kv.put("k", b"v1")
         rev = nats_run(hub0.url, hub)
 
-        async def mirror(js):
-            await js.add_stream(StreamConfig(
-                name="KV_mono_lag", mirror_direct=True, allow_direct=True,
-                mirror=StreamSource(name="KV_mono", external=ExternalStream(api="$JS.hub.API"))))
-            for _ in range(400):
-                if (await js.stream_info("KV_mono_lag")).state.last_seq >= rev:
-                    return
-                await asyncio.sleep(0.05)
-            raise AssertionError("mirror did not catch up")
-        nats_run(leaf.url, mirror)
+        nats_run(leaf.url, lambda js: add_hub_mirror(js, "KV_mono_lag", "KV_mono", rev))
         yield hub0, leaf, link
     finally:
         leaf.stop()

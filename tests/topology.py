@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 import nats
+from nats.js.api import ExternalStream, StreamConfig, StreamSource
 
 from kvcache.natsserver import ClusterConfig, NatsServer, free_port
 
@@ -146,6 +147,20 @@ def start_leaf(tmp_path: Path, hub: Cluster, domain: str, name: str | None = Non
         leaf.stop()
         raise
     return leaf
+
+
+async def add_hub_mirror(js, name: str, source: str, upto: int = 0, timeout: float = 30.0,
+                         **config) -> None:
+    """A mirror `name`, in js's own (leaf) domain, of the hub stream `source`, serving Direct
+    Get as its source does; returns once it holds stream sequence `upto`."""
+    await js.add_stream(StreamConfig(
+        name=name, mirror_direct=True, allow_direct=True,
+        mirror=StreamSource(name=source, external=ExternalStream(api="$JS.hub.API")), **config))
+    deadline = time.monotonic() + timeout
+    while (await js.stream_info(name)).state.last_seq < upto:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"mirror {name} did not reach sequence {upto} in {timeout:.0f}s")
+        await asyncio.sleep(0.05)
 
 
 def nats_run(url: str, fn):
