@@ -27,10 +27,9 @@ def sidecars(tmp_path) -> Iterator[Callable[..., Sidecar]]:
     one still running at the end is killed (by its PID)."""
     made: list[Sidecar] = []
 
-    def make(url: str | None, spec: str | None, name: str = "sc", env: dict[str, str] | None = None,
-             data_dir: Path | None = None, extra: list[str] | None = None) -> Sidecar:
-        sc = Sidecar(data_dir or tmp_path / name, url, buckets=[spec] if spec else None,
-                     extra=HEARTBEAT + (extra or []), env=env)
+    def make(url: str, spec: str, name: str = "sc", env: dict[str, str] | None = None,
+             data_dir: Path | None = None) -> Sidecar:
+        sc = Sidecar(data_dir or tmp_path / name, url, buckets=[spec], extra=HEARTBEAT, env=env)
         made.append(sc)
         return sc
 
