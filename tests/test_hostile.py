@@ -40,19 +40,13 @@ from hypothesis import strategies as st
 from kvcache import resp
 from kvcache.client import Client, encode_command
 from sidecar_proc import Sidecar
-from test_commands import _put_all
-from test_server import connect, info, rss_kb
-from topology import nats_run, wait_until
+from test_server import BIG, connect, info, key, rss_kb, seed_bucket
+from topology import wait_until
 
 NKEYS = 300
-BIG = b"B" * (512 * 1024)
 STALL_MS = 1500            # the sidecar's output-buffer cut-off in this module (default 60 s)
 FD_MARGIN = 256            # kvcache.server.FD_MARGIN
 REPORT: dict[str, object] = {}
-
-
-def key(i: int) -> str:
-    return f"{i:012d}"
 
 
 def value(i: int) -> bytes:
@@ -65,13 +59,7 @@ def bulk(v: bytes | None) -> bytes:
 
 @pytest.fixture(scope="module")
 def url(nats_server_module) -> str:
-    async def setup(js):
-        kv = await js.create_key_value(bucket="key", direct=True)
-        await _put_all(kv, {key(i): value(i) for i in range(NKEYS)})
-        await kv.put("out.remote", b"remote value")
-        await kv.put("big", BIG)
-    nats_run(nats_server_module.url, setup)
-    return nats_server_module.url
+    return seed_bucket(nats_server_module.url, {key(i): value(i) for i in range(NKEYS)})
 
 
 @pytest.fixture(scope="module")

@@ -37,15 +37,21 @@ def key(i: int) -> str:
     return f"{i:012d}"  # what redis-benchmark -r generates after `key:`
 
 
-@pytest.fixture(scope="module")
-def url(nats_server_module) -> str:
+def seed_bucket(url: str, values: dict[str, bytes]) -> str:
+    """Bucket `key` (Direct Get on) holding `values`, plus `out.remote` (outside the sidecars'
+    single-token filter: a remote read) and `big` (512 KiB); returns `url`."""
     async def setup(js):
         kv = await js.create_key_value(bucket="key", direct=True)
-        await _put_all(kv, {key(i): VALUE for i in range(NKEYS)})
+        await _put_all(kv, values)
         await kv.put("out.remote", b"remote value")
         await kv.put("big", BIG)
-    nats_run(nats_server_module.url, setup)
-    return nats_server_module.url
+    nats_run(url, setup)
+    return url
+
+
+@pytest.fixture(scope="module")
+def url(nats_server_module) -> str:
+    return seed_bucket(nats_server_module.url, {key(i): VALUE for i in range(NKEYS)})
 
 
 @pytest.fixture(scope="module")
