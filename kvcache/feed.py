@@ -177,6 +177,8 @@ class PullConsumer:
                 asyncio.ensure_future(self._delete_quietly())
                 raise
             if why is None:
+                if attempt:
+                    log.info("%s: consumer on the stream leader after %d misplaced ones", self.stream, attempt)
                 return info, stream_info
             await self._delete_quietly()
         raise ConsumerLost(f"no consumer on the stream leader in {PLACEMENT_TRIES} tries: {why}")
@@ -546,9 +548,6 @@ class Feed:
         created = info.get("created", "")
         if created and self.meta.stream_created and created != self.meta.stream_created:
             raise ConsumerLost("the stream was recreated while the consumer was being created")
-        if self._consumer is not None and self._consumer.placement_retries:
-            log.info("bucket %s: consumer on the stream leader %s after %d misplaced ones",
-                     self.bucket, jsapi.stream_leader(info), self._consumer.placement_retries)
 
     async def _replan(self) -> bool:
         """Before recreating, check the stream: it may have been purged or recreated meanwhile.
@@ -697,7 +696,8 @@ class Feed:
             except Exception as e:
                 log.warning("bucket %s: reconcile pass failed (try %d of %d): %s",
                             self.bucket, attempt, RECONCILE_TRIES, e)
-                await asyncio.sleep(attempt * self.heartbeat_s)
+                if attempt < RECONCILE_TRIES:
+                    await asyncio.sleep(attempt * self.heartbeat_s)
                 continue
             if removed is None:  # a full resync started meanwhile and sweeps by itself
                 return
