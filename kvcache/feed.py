@@ -160,7 +160,10 @@ class PullConsumer:
         caught up, and reads would go back in time (seen in tests/test_faults.py with all
         servers restarted: revision 110 read from a peer, then 70 from the replica). So a
         misplaced consumer is deleted and made again (a few ms each): each try lands on the
-        leader with chance 1/replicas; after PLACEMENT_TRIES the feed backs off and tries later."""
+        leader with chance 1/replicas; after PLACEMENT_TRIES the feed backs off and tries later.
+        While the stream has no leader no try can land on it, and an election takes seconds:
+        that ends the loop at once (ConsumerLost), and the feed's backoff and replan (which
+        waits for a leader) take over, rather than PLACEMENT_TRIES creations back to back."""
         why = ""
         for attempt in range(PLACEMENT_TRIES):
             if attempt:
@@ -172,7 +175,8 @@ class PullConsumer:
                                                       need_leader=True)
                 why = jsapi.misplaced(info, stream_info)
             except jsapi.NoLeader as e:
-                why = str(e)
+                await self._delete_quietly()
+                raise ConsumerLost(f"no consumer on the stream leader: {e}") from None
             except BaseException:
                 asyncio.ensure_future(self._delete_quietly())
                 raise

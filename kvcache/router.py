@@ -14,7 +14,9 @@ never goes stale because the peer stopped being chosen.
 
 Strong reads go to the leader API of a peer reaching the bucket's own stream (not a mirror).
 Followers and mirrors lag: an answer older than a revision of the same key already read is
-read again from the leader, so a key's reads never go back in time.
+read again from the bucket's other peers (another mirror is likely caught up), then from the
+leader; a key's reads never go back in time, and a read no reachable peer can answer at its
+revision floor fails.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import random
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable
 
 from .entry import Entry
 from .errors import ReplyBudget, UpstreamError
@@ -125,32 +127,85 @@ class Router:
     async def get(self, bucket: str, key: str, strong: bool = False) -> Entry | None:
         ps = self._bucket_peers(bucket, strong)
         self._schedule_probes(ps, key)
-        e = await self._route(ps, lambda p: p.get(key, self.timeout, leader=strong), hedge=True)
+        e, by = await self._route(ps, lambda p: p.get(key, self.timeout, leader=strong), hedge=True)
         if not strong and self.floors.behind(bucket, key, e):
-            e = await self._from_leader(bucket, key, e)
+            e = (await self._catch_up(bucket, [key], by, ps))[key]
         self.floors.saw(bucket, key, e)
         return e
 
     async def get_many(self, bucket: str, keys: list[str],
                        budget: ReplyBudget | None = None) -> dict[str, Entry | None]:
-        """MGET misses: one peer answers them all (one snapshot); errors fail over. A key the
-        peer answers older than a revision already read is read again from the leader."""
+        """MGET misses: one peer answers them all (one snapshot); errors fail over. The keys
+        the peer answers older than a revision already read are read again (see _catch_up)."""
         ps = self._bucket_peers(bucket, False)
-        got = await self._route(ps, lambda p: p.get_many(keys, self.timeout, budget=budget), hedge=False)
+        got, by = await self._route(ps, lambda p: p.get_many(keys, self.timeout, budget=budget), hedge=False)
+        behind: list[str] = []
         for key, e in got.items():
             if self.floors.behind(bucket, key, e):
-                got[key] = e = await self._from_leader(bucket, key, e)
-            self.floors.saw(bucket, key, e)
+                behind.append(key)
+            else:
+                self.floors.saw(bucket, key, e)
+        if behind:
+            for key, e in (await self._catch_up(bucket, behind, by, ps)).items():
+                got[key] = e
+                self.floors.saw(bucket, key, e)
         return got
 
-    async def _from_leader(self, bucket: str, key: str, stale: Entry | None) -> Entry | None:
-        """A lagging follower or mirror answered older than what was read before: the leader
-        has every acknowledged write. Without a peer reaching it, the stale answer stands."""
-        try:
-            ps = self._bucket_peers(bucket, True)
-        except UpstreamError:
-            return stale
-        return await self._route(ps, lambda p: p.get(key, self.timeout, leader=True), hedge=False)
+    async def _catch_up(self, bucket: str, keys: list[str], stale: Peer,
+                        peers: list[Peer]) -> dict[str, Entry | None]:
+        """`stale` (a lagging mirror or follower) answered `keys` older than revisions already
+        read. The leader has every acknowledged write, but it may be the one peer out of reach
+        (a leaf cut off from its hub), while another mirror is caught up. So the keys still
+        behind go to the other healthy peers in turn, cheapest first, then to the leader, then
+        to the unhealthy peers (each once: a failover, not a hedge); the first answer at or
+        above a key's floor is its answer. A key no peer answers at its floor fails the read:
+        an older answer would take the key's reads back in time."""
+        now = time.perf_counter()
+
+        def place(p: Peer | None) -> tuple[int, float]:
+            if p is None:   # the leader
+                return 1, 0.0
+            healthy = not p.ejected and not p.unanswered_since and p.nc.is_connected
+            return 0 if healthy else 2, p.cost(now)
+        order = sorted([*(p for p in peers if p is not stale), None], key=place)
+        leaders = [p for p in peers if p.upstream]
+        left: list[str] = list(keys)
+        found: dict[str, Entry | None] = {}
+        last: UpstreamError | None = None
+        for p in order:
+            got: dict[str, Entry | None] = {}
+            try:
+                if p is not None:
+                    got = await self._read(p, left)
+                    self._succeeded(p)
+                elif leaders:
+                    await self._from_leader(leaders, left, got)
+            except UpstreamError as exc:
+                last = exc
+                if p is not None:
+                    self._failed(p)
+            for key, e in got.items():
+                if not self.floors.behind(bucket, key, e):
+                    found[key] = e
+            left = [key for key in left if key not in found]
+            if not left:
+                return found
+        more = f" and {len(left) - 1} more" if len(left) > 1 else ""
+        raise UpstreamError(f"bucket {bucket}: every reachable peer was behind a revision already read "
+                            f"of key {left[0]}{more}" + (f" (last error: {last})" if last else ""))
+
+    async def _read(self, p: Peer, keys: list[str]) -> dict[str, Entry | None]:
+        if len(keys) == 1:
+            return {keys[0]: await p.get(keys[0], self.timeout)}
+        return await p.get_many(keys, self.timeout)
+
+    async def _from_leader(self, leaders: list[Peer], keys: list[str], into: dict[str, Entry | None]) -> None:
+        """Read `keys` from the leader into `into`, one at a time (the leader API has no batch
+        form); the first failure ends it, keeping what was read (the leader is out of reach:
+        the next key would only wait out the same timeout)."""
+        for key in keys:
+            into[key], _ = await self._route(
+                leaders, lambda p, key=key: p.get(key, self.timeout, leader=True), hedge=False)
 
     def _bucket_peers(self, bucket: str, strong: bool) -> list[Peer]:
         ps = self._peers.get(bucket)
@@ -224,9 +279,10 @@ class Router:
 
     # ------------------------------------------------------------------ one routed request
 
-    async def _route(self, peers: list[Peer], fetch: Fetch, hedge: bool):
+    async def _route(self, peers: list[Peer], fetch: Fetch, hedge: bool) -> tuple[Any, Peer]:
         """Run `fetch` on the chosen peer; hedge it when late, fail over when it fails; the
-        first answer wins and the requests still running are cancelled."""
+        first answer wins and the requests still running are cancelled. Returns the answer
+        and the peer that gave it (a lagging one is passed over when reading again)."""
         pol = self.policy
         self.requests += 1
         self._tokens = min(pol.hedge_burst, self._tokens + pol.hedge_ratio)
@@ -240,7 +296,7 @@ class Router:
                 self._failed(p)
                 raise
             self._succeeded(p)
-            return result
+            return result, p
         loop = asyncio.get_running_loop()
         tried: list[Peer] = []
         running: dict[asyncio.Task, tuple[Peer, bool, float]] = {}
@@ -287,7 +343,7 @@ class Router:
                         for lp, lhedged, started in running.values():
                             if not lhedged:
                                 self._lost(lp, started)
-                        return t.result()
+                        return t.result(), p
                     if not isinstance(exc, UpstreamError):
                         raise exc
                     self._failed(p)

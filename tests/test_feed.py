@@ -585,3 +585,53 @@ async def test_big_bucket_syncs_without_loss(nats_server_module, nc, sidecars):
             if e is None or e.value != f"value-{key}".encode() or e.revision != rev:
                 bad.append((key, e))
         assert not bad[:10]
+
+
+async def test_a_leaderless_stream_ends_consumer_placement_at_once(nats_cluster):
+    """Issue 12. While the stream has no leader, no consumer can be placed on it: one
+    CONSUMER.CREATE (and the DELETE of what it made), then ConsumerLost, and the feed's own
+    backoff and replan (which waits for a leader) take over, instead of PLACEMENT_TRIES
+    creations back to back. The leaderless stream: R2, one of its two servers killed (no
+    quorum: it stays so until the server is back), in a cluster that keeps its meta leader.
+    A misplaced consumer is still made again: test_consumers_are_made_on_the_stream_leader."""
+    from kvcache.feed import PLACEMENT_TRIES, ConsumerLost
+    b = new_bucket()
+    stream = f"KV_{b}"
+    setup = await nats.connect(servers=nats_cluster.urls, connect_timeout=5)
+    try:
+        kv = await settled(lambda: setup.jetstream(timeout=10).create_key_value(bucket=b, replicas=2))
+        await settled(lambda: kv.put("k", b"v"))
+        leader = (await setup.jetstream().stream_info(stream)).cluster.leader
+    finally:
+        await setup.close()
+    victim = nats_cluster.server(leader)
+    victim.kill()
+    nc = Connection()
+    try:
+        await nc.connect(servers=[s.url for s in nats_cluster.servers if s is not victim], connect_timeout=5)
+
+        async def leaderless() -> bool:
+            try:
+                await jsapi.stream_info(nc, stream, 2.0, need_leader=True)
+            except jsapi.NoLeader:
+                return True
+            return False   # (timeouts, too, until the survivor notices the loss: `until` retries)
+        await until(leaderless, timeout=60, what=f"{stream} to have no leader")
+
+        api = await nc.subscribe(f"$JS.API.CONSUMER.*.{stream}.>")   # the requests themselves
+        await nc.flush()
+        consumer = PullConsumer(
+            nc, stream, f"$KV.{b}.", [f"$KV.{b}.>"], start_seq=None, headers_only=True,
+            heartbeat_s=1.0, on_batch=lambda runs: True, on_idle=lambda _seq: None)
+        with pytest.raises(ConsumerLost, match="no leader"):
+            await asyncio.wait_for(consumer.run(), 60)
+        await nc.flush()   # on this connection, a copy of each request came before its reply
+        verbs = []
+        while api.pending_msgs:
+            verbs.append((await api.next_msg()).subject.split(".")[3])
+        assert PLACEMENT_TRIES > 1
+        assert verbs == ["CREATE", "DELETE"] and consumer.placement_retries == 0, verbs
+    finally:
+        await nc.close()
+        victim.start()
+        nats_cluster.wait_ready()

@@ -448,3 +448,93 @@ async def test_revisions_never_go_back_across_peers_of_different_lag(lagging_mir
             assert mirror.stats.requests > 0             # the lagging mirror was asked
         finally:
             link.thaw()
+
+
+@pytest.fixture(scope="module")
+def two_mirrors(lagging_mirror, leaf_servers):
+    """`lagging_mirror`, and a second mirror of `mono`, on leaf1, that keeps replicating
+    while the lagging one's link is frozen."""
+    hub0, lag_leaf, link = lagging_mirror
+    leaf1 = leaf_servers["leaf1"]
+    nats_run(leaf1.url, lambda js: add_hub_mirror(js, "KV_mono_leaf1", "KV_mono"))
+    return hub0, lag_leaf, link, leaf1
+
+
+async def wait_for_revision(p: Peer, key: str, rev: int) -> None:
+    """Until `p` answers `key` at revision `rev` or later (its mirror has replicated it)."""
+    for _ in range(600):
+        e = await p.get(key, TIMEOUT)
+        if e is not None and e.revision >= rev:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"peer {p.name} never answered {key} at revision {rev}")
+
+
+@pytest.mark.parametrize("leader", ["absent", "frozen"])
+async def test_a_lagging_answer_is_read_again_from_a_caught_up_mirror(two_mirrors, router_of, leader):
+    """Issue 12. The lagging mirror answers first, older than revisions already read, and the
+    leader is out of reach (no peer reaches the bucket's stream, or the hub connection hangs):
+    the caught-up mirror answers, per key for MGET, in one batch. Without it the read fails;
+    the stale revision is never handed out."""
+    from kvcache.errors import UpstreamError
+    hub0, lag_leaf, link, leaf1 = two_mirrors
+    streams = {"lag": "KV_mono_lag", "leaf1": "KV_mono_leaf1", "hub": "KV_mono"}
+    async with AsyncExitStack() as stack:
+        hub_px = DelayProxy(port_of(hub0.url)).start()
+        stack.callback(hub_px.stop)
+        conns: dict[str, Connection] = {}
+        for name, url in (("lag", lag_leaf.url), ("leaf1", leaf1.url), ("hub", hub_px.url)):
+            nc = conns[name] = Connection()
+            await nc.connect(servers=[url], connect_timeout=5)
+            stack.push_async_callback(close_quietly, nc)
+        writer = await nats.connect(hub0.url)
+        stack.push_async_callback(writer.close)
+        kv = await writer.jetstream().key_value("mono")
+        keys = [f"{leader}.a", f"{leader}.b", f"{leader}.c"]
+        a, b, c = keys
+        lag, caught_up = Peer("lag", conns["lag"], streams["lag"], "mono"), \
+            Peer("leaf1", conns["leaf1"], streams["leaf1"], "mono")
+        await kv.put(a, b"a1")
+        rev_c = await kv.put(c, b"c1")
+        await wait_for_revision(lag, c, rev_c)
+
+        def router(*names: str) -> tuple[Router, dict[str, Peer]]:
+            """New (unmeasured) peers, so the first read goes to the first one named, and no
+            hedges; the revisions the caught-up mirror answered count as already read."""
+            ps = {n: Peer(n, conns[n], streams[n], "mono") for n in names}
+            r = router_of(list(ps.values()), timeout=0.5, hedge_burst=0, hedge_ratio=0)
+            for key, e in seen.items():
+                r.floors.saw("mono", key, e)
+            return r, ps
+
+        link.freeze()                                   # the lag mirror stops replicating
+        try:
+            rev_a = await kv.put(a, b"a2")
+            rev_b = await kv.put(b, b"b1")
+            await wait_for_revision(caught_up, b, rev_b)
+            seen = await caught_up.get_many(keys, TIMEOUT)
+            assert [seen[k].revision for k in keys] == [rev_a, rev_b, rev_c]
+            assert (await lag.get(a, TIMEOUT)).revision < rev_a and await lag.get(b, TIMEOUT) is None
+            hub = ("hub",) if leader == "frozen" else ()
+            if hub:
+                hub_px.freeze()
+
+            r, ps = router("lag", "leaf1", *hub)
+            e = await r.get("mono", a)
+            assert (e.value, e.revision, e.source) == (b"a2", rev_a, "leaf1")
+            assert ps["lag"].stats.requests == 1                 # it did answer first
+
+            r, ps = router("lag", "leaf1", *hub)
+            got = await r.get_many("mono", keys)
+            assert [(got[k].revision, got[k].source) for k in keys] == [
+                (rev_a, "leaf1"), (rev_b, "leaf1"), (rev_c, "lag")]
+            assert (ps["lag"].stats.requests, ps["leaf1"].stats.requests) == (1, 1)   # a and b: one batch
+
+            r, _ = router("lag", *hub)                  # nobody has a revision at the floor
+            with pytest.raises(UpstreamError, match="every reachable peer was behind"):
+                await r.get("mono", a)
+            with pytest.raises(UpstreamError, match="every reachable peer was behind"):
+                await r.get_many("mono", keys)
+        finally:
+            link.thaw()
+            hub_px.thaw()
