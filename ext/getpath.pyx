@@ -479,7 +479,7 @@ cdef class GetConnection:
     cdef public LocalGets gets
     cdef public object stats, transport, reader, _busy
     cdef public int proto
-    cdef public bint _closing, _paused_writing, _eof, _draining
+    cdef public bint _closing, _paused_writing, _eof, _draining, _muted
 
     def __init__(self, LocalGets gets, stats, reader):
         self.gets = gets
@@ -494,6 +494,10 @@ cdef class GetConnection:
             return
         if self._busy is not None or self._paused_writing or self._draining:
             self.reader.feed(data)
+            return
+        if self._muted:  # CLIENT REPLY OFF/SKIP: the generic loop counts and drops replies
+            self.reader.feed(data)
+            self._process()
             return
         replies, local, notfound, more = self.gets.answer(self.reader, data, self.proto, _FLUSH_AT)
         if local:

@@ -71,7 +71,57 @@ COMMAND_SPECS: dict[str, tuple[int, tuple[str, ...], int, int, int, tuple[str, .
     "command": (-1, ("loading", "stale"), 0, 0, 0, ("@slow", "@connection")),
     "select": (2, ("loading", "stale", "fast"), 0, 0, 0, ("@fast", "@connection")),
     "config": (-2, (), 0, 0, 0, ("@admin", "@slow", "@dangerous")),
+    "auth": (-2, ("noscript", "loading", "stale", "fast", "no_auth", "allow_busy"), 0, 0, 0,
+             ("@fast", "@connection")),
 }
+
+# COMMAND DOCS: name -> (summary, group, since: the Redis version that introduced it, or
+# None for kvcache's own). Real entries, not an empty map: an empty reply to `COMMAND DOCS get`
+# would say there is no GET.
+COMMAND_DOCS: dict[str, tuple[str, str, str | None]] = {
+    "get": ("Get the value of a key", "string", "1.0.0"),
+    "mget": ("Get the values of all the given keys", "string", "1.0.0"),
+    "exists": ("Determine how many of the given keys exist", "generic", "1.0.0"),
+    "kv.get": ("Get a key's value with its revision, creation time, operation and source",
+               "string", None),
+    "keys": ("Find all keys matching the given pattern", "generic", "1.0.0"),
+    "scan": ("Incrementally iterate the keys space", "generic", "2.8.0"),
+    "dbsize": ("Return the number of keys in the default bucket", "server", "1.0.0"),
+    "info": ("Get information and statistics about the sidecar", "server", "1.0.0"),
+    "ping": ("Ping the server", "connection", "1.0.0"),
+    "echo": ("Echo the given string", "connection", "1.0.0"),
+    "quit": ("Close the connection", "connection", "1.0.0"),
+    "hello": ("Handshake with the server", "connection", "6.0.0"),
+    "client": ("A container for client connection commands", "connection", "2.4.0"),
+    "command": ("Get array of command details", "server", "2.8.13"),
+    "select": ("Change the selected database (only 0 exists)", "connection", "1.0.0"),
+    "config": ("Get configuration parameters (CONFIG GET only)", "server", "2.0.0"),
+    "auth": ("Authenticate to the server", "connection", "1.0.0"),
+}
+
+# CLIENT subcommands kvcache performs -> their exact argument count (Redis's `client|<sub>`
+# arity, checked before the subcommand runs, with Redis's wording). TRACKING takes options.
+CLIENT_ARITY = {
+    b"setname": 3, b"getname": 2, b"setinfo": 4, b"id": 2, b"info": 2, b"reply": 3,
+    b"no-evict": 3, b"no-touch": 3, b"caching": 3, b"getredir": 2, b"trackinginfo": 2,
+}
+TRACKING_UNSUPPORTED = (
+    "ERR kvcache does not support CLIENT TRACKING (client-side caching) yet: it sends no "
+    "invalidations, so replies must not be cached client-side")
+CACHING_WITHOUT_TRACKING = ("ERR CLIENT CACHING can be called only when the client is in "
+                            "tracking mode with OPTIN or OPTOUT mode enabled")
+# CLIENT TRACKINGINFO with tracking off, as Redis answers it (RESP3: flags is a set)
+TRACKINGINFO_OFF = {
+    2: b"*6\r\n$5\r\nflags\r\n*1\r\n$3\r\noff\r\n$8\r\nredirect\r\n:-1\r\n"
+       b"$8\r\nprefixes\r\n*0\r\n",
+    3: b"%3\r\n$5\r\nflags\r\n~1\r\n$3\r\noff\r\n$8\r\nredirect\r\n:-1\r\n"
+       b"$8\r\nprefixes\r\n*0\r\n",
+}
+# kvcache has Redis's `default` user only, without a password: the socket's file mode is its
+# access control. These are Redis's answers when no password is configured.
+WRONGPASS = "WRONGPASS invalid username-password pair or user is disabled."
+AUTH_WITHOUT_PASSWORD = ("ERR AUTH <password> called without any password configured for the "
+                         "default user. Are you sure your configuration is correct?")
 
 
 class CommandError(KvcacheError):
@@ -123,7 +173,7 @@ class Commands:
             b"dbsize": self.dbsize, b"info": self.info,
             b"ping": self.ping, b"echo": self.echo, b"quit": self.quit, b"hello": self.hello,
             b"client": self.client, b"command": self.command, b"select": self.select,
-            b"config": self.config,
+            b"config": self.config, b"auth": self.auth,
         }
 
     def dispatch(self, conn: "Connection", args: list[bytes]) -> Reply:
@@ -496,6 +546,8 @@ class Commands:
         return resp.OK
 
     def hello(self, conn: "Connection", args: list[bytes]) -> Reply:
+        """Redis's order: every option is parsed, then AUTH checked, then SETNAME validated,
+        and only then anything applied, so a failed HELLO changes nothing."""
         proto = conn.proto
         i = 1
         if len(args) > 1:
@@ -506,15 +558,21 @@ class Commands:
             if proto not in (2, 3):
                 raise CommandError("NOPROTO unsupported protocol version")
             i = 2
+        name = user = None
         while i < len(args):
             opt = args[i].lower()
             if opt == b"auth" and i + 2 < len(args):
-                i += 3  # no auth on a local socket: file mode guards it
+                user = args[i + 1]
+                i += 3
             elif opt == b"setname" and i + 1 < len(args):
-                conn.name = args[i + 1]
+                name = args[i + 1]
                 i += 2
             else:
                 raise CommandError(f"ERR Syntax error in HELLO option '{args[i].decode(errors='replace')}'")
+        if user is not None:
+            _authenticate(user)
+        if name is not None:
+            conn.name = _client_attr(name, "Client names")
         conn.proto = proto
         info = [
             (b"server", resp.bulk(b"kvcache")), (b"version", resp.bulk(__version__.encode())),
@@ -525,20 +583,67 @@ class Commands:
         return resp.map_([(resp.bulk(k), v) for k, v in info], proto)
 
     @arity(2, exact=False)
+    def auth(self, conn: "Connection", args: list[bytes]) -> Reply:
+        """Redis's answers with no password configured (see WRONGPASS): never an OK that
+        pretends a password was checked, never a refusal of the one user that exists."""
+        if len(args) > 3:
+            raise CommandError("ERR syntax error")
+        if len(args) == 2:
+            raise CommandError(AUTH_WITHOUT_PASSWORD)
+        _authenticate(args[1])
+        return resp.OK
+
+    @arity(2, exact=False)
     def client(self, conn: "Connection", args: list[bytes]) -> Reply:
+        """The subcommands kvcache performs, as Redis does them; everything about
+        client-side caching says tracking is off, and turning it on is refused."""
         sub = args[1].lower()
-        if sub == b"setname" and len(args) == 3:
-            conn.name = args[2]
-            return resp.OK
-        if sub == b"getname" and len(args) == 2:
+        want = CLIENT_ARITY.get(sub)
+        if (want is not None and len(args) != want) or (sub == b"tracking" and len(args) < 3):
+            raise CommandError(f"ERR wrong number of arguments for 'client|{sub.decode(errors='replace')}' command")
+        if sub == b"getname":
             return resp.bulk(conn.name or None, conn.proto)
-        if sub == b"setinfo" and len(args) == 4:
+        if sub == b"setname":
+            conn.name = _client_attr(args[2], "Client names")
             return resp.OK
-        if sub == b"id" and len(args) == 2:
+        if sub == b"setinfo":
+            attr = args[2].lower()
+            if attr not in (b"lib-name", b"lib-ver"):
+                raise CommandError(f"ERR Unrecognized option '{args[2].decode(errors='replace')}'")
+            value = _client_attr(args[3], args[2].decode(errors="replace"))
+            if attr == b"lib-name":
+                conn.lib_name = value
+            else:
+                conn.lib_ver = value
+            return resp.OK
+        if sub == b"id":
             return resp.integer(conn.id)
-        if sub in (b"no-evict", b"no-touch", b"reply", b"tracking"):
+        if sub == b"info":
+            return resp.verbatim(conn.client_info(), conn.proto)
+        if sub == b"reply":
+            mode = args[2].lower()
+            if mode not in (b"on", b"off", b"skip"):
+                raise CommandError("ERR syntax error")
+            return conn.set_reply_mode(mode)
+        if sub in (b"no-evict", b"no-touch"):
+            # kvcache evicts no client for memory and keeps no LRU/LFU: both are true either way
+            if args[2].lower() not in (b"on", b"off"):
+                raise CommandError("ERR syntax error")
             return resp.OK
-        raise CommandError(f"ERR unknown subcommand '{args[1].decode(errors='replace')}' for CLIENT")
+        if sub == b"tracking":
+            switch = args[2].lower()
+            if switch not in (b"on", b"off"):
+                raise CommandError("ERR syntax error")
+            if switch == b"off" and len(args) == 3:
+                return resp.OK  # tracking is off, and stays off
+            raise CommandError(TRACKING_UNSUPPORTED)
+        if sub == b"caching":
+            raise CommandError(CACHING_WITHOUT_TRACKING)
+        if sub == b"getredir":
+            return resp.integer(-1)
+        if sub == b"trackinginfo":
+            return TRACKINGINFO_OFF[conn.proto]
+        raise CommandError(f"ERR unknown subcommand '{args[1].decode(errors='replace')[:64]}'. Try CLIENT HELP.")
 
     def command(self, conn: "Connection", args: list[bytes]) -> Reply:
         sub = args[1].lower() if len(args) > 1 else b""
@@ -551,31 +656,42 @@ class Commands:
             names = [a.decode(errors="replace").lower() for a in args[2:]] or list(COMMAND_SPECS)
             return resp.array([_command_info(n, proto) for n in names], proto)
         if sub == b"docs":
-            return resp.map_([], proto)
+            # Redis leaves out names it does not know; no names: every command
+            names = [a.decode(errors="replace").lower() for a in args[2:]] or list(COMMAND_DOCS)
+            return resp.map_([(resp.bulk(n.encode(), proto), _command_docs(n, proto))
+                              for n in dict.fromkeys(names) if n in COMMAND_DOCS], proto)
         if sub == b"list":
             return resp.array([resp.bulk(n.encode(), proto) for n in COMMAND_SPECS], proto)
         raise CommandError(f"ERR unknown subcommand '{args[1].decode(errors='replace')[:64]}'. Try COMMAND HELP.")
 
     @arity(2)
     def select(self, conn: "Connection", args: list[bytes]) -> Reply:
-        if args[1] != b"0":
-            raise CommandError("ERR DB index is out of range")
-        return resp.OK
+        """Only database 0 exists (CONFIG GET databases says 1); Redis's wording for the rest."""
+        if args[1] == b"0":
+            return resp.OK
+        if not re.fullmatch(rb"-?[1-9][0-9]*", args[1]) or not -(1 << 63) <= int(args[1]) < 1 << 63:
+            raise CommandError("ERR value is not an integer or out of range")
+        if not -(1 << 31) <= int(args[1]) < 1 << 31:
+            raise CommandError("ERR value is out of range, value must between -2147483648 and 2147483647")
+        raise CommandError("ERR DB index is out of range")
 
     @arity(2, exact=False)
     def config(self, conn: "Connection", args: list[bytes]) -> Reply:
-        if args[1].lower() != b"get" or len(args) < 3:
+        if args[1].lower() != b"get":
             raise CommandError("ERR kvcache supports CONFIG GET only")
+        if len(args) < 3:
+            raise CommandError("ERR wrong number of arguments for 'config|get' command")
         settings = {
             "save": "", "appendonly": "no", "databases": "1",
             "maxclients": str(self.cfg.max_clients),
             "proto-max-bulk-len": str(self.cfg.max_request_bytes),
         }
-        pairs = []
+        found: dict[str, str] = {}  # a setting matched by several patterns is listed once
         for pattern in args[2:]:
             match = glob_matcher(pattern.decode(errors="replace").lower())
-            pairs += [(resp.bulk(k.encode()), resp.bulk(v.encode())) for k, v in settings.items() if match(k)]
-        return resp.map_(pairs, conn.proto)
+            found.update((k, v) for k, v in settings.items() if match(k))
+        return resp.map_([(resp.bulk(k.encode()), resp.bulk(v.encode())) for k, v in found.items()],
+                         conn.proto)
 
     # ------------------------------------------------------------------ INFO
 
@@ -661,6 +777,26 @@ def _command_info(name: str, proto: int) -> bytes:
         resp.array([resp.simple(c) for c in cats], proto),
         resp.EMPTY_ARRAY, resp.EMPTY_ARRAY, resp.EMPTY_ARRAY,  # tips, key specs, subcommands
     ], proto)
+
+
+def _command_docs(name: str, proto: int) -> bytes:
+    summary, group, since = COMMAND_DOCS[name]
+    fields = [(b"summary", summary), (b"group", group)] + ([(b"since", since)] if since else [])
+    return resp.map_([(resp.bulk(k, proto), resp.bulk(v.encode(), proto)) for k, v in fields], proto)
+
+
+def _authenticate(user: bytes) -> None:
+    """Redis's `default` user without a password accepts any password; no other user exists."""
+    if user != b"default":
+        raise CommandError(WRONGPASS)
+
+
+def _client_attr(value: bytes, what: str) -> bytes:
+    """A client name or library name/version: printable ASCII without spaces, as Redis
+    requires (CLIENT INFO's `k=v` fields split on spaces)."""
+    if any(c < 0x21 or c > 0x7e for c in value):
+        raise CommandError(f"ERR {what} cannot contain spaces, newlines or special characters.")
+    return value
 
 
 def _options(args: list[bytes], spec: dict[bytes, type]) -> dict[bytes, object]:

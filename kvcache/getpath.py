@@ -148,7 +148,7 @@ class GetConnection:
     """Per-connection state of the hot path; kvcache.server.Connection adds the rest."""
 
     __slots__ = ("gets", "stats", "transport", "reader", "proto", "_busy", "_closing",
-                 "_paused_writing", "_eof", "_draining")
+                 "_paused_writing", "_eof", "_draining", "_muted")
 
     def __init__(self, gets: LocalGets, stats, reader) -> None:
         self.gets = gets
@@ -161,12 +161,19 @@ class GetConnection:
         self._paused_writing = False  # the client is not reading: neither do we
         self._eof = False             # the client half-closed: answer what it sent, then close
         self._draining = False        # shutting down: finish the request in flight, then close
+        # CLIENT REPLY OFF or SKIP in force: replies are dropped per command, which only the
+        # generic loop (_process) counts, so this path answers nothing itself meanwhile
+        self._muted = False
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
             return
         if self._busy is not None or self._paused_writing or self._draining:
             self.reader.feed(data)
+            return
+        if self._muted:
+            self.reader.feed(data)
+            self._process()
             return
         replies, local, notfound, more = self.gets.answer(self.reader, data, self.proto, FLUSH_AT)
         if local:

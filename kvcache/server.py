@@ -21,7 +21,7 @@ import os
 import resource
 import socket
 import stat
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Awaitable
 
 from . import resp
 from .getpath import FLUSH_AT
@@ -50,7 +50,8 @@ class Connection(GETPATH.GetConnection, asyncio.Protocol):
     """One client. The per-read hot path (data_received, and the state it reads: transport,
     reader, proto and the flags) is GetConnection's, in C when built; the rest is here."""
 
-    __slots__ = ("srv", "id", "name", "_stall", "_stall_size")
+    __slots__ = ("srv", "id", "name", "lib_name", "lib_ver", "_stall", "_stall_size",
+                 "_reply_off", "_skip", "_skip_next", "_drop_busy")
 
     def __init__(self, srv: "RespServer", conn_id: int) -> None:
         super().__init__(srv.gets, srv.stats,
@@ -58,8 +59,15 @@ class Connection(GETPATH.GetConnection, asyncio.Protocol):
         self.srv = srv
         self.id = conn_id
         self.name = b""
+        self.lib_name = b""  # CLIENT SETINFO
+        self.lib_ver = b""
         self._stall: asyncio.TimerHandle | None = None  # the cut-off timer while paused
         self._stall_size = 0                             # write buffer size when armed
+        # CLIENT REPLY, as Redis keeps it: OFF; SKIP (this command's reply is dropped);
+        # SKIP_NEXT (set by CLIENT REPLY SKIP, becomes SKIP once that command is done).
+        # GetConnection._muted says whether any is set.
+        self._reply_off = self._skip = self._skip_next = False
+        self._drop_busy = False  # the reply of the command in flight is to be dropped
 
     # ------------------------------------------------------------------ asyncio.Protocol
 
@@ -143,7 +151,9 @@ class Connection(GETPATH.GetConnection, asyncio.Protocol):
         Runs of `GET` take a fast path, the GET path's `answer` (kvcache.getpath, in C when
         built): cached key plans, freshness asked once per bucket, every read in one LMDB
         read transaction that closes before it returns, never held across an await. Anything else, and any GET the fast path cannot
-        answer (remote, invalid, stale replica, lower-case or inline), goes through dispatch."""
+        answer (remote, invalid, stale replica, lower-case or inline), goes through dispatch.
+        So does every command while CLIENT REPLY OFF or SKIP is in force (`_muted`): replies
+        are then dropped per command (see _reply_mode_step), which a run could not count."""
         if self._closing or self._paused_writing or self._draining:
             return
         reader = self.reader
@@ -155,19 +165,20 @@ class Connection(GETPATH.GetConnection, asyncio.Protocol):
         try:
             while True:
                 # the GETs at the front of the buffer, as data_received answers them
-                replies, answered, nf, _ = gets.answer(reader, b"", self.proto, FLUSH_AT - size)
-                if answered:
-                    local += answered
-                    notfound += nf
-                    out.append(replies)
-                    size += len(replies)
-                    if size >= FLUSH_AT:
-                        self.transport.write(b"".join(out))
-                        out.clear()
-                        size = 0
-                        if self._paused_writing:
-                            break
-                        continue
+                if not self._muted:
+                    replies, answered, nf, _ = gets.answer(reader, b"", self.proto, FLUSH_AT - size)
+                    if answered:
+                        local += answered
+                        notfound += nf
+                        out.append(replies)
+                        size += len(replies)
+                        if size >= FLUSH_AT:
+                            self.transport.write(b"".join(out))
+                            out.clear()
+                            size = 0
+                            if self._paused_writing:
+                                break
+                            continue
                 # anything else, or a GET the GET path leaves to the generic path
                 try:
                     args = reader.next_command()
@@ -188,6 +199,8 @@ class Connection(GETPATH.GetConnection, asyncio.Protocol):
                 except Exception:  # a bug must cost one reply, never the sidecar
                     log.exception("command %r failed", args[:1])
                     reply = resp.error("ERR internal error")
+                if self._muted:  # CLIENT REPLY OFF/SKIP in force, or just set
+                    reply = self._reply_mode_step(reply)
                 if reply.__class__ is bytes:
                     out.append(reply)
                     size += len(reply)
@@ -221,9 +234,11 @@ class Connection(GETPATH.GetConnection, asyncio.Protocol):
                 self.transport.close()
 
     def _finished(self, task: asyncio.Future) -> None:
-        """The command that needed NATS is done: write its reply, read again."""
+        """The command that needed NATS is done: write its reply (unless CLIENT REPLY drops
+        it), read again."""
         if self._busy is task:
             self._busy = None
+        drop, self._drop_busy = self._drop_busy, False
         if task.cancelled():  # by connection_lost, or (a bug) from inside: say so, go on
             reply = resp.error("ERR request cancelled")
         else:
@@ -238,7 +253,8 @@ class Connection(GETPATH.GetConnection, asyncio.Protocol):
         transport = self.transport
         if transport.is_closing():
             return  # the connection was lost (which cancelled the task) or closed meanwhile
-        transport.write(reply)
+        if not drop:
+            transport.write(reply)
         if self._draining:
             transport.close()
             return
@@ -249,11 +265,49 @@ class Connection(GETPATH.GetConnection, asyncio.Protocol):
     def close_after_reply(self) -> None:
         self._closing = True
 
+    # ------------------------------------------------------------------ CLIENT REPLY
+
+    def set_reply_mode(self, mode: bytes) -> bytes:
+        """CLIENT REPLY ON|OFF|SKIP (mode lower-case, already validated), as Redis does it:
+        ON answers +OK (also when it ends a SKIP or OFF); OFF and SKIP answer nothing, and
+        SKIP while OFF is in force changes nothing. Returns the command's reply."""
+        if mode == b"on":
+            self._reply_off = self._skip = self._skip_next = False
+            self._muted = False
+            return resp.OK
+        if mode == b"off":
+            self._reply_off = True
+        elif not self._reply_off:
+            self._skip_next = True
+        self._muted = True
+        return b""
+
+    def _reply_mode_step(self, reply: bytes | Awaitable[bytes]) -> bytes | Awaitable[bytes]:
+        """A command has run while a reply mode other than ON was in force (or was just set):
+        drop its reply if OFF or SKIP applies to it (errors too, as Redis does; a reply still
+        to come from NATS when it arrives), then advance SKIP as Redis does after each command."""
+        drop = self._reply_off or self._skip
+        self._skip, self._skip_next = self._skip_next, False
+        self._muted = self._reply_off or self._skip
+        if not drop:
+            return reply
+        if reply.__class__ is bytes:
+            return b""
+        self._drop_busy = True
+        return reply
+
+    def client_info(self) -> str:
+        """CLIENT INFO's line: the fields of Redis's that kvcache knows, in Redis's format."""
+        return (f"id={self.id} addr={self.srv.path}:0 laddr={self.srv.path}:0 "
+                f"name={self.name.decode()} db=0 resp={self.proto} "
+                f"lib-name={self.lib_name.decode()} lib-ver={self.lib_ver.decode()}\n")
+
     def _protocol_error(self, e: ProtocolError) -> None:
         """Framing is lost: say why, then close, as Redis does."""
         self.srv.stats.protocol_errors += 1
         msg = str(e)
-        self.transport.write(resp.error(msg if msg.startswith("ERR") else f"ERR {msg}"))
+        if not (self._reply_off or self._skip):  # CLIENT REPLY drops this one too, as in Redis
+            self.transport.write(resp.error(msg if msg.startswith("ERR") else f"ERR {msg}"))
         self._closing = True
         self.transport.close()
 

@@ -179,8 +179,136 @@ def test_client_subcommands(r):
     assert r.client_setinfo("LIB-NAME", "tests") is True
     assert r.client_setinfo("LIB-VER", "1.0") is True
     assert isinstance(r.client_id(), int)
-    with pytest.raises(redis.ResponseError, match="unknown subcommand"):
+    with pytest.raises(redis.ResponseError, match="unknown subcommand 'NOSUCH'. Try CLIENT HELP"):
         r.execute_command("CLIENT", "NOSUCH")
+
+
+def test_client_setname_setinfo_validated_and_shown(env):
+    """Names and library attributes are checked as Redis checks them, and CLIENT INFO shows
+    what SETINFO stored (a SETINFO that stored nowhere visible would be an empty OK)."""
+    with Client(env["sock"]) as c:
+        assert c.execute("CLIENT", "SETINFO", "lib-name", "mylib") == b"OK"
+        assert c.execute("CLIENT", "SETINFO", "LIB-VER", "2.5") == b"OK"
+        assert c.execute("CLIENT", "SETNAME", "worker-1") == b"OK"
+        info = c.execute("CLIENT", "INFO").decode()
+        fields = dict(f.split("=", 1) for f in info.split())
+        assert fields["name"] == "worker-1" and fields["db"] == "0" and fields["resp"] == "2"
+        assert fields["lib-name"] == "mylib" and fields["lib-ver"] == "2.5"
+        assert fields["id"] == str(c.execute("CLIENT", "ID")) and info.endswith("\n")
+        for cmd, err in [
+            (["CLIENT", "SETINFO", "foo", "1"], "ERR Unrecognized option 'foo'"),
+            (["CLIENT", "SETINFO", "lib-name", "a b"],
+             "ERR lib-name cannot contain spaces, newlines or special characters."),
+            (["CLIENT", "SETINFO", "LIB-VER", "1\n2"],
+             "ERR LIB-VER cannot contain spaces, newlines or special characters."),
+            (["CLIENT", "SETINFO", "lib-name"],
+             "ERR wrong number of arguments for 'client|setinfo' command"),
+            (["CLIENT", "SETNAME", "a b"],
+             "ERR Client names cannot contain spaces, newlines or special characters."),
+            (["HELLO", "3", "SETNAME", "a\x01"],
+             "ERR Client names cannot contain spaces, newlines or special characters."),
+            (["CLIENT", "GETNAME", "x"], "ERR wrong number of arguments for 'client|getname' command"),
+            (["CLIENT", "INFO", "x"], "ERR wrong number of arguments for 'client|info' command"),
+        ]:
+            with pytest.raises(ResponseError) as e:
+                c.execute(*cmd)
+            assert str(e.value) == err, cmd
+        # the refused ones changed nothing (HELLO's protocol switch included)
+        assert c.execute("CLIENT", "GETNAME") == b"worker-1"
+        assert "lib-name=mylib lib-ver=2.5" in c.execute("CLIENT", "INFO").decode()
+        assert c.execute("CLIENT", "SETNAME", "") == b"OK"
+        assert c.execute("CLIENT", "GETNAME") is None
+
+
+@pytest.mark.parametrize("sub", ["NO-EVICT", "NO-TOUCH"])
+def test_client_no_evict_no_touch(env, sub):
+    """Nothing to exempt from (no client eviction for memory, no LRU): ON and OFF are true
+    as they are; anything else is refused with Redis's errors."""
+    with Client(env["sock"]) as c:
+        assert c.execute("CLIENT", sub, "on") == b"OK"
+        assert c.execute("CLIENT", sub, "OFF") == b"OK"
+        with pytest.raises(ResponseError, match="^ERR syntax error$"):
+            c.execute("CLIENT", sub, "maybe")
+        with pytest.raises(ResponseError, match=f"wrong number of arguments for 'client.{sub.lower()}'"):
+            c.execute("CLIENT", sub)
+
+
+def test_client_tracking_refused(env, r):
+    """No invalidations exist, so no client may be told its cache is safe: TRACKING ON is
+    an error (go-redis then turns its cache off; other clients fail loudly), and the rest of
+    the tracking commands answer as Redis does with tracking off."""
+    with pytest.raises(redis.ResponseError, match="kvcache does not support CLIENT TRACKING"):
+        r.execute_command("CLIENT", "TRACKING", "ON")
+    with pytest.raises(redis.ResponseError, match="kvcache does not support CLIENT TRACKING"):
+        r.execute_command("CLIENT", "TRACKING", "on", "BCAST", "PREFIX", "in.")
+    with pytest.raises(redis.ResponseError, match="CLIENT CACHING can be called only when"):
+        r.execute_command("CLIENT", "CACHING", "YES")
+    assert r.execute_command("CLIENT", "TRACKING", "OFF") in (True, b"OK")
+    assert r.execute_command("CLIENT", "GETREDIR") == -1
+    with pytest.raises(redis.ResponseError, match="^syntax error$"):
+        r.execute_command("CLIENT", "TRACKING", "maybe")
+    assert r.ping()
+    # the wire shapes of Redis 7 with tracking off (RESP3: flags is a set)
+    wire = {2: b"*6\r\n$5\r\nflags\r\n*1\r\n$3\r\noff\r\n$8\r\nredirect\r\n:-1\r\n$8\r\nprefixes\r\n*0\r\n",
+            3: b"%3\r\n$5\r\nflags\r\n~1\r\n$3\r\noff\r\n$8\r\nredirect\r\n:-1\r\n$8\r\nprefixes\r\n*0\r\n"}
+    for proto in (2, 3):
+        got = raw(env["sock"], encode(["HELLO", str(proto)]) + encode(["CLIENT", "TRACKING", "ON"])
+                  + encode(["CLIENT", "TRACKINGINFO"]) + encode(["CLIENT", "GETREDIR"]),
+                  until=b"*0\r\n:-1\r\n")
+        assert got.endswith(b"modules\r\n*0\r\n-ERR kvcache does not support CLIENT TRACKING "
+                            b"(client-side caching) yet: it sends no invalidations, so replies must "
+                            b"not be cached client-side\r\n" + wire[proto] + b":-1\r\n"), got
+
+
+def test_redis_py_client_side_cache_cannot_cache(env):
+    """redis-py (8.x) keeps no client-side cache on a Unix socket (cache_config is ignored
+    there; over TCP it also wants a server named redis >= 7.4), so nothing it reads from the
+    sidecar is served from a cache. The handshake its cache would make, CLIENT TRACKING ON
+    on a RESP3 connection (CacheProxyConnection._enable_tracking_callback), raises."""
+    from redis.cache import CacheConfig
+    c = redis.Redis(unix_socket_path=env["sock"], protocol=3, cache_config=CacheConfig())
+    try:
+        assert c.get_cache() is None
+        conn = c.connection_pool.get_connection()
+        try:
+            conn.send_command("CLIENT", "TRACKING", "ON")
+            with pytest.raises(redis.ResponseError, match="kvcache does not support CLIENT TRACKING"):
+                conn.read_response()
+        finally:
+            c.connection_pool.release(conn)
+        assert c.get("in.k1") == b"v1"
+    finally:
+        c.close()
+
+
+def test_auth(env):
+    """kvcache has Redis's `default` user and no password (the socket's file mode guards it):
+    Redis's own answers for that, never an OK for a password nobody checked."""
+    with Client(env["sock"]) as c:
+        for cmd, err in [
+            (["AUTH", "secret"], "ERR AUTH <password> called without any password configured for "
+                                 "the default user. Are you sure your configuration is correct?"),
+            (["AUTH", "bob", "secret"], "WRONGPASS invalid username-password pair or user is disabled."),
+            (["AUTH"], "ERR wrong number of arguments for 'auth' command"),
+            (["AUTH", "a", "b", "c"], "ERR syntax error"),
+            (["HELLO", "3", "AUTH", "bob", "secret"],
+             "WRONGPASS invalid username-password pair or user is disabled."),
+            (["HELLO", "3", "AUTH", "Default", "x"],
+             "WRONGPASS invalid username-password pair or user is disabled."),
+            (["HELLO", "3", "AUTH", "bob", "x", "NOSUCH"], "ERR Syntax error in HELLO option 'NOSUCH'"),
+        ]:
+            with pytest.raises(ResponseError) as e:
+                c.execute(*cmd)
+            assert str(e.value) == err, cmd
+        assert c.execute("AUTH", "default", "anything") == b"OK"
+        hello = c.execute("HELLO", "2", "AUTH", "default", "anything", "SETNAME", "n1")
+        assert dict(zip(hello[::2], hello[1::2]))[b"proto"] == 2
+        assert c.execute("CLIENT", "GETNAME") == b"n1"
+        assert c.execute("COMMAND", "INFO", "auth")[0][:2] == [b"auth", -2]
+    # a refused HELLO switched nothing: the next reply is still RESP2
+    got = raw(env["sock"], encode(["HELLO", "3", "AUTH", "bob", "x"]) + encode(["GET", "in.nosuch"]),
+              until=b"$-1\r\n")
+    assert got == b"-WRONGPASS invalid username-password pair or user is disabled.\r\n$-1\r\n"
 
 
 def test_command(r, kc):
@@ -193,13 +321,35 @@ def test_command(r, kc):
     info = kc.execute("COMMAND", "INFO", "get", "nosuch")  # redis-py would parse it as COMMAND's
     assert info[0][:2] == [b"get", 2] and info[1] is None
     assert b"get" in r.command_list()
-    r.execute_command("COMMAND", "DOCS")  # redis-cli asks at start; any well-formed reply
+
+
+def test_command_docs(env):
+    """Real entries, in Redis's shape (name -> map), unknown names left out, as Redis does;
+    not an empty map, which would say there is no GET. redis-cli asks at start."""
+    with Client(env["sock"]) as c:
+        docs = c.execute("COMMAND", "DOCS", "get", "nosuch", "kv.get")
+        every = c.execute("COMMAND", "DOCS")
+    assert docs[::2] == [b"get", b"kv.get"]
+    get = dict(zip(docs[1][::2], docs[1][1::2]))
+    assert get[b"summary"] == b"Get the value of a key" and get[b"group"] == b"string"
+    assert len(every) // 2 == len(set(every[::2])) >= 17
+    got = raw(env["sock"], encode(["HELLO", "3"]) + encode(["COMMAND", "DOCS", "ping"]),
+              until=b"1.0.0\r\n")
+    assert got.endswith(b"%1\r\n$4\r\nping\r\n%3\r\n$7\r\nsummary\r\n$15\r\nPing the server\r\n"
+                        b"$5\r\ngroup\r\n$10\r\nconnection\r\n$5\r\nsince\r\n$5\r\n1.0.0\r\n")
 
 
 def test_select(r):
     assert r.execute_command("SELECT", 0) in (True, b"OK")
     with pytest.raises(redis.ResponseError, match="DB index is out of range"):
         r.execute_command("SELECT", 1)
+    with pytest.raises(redis.ResponseError, match="DB index is out of range"):
+        r.execute_command("SELECT", -1)
+    for bad in ("x", "00", "+1", " 1", "99999999999999999999"):
+        with pytest.raises(redis.ResponseError, match="^value is not an integer or out of range$"):
+            r.execute_command("SELECT", bad)
+    with pytest.raises(redis.ResponseError, match="^value is out of range, value must between"):
+        r.execute_command("SELECT", 99999999999)
 
 
 def test_config_get(env, r):
@@ -207,8 +357,14 @@ def test_config_get(env, r):
     assert cfg["save"] == "" and cfg["appendonly"] == "no"
     assert r.config_get("save") == {"save": ""}
     assert not r.config_get("nosuch")
-    with pytest.raises(redis.ResponseError):
+    with pytest.raises(redis.ResponseError, match="CONFIG GET only"):
         r.execute_command("CONFIG", "SET", "save", "")
+    with pytest.raises(redis.ResponseError, match="wrong number of arguments for 'config.get'"):
+        r.execute_command("CONFIG", "GET")
+    # a setting matched by several patterns is listed once (RESP3: a map has unique keys)
+    got = raw(env["sock"], encode(["CONFIG", "GET", "save", "s*", "databases"]),
+              until=b"$1\r\n1\r\n")
+    assert got == b"*4\r\n$4\r\nsave\r\n$0\r\n\r\n$9\r\ndatabases\r\n$1\r\n1\r\n"
 
 
 # --------------------------------------------------------------------------- GET
