@@ -76,6 +76,7 @@ cdef class _Bucket:
     cdef object feed
     cdef object max_stale
     cdef long long fresh_until_ns  # feed.fresh_enough said yes: believed until then
+    cdef unsigned long long max_age_ns  # the stream's max_age (0: none), read with the verdict
     cdef str name
     cdef bytes prefix      # b"<name>:"
     cdef MDB_dbi dbi
@@ -111,6 +112,7 @@ from libc.time cimport timespec
 cdef extern from "<time.h>" nogil:
     int clock_gettime(int clk_id, timespec* tp)
     enum: CLOCK_MONOTONIC
+    enum: CLOCK_REALTIME
 
 cdef long long FRESH_VERDICT_NS = FRESH_VERDICT_S * 1_000_000_000
 
@@ -123,6 +125,29 @@ cdef inline long long _now_ns() noexcept nogil:
 
 cdef inline unsigned int _u32le(const unsigned char* p) noexcept nogil:
     return p[0] | (p[1] << 8) | (p[2] << 16) | (<unsigned int>p[3] << 24)
+
+
+cdef inline unsigned long long _u64le(const unsigned char* p) noexcept nogil:
+    return _u32le(p) | (<unsigned long long>_u32le(p + 4) << 32)
+
+
+cdef inline unsigned long long _realtime_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_REALTIME, &ts)
+    return ts.tv_sec * 1_000_000_000ULL + ts.tv_nsec
+
+
+cdef inline unsigned long long _deadline(const unsigned char* rec, unsigned long long max_age) noexcept nogil:
+    """kvcache.record.deadline in C (rec has at least 28 bytes when FLAG_TTL is set): 0 never."""
+    cdef unsigned long long created = _u64le(rec + 8), expires
+    if rec[19] & 0x80:
+        expires = _u64le(rec + 20)
+        if expires == 0xFFFFFFFFFFFFFFFFULL:
+            return 0
+        if max_age and created + max_age < expires:
+            return created + max_age
+        return expires
+    return created + max_age if max_age else 0
 
 
 cdef class LocalGets:
@@ -140,6 +165,7 @@ cdef class LocalGets:
     # one call's state (see _start/_finish)
     cdef MDB_txn* _txn
     cdef long long _now
+    cdef unsigned long long _real  # wall clock for expiry, read once a call when needed
     cdef object _fresh
     cdef Py_ssize_t _notfound
     cdef const char* _nil
@@ -335,6 +361,7 @@ cdef class LocalGets:
         self._len = 0
         self._notfound = 0
         self._now = 0
+        self._real = 0
         self._fresh = None
         self._nil = b"_\r\n" if proto == 3 else b"$-1\r\n"
         self._nil_len = 3 if proto == 3 else 5
@@ -356,6 +383,8 @@ cdef class LocalGets:
         cdef int rc
         cdef char head[24]
         cdef const unsigned char* rec
+        cdef unsigned int rk  # the record's flags + key length
+        cdef unsigned long long due
         b = self._direct_bucket(kp, klen, &off) if self._direct else None
         if b is not None and _kv_key(kp + off, klen - off):
             k.mv_size = klen - off
@@ -377,6 +406,7 @@ cdef class LocalGets:
                 if not b.feed.fresh_enough(b.max_stale):
                     return 0
                 b.fresh_until_ns = self._now + FRESH_VERDICT_NS
+                b.max_age_ns = b.feed.max_age_ns
             self._fresh = b.feed
         if not b.has_dbi:
             if self._txn != NULL:  # a handle opened after a transaction began is not
@@ -386,6 +416,23 @@ cdef class LocalGets:
         if self._txn == NULL:
             self._begin(&self._txn)
         rc = mdb_get(self._txn, b.dbi, &k, &v) if b.has_dbi else MDB_NOTFOUND
+        if rc == 0:
+            rec = <const unsigned char*>v.mv_data
+            if v.mv_size < 20:
+                raise ReplicaError("replica record is truncated")
+            rk = _u32le(rec + 16)
+            off = 20 + (rk & 0x7FFFFFFF)
+            if rk & 0x80000000:
+                off += 8
+                if v.mv_size < 28:
+                    raise ReplicaError("replica record is truncated")
+            if rk & 0x80000000 or b.max_age_ns:
+                due = _deadline(rec, b.max_age_ns)
+                if due:
+                    if self._real == 0:
+                        self._real = _realtime_ns()
+                    if self._real >= due:
+                        rc = MDB_NOTFOUND  # expired: absent, whatever the sweep has done
         if rc == MDB_NOTFOUND:
             self._notfound += 1
             self._reserve(self._nil_len)
@@ -394,10 +441,6 @@ cdef class LocalGets:
             return 1
         if rc != 0:
             raise ReplicaError(f"replica read failed: {mdb_strerror(rc).decode()}")
-        rec = <const unsigned char*>v.mv_data
-        if v.mv_size < 20:
-            raise ReplicaError("replica record is truncated")
-        off = 20 + _u32le(rec + 16)
         if <size_t>off > v.mv_size:
             raise ReplicaError("replica record is truncated")
         vlen = v.mv_size - off

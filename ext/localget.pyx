@@ -18,6 +18,7 @@ assert RECORD.format == "<QQI" and RECORD.size == 20, "record layout changed: up
 cdef extern from "<time.h>" nogil:
     int clock_gettime(int clk_id, timespec* tp)
     enum: CLOCK_MONOTONIC
+    enum: CLOCK_REALTIME
 
 cdef tuple _NOARGS = ()
 
@@ -27,6 +28,32 @@ cdef inline double _monotonic() noexcept nogil:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)
     return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+cdef inline unsigned long long _u64le(const unsigned char* p) noexcept nogil:
+    cdef unsigned long long v = 0
+    cdef int i
+    for i in range(7, -1, -1):
+        v = (v << 8) | p[i]
+    return v
+
+
+cdef inline bint _expired(const unsigned char* r, unsigned long long max_age) noexcept nogil:
+    """kvcache.record.deadline passed? (r has 28 bytes when FLAG_TTL is set)"""
+    cdef unsigned long long due = 0, created = _u64le(r + 8)
+    cdef timespec ts
+    if r[19] & 0x80:
+        due = _u64le(r + 20)
+        if due == 0xFFFFFFFFFFFFFFFFULL:
+            return False
+        if max_age and created + max_age < due:
+            due = created + max_age
+    elif max_age:
+        due = created + max_age
+    if not due:
+        return False
+    clock_gettime(CLOCK_REALTIME, &ts)
+    return ts.tv_sec * 1_000_000_000ULL + ts.tv_nsec >= due
 
 
 cdef class LocalGet:
@@ -48,6 +75,8 @@ cdef class LocalGet:
         cdef PyObject* f
         cdef object plan, db, kwargs, raw
         cdef Py_ssize_t offset, n
+        cdef unsigned long long max_age
+        cdef unsigned int klen
         cdef const unsigned char* r
         if p == NULL:
             return self.slow(key)
@@ -70,11 +99,17 @@ cdef class LocalGet:
             return None
         r = <const unsigned char*>PyBytes_AS_STRING(raw)
         n = PyBytes_GET_SIZE(raw)
-        offset = <object>PyTuple_GET_ITEM(plan, 3)
-        if offset == 0:
-            if n < 20:
+        max_age = <object>PyTuple_GET_ITEM(plan, 3)
+        if n < 20:
+            raise ValueError("replica record is truncated")
+        klen = r[16] | (r[17] << 8) | (r[18] << 16) | (<unsigned int>r[19] << 24)
+        offset = 20 + (klen & 0x7FFFFFFF)
+        if klen & 0x80000000:
+            offset += 8
+            if n < 28:
                 raise ValueError("replica record is truncated")
-            offset = 20 + (r[16] | (r[17] << 8) | (r[18] << 16) | (<Py_ssize_t>r[19] << 24))
+        if (klen & 0x80000000 or max_age) and _expired(r, max_age):
+            return None
         if offset > n:
             raise ValueError("replica record is truncated")
         return PyBytes_FromStringAndSize(<const char*>r + offset, n - offset)

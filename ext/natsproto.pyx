@@ -21,7 +21,7 @@ from kvcache.errors import ProtocolError
 from kvcache.natsproto import (
     MAX_CONTROL_LINE, MAX_PAYLOAD, RUN_FIELDS, AckMeta, Err, HMsg, Info, Msg, OK, PING, PONG,
 )
-from kvcache.record import MAX_LMDB_KEY, RECORD, item as _py_item
+from kvcache.record import MAX_LMDB_KEY, RECORD, item as _py_item, parse_msg_ttl as _parse_msg_ttl
 
 cdef extern from "Python.h":
     ctypedef object (*allocfunc)(object, Py_ssize_t)   # a new reference, NULL on error
@@ -208,13 +208,16 @@ cdef inline bint _ieq(const unsigned char* p, Py_ssize_t n, const char* lit, Py_
     return True
 
 
-cdef bint _is_delete(const unsigned char* h, Py_ssize_t hn) noexcept nogil:
+cdef bint _is_delete(const unsigned char* h, Py_ssize_t hn, Py_ssize_t* ttl_s,
+                     Py_ssize_t* ttl_e) noexcept nogil:
     """Does this header block stand for a delete? Operation.of's rules: the last
     `KV-Operation` value (DEL or PURGE, any case) decides; without one, a server marker
-    (`Nats-Marker-Reason`) is a delete."""
+    (`Nats-Marker-Reason`) is a delete. The last `Nats-TTL` value's span goes to
+    ttl_s..ttl_e (ttl_s -1 without one)."""
     cdef Py_ssize_t i, ns, ne, vs, ve
     cdef int op = -1          # -1 no KV-Operation header, 0 put, 1 delete
     cdef bint marker = False
+    ttl_s[0] = -1
     i = _crlf(h, 0, hn) + 2
     while i < hn:
         i = _header_line(h, i, hn, &ns, &ne, &vs, &ve)
@@ -222,6 +225,9 @@ cdef bint _is_delete(const unsigned char* h, Py_ssize_t hn) noexcept nogil:
             op = 1 if (_ieq(h + vs, ve - vs, b"DEL", 3) or _ieq(h + vs, ve - vs, b"PURGE", 5)) else 0
         elif ne - ns == 18 and memcmp(h + ns, b"Nats-Marker-Reason", 18) == 0:
             marker = True
+        elif ne - ns == 8 and memcmp(h + ns, b"Nats-TTL", 8) == 0:
+            ttl_s[0] = vs
+            ttl_e[0] = ve
     return op == 1 if op >= 0 else marker
 
 
@@ -504,7 +510,8 @@ cdef class NatsReader:
         cdef unsigned long long cseq = self._ack[2]
         cdef unsigned long long ts = self._ack[3]
         cdef Py_ssize_t hn = self._hdr_len
-        cdef bint delete = hn > 0 and _is_delete(b, hn)
+        cdef Py_ssize_t ttl_s = -1, ttl_e = 0
+        cdef bint delete = hn > 0 and _is_delete(b, hn, &ttl_s, &ttl_e)
         cdef object key = self._lane_key
         cdef Py_ssize_t kn = PyBytes_GET_SIZE(key)
         cdef const unsigned char* kp = <const unsigned char*>PyBytes_AS_STRING(key)
@@ -522,9 +529,12 @@ cdef class NatsReader:
             run.deletes = 0
             run.top_sseq = 0
             PyList_Append(events, run)
-        if kn > _MAX_LMDB_KEY or (kn > 0 and kp[0] == 0):
+        if kn > _MAX_LMDB_KEY or (kn > 0 and kp[0] == 0) or (ttl_s >= 0 and not delete):
+            # long keys and messages with a TTL of their own: the twin's item builder
             it = _py_item(key, None if delete else
-                          PyBytes_FromStringAndSize(<const char*>b + hn, self._total - hn), sseq, ts)
+                          PyBytes_FromStringAndSize(<const char*>b + hn, self._total - hn), sseq, ts,
+                          0 if ttl_s < 0 or delete else
+                          _parse_msg_ttl(PyBytes_FromStringAndSize(<const char*>b + ttl_s, ttl_e - ttl_s)))
         else:
             it = PyTuple_New(2)
             _put(it, 0, key)

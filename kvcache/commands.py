@@ -19,6 +19,7 @@ from .accesslog import AccessLog
 from .config import BucketConfig
 from .entry import Entry, Operation
 from .errors import KvcacheError, ReplyBudget, ReplyTooLarge, UpstreamError
+from .record import live_value
 from .replica import LONG_KEY_PREFIX, RECORD, lmdb_key
 
 if TYPE_CHECKING:
@@ -359,6 +360,8 @@ class Commands:
                 if txn is None:
                     txn = self.replica.env.begin()
                 rec = txn.get(lkey, None, db)
+                if rec is not None and (rec[19] >= 0x80 or plan[0].max_age_ns):
+                    rec, offset = live_value(rec, time.time_ns(), plan[0].max_age_ns), 0
                 local += 1
                 if t0 and self.access.sampled():  # resolved again only when sampled
                     bc, key = self.resolve(raw)
@@ -479,7 +482,7 @@ class Commands:
         bucket, glob, shown = self._pattern_target(args[1])
         match = glob_matcher(glob)
         out = [resp.bulk((shown + k).encode(), conn.proto)
-               for _, k in self.replica.iter_keys(bucket) if match(k)]
+               for _, k in self.replica.iter_keys(bucket, live=True) if match(k)]
         return resp.array(out, conn.proto)
 
     @arity(2, exact=False)
@@ -507,7 +510,7 @@ class Commands:
         found: list[bytes] = []
         last = None
         n = 0
-        for lkey, key in self.replica.iter_keys(bucket, after=after, limit=count):
+        for lkey, key in self.replica.iter_keys(bucket, after=after, limit=count, live=True):
             last = lkey
             n += 1
             if match(key):
@@ -727,7 +730,8 @@ class Commands:
             "buckets": [(name, _fields(
                 synced=int(f.synced), keys=self.replica.count(name), applied_seq=f.meta.applied_seq,
                 upstream_seq=max(f.upstream_seq, f.meta.applied_seq), lag_ms=f.lag_ms(),
-                resyncs=f.meta.resyncs)) for name, f in sc.feeds.items()],
+                resyncs=f.meta.resyncs, removed_upstream=f.removed_upstream,
+                state_polls=f.state_polls)) for name, f in sc.feeds.items()],
             "peers": [(p.label, _fields(
                 stream=p.stream, state=p.state, ewma_us=int(p.stats.ewma_us),
                 requests=p.stats.requests, errors=p.stats.errors, hedges=p.stats.hedges))

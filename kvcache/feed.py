@@ -35,13 +35,17 @@ from .config import BucketConfig
 from .errors import BucketNotFound, KvcacheError, ReplicaError, UpstreamError
 from .natsconn import Connection, proto
 from .replica import Replica
+from .subjects import subject_match
 
 log = logging.getLogger("kvcache.feed")
 
 PULL_BATCH = 8192
 PULL_MAX_BYTES = 16 * 1024 * 1024
 PULL_EXPIRES_S = 30.0
-EXPIRY_PAGE = 2_000     # records looked at per turn of the event loop (~3 ms) by the TTL pass
+EXPIRY_PAGE = 2_000     # records looked at per turn of the event loop (~3 ms) by removal passes
+SWEEP_MAX_S = 1.0       # the expiry index is looked at least this often (reads hide expired records anyway)
+WATCH_MIN_S, WATCH_MAX_S = 0.25, 5.0  # bounds of the stream state poll's period (max_stale_ms / 4)
+HINT_CHECKS_S = (0.1, 1.0)  # after a purge request is seen: look again this long after it
 PLACEMENT_TRIES = 32    # consumers made to get one on the stream leader (R3: all miss with p = 2e-6)
 RECONCILE_TRIES = 3
 META_TOUCH_INTERVAL_NS = 1_000_000_000
@@ -343,7 +347,14 @@ class Feed:
         self._consumer: PullConsumer | None = None
         self._task: asyncio.Task | None = None
         self._reconcile_task: asyncio.Task | None = None
-        self._expiry_task: asyncio.Task | None = None
+        self._sweep_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
+        self._hint_tasks: set[asyncio.Task] = set()
+        self._api_subs: list = []
+        self.max_age_ns = 0       # the stream's max_age: applied at every read (record.deadline)
+        self.first_seq = 0        # the stream's first sequence when last looked at
+        self.removed_upstream = 0  # records removed with no message: expiry, limits, purges
+        self.state_polls = 0      # STREAM.INFO requests made to watch for such removals
         self._synced_event = asyncio.Event()
         self._last_meta_write = 0
         self._sync_started = 0.0
@@ -359,8 +370,11 @@ class Feed:
         self._plan(info, reconcile=True)
         self._task = asyncio.create_task(self._run(), name=f"feed:{self.bucket}")
         self._task.add_done_callback(self._task_done)
-        if self.stream_config.get("max_age"):
-            self._expiry_task = asyncio.create_task(self._expire_loop(), name=f"expiry:{self.bucket}")
+        self._sweep_task = asyncio.create_task(self._sweep_loop(), name=f"expiry:{self.bucket}")
+        self._watch_task = asyncio.create_task(self._watch_loop(), name=f"removals:{self.bucket}")
+        for op in ("PURGE", "MSG.DELETE"):  # requests that remove messages without a marker
+            self._api_subs.append(await self.nc.subscribe(
+                f"$JS.API.STREAM.{op}.{self.stream}", cb=self._on_removal_request))
 
     async def _stream_info(self) -> dict:
         """The stream as its leader sees it, waiting up to the request timeout for a leader
@@ -379,8 +393,10 @@ class Feed:
         without a trace in the stream (after a process start or a reconnect, when that is
         likely)."""
         self.stream_config = info.get("config", {})
+        self._set_max_age(int(self.stream_config.get("max_age", 0) or 0))
         state = info.get("state", {})
         first, last = state.get("first_seq", 0), state.get("last_seq", 0)
+        self.first_seq = first
         created = info.get("created", "")
         m = self.meta
         reason = None
@@ -417,7 +433,14 @@ class Feed:
             self._reconcile_pending = self._reconcile_pending or reconcile
         m.stream = self.stream
         m.stream_created = created
+        m.max_age_ns = self.max_age_ns
         self.replica.put_meta(self.bucket, m)
+
+    def _set_max_age(self, max_age_ns: int) -> None:
+        """The stream's max_age, where every reader applies it (LocalReader: in the meta)."""
+        self.max_age_ns = max_age_ns
+        self.replica.max_age[self.bucket] = max_age_ns
+        self.meta.max_age_ns = max_age_ns
 
     def _task_done(self, task: asyncio.Task) -> None:
         """The loop retries every failure it knows; if it ends anyway, that is a bug, and a
@@ -433,7 +456,13 @@ class Feed:
                 self.on_fatal(exc)
 
     async def stop(self) -> None:
-        for task in (self._task, self._reconcile_task, self._expiry_task):
+        for sub in self._api_subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # the connection may be gone already
+                pass
+        for task in (self._task, self._reconcile_task, self._sweep_task, self._watch_task,
+                     *self._hint_tasks):
             if task and not task.done():
                 task.cancel()
                 try:
@@ -634,56 +663,138 @@ class Feed:
             self._reconcile_task = asyncio.get_running_loop().create_task(
                 self._reconcile(), name=f"reconcile:{self.bucket}")
 
-    def _sweep(self, keep: set[bytes], max_revision: int | None = None) -> int:
-        """Delete replica keys absent from `keep` (and not newer than max_revision)."""
-        stale = [lk for lk, _ in self.replica.iter_keys(self.bucket) if lk not in keep]
+    def _sweep(self, keep: set[bytes], max_revision: int | None = None,
+               within: Callable[[str], bool] | None = None) -> int:
+        """Delete replica keys absent from `keep` (and not newer than max_revision; among
+        the keys `within` accepts, when given)."""
+        stale = [lk for lk, key in self.replica.iter_keys(self.bucket)
+                 if lk not in keep and (within is None or within(key))]
         if max_revision is not None:
             stale = [lk for lk in stale if self.replica.revision(self.bucket, lk) <= max_revision]
         return self.replica.delete_lkeys(self.bucket, stale) if stale else 0
 
-    # -------------------------------------------------------------- live expiry
+    # -------------------------------------------------------------- removals with no message
 
-    async def _expire_loop(self) -> None:
-        """A bucket with a TTL (the stream's max_age) loses old messages from the front of
-        the stream without any message the feed could follow (unless the server places
-        expiry markers). A key whose newest revision is below the stream's first sequence has
-        no message left: it expired. Every half TTL (1 s to 60 s), while caught up, such keys
-        leave the replica; without this they would be served until the next restart."""
-        period = min(60.0, max(1.0, self.stream_config["max_age"] / 2e9))
+    async def _sweep_loop(self) -> None:
+        """Remove records whose deadline passed (a Nats-TTL of their own, or the bucket's
+        max_age), reading only the expiry index's due entries. Reads hide such records at
+        once (record.deadline), so this is about space and key counts: it runs when the
+        earliest deadline comes, at least every SWEEP_MAX_S."""
         while True:
-            await asyncio.sleep(period)
+            due = self.replica.next_due(self.bucket)
+            wait = SWEEP_MAX_S if due is None else (due - time.time_ns()) / 1e9
+            await asyncio.sleep(min(SWEEP_MAX_S, max(wait, 0.0)) + 0.001)
+            try:
+                more = True
+                while more:
+                    removed, more = self.replica.sweep_expired(self.bucket, time.time_ns(), EXPIRY_PAGE)
+                    self.removed_upstream += removed
+                    if more:
+                        await asyncio.sleep(0)  # a page at a time: reads go on meanwhile
+            except ReplicaError as e:  # the next turn tries again
+                log.warning("bucket %s: expiry sweep failed: %s", self.bucket, e)
+
+    def _watch_period(self) -> float:
+        return min(WATCH_MAX_S, max(WATCH_MIN_S, self.cfg.max_stale_ms / 4000))
+
+    async def _watch_loop(self) -> None:
+        """Watch the stream's state (one STREAM.INFO every max_stale_ms / 4, 0.25 s to 5 s)
+        for removals that leave no message the feed could follow: a whole-stream purge and
+        the stream's limits (max_msgs, max_bytes, max_age) remove from the front, so the
+        first sequence moves past keys whose newest revision is gone; a max_age change moves
+        every deadline. One-subject purges and message deletes are seen as requests
+        (_on_removal_request). Only while caught up: before that the feed itself plans."""
+        while True:
+            await asyncio.sleep(self._watch_period())
             if not self.caught_up or self._full or not self.meta.synced:
                 continue
             try:
-                info = await self._stream_info()
-                removed = await self.expire(info.get("state", {}))
+                await self.check_state()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the next period tries again; the data is still served
-                log.warning("bucket %s: expiry pass failed: %s", self.bucket, e)
-                continue
-            if removed:
-                log.info("bucket %s: %d keys expired upstream removed", self.bucket, removed)
+                log.warning("bucket %s: stream state check failed: %s", self.bucket, e)
 
-    async def expire(self, state: dict) -> int:
-        """Drop the keys with no message left in the stream `state` describes. Only while
-        the replica holds everything that stream held (applied up to its last sequence):
-        else a key's newer revision may still be on its way, and dropping the old one would
-        answer "not found" for a key that exists. Each page is read and deleted without an
-        await in between, so no newer revision can land between the two."""
+    async def check_state(self) -> int:
+        """Look at the stream once and drop what it no longer holds; records removed."""
+        self.state_polls += 1
+        info = await self._stream_info()
+        max_age = int(info.get("config", {}).get("max_age", 0) or 0)
+        if max_age != self.max_age_ns:
+            log.info("bucket %s: max_age is now %ds", self.bucket, max_age // 1_000_000_000)
+            self._set_max_age(max_age)
+            self.replica.put_meta(self.bucket, self.meta)
+        state = info.get("state", {})
         first, last = state.get("first_seq", 0), state.get("last_seq", 0)
         removed = 0
+        if first > self.first_seq:
+            # Wait for what the snapshot holds: a key's newer revision may still be on its way,
+            # and dropping the old one meanwhile would answer "not found" for a key that exists.
+            if await self.wait_applied(last, self.timeout):
+                removed = await self._drop_below(first, last)
+                self.first_seq = first
+        if removed:
+            self.removed_upstream += removed
+            log.info("bucket %s: %d keys with no message left in the stream removed", self.bucket, removed)
+        return removed
+
+    async def _drop_below(self, first: int, last: int) -> int:
+        """Remove keys whose newest revision is below the stream's first sequence: they have
+        no message left. Everything when the stream is empty (a purge): one drop. Otherwise
+        a pass over the records, a page at a time; each page is read and deleted without an
+        await in between, so no newer revision can land between the two."""
+        if first > last and self.meta.applied_seq <= last:
+            n = self.replica.count(self.bucket)
+            if n:
+                self.replica.clear_bucket(self.bucket)
+            return n
+        removed = 0
         after: bytes | None = None
-        while first > 1:
-            if self._full or self.meta.applied_seq < last:
+        while True:
+            if self._full:
                 break
             gone, after = self.replica.older_than(self.bucket, first, after, EXPIRY_PAGE)
             if gone:
                 removed += self.replica.delete_lkeys(self.bucket, gone)
             if after is None:
                 break
-            await asyncio.sleep(0)  # a page at a time: reads go on meanwhile
+            await asyncio.sleep(0)
         return removed
+
+    async def _on_removal_request(self, msg) -> None:
+        """A STREAM.PURGE or STREAM.MSG.DELETE request for our stream went by: such removals
+        leave no message. Look again once the server has had time to carry it out: the
+        stream's state for a purge of everything, the purged keys (or, for a deleted message,
+        every key) with a headers-only pass."""
+        try:
+            req = json.loads(msg.data or b"{}")
+        except ValueError:
+            req = {}
+        subject = req.get("filter", "") if msg.subject.startswith("$JS.API.STREAM.PURGE.") else ""
+        if subject and not subject.startswith(self.prefix):
+            return
+        t = asyncio.get_running_loop().create_task(self._after_removal(subject), name=f"purge:{self.bucket}")
+        self._hint_tasks.add(t)
+        t.add_done_callback(self._hint_tasks.discard)
+
+    async def _after_removal(self, subject: str) -> None:
+        waited = 0.0
+        for at in HINT_CHECKS_S:
+            await asyncio.sleep(at - waited)
+            waited = at
+            if self._full or not self.meta.synced:
+                return
+            try:
+                removed = await self.check_state()
+                removed += await self._reconcile_once([subject] if subject else None) or 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("bucket %s: check after a purge request failed: %s", self.bucket, e)
+                continue
+            if removed:
+                self.removed_upstream += removed
+                log.info("bucket %s: %d keys removed by a purge or message delete", self.bucket, removed)
 
     # -------------------------------------------------------------- reconcile
 
@@ -711,7 +822,9 @@ class Feed:
                 log.info("bucket %s: reconcile found nothing to remove", self.bucket)
             return
 
-    async def _reconcile_once(self) -> int | None:
+    async def _reconcile_once(self, only: list[str] | None = None) -> int | None:
+        """One headers-only pass: keys of the replica absent from the stream go. `only`:
+        subjects narrowing the pass (a purge's filter); only replica keys they match go."""
         info = await self._stream_info()
         snapshot = info.get("state", {}).get("last_seq", 0)
         live: set[bytes] = set()
@@ -731,11 +844,16 @@ class Feed:
                 consumer.finish()
 
         consumer = PullConsumer(
-            self.nc, self.stream, self.prefix, self.filters, start_seq=None,
+            self.nc, self.stream, self.prefix, only or self.filters, start_seq=None,
             headers_only=True, heartbeat_s=self.heartbeat_s,
             on_batch=collect, on_idle=idle, timeout=self.timeout,
         )
         await consumer.run()
         if self._full:
             return None
-        return self._sweep(live, max_revision=snapshot)
+        within = None
+        if only:
+            plen = len(self.prefix)
+            patterns = [f[plen:] for f in only]
+            within = lambda key: any(subject_match(p, key) for p in patterns)  # noqa: E731
+        return self._sweep(live, max_revision=snapshot, within=within)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from .record import LONG_KEY_PREFIX, RECORD
+from .record import LONG_KEY_PREFIX, RECORD, live_value
 from .replica import Replica
 from .resp import GET_LEN, NIL2, NIL3
 
@@ -112,6 +112,7 @@ class LocalGets:
                 if not plan:
                     break
                 feed, max_stale, db, lkey, offset = plan
+                max_age = feed.max_age_ns
                 if feed is not fresh:
                     now = _monotonic()
                     if self._fresh_until.get(feed, 0.0) <= now:
@@ -123,13 +124,15 @@ class LocalGets:
                     txn = self.replica.env.begin()
                 raw = txn.get(lkey, None, db)
                 answered += 1
+                if raw is not None and (raw[19] >= 0x80 or max_age):
+                    raw, offset = live_value(raw, time.time_ns(), max_age), 0
                 if raw is None:
                     notfound += 1
                     append(nil)
                     size += len(nil)
                 else:
-                    value = raw[offset if offset is not None else
-                                RECORD.size + RECORD.unpack_from(raw)[2]:]
+                    value = raw[offset:] if offset is not None else \
+                        raw[RECORD.size + RECORD.unpack_from(raw)[2]:]
                     n = len(value)
                     header = BULK_HEADER[n] if n < 10_000 else b"$%d\r\n" % n
                     append(header)

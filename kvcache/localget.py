@@ -3,7 +3,7 @@
     get = LocalGet(plans, fresh_until, env.begin, slow)
     value = get(key)
 
-`plans[key]` is `(bucket, db, lmdb key, value offset or 0 for a long key)`, and
+`plans[key]` is `(bucket, db, lmdb key, the bucket's max_age in ns or 0)`, and
 `fresh_until[bucket]` the monotonic time until which the bucket counts as fresh. With both
 in hand a read is one short transaction and a copy of the value; anything else (no plan yet,
 freshness to check again, an LMDB error such as a map the writer grew) goes to `slow(key)`,
@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from .record import RECORD
+from .record import RECORD, live_value
 
 _monotonic = time.monotonic
 
@@ -38,5 +38,6 @@ class LocalGet:
             return self.slow(key)
         if raw is None:
             return None
-        offset = plan[3]
-        return raw[offset:] if offset else raw[RECORD.size + RECORD.unpack_from(raw)[2]:]
+        if raw[19] >= 0x80 or plan[3]:  # a deadline: its own TTL, or the bucket's max_age
+            return live_value(raw, time.time_ns(), plan[3])
+        return raw[RECORD.size + RECORD.unpack_from(raw)[2]:]

@@ -21,8 +21,8 @@ from .commands import glob_matcher
 from .entry import Entry, Operation
 from .errors import KvcacheError, ReplicaError
 from .native import pick
-from .replica import (BUCKETS_KEY, LONG_KEY_PREFIX, META_DB, RECORD, BucketMeta, Replica,
-                      decode_record, lmdb_key)
+from .record import live_value
+from .replica import BUCKETS_KEY, META_DB, BucketMeta, Replica, decode_record, lmdb_key
 
 _LOCALGET = pick("localget", "localget")
 
@@ -75,7 +75,7 @@ class LocalReader:
         raw = self._txn_get(Replica.db_name(plan[0]), plan[2])
         if raw is None:
             return None
-        return raw[RECORD.size + RECORD.unpack_from(raw)[2]:]
+        return live_value(raw, time.time_ns(), plan[3])
 
     def _plan(self, key: str) -> tuple | None:
         """Check freshness (raises StaleReplica) and work out how to read `key`; None while
@@ -85,7 +85,7 @@ class LocalReader:
         if db is None:
             return None
         lkey = lmdb_key(name)
-        plan = (bucket, db, lkey, 0 if lkey.startswith(LONG_KEY_PREFIX) else RECORD.size)
+        plan = (bucket, db, lkey, self._replica.max_age.get(bucket, 0))
         if len(self._plans) >= PLAN_CACHE:
             self._plans.clear()
         self._plans[key] = plan
@@ -95,7 +95,7 @@ class LocalReader:
         bucket, name = self._address(key)
         lkey = lmdb_key(name)
         raw = self._txn_get(Replica.db_name(bucket), lkey)
-        if raw is None:
+        if raw is None or self._replica.expired(bucket, raw):
             return None
         rec = decode_record(lkey, raw)
         return Entry(bucket, rec.key, rec.value, rec.revision, rec.created, 0, Operation.PUT, "local")
@@ -107,7 +107,7 @@ class LocalReader:
         bucket = bucket or self._require_default()
         self._check_fresh(bucket)
         match = glob_matcher(pattern)
-        return [k for _, k in self._replica.iter_keys(bucket) if match(k)]
+        return [k for _, k in self._replica.iter_keys(bucket, live=True) if match(k)]
 
     def meta(self, bucket: str | None = None) -> BucketMeta:
         return BucketMeta.decode(self._txn_get(META_DB, (bucket or self._require_default()).encode()))
@@ -142,6 +142,9 @@ class LocalReader:
         meta = self.meta(bucket)
         if not meta.stream:
             raise ReplicaError(f"bucket '{bucket}' is not replicated here")
+        if self._replica.max_age.get(bucket, 0) != meta.max_age_ns:
+            self._replica.max_age[bucket] = meta.max_age_ns  # plans carry it: make them anew
+            self._plans.clear()
         age_ms = (time.time_ns() - meta.fresh_at_ns) / 1e6
         if not meta.synced or age_ms > self.max_stale_ms:
             raise StaleReplica(

@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 from kvcache.entry import Operation
 from kvcache.errors import ProtocolError
-from kvcache.record import item as _item
+from kvcache.record import item as _item, parse_msg_ttl
 
 __all__ = [
     "Msg", "HMsg", "Ping", "Pong", "Ok", "Err", "Info", "PING", "PONG", "OK",
@@ -237,9 +237,11 @@ def _deliver(events: list, sid: int, ack: AckMeta, key: bytes, header_block: byt
     if type(run) is not Run or run.sid != sid or run.last_cseq + 1 != cseq:
         run = Run(sid, cseq)
         events.append(run)
-    op = Operation.of(decode_headers(header_block)[2]) if header_block else Operation.PUT
+    headers = decode_headers(header_block)[2] if header_block else None
+    op = Operation.of(headers)
     value = payload if op is Operation.PUT else None
-    run.items.append(_item(key, value, ack.stream_seq, ack.timestamp_ns))
+    ttl = parse_msg_ttl(headers.get("Nats-TTL")) if headers and value is not None else 0
+    run.items.append(_item(key, value, ack.stream_seq, ack.timestamp_ns, ttl))
     run.deletes += value is None
     run.last_cseq = cseq
     run.top_sseq = max(run.top_sseq, ack.stream_seq)

@@ -1,8 +1,16 @@
 """The LMDB replica: one environment, a named database per bucket plus a meta database.
 
-Records are `revision u64 | created_ns u64 | full_key_len u32 | [full key] | value`.
-LMDB keys are at most 511 bytes while NATS keys may be longer, so a long key is stored under
-`NUL '#' sha256(key)` (NUL never occurs in a NATS subject) and its full text rides in the record.
+Records are kvcache.record's: `revision u64 | created_ns u64 | flags+full_key_len u32 |
+[expires_ns u64] | [full key] | value`. LMDB keys are at most 511 bytes while NATS keys may be
+longer, so a long key is stored under `NUL '#' sha256(key)` (NUL never occurs in a NATS
+subject) and its full text rides in the record.
+
+Expiry: every read treats a record past its deadline (its own `Nats-TTL`, or the bucket's
+max_age, see record.deadline) as absent; `max_age` (per bucket, ns) is told by the feed. Each
+bucket has a second database, its expiry index (`x:<bucket>`: `deadline u64 BE | lkey or its
+digest` -> lkey), written with the records, so that `sweep_expired` removes what has expired
+by reading only what is due, never the whole replica. The index is cleaned lazily: an entry
+whose record was since replaced is dropped when it comes due.
 
 Reads open and close their own short transaction and never span an `await`: a read
 transaction held open pins old pages and makes the file grow under a busy writer.
@@ -12,7 +20,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import hashlib
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -24,7 +34,7 @@ import lmdb
 from .errors import ReplicaError
 from .record import (  # noqa: F401 - re-exported: the replica's record format
     LONG_KEY_PREFIX, MAX_LMDB_KEY, RECORD, Record, decode_key, decode_record, encode_record,
-    Item, lkey_of, lmdb_key,
+    Item, deadline, live_value, lkey_of, lmdb_key,
 )
 
 T = TypeVar("T")
@@ -32,11 +42,12 @@ T = TypeVar("T")
 log = logging.getLogger("kvcache.replica")
 
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: records carry their Nats-TTL expiry; expiry index per bucket
 META_DB = b"__meta__"
 FORMAT_KEY = b"__format__"
 BUCKETS_KEY = b"__buckets__"  # configured bucket names, default first (for LocalReader)
-MAX_DBS = 128
+MAX_DBS = 256  # two per bucket (records, expiry index) and the meta database
+DUE = struct.Struct(">Q")  # the expiry index's key prefix: big-endian, so LMDB orders by time
 
 
 @dataclass
@@ -50,6 +61,7 @@ class BucketMeta:
     fresh_at_ns: int = 0  # last moment the replica was known to be caught up with the stream
     last_update_ns: int = 0
     resyncs: int = 0
+    max_age_ns: int = 0  # the stream's max_age, for readers in other processes (LocalReader)
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -73,6 +85,8 @@ class Replica:
         # Every named database is opened once per process: a second open of the same name in
         # a read-only environment yields an unusable handle in py-lmdb.
         self._dbs: dict[bytes, object] = {}
+        # bucket -> its stream's max_age in ns (0: none), applied at every read; see record.deadline
+        self.max_age: dict[str, int] = {}
         try:
             if readonly:
                 self.env = _shared_readonly_env(path)
@@ -142,7 +156,7 @@ class Replica:
         def write(txn: lmdb.Transaction) -> None:
             names = [k for k, _ in txn.cursor()]
             for name in names:
-                if not name.startswith(b"kv:"):
+                if not name.startswith((b"kv:", b"x:")):
                     continue
                 txn.drop(self.env.open_db(name, txn=txn), delete=True)
             txn.drop(self._meta, delete=False)
@@ -171,6 +185,10 @@ class Replica:
         name = self.db_name(bucket)
         return self.db_ro(name) if self.readonly else self._open_rw(name)
 
+    def _index(self, bucket: str):
+        """The bucket's expiry index (writer only)."""
+        return self._open_rw(b"x:" + bucket.encode())
+
     # ------------------------------------------------------------------ reads
 
     def get(self, bucket: str, key: str) -> Record | None:
@@ -180,15 +198,24 @@ class Replica:
         lkey = lmdb_key(key)
         with self.env.begin(db=db, buffers=False) as txn:
             raw = txn.get(lkey)
-        return decode_record(lkey, raw) if raw is not None else None
+        if raw is None or self.expired(bucket, raw):
+            return None
+        return decode_record(lkey, raw)
 
-    def get_raw(self, txn: lmdb.Transaction, db, key: str) -> bytes | None:
+    def expired(self, bucket: str, raw: bytes, now_ns: int = 0) -> bool:
+        """Has this record of `bucket` passed its deadline (record.deadline)?"""
+        max_age = self.max_age.get(bucket, 0)
+        if raw[19] < 0x80 and not max_age:
+            return False
+        due = deadline(raw, max_age)
+        return bool(due) and (now_ns or time.time_ns()) >= due
+
+    def get_raw(self, txn: lmdb.Transaction, db, key: str, bucket: str = "") -> bytes | None:
         """Value only, inside the caller's read transaction (the server's batched path)."""
         raw = txn.get(lmdb_key(key), db=db)
         if raw is None:
             return None
-        klen = RECORD.unpack_from(raw)[2]
-        return raw[RECORD.size + klen :]
+        return live_value(raw, time.time_ns(), self.max_age.get(bucket, 0))
 
     def read_txn(self) -> lmdb.Transaction:
         return self.env.begin(buffers=False)
@@ -200,13 +227,16 @@ class Replica:
         with self.env.begin(db=db) as txn:
             return txn.stat(db)["entries"]
 
-    def iter_keys(self, bucket: str, after: bytes | None = None,
-                  limit: int | None = None) -> Iterator[tuple[bytes, str]]:
-        """(lmdb key, full key) in LMDB order, starting after `after`; one transaction."""
+    def iter_keys(self, bucket: str, after: bytes | None = None, limit: int | None = None,
+                  live: bool = False) -> Iterator[tuple[bytes, str]]:
+        """(lmdb key, full key) in LMDB order, starting after `after`; one transaction.
+        `live`: leave out expired records (they still count towards `limit`, so a SCAN page
+        stays bounded)."""
         db = self.db(bucket)
         if db is None:
             return
         n = 0
+        now = time.time_ns()
         with self.env.begin(db=db, buffers=False) as txn:
             cur = txn.cursor()
             ok = cur.set_range(after) if after is not None else cur.first()
@@ -214,7 +244,8 @@ class Replica:
                 ok = cur.next()
             while ok:
                 lkey = cur.key()
-                yield lkey, decode_key(lkey, cur.value()) if lkey.startswith(LONG_KEY_PREFIX) else lkey.decode()
+                if not live or not self.expired(bucket, cur.value(), now):
+                    yield lkey, decode_key(lkey, cur.value()) if lkey.startswith(LONG_KEY_PREFIX) else lkey.decode()
                 n += 1
                 if limit is not None and n >= limit:
                     return
@@ -312,9 +343,13 @@ class Replica:
         batch goes to LMDB in one putmulti call."""
         db = self.db(bucket)
         meta_key, meta_raw = bucket.encode(), meta.encode()
+        due = self._due_entries(bucket, items)
+        index = self._index(bucket) if due else None  # opened outside: that takes a write txn
 
         def write(txn: lmdb.Transaction) -> None:
             cur = txn.cursor(db=db)
+            if due:
+                txn.cursor(db=index).putmulti(due)
             if not deletes:
                 cur.putmulti(items)
             else:
@@ -333,6 +368,56 @@ class Replica:
 
         self._write(f"bucket {bucket}", write)
 
+    def _due_entries(self, bucket: str, items: Sequence[Item]) -> list[tuple[bytes, bytes]]:
+        """Expiry index entries for the records among `items` that have a deadline."""
+        max_age = self.max_age.get(bucket, 0)
+        out = []
+        for lk, rec in items:
+            if rec is not None and (max_age or rec[19] >= 0x80):
+                due = deadline(rec, max_age)
+                if due:
+                    out.append((_due_key(due, lk), lk))
+        return out
+
+    def next_due(self, bucket: str) -> int | None:
+        """The earliest deadline in the bucket's expiry index (ns), None when it is empty."""
+        with self.env.begin(db=self._index(bucket)) as txn:
+            cur = txn.cursor()
+            return DUE.unpack_from(cur.key())[0] if cur.first() else None
+
+    def sweep_expired(self, bucket: str, now_ns: int, limit: int = 2_000) -> tuple[int, bool]:
+        """Remove the records of `bucket` whose deadline has passed, looking only at the
+        expiry index entries due by `now_ns` (at most `limit` of them): (records removed,
+        whether more entries are due). An entry whose record was replaced since, or whose
+        deadline moved (a new max_age), is dropped or filed again under the new deadline."""
+        db, index = self.db(bucket), self._index(bucket)
+        max_age = self.max_age.get(bucket, 0)
+
+        def write(txn: lmdb.Transaction) -> tuple[int, bool]:
+            cur = txn.cursor(db=index)
+            removed = seen = 0
+            refile: list[tuple[bytes, bytes]] = []
+            ok = cur.first()
+            while ok and seen < limit:
+                if DUE.unpack_from(cur.key())[0] > now_ns:
+                    return removed, False
+                lk = cur.value()
+                raw = txn.get(lk, db=db)
+                if raw is not None:
+                    due = deadline(raw, max_age)
+                    if due and due <= now_ns:
+                        txn.delete(lk, db=db)
+                        removed += 1
+                    elif due:
+                        refile.append((_due_key(due, lk), lk))
+                seen += 1
+                ok = cur.delete() and bool(cur.key())
+            for k, v in refile:
+                txn.put(k, v, db=index)
+            return removed, ok
+
+        return self._write(f"bucket {bucket} expiry", write)
+
     def delete_lkeys(self, bucket: str, lkeys: Iterable[bytes]) -> int:
         db = self.db(bucket)
         lkeys = list(lkeys)
@@ -347,8 +432,13 @@ class Replica:
         self._write("meta", lambda txn: txn.put(bucket.encode(), raw, db=self._meta))
 
     def clear_bucket(self, bucket: str) -> None:
-        db = self.db(bucket)
-        self._write(f"bucket {bucket}", lambda txn: txn.drop(db, delete=False))
+        db, index = self.db(bucket), self._index(bucket)
+
+        def write(txn: lmdb.Transaction) -> None:
+            txn.drop(db, delete=False)
+            txn.drop(index, delete=False)
+
+        self._write(f"bucket {bucket}", write)
 
     def _grow(self, what: str = "") -> None:
         size = self.env.info()["map_size"]
@@ -377,6 +467,12 @@ class Replica:
         except lmdb.Error:
             pass
         self.env.close()
+
+
+def _due_key(due: int, lkey: bytes) -> bytes:
+    """An expiry index key: the deadline, then the LMDB key (its digest when the two would
+    pass LMDB's key size), so that entries are unique and ordered by time."""
+    return DUE.pack(due) + (lkey if len(lkey) <= MAX_LMDB_KEY - DUE.size else hashlib.sha256(lkey).digest())
 
 
 # py-lmdb allows one Environment per path per process, so read-only users share one.

@@ -23,6 +23,7 @@ from .peerset import PeerConnections, configured_peers, discovered_peers
 from .replica import Replica
 from .router import Peer, Router
 from .server import RespServer, claim_socket_path
+from .subjects import subject_match
 
 log = logging.getLogger("kvcache")
 
@@ -232,23 +233,11 @@ class Sidecar:
     @functools.lru_cache(maxsize=65536)
     def in_filters(self, bucket: str, key: str) -> bool:
         """Is the key inside the bucket's replicated set (its `keys` filters)?"""
-        return any(_subject_match(f, key) for f in self.cfg.bucket(bucket).keys)
+        return any(subject_match(f, key) for f in self.cfg.bucket(bucket).keys)
 
 
 async def _noop() -> None:
     pass
-
-
-def _subject_match(pattern: str, key: str) -> bool:
-    if pattern == ">":
-        return True
-    pt, kt = pattern.split("."), key.split(".")
-    for i, p in enumerate(pt):
-        if p == ">":
-            return len(kt) > i
-        if i >= len(kt) or (p != "*" and p != kt[i]):
-            return False
-    return len(pt) == len(kt)
 
 
 def _describe(e: BaseException) -> str:

@@ -44,6 +44,7 @@ class Feed:
         self.bucket = bucket
         self.fresh = True
         self.asked = 0
+        self.max_age_ns = 0  # the stream's max_age: records older than it are absent
 
     def fresh_enough(self, max_stale_ms: int) -> bool:
         self.asked += 1
@@ -117,6 +118,32 @@ def test_answers_in_order_with_misses(mod, env, direct):
         want = [VALUES[k] for k in VALUES] + [None, b"1", b"o", None, None]
         assert (answered, notfound) == (len(keys), 3)
         assert out == expected(want, proto)
+
+
+@pytest.mark.parametrize("mod", IMPLS)
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "planned"])
+def test_expired_records_are_absent(mod, env, direct):
+    """A record past its deadline (its own Nats-TTL, or the bucket's max_age from its
+    creation; `never` escapes both) answers nil at once, whatever the sweep has done."""
+    replica, feeds = env
+    now = time.time_ns()
+    s = 1_000_000_000
+    ttl = {"ttl.gone": (b"g", now - 3 * s, 2 * s), "ttl.live": (b"l", now, 600 * s),
+           "ttl.never": (b"n", now - 900 * s, -1), "old": (b"o", now - 900 * s, 0),
+           "new": (b"w", now, 0), LONG + ".gone": (b"lg", now - 3 * s, 2 * s),
+           LONG + ".live": (b"ll", now, 600 * s), "ttl.capped": (b"c", now - 400 * s, 600 * s)}
+    items = [item(k.encode(), v, 100 + i, created, t) for i, (k, (v, created, t)) in enumerate(ttl.items())]
+    replica.apply_items("main", items, BucketMeta(stream="KV_main", applied_seq=200, synced=True))
+    gets, _ = make(mod, replica, feeds, direct)
+    keys = list(ttl)
+    out, answered, notfound = gets.serve(*request(keys), 2, 1 << 30)
+    assert out == expected([None, b"l", b"n", b"o", b"w", None, b"ll", b"c"])
+    assert (answered, notfound) == (len(keys), 2)
+    feeds["main"].max_age_ns = 300 * s  # caps every deadline but `never`'s
+    gets, _ = make(mod, replica, feeds, direct)  # a new verdict reads max_age again
+    out, answered, notfound = gets.serve(*request(keys), 2, 1 << 30)
+    assert out == expected([None, b"l", b"n", None, b"w", None, b"ll", None])
+    assert (answered, notfound) == (len(keys), 4)
 
 
 @pytest.mark.parametrize("mod", IMPLS)

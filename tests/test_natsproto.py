@@ -22,7 +22,7 @@ from kvcache import natsproto as twin
 from kvcache.entry import Operation
 from kvcache.errors import ProtocolError
 from kvcache.natsproto import AckMeta, HMsg, Msg
-from kvcache.record import item
+from kvcache.record import item, parse_msg_ttl
 from nats_vectors import ACK, ACK_LONG, VECTORS, hmsg_frame, msg_frame
 
 try:
@@ -391,15 +391,17 @@ def merged(events: list) -> list:
     return out
 
 
-def expected_run(first_cseq: int, deliveries: list[tuple[str, int, bytes | None]], pending: int = 0) -> tuple:
-    """(key, stream seq, value or None for a delete) in order, consumer sequences from first_cseq."""
-    items = [item(k.encode(), v, seq, 1_700_000_000_000_000_000 + seq) for k, seq, v in deliveries]
+def expected_run(first_cseq: int, deliveries: list[tuple], pending: int = 0) -> tuple:
+    """(key, stream seq, value or None for a delete[, ttl ns]) in order, consumer sequences
+    from first_cseq."""
+    items = [item(d[0].encode(), d[2], d[1], 1_700_000_000_000_000_000 + d[1], *d[3:]) for d in deliveries]
     last = deliveries[-1][1]
     return ("Run", LANE_SID, first_cseq, first_cseq + len(deliveries) - 1,
-            max(seq for _, seq, _ in deliveries), 1_700_000_000_000_000_000 + last, pending, items,
-            sum(v is None for _, _, v in deliveries))
+            max(d[1] for d in deliveries), 1_700_000_000_000_000_000 + last, pending, items,
+            sum(d[2] is None for d in deliveries))
 
 
+SEC = 1_000_000_000
 HEARTBEAT = hmsg_frame("_INBOX.feed", LANE_SID, "", b"NATS/1.0 100 Idle Heartbeat\r\nNats-Last-Consumer: 3\r\n"
                        b"Nats-Last-Stream: 12\r\n\r\n", b"")
 LONG_KEY = "long." + "x" * 600
@@ -425,6 +427,16 @@ LANE_VECTORS = [
     ("subject order: the top stream sequence is the highest, not the last",
      lane_frame("a", 50, 1, value=b"1") + lane_frame("b", 20, 2, value=b"2", long_form=True),
      [expected_run(1, [("a", 50, b"1"), ("b", 20, b"2")])]),
+    ("per-message TTLs ride in the record (the last Nats-TTL header counts; deletes keep none)",
+     lane_frame("a", 10, 1, value=b"1", extra=b"Nats-TTL: 2s\r\n")
+     + lane_frame("b", 11, 2, value=b"2", extra=b"Nats-TTL: never\r\n")
+     + lane_frame("c", 12, 3, value=b"3", extra=b"Nats-TTL: 1\r\nNats-TTL: 1h30m\r\n")
+     + lane_frame(LONG_KEY, 13, 4, value=b"L", extra=b"Nats-TTL: 5\r\n")
+     + lane_frame("d", 14, 5, op="DEL", extra=b"Nats-TTL: 60s\r\n")
+     + lane_frame("e", 15, 6, extra=b"Nats-Marker-Reason: MaxAge\r\nNats-TTL: 30s\r\n")
+     + lane_frame("f", 16, 7, value=b"f", extra=b"Nats-TTL: bogus\r\n"),
+     [expected_run(1, [("a", 10, b"1", 2 * SEC), ("b", 11, b"2", -1), ("c", 12, b"3", 5400 * SEC),
+                       (LONG_KEY, 13, b"L", 5 * SEC), ("d", 14, None), ("e", 15, None), ("f", 16, b"f")])]),
     ("long keys are stored under a digest with the key in the record",
      lane_frame(LONG_KEY, 10, 1, value=b"L") + lane_frame(LONG_KEY, 11, 2, op="DEL"),
      [expected_run(1, [(LONG_KEY, 10, b"L"), (LONG_KEY, 11, None)])]),
@@ -470,7 +482,7 @@ def lane_stream(draw) -> bytes:
     frames_: list[bytes] = []
     cseq = draw(st.integers(1, 5))
     for _ in range(draw(st.integers(1, 12))):
-        kind = draw(st.sampled_from(["put", "put", "hdr", "del", "marker", "gap", "status", "other"]))
+        kind = draw(st.sampled_from(["put", "put", "hdr", "ttl", "del", "marker", "gap", "status", "other"]))
         seq = draw(st.integers(1, 2**40))
         key = draw(_lane_key)
         value = draw(st.binary(max_size=40))
@@ -484,6 +496,8 @@ def lane_stream(draw) -> bytes:
             cseq += draw(st.integers(2, 4))
         extra = b"Nats-Marker-Reason: Purge\r\n" if kind == "marker" else (
             b"Nats-Expected-Last-Subject-Sequence: 3\r\n" if kind == "hdr" else b"")
+        if kind in ("ttl", "del", "marker") and draw(st.booleans()):
+            extra += b"Nats-TTL: " + draw(st.sampled_from([b"2s", b"never", b"10", b"1m5s", b"x"])) + b"\r\n"
         op = draw(st.sampled_from(["DEL", "PURGE", "del"])) if kind == "del" else None
         frames_.append(lane_frame(key, seq, cseq, op=op, value=value, extra=extra,
                                   pending=draw(st.integers(0, 9)), long_form=draw(st.booleans())))
@@ -504,7 +518,8 @@ def lane_reference(wire: bytes) -> list:
         value = e.payload if Operation.of(hdrs) is Operation.PUT else None
         key = e.subject[len(LANE_PREFIX):].encode()
         prev = out[-1] if out else None
-        it = item(key, value, ack.stream_seq, ack.timestamp_ns)
+        ttl = parse_msg_ttl(hdrs.get("Nats-TTL")) if hdrs and value is not None else 0
+        it = item(key, value, ack.stream_seq, ack.timestamp_ns, ttl)
         if prev and prev[0] == "Run" and prev[3] + 1 == ack.consumer_seq:
             out[-1] = ("Run", LANE_SID, prev[2], ack.consumer_seq, max(prev[4], ack.stream_seq),
                        ack.timestamp_ns, ack.pending, prev[7] + [it], prev[8] + (value is None))
