@@ -35,7 +35,6 @@ from .config import BucketConfig
 from .errors import BucketNotFound, KvcacheError, ReplicaError, UpstreamError
 from .natsconn import Connection, proto
 from .replica import Replica
-from .subjects import subject_match
 
 log = logging.getLogger("kvcache.feed")
 
@@ -437,10 +436,28 @@ class Feed:
         self.replica.put_meta(self.bucket, m)
 
     def _set_max_age(self, max_age_ns: int) -> None:
-        """The stream's max_age, where every reader applies it (LocalReader: in the meta)."""
+        """The stream's max_age, where every reader applies it (LocalReader: in the meta).
+        A new value moves every record's deadline: the expiry index is filed anew."""
+        changed = max_age_ns != self.meta.max_age_ns
         self.max_age_ns = max_age_ns
         self.replica.max_age[self.bucket] = max_age_ns
         self.meta.max_age_ns = max_age_ns
+        if changed and max_age_ns and self.replica.count(self.bucket):
+            t = asyncio.get_running_loop().create_task(self._refile(), name=f"refile:{self.bucket}")
+            self._hint_tasks.add(t)
+            t.add_done_callback(self._hint_tasks.discard)
+
+    async def _refile(self) -> None:
+        after: bytes | None = None
+        while True:
+            try:
+                after = self.replica.refile(self.bucket, after, EXPIRY_PAGE)
+            except ReplicaError as e:
+                log.warning("bucket %s: filing records by their new deadline failed: %s", self.bucket, e)
+                return
+            if after is None:
+                return
+            await asyncio.sleep(0)
 
     def _task_done(self, task: asyncio.Task) -> None:
         """The loop retries every failure it knows; if it ends anyway, that is a bug, and a
@@ -664,11 +681,15 @@ class Feed:
                 self._reconcile(), name=f"reconcile:{self.bucket}")
 
     def _sweep(self, keep: set[bytes], max_revision: int | None = None,
-               within: Callable[[str], bool] | None = None) -> int:
-        """Delete replica keys absent from `keep` (and not newer than max_revision; among
-        the keys `within` accepts, when given)."""
-        stale = [lk for lk, key in self.replica.iter_keys(self.bucket)
-                 if lk not in keep and (within is None or within(key))]
+               within: list[str] | None = None) -> int:
+        """Delete replica keys absent from `keep` (and not newer than max_revision; only keys
+        matching one of the `within` patterns, when given: those are looked up, or listed
+        from their literal prefix on, never the whole replica)."""
+        if within is None:
+            candidates = self.replica.iter_keys(self.bucket)
+        else:
+            candidates = (item for pattern in within for item in self.replica.iter_matching(self.bucket, pattern))
+        stale = [lk for lk, _ in candidates if lk not in keep]
         if max_revision is not None:
             stale = [lk for lk in stale if self.replica.revision(self.bucket, lk) <= max_revision]
         return self.replica.delete_lkeys(self.bucket, stale) if stale else 0
@@ -715,11 +736,14 @@ class Feed:
             except Exception as e:  # the next period tries again; the data is still served
                 log.warning("bucket %s: stream state check failed: %s", self.bucket, e)
 
-    async def check_state(self) -> int:
-        """Look at the stream once and drop what it no longer holds; records removed."""
+    async def check_state(self, force: bool = False) -> int:
+        """Look at the stream once and drop what it no longer holds; records removed.
+        `force`: after a purge request, look for keys below the first sequence even where
+        max_age alone would explain its moving."""
         self.state_polls += 1
         info = await self._stream_info()
-        max_age = int(info.get("config", {}).get("max_age", 0) or 0)
+        config = info.get("config", {})
+        max_age = int(config.get("max_age", 0) or 0)
         if max_age != self.max_age_ns:
             log.info("bucket %s: max_age is now %ds", self.bucket, max_age // 1_000_000_000)
             self._set_max_age(max_age)
@@ -728,9 +752,13 @@ class Feed:
         first, last = state.get("first_seq", 0), state.get("last_seq", 0)
         removed = 0
         if first > self.first_seq:
+            if not (force or _front_removal_possible(config) or first > last):
+                # max_age moves it: every record below it has passed its deadline, which
+                # reads apply by themselves and the sweep follows; a pass is not needed.
+                self.first_seq = first
             # Wait for what the snapshot holds: a key's newer revision may still be on its way,
             # and dropping the old one meanwhile would answer "not found" for a key that exists.
-            if await self.wait_applied(last, self.timeout):
+            elif await self.wait_applied(last, self.timeout):
                 removed = await self._drop_below(first, last)
                 self.first_seq = first
         if removed:
@@ -785,7 +813,7 @@ class Feed:
             if self._full or not self.meta.synced:
                 return
             try:
-                removed = await self.check_state()
+                removed = await self.check_state(force=True)
                 removed += await self._reconcile_once([subject] if subject else None) or 0
             except asyncio.CancelledError:
                 raise
@@ -851,9 +879,16 @@ class Feed:
         await consumer.run()
         if self._full:
             return None
-        within = None
-        if only:
-            plen = len(self.prefix)
-            patterns = [f[plen:] for f in only]
-            within = lambda key: any(subject_match(p, key) for p in patterns)  # noqa: E731
+        within = [f[len(self.prefix):] for f in only] if only else None
         return self._sweep(live, max_revision=snapshot, within=within)
+
+
+def _front_removal_possible(config: dict) -> bool:
+    """Can the stream drop messages from its front other than by max_age (for which reads
+    and the expiry sweep need no pass over the replica)? Without max_age, anything that moves
+    the first sequence is such a removal; with it, only message or byte limits under the
+    `old` discard policy (a KV bucket's default policy, `new`, refuses puts instead)."""
+    if not config.get("max_age"):
+        return True
+    return config.get("discard", "old") == "old" and (
+        (config.get("max_msgs", -1) or -1) > 0 or (config.get("max_bytes", -1) or -1) > 0)

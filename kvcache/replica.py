@@ -32,6 +32,7 @@ from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 import lmdb
 
 from .errors import ReplicaError
+from .subjects import subject_match
 from .record import (  # noqa: F401 - re-exported: the replica's record format
     LONG_KEY_PREFIX, MAX_LMDB_KEY, RECORD, Record, decode_key, decode_record, encode_record,
     Item, deadline, live_value, lkey_of, lmdb_key,
@@ -228,10 +229,10 @@ class Replica:
             return txn.stat(db)["entries"]
 
     def iter_keys(self, bucket: str, after: bytes | None = None, limit: int | None = None,
-                  live: bool = False) -> Iterator[tuple[bytes, str]]:
-        """(lmdb key, full key) in LMDB order, starting after `after`; one transaction.
-        `live`: leave out expired records (they still count towards `limit`, so a SCAN page
-        stays bounded)."""
+                  live: bool = False, start: bytes | None = None) -> Iterator[tuple[bytes, str]]:
+        """(lmdb key, full key) in LMDB order, starting after `after` (or at the first key
+        not below `start`); one transaction. `live`: leave out expired records (they still
+        count towards `limit`, so a SCAN page stays bounded)."""
         db = self.db(bucket)
         if db is None:
             return
@@ -239,9 +240,12 @@ class Replica:
         now = time.time_ns()
         with self.env.begin(db=db, buffers=False) as txn:
             cur = txn.cursor()
-            ok = cur.set_range(after) if after is not None else cur.first()
-            if ok and after is not None and cur.key() == after:
-                ok = cur.next()
+            if after is not None:
+                ok = cur.set_range(after)
+                if ok and cur.key() == after:
+                    ok = cur.next()
+            else:
+                ok = cur.set_range(start) if start else cur.first()
             while ok:
                 lkey = cur.key()
                 if not live or not self.expired(bucket, cur.value(), now):
@@ -250,6 +254,28 @@ class Replica:
                 if limit is not None and n >= limit:
                     return
                 ok = cur.next()
+
+    def iter_matching(self, bucket: str, pattern: str) -> Iterator[tuple[bytes, str]]:
+        """(lmdb key, key) of the records whose key matches the subject filter `pattern`: a
+        literal is one lookup; a wildcard lists the keys from its literal prefix on (LMDB keeps
+        them in order) and the long keys (stored under digests), not the whole database."""
+        if not any(t in ("*", ">") for t in pattern.split(".")):
+            lkey = lmdb_key(pattern)
+            if self.revision(bucket, lkey):
+                yield lkey, pattern
+            return
+        literal = []
+        for token in pattern.split("."):
+            if token in ("*", ">"):
+                break
+            literal.append(token)
+        prefix = ".".join(literal).encode() + (b"." if literal else b"")
+        for start in ((prefix, LONG_KEY_PREFIX) if prefix else (b"",)):
+            for lkey, key in self.iter_keys(bucket, after=None, start=start):
+                if not lkey.startswith(start):
+                    break
+                if subject_match(pattern, key):
+                    yield lkey, key
 
     def older_than(self, bucket: str, seq: int, after: bytes | None = None,
                    limit: int = 10_000) -> tuple[list[bytes], bytes | None]:
@@ -378,6 +404,30 @@ class Replica:
                 if due:
                     out.append((_due_key(due, lk), lk))
         return out
+
+    def refile(self, bucket: str, after: bytes | None = None, limit: int = 2_000) -> bytes | None:
+        """File up to `limit` records after `after` in the expiry index under their deadline
+        now (after max_age changed: records filed before, or never, are due at other times);
+        returns where the next page starts, None at the end."""
+        db, index = self.db(bucket), self._index(bucket)
+
+        def write(txn: lmdb.Transaction) -> bytes | None:
+            cur = txn.cursor(db=db)
+            ok = cur.set_range(after) if after is not None else cur.first()
+            if ok and after is not None and cur.key() == after:
+                ok = cur.next()
+            batch = []
+            last = None
+            while ok and len(batch) < limit:
+                last = cur.key()
+                batch.append((last, cur.value()))
+                ok = cur.next()
+            due = self._due_entries(bucket, batch)
+            if due:
+                txn.cursor(db=index).putmulti(due)
+            return last if ok else None
+
+        return self._write(f"bucket {bucket} expiry", write)
 
     def next_due(self, bucket: str) -> int | None:
         """The earliest deadline in the bucket's expiry index (ns), None when it is empty."""

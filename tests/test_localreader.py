@@ -131,3 +131,46 @@ def test_fast_path_twins_agree(sidecar):
         assert results[0][-4] == b"long value" and results[0][-3] == b"from lr2"
         assert results[0][-2:] == [None, None]
         assert results[0][1] == b"value-13\r\n\x00"
+
+
+def test_expired_records_are_absent(tmp_path, nats_server_module):
+    """A key put with a Nats-TTL is absent to LocalReader once its deadline has passed (the
+    LocalGet fast path, native and twin, `entry`, `keys`), with no sweep having run yet for
+    the native/twin comparison; `never` and keys without a TTL stay."""
+    from kvcache import localget as twin_mod
+    try:
+        from kvcache._native import localget as native_mod
+    except ImportError:
+        native_mod = None
+
+    async def fill_ttl() -> None:
+        nc = await nats.connect(nats_server_module.url)
+        try:
+            js = nc.jetstream()
+            kv = await js.create_key_value(bucket="lrttl")
+            cfg = (await js.stream_info("KV_lrttl")).config
+            cfg.allow_msg_ttl = True
+            await js.update_stream(cfg)
+            await kv.put("plain", b"p")
+            for key, ttl in (("short", "2s"), (LONG_KEY, "2s"), ("never", "never"), ("long-lived", "1h")):
+                await js.publish(f"$KV.lrttl.{key}", key.encode()[:8], headers={"Nats-TTL": ttl})
+        finally:
+            await nc.close()
+
+    asyncio.run(fill_ttl())
+    sc = Sidecar(tmp_path / "sc", nats_server_module.url, ["lrttl"], extra=["--heartbeat-ms", "200"]).start()
+    try:
+        keys = ["plain", "short", LONG_KEY, "never", "long-lived"]
+        with LocalReader(str(sc.data_dir), max_stale_ms=60_000) as r:
+            assert [r.get(k) for k in keys] == [b"p", b"short", b"long.kkk", b"never", b"long-liv"]
+            due = r.entry("short").created + 2_000_000_000
+            while time.time_ns() < due + 1_000_000:
+                time.sleep(0.05)
+            for mod in [twin_mod] + ([native_mod] if native_mod else []):
+                get = mod.LocalGet(r._plans, r._fresh_until, r.env.begin, r._get_checked)
+                assert [get(k) for k in keys] == [b"p", None, None, b"never", b"long-liv"], mod
+                assert [get(k) for k in keys] == [b"p", None, None, b"never", b"long-liv"], mod
+            assert r.entry("short") is None and r.entry(LONG_KEY) is None
+            assert sorted(r.keys()) == ["long-lived", "never", "plain"]
+    finally:
+        sc.kill()

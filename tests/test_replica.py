@@ -291,3 +291,51 @@ def test_an_error_that_is_not_damage_keeps_the_files(tmp_path):
     with pytest.raises(ReplicaError, match="Is a directory"):
         Replica(str(path), map_size=16 * MiB)
     assert (path / "data.mdb" / "keep").exists()
+
+
+def test_expiry_index_sweeps_only_what_is_due(replica):
+    """Records with a deadline (Nats-TTL, or max_age from their creation) are filed in the
+    expiry index; the sweep reads only due entries, removes expired records, drops entries of
+    records replaced since, and files a record again when max_age moved its deadline."""
+    s = 1_000_000_000
+    t = 1_800_000_000 * s
+    long_key = b"long." + b"k" * 600
+    replica.apply_items("b", [item(b"a", b"1", 1, t, 10 * s), item(b"b", b"2", 2, t, 20 * s),
+                              item(long_key, b"3", 3, t, 10 * s), item(b"never", b"4", 4, t, -1),
+                              item(b"plain", b"5", 5, t)], BucketMeta())
+    assert replica.next_due("b") == t + 10 * s
+    replica.apply_items("b", [item(b"a", b"6", 6, t)], BucketMeta())  # replaced: no TTL now
+    assert replica.sweep_expired("b", t + 9 * s) == (0, False)
+    assert replica.sweep_expired("b", t + 15 * s) == (1, False)  # the long key; `a` was replaced
+    assert {k for _, k in replica.iter_keys("b")} == {"a", "b", "never", "plain"}
+    assert replica.next_due("b") == t + 20 * s
+    replica.max_age["b"] = 30 * s  # every record but `never`'s now also ends at t + 30 s
+    replica.apply_items("b", [item(b"c", b"7", 7, t)], BucketMeta())
+    assert replica.sweep_expired("b", t + 25 * s, limit=1) == (1, True)  # `b`; c's entry is next
+    assert replica.sweep_expired("b", t + 25 * s) == (0, False)          # c's is at t + 30 s
+    assert replica.sweep_expired("b", t + 31 * s) == (1, False)          # c
+    # `a` and `plain` were filed before max_age existed: reads hide them (max_age applies at
+    # read time), a later sweep does not see them; `never` escapes max_age
+    assert {k for _, k in replica.iter_keys("b")} == {"a", "never", "plain"}
+    assert replica.expired("b", replica.env.begin().get(b"plain", db=replica.db("b")), t + 31 * s)
+    assert not replica.expired("b", replica.env.begin().get(b"never", db=replica.db("b")), t + 31 * s)
+    # filing them anew (what the feed does when max_age changes) lets the sweep take them
+    after = replica.refile("b", None, limit=2)
+    while after is not None:
+        after = replica.refile("b", after, limit=2)
+    assert replica.sweep_expired("b", t + 31 * s) == (2, False)
+    assert {k for _, k in replica.iter_keys("b")} == {"never"}
+
+
+def test_iter_matching_reads_only_what_a_filter_can_match(replica):
+    long_key = "a.b." + "k" * 600
+    keys = ["a.b.c", "a.b.d", "a.bb.c", "a.c", "b.b.c", long_key, "a"]
+    replica.apply_items("m", [item(k.encode(), b"v", i + 1, 1) for i, k in enumerate(keys)], BucketMeta())
+
+    def match(p):
+        return sorted(k for _, k in replica.iter_matching("m", p))
+    assert match("a.b.c") == ["a.b.c"] and match("a.b.zz") == []
+    assert match("a.b.*") == sorted(["a.b.c", "a.b.d", long_key])
+    assert match("a.>") == sorted(["a.b.c", "a.b.d", "a.bb.c", "a.c", long_key])
+    assert match("*.b.c") == ["a.b.c", "b.b.c"]
+    assert match(">") == sorted(keys)
