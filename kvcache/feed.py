@@ -351,6 +351,7 @@ class Feed:
         self._hint_tasks: set[asyncio.Task] = set()
         self._api_subs: list = []
         self.max_age_ns = 0       # the stream's max_age: applied at every read (record.deadline)
+        self._deadlines = True    # may records have a deadline (max_age, per-message TTLs)?
         self.first_seq = 0        # the stream's first sequence when last looked at
         self.removed_upstream = 0  # records removed with no message: expiry, limits, purges
         self.state_polls = 0      # STREAM.INFO requests made to watch for such removals
@@ -392,7 +393,8 @@ class Feed:
         without a trace in the stream (after a process start or a reconnect, when that is
         likely)."""
         self.stream_config = info.get("config", {})
-        self._set_max_age(int(self.stream_config.get("max_age", 0) or 0))
+        self._set_max_age(int(self.stream_config.get("max_age", 0) or 0),
+                          bool(self.stream_config.get("allow_msg_ttl")))
         state = info.get("state", {})
         first, last = state.get("first_seq", 0), state.get("last_seq", 0)
         self.first_seq = first
@@ -435,14 +437,18 @@ class Feed:
         m.max_age_ns = self.max_age_ns
         self.replica.put_meta(self.bucket, m)
 
-    def _set_max_age(self, max_age_ns: int) -> None:
-        """The stream's max_age, where every reader applies it (LocalReader: in the meta).
-        A new value moves every record's deadline: the expiry index is filed anew."""
-        changed = max_age_ns != self.meta.max_age_ns
+    def _set_max_age(self, max_age_ns: int, msg_ttl: bool) -> None:
+        """The stream's max_age, where every reader applies it (LocalReader: in the meta),
+        and whether it takes per-message TTLs. A new max_age moves every record's deadline,
+        and per-message TTLs turned on may have come before this saw it: the expiry index is
+        filed anew."""
+        deadlines = bool(max_age_ns or msg_ttl)
+        changed = max_age_ns != self.meta.max_age_ns or (deadlines and not self._deadlines)
+        self._deadlines = deadlines
         self.max_age_ns = max_age_ns
         self.replica.max_age[self.bucket] = max_age_ns
         self.meta.max_age_ns = max_age_ns
-        if changed and max_age_ns and self.replica.count(self.bucket):
+        if changed and deadlines and self.replica.count(self.bucket):
             t = asyncio.get_running_loop().create_task(self._refile(), name=f"refile:{self.bucket}")
             self._hint_tasks.add(t)
             t.add_done_callback(self._hint_tasks.discard)
@@ -624,7 +630,8 @@ class Feed:
             if self._full and self._seen is None:
                 m.synced = True  # nothing to sweep: the last batch of the sync says so itself
         items = last.items if len(runs) == 1 else [it for r in runs for it in r.items]
-        self.replica.apply_items(self.bucket, items, m, deletes=any(r.deletes for r in runs))
+        self.replica.apply_items(self.bucket, items, m, deletes=any(r.deletes for r in runs),
+                                 deadlines=self._deadlines)
         self.meta = m
         if self._seen is not None:
             self._seen.update(lk for lk, _ in items)
@@ -744,9 +751,11 @@ class Feed:
         info = await self._stream_info()
         config = info.get("config", {})
         max_age = int(config.get("max_age", 0) or 0)
-        if max_age != self.max_age_ns:
-            log.info("bucket %s: max_age is now %ds", self.bucket, max_age // 1_000_000_000)
-            self._set_max_age(max_age)
+        msg_ttl = bool(config.get("allow_msg_ttl"))
+        if max_age != self.max_age_ns or (msg_ttl and not self._deadlines):
+            log.info("bucket %s: max_age is now %ds%s", self.bucket, max_age // 1_000_000_000,
+                     ", with per-message TTLs" if msg_ttl else "")
+            self._set_max_age(max_age, msg_ttl)
             self.replica.put_meta(self.bucket, self.meta)
         state = info.get("state", {})
         first, last = state.get("first_seq", 0), state.get("last_seq", 0)

@@ -363,13 +363,14 @@ class Replica:
         self._write(f"bucket {bucket}", write)
 
     def apply_items(self, bucket: str, items: Sequence[Item], meta: BucketMeta,
-                    deletes: bool = True) -> None:
+                    deletes: bool = True, deadlines: bool = True) -> None:
         """Apply delivered items (see record.item) in stream order, and the position, in a
         single transaction. `deletes=False` promises that no item is a delete, so the whole
-        batch goes to LMDB in one putmulti call."""
+        batch goes to LMDB in one putmulti call; `deadlines=False`, that no record has a
+        deadline (a stream with neither max_age nor per-message TTLs): no expiry filing."""
         db = self.db(bucket)
         meta_key, meta_raw = bucket.encode(), meta.encode()
-        due = self._due_entries(bucket, items)
+        due = self._due_entries(bucket, items) if deadlines else None
         index = self._index(bucket) if due else None  # opened outside: that takes a write txn
 
         def write(txn: lmdb.Transaction) -> None:
