@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
+import nats
 import pytest
 
 from kvcache.natsserver import NatsServer
@@ -99,3 +100,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if path := os.environ.get("KVCACHE_FAULT_TABLE"):
         with open(path, "w") as f:
             f.write(table)
+
+
+@pytest.fixture
+async def nc(nats_server_module):
+    """A nats-py connection to the module's server (no reconnects: a test's writes fail loudly)."""
+    conn = await nats.connect(nats_server_module.url, connect_timeout=5, allow_reconnect=False)
+    try:
+        yield conn
+    finally:
+        await conn.close()

@@ -36,15 +36,6 @@ def log_size(sc: Sidecar) -> int:
     return sc.log_path.stat().st_size if sc.log_path.exists() else 0
 
 
-@pytest.fixture
-async def nc(nats_server_module):
-    conn = await nats.connect(nats_server_module.url, connect_timeout=5, allow_reconnect=False)
-    try:
-        yield conn
-    finally:
-        await conn.close()
-
-
 # ----------------------------------------------------------------------------- initial sync
 
 async def test_initial_sync_matches_upstream(nats_server_module, nc, sidecars):

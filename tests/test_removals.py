@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import nats
 import pytest
 import redis
 from nats.js.api import DiscardPolicy
@@ -20,15 +19,6 @@ from checkers import bucket_info, new_bucket, percentile, until, wait_synced
 pytestmark = pytest.mark.timeout(120)
 
 SEC = 1_000_000_000
-
-
-@pytest.fixture
-async def nc(nats_server_module):
-    conn = await nats.connect(nats_server_module.url, connect_timeout=5, allow_reconnect=False)
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 async def ttl_bucket(js, history: int = 1) -> tuple[str, object]:
