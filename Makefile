@@ -1,35 +1,74 @@
 # The two commands a new user needs (README.md): `make demo` and `make test`.
-# Both install what they need into the current Python environment first.
-PYTHON ?= python3
+# Both install what they need first: into the active virtualenv, or into python3 itself when
+# pip may install there (pyenv, conda, a container's Python); a system Python that refuses
+# pip (Debian's, Homebrew's: PEP 668 "externally-managed-environment") gets ./.venv instead,
+# made here. PYTHON=... chooses the interpreter outright.
+HOST_PYTHON ?= python3
+VENV ?= .venv
 PYTEST_ARGS ?=
+NEEDS_VENV := $(shell $(HOST_PYTHON) -c 'import os, sys, sysconfig; \
+  managed = os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")); \
+  print(int(sys.prefix == sys.base_prefix and managed))' 2>/dev/null || echo 1)
+ifeq ($(NEEDS_VENV),1)
+PYTHON ?= $(VENV)/bin/python
+else
+PYTHON ?= $(HOST_PYTHON)
+endif
+ifeq ($(PYTHON),$(VENV)/bin/python)
+# the recipes run as in an activated venv: Spark's workers and `kvcache` come from it too
+export VIRTUAL_ENV := $(abspath $(VENV))
+export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
+endif
 
-.PHONY: demo test install install-test native-deps system-deps bench clean
+.PHONY: demo test install install-test python-env native-deps system-deps bench clean
 
 APT = if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq $(1) >/dev/null; \
       else sudo apt-get update -qq && sudo apt-get install -y -qq $(1) >/dev/null; fi
 
-install: native-deps
+install: native-deps python-env
 	$(PYTHON) -m pip install -q -e .
 
-install-test: native-deps
+install-test: native-deps python-env
 	$(PYTHON) -m pip install -q -e ".[test]"
+
+# ./.venv when PYTHON points into it (Debian's python3 needs python3-venv for that).
+python-env:
+	@if [ "$(PYTHON)" = "$(VENV)/bin/python" ] && [ ! -x "$(VENV)/bin/python" ]; then \
+	  echo "kvcache: $(HOST_PYTHON) is externally managed: installing into $(VENV)"; \
+	  $(HOST_PYTHON) -m venv $(VENV) >/dev/null 2>&1 || { rm -rf $(VENV); \
+	    $(call APT,python3-venv) && $(HOST_PYTHON) -m venv $(VENV); } || exit 1; \
+	  $(VENV)/bin/python -m pip install -q --upgrade pip; \
+	fi
 
 # liblmdb-dev: the server's native GET path links the system LMDB (ext/getpath.pyx). Without
 # it that one extension is not built and its pure-Python twin serves, so a failure here is
 # only a warning.
+# A C compiler and the Python headers build the native paths; without them setup.py skips
+# the extensions (their pure-Python twins serve), so a failure here is only a warning too.
 native-deps:
 	@if [ ! -e /usr/include/lmdb.h ] && command -v apt-get >/dev/null; then \
 	  $(call APT,liblmdb-dev) || echo "warning: liblmdb-dev not installed; the GET path runs in Python"; \
 	fi
+	@if { ! command -v cc >/dev/null || ! $(HOST_PYTHON) -c 'import os, sys, sysconfig; \
+	      sys.exit(not os.path.exists(os.path.join(sysconfig.get_path("include"), "Python.h")))'; } \
+	    && command -v apt-get >/dev/null; then \
+	  $(call APT,gcc python3-dev) || echo "warning: no C compiler or Python headers; the native paths run in Python"; \
+	fi
 
 # redis-server/redis-cli/redis-benchmark are third-party peers in the tests (Debian packages).
+# Java 17 for the Spark jobs' tests (kvcache load / hotkeys), when there is no java at all.
 system-deps:
 	@if ! command -v redis-server >/dev/null || ! command -v redis-benchmark >/dev/null; then \
 	  $(call APT,redis-server redis-tools); \
 	fi
+	@if ! command -v java >/dev/null; then \
+	  $(call APT,openjdk-17-jre-headless); \
+	fi
 
 # The sidecar on an embedded nats-server with a demo bucket; Ctrl-C stops it.
 demo: install
+	@if [ "$(PYTHON)" = "$(VENV)/bin/python" ]; then \
+	  echo "kvcache is installed in $(VENV): '. $(VENV)/bin/activate' puts the kvcache command on PATH"; fi
 	$(PYTHON) -m kvcache serve --data-dir ./kvcache-data
 
 test: system-deps install-test
@@ -39,4 +78,4 @@ test: system-deps install-test
 	KVCACHE_NO_EXTENSIONS=1 $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_server.py tests/test_commands.py tests/test_client.py tests/test_hostile.py
 
 clean:
-	rm -rf build dist *.egg-info kvcache-data ext/*.c kvcache/*.so
+	rm -rf build dist *.egg-info kvcache-data ext/*.c kvcache/*.so $(VENV)

@@ -15,7 +15,8 @@ EXIT_RUNTIME = 1
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse exits 2 with usage; keep it to one line
-        raise ConfigError(f"{self.prog}: {message}")
+        # main() prints "kvcache: error: ..."; name the subcommand's help, not a second prefix
+        raise ConfigError(f"{message} (see {self.prog} --help)")
 
 
 def _octal(text: str) -> int:
@@ -26,9 +27,46 @@ def _octal(text: str) -> int:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="TOML configuration file (or KVCACHE_CONFIG)")
-    p.add_argument("--socket", metavar="PATH", help="Unix socket path (default: <data-dir>/kvcache.sock)")
-    p.add_argument("--data-dir", metavar="DIR", dest="data_dir", help="replica and embedded NATS store")
+    p.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    p.add_argument("--socket", metavar="PATH", help="the sidecar's Unix socket")
+    p.add_argument("--data-dir", metavar="DIR", dest="data_dir",
+                   help="replica, embedded NATS store, lock file and default socket")
+
+
+# Defaults computed at run time, for --help (the others come from config.default_of).
+_DEFAULT_TEXT = {
+    "config": "none", "socket": "<data-dir>/kvcache.sock", "access_log_dir": "<data-dir>/access-logs",
+    "nats_servers": "none: an embedded nats-server",
+    "buckets": "none: a demo bucket on the embedded nats-server; with --nats, required",
+}
+
+
+def _document_settings(p: argparse.ArgumentParser) -> None:
+    """Append each option's default and environment variable to its help, from the tables
+    config.py loads with (config.env_var, config.default_of): one source of truth."""
+    from .config import default_of, env_var
+
+    for action in p._actions:
+        var = env_var(action.dest)
+        if var is None:
+            continue
+        if action.dest in _DEFAULT_TEXT:
+            default = _DEFAULT_TEXT[action.dest]
+        else:
+            value = default_of(action.dest)
+            if action.dest == "socket_mode":
+                default = f"{value:o}"
+            elif isinstance(value, bool):
+                default = "on" if value else "off"
+            else:
+                default = "none" if value is None else str(value)
+        note = f"default: {default}; env {var}"
+        if action.dest == "nats_servers":
+            note += " (comma separated)"
+        elif action.dest == "buckets":
+            note += " (space separated)"
+        help_text = (action.help or "").rstrip()
+        action.help = f"{help_text} ({note})".lstrip().replace("%", "%%").replace("%%(", "%(")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,50 +77,70 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the sidecar")
     _common(serve)
     serve.add_argument("--nats", metavar="URL", action="append", dest="nats_servers",
-                       help="NATS server URL (repeatable); none anywhere: embedded nats-server")
+                       help="NATS server URL (repeatable)")
     serve.add_argument("--bucket", metavar="NAME[:FILTER,...]", action="append", dest="buckets",
                        help="bucket to replicate, optionally with key filters (repeatable)")
-    serve.add_argument("--max-stale-ms", type=int, dest="max_stale_ms")
+    serve.add_argument("--max-stale-ms", type=int, dest="max_stale_ms", metavar="MS",
+                       help="a replica cut off longer than this is not served: reads go to peers; "
+                       "every bucket")
     serve.add_argument("--serve-stale", action=argparse.BooleanOptionalAction, dest="serve_stale",
                        default=None, help="replica older than max_stale_ms and no peer answering: "
                        "serve its last known value (marked stale) instead of an error; every bucket")
     serve.add_argument("--discover-peers", action=argparse.BooleanOptionalAction, dest="discover_peers",
                        default=None, help="also read from the mirrors each bucket stream lists as alternates")
-    serve.add_argument("--socket-mode", type=_octal, dest="socket_mode", metavar="MODE")
-    serve.add_argument("--max-args", type=int, dest="max_args")
-    serve.add_argument("--map-size-mb", type=int, dest="map_size_mb")
-    serve.add_argument("--max-map-size-mb", type=int, dest="max_map_size_mb")
-    serve.add_argument("--connect-timeout-s", type=float, dest="nats_connect_timeout_s")
-    serve.add_argument("--request-timeout-ms", type=int, dest="nats_request_timeout_ms")
-    serve.add_argument("--max-clients", type=int, dest="max_clients")
-    serve.add_argument("--max-request-bytes", type=int, dest="max_request_bytes")
-    serve.add_argument("--max-reply-bytes", type=int, dest="max_reply_bytes")
-    serve.add_argument("--client-write-stall-ms", type=int, dest="client_write_stall_ms")
-    serve.add_argument("--heartbeat-ms", type=int, dest="heartbeat_ms")
-    serve.add_argument("--creds", dest="nats_creds", metavar="FILE")
-    serve.add_argument("--nkey", dest="nats_nkey", metavar="FILE")
-    serve.add_argument("--token", dest="nats_token")
-    serve.add_argument("--user", dest="nats_user")
-    serve.add_argument("--password", dest="nats_password")
-    serve.add_argument("--tls-ca", dest="nats_tls_ca", metavar="FILE")
-    serve.add_argument("--tls-cert", dest="nats_tls_cert", metavar="FILE")
-    serve.add_argument("--tls-key", dest="nats_tls_key", metavar="FILE")
-    serve.add_argument("--log-level", dest="log_level")
+    serve.add_argument("--socket-mode", type=_octal, dest="socket_mode", metavar="MODE",
+                       help="the socket's file mode, octal: who may read")
+    serve.add_argument("--max-args", type=int, dest="max_args", metavar="N",
+                       help="most arguments in one request")
+    serve.add_argument("--map-size-mb", type=int, dest="map_size_mb", metavar="MB",
+                       help="initial LMDB map size (grows as needed)")
+    serve.add_argument("--max-map-size-mb", type=int, dest="max_map_size_mb", metavar="MB",
+                       help="largest the LMDB map may grow")
+    serve.add_argument("--connect-timeout-s", type=float, dest="nats_connect_timeout_s", metavar="S",
+                       help="first connection to NATS: give up after this long")
+    serve.add_argument("--request-timeout-ms", type=int, dest="nats_request_timeout_ms", metavar="MS",
+                       help="NATS requests (fallback reads, JetStream API) time out after this long")
+    serve.add_argument("--max-clients", type=int, dest="max_clients", metavar="N",
+                       help="connections over this are refused")
+    serve.add_argument("--max-request-bytes", type=int, dest="max_request_bytes", metavar="N",
+                       help="larger requests are refused")
+    serve.add_argument("--max-reply-bytes", type=int, dest="max_reply_bytes", metavar="N",
+                       help="most bytes of values in one reply (MGET); more is refused")
+    serve.add_argument("--client-write-stall-ms", type=int, dest="client_write_stall_ms", metavar="MS",
+                       help="disconnect a client that reads none of its replies this long; 0 = never")
+    serve.add_argument("--heartbeat-ms", type=int, dest="heartbeat_ms", metavar="MS",
+                       help="consumer idle heartbeat; 3 missed recreate the consumer")
+    serve.add_argument("--creds", dest="nats_creds", metavar="FILE", help="NATS credentials file")
+    serve.add_argument("--nkey", dest="nats_nkey", metavar="FILE", help="NATS nkey seed file")
+    serve.add_argument("--token", dest="nats_token", metavar="TOKEN", help="NATS authentication token")
+    serve.add_argument("--user", dest="nats_user", metavar="USER", help="NATS user (with --password)")
+    serve.add_argument("--password", dest="nats_password", metavar="PASSWORD", help="NATS password")
+    serve.add_argument("--tls-ca", dest="nats_tls_ca", metavar="FILE",
+                       help="CA certificates to verify the NATS servers with")
+    serve.add_argument("--tls-cert", dest="nats_tls_cert", metavar="FILE", help="client certificate for NATS")
+    serve.add_argument("--tls-key", dest="nats_tls_key", metavar="FILE", help="the client certificate's key")
+    serve.add_argument("--log-level", dest="log_level", metavar="LEVEL",
+                       help="debug, info, warning or error")
     serve.add_argument("--access-log-rate", type=float, dest="access_log_rate", metavar="R",
-                       help="share of reads to record for `kvcache hotkeys` (0..1, default 0 = off)")
+                       help="share of reads to record for `kvcache hotkeys` (0..1, 0 = off)")
     serve.add_argument("--access-log-dir", dest="access_log_dir", metavar="DIR",
-                       help="access log directory (default: <data-dir>/access-logs)")
-    serve.add_argument("--access-log-max-bytes", type=int, dest="access_log_max_bytes", metavar="N")
-    serve.add_argument("--access-log-files", type=int, dest="access_log_files", metavar="N")
+                       help="access log directory")
+    serve.add_argument("--access-log-max-bytes", type=int, dest="access_log_max_bytes", metavar="N",
+                       help="rotate access.log at this size")
+    serve.add_argument("--access-log-files", type=int, dest="access_log_files", metavar="N",
+                       help="rotated access logs kept")
+    _document_settings(serve)
 
     get = sub.add_parser("get", help="read a key through a running sidecar")
     _common(get)
+    _document_settings(get)
     get.add_argument("key", help="KEY or BUCKET:KEY")
     get.add_argument("--entry", action="store_true", help="show revision, creation time and source")
 
     info = sub.add_parser("info", help="show a running sidecar's INFO")
     _common(info)
-    info.add_argument("section", nargs="?")
+    info.add_argument("section", nargs="?", help="one INFO section, or all (default: the usual sections)")
+    _document_settings(info)
 
     # The Spark jobs: their modules import pyspark only when they run.
     from .pipeline import hotkeys as hotkeys_job, load as load_job
@@ -98,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         if args.command in ("load", "hotkeys"):
+            _require_spark(args.command)  # before anything is done (load creates buckets)
             from .pipeline import hotkeys, load as load_job
             return (load_job if args.command == "load" else hotkeys).run(args)
         overrides = {k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}
@@ -113,8 +172,24 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _require_spark(command: str) -> None:
+    try:
+        import pyspark  # noqa: F401
+    except ImportError as e:
+        missing = f"no module named '{e.name}'" if e.name else str(e)
+        raise KvcacheError(f"kvcache {command} needs the Spark extra, which is not installed "
+                           f"({missing}): pip install 'kvcache[spark]' (Spark also needs Java 17+)") from None
+
+
 def _serve(cfg: Config, args: argparse.Namespace) -> int:
     import uvloop
+
+    if not cfg.embedded and not cfg.buckets:
+        # The demo bucket belongs to the embedded nats-server; on a real NATS a sidecar with
+        # no bucket would answer every read with an error.
+        raise ConfigError("no bucket to replicate: name one with --bucket NAME[:FILTER,...] "
+                          "(or KVCACHE_BUCKETS, or [[bucket]] in the config file); only the embedded "
+                          "nats-server (no --nats) comes with a demo bucket")
 
     from .sidecar import Sidecar
 
@@ -151,7 +226,14 @@ def _info(cfg: Config, args: argparse.Namespace) -> int:
 
     with Client(cfg.socket_path) as c:
         text = c.execute("INFO", *([args.section] if args.section else []))
-    print(text.decode() if isinstance(text, bytes) else text)
+        text = text.decode() if isinstance(text, bytes) else text
+        if args.section and not text.strip():
+            # Redis answers an unknown section with nothing; a person wants to hear why.
+            everything = c.execute("INFO", "everything")
+            everything = everything.decode() if isinstance(everything, bytes) else everything
+            names = [line[2:].strip().lower() for line in everything.splitlines() if line.startswith("# ")]
+            raise ConfigError(f"no INFO section '{args.section}'; sections: {', '.join(names)}, all")
+    print(text)
     return 0
 
 

@@ -205,7 +205,15 @@ class Commands:
             bucket, key = self.cfg.default_bucket or "", text
         bc = self.cfg.bucket(bucket)
         if bc is None:
-            raise CommandError(f"ERR no such bucket '{bucket[:64]}'")
+            # It may well exist in NATS: what is missing is this sidecar's configuration.
+            if not sep and not bucket:
+                raise CommandError("ERR no default bucket: this sidecar replicates no bucket; "
+                                   "start it with --bucket NAME or a [[bucket]] entry")
+            names = ", ".join(b.name for b in self.cfg.buckets[:8]) + (
+                ", ..." if len(self.cfg.buckets) > 8 else "")
+            raise CommandError(
+                f"ERR no such bucket '{bucket[:64]}' in this sidecar (it replicates: {names or 'none'}); "
+                f"to read it, add --bucket {bucket[:64] or 'NAME'} or a [[bucket]] entry and restart")
         if not KEY_RE.fullmatch(key):
             raise CommandError(f"ERR invalid key '{key[:64]}': KV keys use A-Z a-z 0-9 - / _ = and dots between tokens")
         return bc, key

@@ -6,8 +6,11 @@ Validation happens here, once, so the rest of the code can trust what it gets.
 """
 from __future__ import annotations
 
+import base64
+import json
 import os
 import re
+import ssl
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -115,7 +118,7 @@ def load(
 ) -> Config:
     """Build a validated Config. `overrides` are flag values (None means not given)."""
     env = os.environ if env is None else env
-    path = path or env.get("KVCACHE_CONFIG")
+    path = path or env.get(env_var("config"))
     raw: dict[str, Any] = _read_toml(path) if path else {}
     cfg = _from_mapping(raw, where=path or "config")
     _apply_env(cfg, env)
@@ -127,13 +130,59 @@ def load(
 def _read_toml(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
-            return tomllib.load(f)
+            data = f.read()
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {path}: invalid TOML: {e}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory") from None
     except OSError as e:
         raise ConfigError(f"config file {path}: {e.strerror}") from None
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\0" in data:
+        raise ConfigError(f"config file {path} is UTF-16 (or binary), not UTF-8 text as TOML must be: "
+                          f"convert it, e.g. iconv -f UTF-16 -t UTF-8 {path}")
+    try:
+        text = data.removeprefix(b"\xef\xbb\xbf").decode()  # a UTF-8 BOM is harmless
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text as TOML must be "
+                          f"(byte {e.start}: {data[e.start:e.start + 1]!r})") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path}: invalid TOML: {e}") from None
+    _check_socket_mode_literal(text, raw, path)
+    return raw
+
+
+_SOCKET_MODE_LITERAL = re.compile(
+    r"""^[ \t]*(?:socket_mode|"socket_mode"|'socket_mode')[ \t]*=[ \t]*([+-]?[0-9][0-9_]*)[ \t]*(?:#.*)?$""",
+    re.MULTILINE)
+
+
+def _check_socket_mode_literal(text: str, raw: dict[str, Any], where: str) -> None:
+    """`socket_mode = 660` is the decimal number 660 to TOML (octal 1224), never the file mode
+    the user meant: refuse a decimal literal and say how to write one (0o660 or "660")."""
+    if not isinstance(raw.get("socket_mode"), int):
+        return
+    m = _SOCKET_MODE_LITERAL.search(text)
+    if m is None or int(m.group(1).replace("_", "")) == 0:
+        return
+    lit = m.group(1)
+    digits = lit if re.fullmatch(r"[0-7]{1,4}", lit) and int(lit, 8) <= 0o777 else "660"
+    raise ConfigError(
+        f"{where}: socket_mode = {lit} is read by TOML as the decimal number {int(lit.replace('_', ''))}, "
+        f"not an octal file mode: write socket_mode = 0o{digits} or socket_mode = \"{digits}\"")
+
+
+def _octal_mode(value: Any, what: str) -> int:
+    """A file mode from a string (`"660"`, `"0660"`, `"0o660"`) or an integer (TOML's 0o660)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip().removeprefix("0o"), 8)
+        except ValueError:
+            pass
+    raise ConfigError(f"{what} must be an octal file mode like 0o660 or \"660\", got {value!r}")
 
 
 def _from_mapping(raw: dict[str, Any], where: str) -> Config:
@@ -187,9 +236,36 @@ def _peer_from(raw: Any, where: str) -> PeerConfig:
     )
 
 
+ENV_PREFIX = "KVCACHE_"
+# Settings that are not fields of Config or NatsConfig but have a flag and a variable.
+_ENV_EXTRA = ("config", "buckets", "max_stale_ms")
+
+
+def env_var(setting: str) -> str | None:
+    """The environment variable of a setting, named as its flag's dest: a Config field
+    (`max_clients`), `nats_` + a NatsConfig field (`nats_creds`), or `config`, `buckets`,
+    `max_stale_ms`. None: no variable. The one table for `_apply_env` and `--help`."""
+    if setting in _SCALARS or setting in _ENV_EXTRA:
+        return ENV_PREFIX + setting.upper()
+    if setting.startswith("nats_") and setting[5:] in _NATS_SCALARS:
+        return ENV_PREFIX + setting.upper()
+    return None
+
+
+def default_of(setting: str) -> Any:
+    """A setting's default, named as in `env_var` (None: none, or computed at run time)."""
+    if setting in _SCALARS:
+        return getattr(Config(), setting)
+    if setting.startswith("nats_") and setting[5:] in _NATS_SCALARS:
+        return getattr(NatsConfig(), setting[5:])
+    if setting == "max_stale_ms":
+        return BucketConfig(name="").max_stale_ms
+    return None
+
+
 def _apply_env(cfg: Config, env: Mapping[str, str]) -> None:
     for name, f in _SCALARS.items():
-        var = "KVCACHE_" + name.upper()
+        var = env_var(name)
         value = env.get(var)
         if value is None:
             continue
@@ -201,7 +277,7 @@ def _apply_env(cfg: Config, env: Mapping[str, str]) -> None:
         else:
             setattr(cfg, name, _parse_scalar(value, f.type, var))
     for name, f in _NATS_SCALARS.items():
-        var = "KVCACHE_NATS_" + name.upper()
+        var = env_var("nats_" + name)
         value = env.get(var)
         if value is None:
             continue
@@ -209,13 +285,15 @@ def _apply_env(cfg: Config, env: Mapping[str, str]) -> None:
             cfg.nats.servers = _split_list(value)
         else:
             setattr(cfg.nats, name, _parse_scalar(value, f.type, var))
-    if env.get("KVCACHE_BUCKETS"):
-        cfg.buckets = [parse_bucket_spec(s) for s in env["KVCACHE_BUCKETS"].split()]
-    if env.get("KVCACHE_MAX_STALE_MS"):
-        stale = _parse_scalar(env["KVCACHE_MAX_STALE_MS"], "int", "KVCACHE_MAX_STALE_MS")
+    if env.get(var := env_var("buckets")):
+        cfg.buckets = [parse_bucket_spec(s) for s in env[var].split()]
+    if env.get(var := env_var("max_stale_ms")):
+        stale = _parse_scalar(env[var], "int", var)
+        if stale < 0:
+            raise ConfigError(f"{var} must not be negative, got {stale}")
         for b in cfg.buckets:
             b.max_stale_ms = stale
-    if "KVCACHE_SERVE_STALE" in env:  # parsed into cfg.serve_stale above; like
+    if env_var("serve_stale") in env:  # parsed into cfg.serve_stale above; like
         for b in cfg.buckets:           # KVCACHE_MAX_STALE_MS, it sets every bucket
             b.serve_stale = cfg.serve_stale
 
@@ -229,6 +307,8 @@ def _apply_overrides(cfg: Config, overrides: Mapping[str, Any]) -> None:
         elif key == "buckets":
             cfg.buckets = [parse_bucket_spec(s) for s in value]
         elif key == "max_stale_ms":
+            if value < 0:  # checked here too: with no bucket yet (the demo) nothing else sees it
+                raise ConfigError(f"max_stale_ms must not be negative, got {value}")
             for b in cfg.buckets:
                 b.max_stale_ms = value
         elif key == "serve_stale":  # every bucket; buckets named by a later flag inherit it
@@ -267,13 +347,16 @@ def validate(cfg: Config) -> None:
                  "map_size_mb"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
+    if cfg.nats.connect_timeout_s <= 0 or cfg.nats.request_timeout_ms <= 0:
+        raise ConfigError("connect_timeout_s and request_timeout_ms must be positive, got "
+                          f"{cfg.nats.connect_timeout_s:g} and {cfg.nats.request_timeout_ms}")
     if cfg.client_write_stall_ms < 0:
         raise ConfigError(f"client_write_stall_ms must be 0 (never) or positive, got {cfg.client_write_stall_ms}")
     if cfg.max_map_size_mb < cfg.map_size_mb:
         raise ConfigError("max_map_size_mb must be at least map_size_mb")
     for url in cfg.nats.servers + [u for p in cfg.peers for u in p.servers]:
         if not re.match(r"^(nats|tls|ws|wss)://[^\s/]+$", url):
-            raise ConfigError(f"invalid NATS URL '{url}' (expected nats://host:port)")
+            raise ConfigError(f"invalid NATS URL '{redact_url(url)}' (expected nats://host:port)")
     seen: set[str] = set()
     for b in cfg.buckets:
         if not BUCKET_NAME.match(b.name):
@@ -299,6 +382,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("peer names must be unique")
     if "stale" in peer_names:  # KV.GET's source for a stale replica's answer
         raise ConfigError("peer name 'stale' is reserved")
+    validate_nats_auth(cfg)
 
 
 def valid_key_filter(f: str) -> bool:
@@ -313,12 +397,169 @@ def valid_key_filter(f: str) -> bool:
     return True
 
 
+
+# ---------------------------------------------------------------------------- NATS auth and TLS
+
+def validate_nats_auth(cfg: Config) -> None:
+    """Credentials and TLS files, checked before anything connects: a missing, unreadable or
+    malformed file is one line naming the setting and the file, never what the file holds."""
+    n = cfg.nats
+    if n.creds and n.nkey:
+        raise ConfigError("creds and nkey are exclusive: a creds file holds the user's nkey seed already")
+    if n.token and (n.user or n.password):
+        raise ConfigError("token and user/password are exclusive")
+    if n.password and not n.user:
+        raise ConfigError("password needs user")
+    if n.user and not n.password:
+        raise ConfigError("user needs password")
+    others = n.creds or n.nkey or n.token or n.user
+    for servers in [n.servers] + [p.servers for p in cfg.peers]:
+        in_urls = {url_auth(u) for u in servers} - {(None, None)}
+        if len(in_urls) > 1:
+            raise ConfigError(f"the NATS URLs {', '.join(map(redact_url, servers))} carry different credentials")
+        if in_urls and others:  # nats-py would ignore the URL's
+            url = next(u for u in servers if url_auth(u) != (None, None))
+            raise ConfigError(f"the NATS URL {redact_url(url)} carries credentials and "
+                              "creds, nkey, token or user is set too: give them once")
+    if n.creds:
+        check_creds_file(n.creds)
+    if n.nkey:
+        check_nkey_file(n.nkey)
+    tls_context(n)
+
+
+def url_auth(url: str) -> tuple[str | None, str | None]:
+    """The user (or token) and password a `nats://user:pass@host` URL carries, as nats-py
+    reads them (no unquoting)."""
+    userinfo, at, _ = url.partition("://")[2].rpartition("@")
+    if not at:
+        return None, None
+    user, colon, password = userinfo.partition(":")
+    return user, (password if colon else None)
+
+
+def strip_url_auth(url: str) -> str:
+    """The URL without its credentials: what connections, logs and INFO show."""
+    scheme, sep, rest = url.partition("://")
+    return scheme + sep + rest.rpartition("@")[2]
+
+
+def redact_url(url: str) -> str:
+    """For messages: the credentials of a URL replaced by `***`."""
+    stripped = strip_url_auth(url)
+    if stripped == url:
+        return url
+    scheme, sep, rest = stripped.partition("://")
+    return f"{scheme}{sep}***@{rest}"
+
+
+def _read_setting_file(path: str, what: str, limit: int = 1 << 20) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit)
+    except OSError as e:
+        raise ConfigError(f"{what} file {path}: {e.strerror}") from None
+
+
+_JWT = re.compile(rb"^[A-Za-z0-9_-]+\.([A-Za-z0-9_-]+)\.[A-Za-z0-9_-]+$")
+
+
+def _block_line(data: bytes, marker: bytes) -> bytes | None:
+    """The line after the one holding `marker`, as nats-py reads a creds file."""
+    lines = data.split(b"\n")
+    for i, line in enumerate(lines[:-1]):
+        if marker in line:
+            return lines[i + 1]
+    return None
+
+
+def _user_seed(seed: bytes) -> str | None:
+    """Why `seed` is not a user nkey seed, or None when it is."""
+    import nkeys
+
+    try:
+        kp = nkeys.from_seed(bytearray(seed))
+        kind = kp.public_key[:1]
+        kp.wipe()
+    except Exception:  # nkeys raises its own errors, binascii's and ValueError
+        return "not an nkey seed"
+    if kind != b"U":
+        return "not a user nkey seed (a user seed starts with SU)"
+    return None
+
+
+def check_creds_file(path: str) -> None:
+    """A creds file as nats-py reads it: the line after `BEGIN NATS USER JWT` is a JWT, the
+    line after `BEGIN USER NKEY SEED` a user seed. (nats-py itself loops forever on a file
+    with no JWT block.)"""
+    data = _read_setting_file(path, "creds")
+    jwt = _block_line(data, b"BEGIN NATS USER JWT")
+    if jwt is None:
+        raise ConfigError(f"creds file {path}: no user JWT in it (expected a -----BEGIN NATS USER JWT----- block)")
+    m = _JWT.match(jwt)
+    try:
+        claims = json.loads(base64.urlsafe_b64decode(m.group(1) + b"=" * (-len(m.group(1)) % 4))) if m else None
+    except ValueError:
+        claims = None
+    if not isinstance(claims, dict) or (claims.get("nats") or {}).get("type", "user") != "user":
+        raise ConfigError(f"creds file {path}: its user JWT is malformed")
+    seed = _block_line(data, b"BEGIN USER NKEY SEED")
+    if seed is None:
+        raise ConfigError(f"creds file {path}: no user nkey seed in it (expected a -----BEGIN USER NKEY SEED----- block)")
+    why = _user_seed(seed.strip())
+    if why:
+        raise ConfigError(f"creds file {path}: its seed is {why}")
+
+
+def check_nkey_file(path: str) -> None:
+    data = _read_setting_file(path, "nkey")
+    why = _user_seed(data.strip())
+    if why:
+        hint = " (a creds file goes to creds, --creds)" if b"BEGIN NATS USER JWT" in data else ""
+        raise ConfigError(f"nkey file {path}: {why}{hint}")
+
+
+def tls_context(n: NatsConfig) -> ssl.SSLContext | None:
+    """The client TLS context tls_ca / tls_cert / tls_key ask for (None: nats-py's own, for
+    tls:// URLs and servers that require TLS); every file problem is a ConfigError."""
+    if not (n.tls_ca or n.tls_cert or n.tls_key):
+        return None
+    if n.tls_key and not n.tls_cert:
+        raise ConfigError("tls_key needs tls_cert (the client certificate the key belongs to)")
+    for what, path in (("tls_ca", n.tls_ca), ("tls_cert", n.tls_cert), ("tls_key", n.tls_key)):
+        if path:
+            _read_setting_file(path, what, limit=1)
+    try:
+        ctx = ssl.create_default_context(cafile=n.tls_ca)
+    except ssl.SSLError:
+        raise ConfigError(f"tls_ca file {n.tls_ca}: no PEM certificate in it") from None
+    if n.tls_cert:
+        try:
+            # A callable password: an encrypted key fails here instead of prompting on a terminal.
+            ctx.load_cert_chain(n.tls_cert, n.tls_key, password=lambda: b"")
+        except ssl.SSLError as e:
+            if not n.tls_key and b"PRIVATE KEY" not in _read_setting_file(n.tls_cert, "tls_cert"):
+                raise ConfigError(f"tls_cert file {n.tls_cert}: no private key in it "
+                                  "(give the key file with tls_key, --tls-key)") from None
+            if e.reason == "KEY_VALUES_MISMATCH":
+                raise ConfigError(f"tls_key file {n.tls_key} does not belong to tls_cert {n.tls_cert}") from None
+            if b"ENCRYPTED" in _read_setting_file(n.tls_key or n.tls_cert, "tls_key"):
+                raise ConfigError(f"tls_key file {n.tls_key or n.tls_cert}: encrypted; "
+                                  "kvcache needs an unencrypted key") from None
+            raise ConfigError(f"tls_cert file {n.tls_cert}" + (f" / tls_key file {n.tls_key}" if n.tls_key else "")
+                              + ": not a PEM certificate and its private key") from None
+    return ctx
+
+
 # ---------------------------------------------------------------------------- helpers
 
 def _set_field(obj: Any, known: dict[str, Any], key: str, value: Any, where: str) -> None:
     f = known.get(key)
     if f is None:
         raise ConfigError(f"{where}: unknown key '{key}'")
+    if key == "socket_mode" and known is _SCALARS:
+        obj.socket_mode = _octal_mode(value, f"{where}: socket_mode")
+        return
     if key == "servers":
         setattr(obj, key, _str_list(value, f"{where}: servers"))
         return
@@ -383,8 +624,12 @@ def _split_list(text: str) -> list[str]:
 
 
 def ensure_dirs(cfg: Config) -> None:
-    """Create the data and socket directories, with a config-style error when we cannot."""
-    for d in {cfg.data_dir, os.path.dirname(os.path.abspath(cfg.socket_path))}:
+    """Create the data, socket and (when it is on) access log directories, with a
+    config-style error when we cannot: before anything starts, not after syncing."""
+    dirs = [cfg.data_dir, os.path.dirname(os.path.abspath(cfg.socket_path))]
+    if cfg.access_log_rate > 0:
+        dirs.append(cfg.access_log_dir or os.path.join(cfg.data_dir, "access-logs"))
+    for d in dict.fromkeys(dirs):
         try:
             Path(d).mkdir(parents=True, exist_ok=True)
         except OSError as e:

@@ -188,12 +188,38 @@ class NatsServer:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def exit_status(self) -> str:
+        """How the process ended, for a log line: `with code 1`, `on SIGKILL`, `(running)`."""
+        code = self._proc.poll() if self._proc is not None else None
+        if code is None:
+            return "(running)" if self._proc is not None else "(not started)"
+        if code < 0:
+            try:
+                return f"on {signal.Signals(-code).name}"
+            except ValueError:
+                return f"on signal {-code}"
+        return f"with code {code}"
+
     # -- lifecycle -----------------------------------------------------------------------
 
     def start(self, timeout: float = 10) -> "NatsServer":
         """Launch and wait until clients can connect and JetStream (if any) is enabled."""
         if self.running:
             return self
+        self.launch()
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.kill()
+            raise
+        return self
+
+    def launch(self) -> None:
+        """Start the process and return at once (`wait_ready` waits for it, and may run in
+        another thread). Launch from a thread that lives as long as the server should: the
+        server gets SIGTERM when that thread exits (PR_SET_PDEATHSIG)."""
+        if self.running:
+            return
         self._reap()
         self.write_config()
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -210,21 +236,19 @@ class NatsServer:
                 preexec_fn=die_with_parent,
             )
         self._paused = False
-        try:
-            self._wait_ready(timeout)
-        except BaseException:
-            self.kill()
-            raise
-        return self
 
-    def _wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float) -> None:
+        """Until clients can connect and JetStream (if any) is enabled; KvcacheError when the
+        process exits or is not ready in time (the caller kills it)."""
         deadline = time.monotonic() + timeout
         path = "/healthz?js-enabled-only=true" if self.jetstream else "/healthz"
         while True:
-            assert self._proc is not None
-            if self._proc.poll() is not None:
+            proc = self._proc
+            if proc is None:
+                raise KvcacheError("nats-server was stopped during start")
+            if proc.poll() is not None:
                 raise KvcacheError(
-                    f"nats-server exited with code {self._proc.returncode} during start: "
+                    f"nats-server exited with code {proc.returncode} during start: "
                     f"{self.log_tail()}"
                 )
             if self._port_open() and self._http_ok(path):
@@ -285,8 +309,9 @@ class NatsServer:
             return
         if self._proc.poll() is None:
             self._signal(signal.SIGTERM)
-            if self._paused:  # a stopped process only acts on SIGTERM once continued
-                self._signal(signal.SIGCONT)
+            # A stopped process only acts on SIGTERM once continued; someone else may have
+            # stopped it (kill -STOP), and SIGCONT is harmless to a running one.
+            self._signal(signal.SIGCONT)
             try:
                 self._proc.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -3,19 +3,25 @@ replica, one feed per bucket, router, RESP server; and takes them down in the ri
 from __future__ import annotations
 
 import asyncio
+import collections
+import errno
+import fcntl
 import functools
 import logging
 import os
+import re
 import signal
 import ssl
+import time
+from typing import Awaitable
 
 import nats
 import nats.errors
 
 from . import jetstream as jsapi
 from .commands import Commands, Stats
-from .config import BucketConfig, Config, ensure_dirs
-from .errors import BucketNotFound, UpstreamError
+from .config import BucketConfig, Config, ensure_dirs, strip_url_auth, tls_context, url_auth
+from .errors import BucketNotFound, ConfigError, KvcacheError, UpstreamError
 from .feed import Feed
 from .natsconn import Connection
 from .natsserver import NatsServer
@@ -26,6 +32,16 @@ from .server import RespServer, claim_socket_path
 from .subjects import subject_match
 
 log = logging.getLogger("kvcache")
+
+STOP_STEP_S = 5.0  # longest wait for one shutdown step (a feed, the router, peer connections)
+LOCK_FILE = "kvcache.lock"
+# The embedded nats-server, supervised: restarted after a crash with a growing pause
+# (0.25 s doubling up to 5 s), and given up on (the sidecar exits 1) once it has died or
+# failed to start EMBEDDED_MAX_FAILURES times within EMBEDDED_WINDOW_S.
+EMBEDDED_POLL_S = 0.2
+EMBEDDED_MAX_FAILURES = 5
+EMBEDDED_WINDOW_S = 60.0
+EMBEDDED_BACKOFF_S = (0.25, 5.0)
 
 DEMO_BUCKET = "demo"
 DEMO_KEYS = 1000
@@ -46,16 +62,23 @@ class Sidecar:
         self.use_embedded = cfg.embedded  # decided once: starting it fills in nats.servers
         self.exit_code = 0
         self._stopping = asyncio.Event()
+        self._supervisor: asyncio.Task | None = None
+        self._lock_fd: int | None = None
+        self._fatal_error: KvcacheError | None = None
+        self.embedded_restarts = 0
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         ensure_dirs(self.cfg)
-        # Refuse a live socket before doing anything else: a second sidecar on the same path
-        # must fail at once, not after connecting, syncing and logging.
+        # Refuse a data directory another sidecar uses, then a live socket, before doing
+        # anything else: a second sidecar must fail at once, not after starting an embedded
+        # nats-server, opening the replica, connecting, syncing and logging.
+        self._lock_data_dir()
         claim_socket_path(os.path.abspath(self.cfg.socket_path))
         if self.use_embedded:
             await self._start_embedded()
+            self._supervisor = asyncio.ensure_future(self._supervise_embedded())
         self.nc = await self._connect(self.cfg.nats.servers)
         self.nats_url = self.nc.connected_url.geturl() if self.nc.connected_url else ""
         if self.use_embedded and not self.cfg.buckets:
@@ -81,16 +104,40 @@ class Sidecar:
         await self.server.start()
 
     async def run(self) -> None:
-        """Serve until SIGTERM/SIGINT, then shut down gracefully."""
+        """Serve until SIGTERM/SIGINT, then shut down gracefully. A signal during start
+        abandons the start; either way stop() runs and finishes whatever state NATS is in."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stopping.set)
+            loop.add_signal_handler(sig, self._on_signal, sig)
         try:
-            await self.start()
+            starting = asyncio.ensure_future(self.start())
+            stopping = asyncio.ensure_future(self._stopping.wait())
+            interrupted = False
+            try:
+                await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not starting.done():  # stopped (signal, fatal error) before start finished
+                    interrupted = True
+                    starting.cancel()
+                    await asyncio.wait({starting})
+                if not stopping.done():
+                    stopping.cancel()
+            if interrupted:
+                if not starting.cancelled() and starting.exception() is not None:
+                    log.info("start abandoned: %s", _describe(starting.exception()))
+            else:
+                starting.result()  # a failed start: its one-line error reaches the CLI
             await self._stopping.wait()
             log.info("shutting down")
         finally:
             await self.stop()
+        if self._fatal_error is not None:
+            raise self._fatal_error
+
+    def _on_signal(self, sig: int) -> None:
+        if self._stopping.is_set():
+            log.info("%s: already shutting down", signal.Signals(sig).name)
+        self._stopping.set()
 
     def request_stop(self) -> None:
         self._stopping.set()
@@ -101,34 +148,50 @@ class Sidecar:
         self._stopping.set()
 
     async def stop(self) -> None:
+        """Take everything down in order. Every step is bounded and its failure only logged:
+        NATS may be gone, hung or half-closed, and the replica, the embedded server, the
+        socket and the data-directory lock must be released all the same. Safe to call twice."""
         self._stopping.set()
+        served = self.server is not None
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            await asyncio.wait({self._supervisor})
+            self._supervisor = None
         if self.server:
             # A request in flight ends within the request timeout (a fallback read gives up
             # then), so that long is enough, and never less than the default 5 s.
-            await self.server.stop(grace=max(5.0, self.cfg.nats.request_timeout_ms / 1000 + 1))
-        await self.router.close()
+            grace = max(5.0, self.cfg.nats.request_timeout_ms / 1000 + 1)
+            await _step("socket server", self.server.stop(grace=grace), grace + 5)
+        await _step("router", self.router.close(), STOP_STEP_S)
         if self.peer_conns:
-            await self.peer_conns.close()
-        for feed in self.feeds.values():
-            await feed.stop()
+            await _step("peer connections", self.peer_conns.close(), STOP_STEP_S)
+        for name, feed in self.feeds.items():
+            await _step(f"feed {name}", feed.stop(), STOP_STEP_S)
         if self.nc and not self.nc.is_closed:
-            # Drain when connected; when NATS is gone nats-py may wait on reconnects, so
-            # bound both steps: shutdown must finish whatever state the connection is in.
-            try:
-                if self.nc.is_connected:
-                    await asyncio.wait_for(self.nc.drain(), 2)
-            except (asyncio.TimeoutError, nats.errors.Error):
-                pass
-            try:
-                await asyncio.wait_for(self.nc.close(), 2)
-            except (asyncio.TimeoutError, nats.errors.Error):
-                pass
+            # close(), not drain(): the feeds have unsubscribed already, and a drain against a
+            # hung server only waits out its timeout and leaks its futures' errors. Bounded:
+            # shutdown must finish whatever state the connection is in.
+            if not self.nc.is_connected:
+                # Not connected (NATS down or a reconnect under way): what is still buffered
+                # can never be sent, and nats-py's close() would write it to the dead
+                # transport and fail half-way (RuntimeError from uvloop).
+                self.nc._pending, self.nc._pending_data_size = [], 0
+            await _step("NATS close", self.nc.close(), 2)
         if self.replica:
-            self.replica.close()
+            try:
+                self.replica.close()
+            except Exception as e:
+                log.warning("shutdown: replica close: %s", _describe(e))
             self.replica = None
         if self.embedded:
-            self.embedded.stop()
+            try:
+                self.embedded.stop()
+            except Exception as e:
+                log.warning("shutdown: embedded nats-server stop: %s", _describe(e))
             self.embedded = None
+        self._release_lock()
+        if served:
+            log.info("stopped")
 
     # ------------------------------------------------------------------ NATS
 
@@ -142,6 +205,90 @@ class Sidecar:
         self.cfg.nats.servers = [self.embedded.url]
         log.info("started embedded nats-server %s (pid %d, store %s)",
                  self.embedded.url, self.embedded.pid, store)
+
+    async def _supervise_embedded(self) -> None:
+        """Restart the embedded nats-server when it dies, on the same port and store (the
+        connection reconnects and the feeds resume by themselves); give up, and stop the
+        sidecar with exit code 1, after EMBEDDED_MAX_FAILURES deaths or failed starts within
+        EMBEDDED_WINDOW_S: a server that cannot stay up is a problem for a person."""
+        failures: collections.deque[float] = collections.deque()
+        loop = asyncio.get_running_loop()
+        while not self._stopping.is_set():
+            await asyncio.sleep(EMBEDDED_POLL_S)
+            srv = self.embedded
+            if srv is None or srv.running or self._stopping.is_set():
+                continue
+            log.error("embedded nats-server (pid %s) exited %s", srv.pid, srv.exit_status())
+            failures.append(time.monotonic())
+            while not self._stopping.is_set():
+                now = time.monotonic()
+                while failures and failures[0] < now - EMBEDDED_WINDOW_S:
+                    failures.popleft()
+                if len(failures) >= EMBEDDED_MAX_FAILURES:
+                    self._give_up(UpstreamError(
+                        f"embedded nats-server died or failed to start {len(failures)} times within "
+                        f"{EMBEDDED_WINDOW_S:g}s; giving up (its log: {srv.log_file})"))
+                    return
+                delay = min(EMBEDDED_BACKOFF_S[0] * 2 ** (len(failures) - 1), EMBEDDED_BACKOFF_S[1])
+                log.warning("restarting embedded nats-server in %gs (failure %d of %d within %gs)",
+                            delay, len(failures), EMBEDDED_MAX_FAILURES, EMBEDDED_WINDOW_S)
+                await asyncio.sleep(delay)
+                if self._stopping.is_set():
+                    return
+                try:
+                    srv.launch()  # here, on the main thread: see _start_embedded
+                    await loop.run_in_executor(None, srv.wait_ready, 10.0)
+                except (KvcacheError, OSError) as e:
+                    srv.kill()
+                    failures.append(time.monotonic())
+                    log.error("embedded nats-server did not start again: %s", _describe(e).splitlines()[0])
+                    continue
+                self.embedded_restarts += 1
+                log.warning("restarted embedded nats-server %s (pid %d; restart %d)",
+                            srv.url, srv.pid, self.embedded_restarts)
+                break
+
+    def _give_up(self, err: KvcacheError) -> None:
+        """Stop with exit code 1; `run` raises `err` after the shutdown, so the CLI ends with
+        it as its one error line."""
+        log.critical("%s", err)
+        self._fatal_error = err
+        self._fatal(err)
+
+    # ------------------------------------------------------------------ data directory lock
+
+    def _lock_data_dir(self) -> None:
+        """One sidecar per data directory: an exclusive flock on <data_dir>/kvcache.lock, held
+        until stop() (or the process's end: the kernel drops it with the process, so a file
+        left by a killed sidecar never blocks)."""
+        path = os.path.join(self.cfg.data_dir, LOCK_FILE)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise ConfigError(f"cannot create the lock file {path}: {e.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            try:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            except OSError:
+                holder = ""
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise KvcacheError(
+                    f"data directory {self.cfg.data_dir} is in use by another kvcache serve"
+                    f"{f' (pid {holder})' if holder.isdigit() else ''}; one sidecar per data "
+                    f"directory (lock: {path})") from None
+            raise ConfigError(f"cannot lock {path}: {e.strerror}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     async def _add_peers(self, timeout: float) -> None:
         """The [[peer]] entries (one connection per server set) and, when asked, the mirrors
@@ -161,15 +308,34 @@ class Sidecar:
 
     async def _connect(self, servers: list[str], peer: bool = False) -> nats.NATS:
         n = self.cfg.nats
+        # Credentials in a URL go to nats-py as options (config.validate_nats_auth made sure
+        # no other auth option is set then): the URLs the connection keeps, which INFO, logs
+        # and errors show, carry none.
+        urls = [strip_url_auth(u) for u in servers]
+        in_url = next((a for a in map(url_auth, servers) if a != (None, None)), None)
+        nc = Connection()
+        first: list[BaseException] = []  # the first connect's failures: its error line says why
+        denied: dict[tuple[str, str], float] = {}
+
+        first_done = False
+        tls_failed = asyncio.Event()
+
+        async def on_error(e: Exception) -> None:
+            if not first_done:
+                first.append(e)
+                if isinstance(e, ssl.SSLError):
+                    tls_failed.set()
+            elif not self._denied(e, peer, denied):
+                await self._on_error(e)
+
         opts: dict = dict(
-            servers=servers, name="kvcache", connect_timeout=n.connect_timeout_s,
+            servers=urls, name="kvcache", connect_timeout=n.connect_timeout_s,
             max_reconnect_attempts=-1, reconnect_time_wait=0.5, allow_reconnect=True,
-            error_cb=self._on_error, disconnected_cb=self._on_disconnect,
+            error_cb=on_error, disconnected_cb=self._on_disconnect,
             reconnected_cb=self._on_reconnect,
         )
         if peer:  # a read-only peer: its connection's ups and downs are no business of the feeds
-            opts.update(name="kvcache-peer", error_cb=self._on_error, disconnected_cb=_noop,
-                        reconnected_cb=_noop)
+            opts.update(name="kvcache-peer", disconnected_cb=_noop, reconnected_cb=_noop)
         if n.creds:
             opts["user_credentials"] = n.creds
         if n.nkey:
@@ -178,21 +344,74 @@ class Sidecar:
             opts["token"] = n.token
         if n.user:
             opts["user"], opts["password"] = n.user, n.password
-        if n.tls_ca or n.tls_cert:
-            ctx = ssl.create_default_context(cafile=n.tls_ca)
-            if n.tls_cert:
-                ctx.load_cert_chain(n.tls_cert, n.tls_key)
-            opts["tls"] = ctx
+        if in_url and in_url[1] is None:
+            opts["token"] = in_url[0]
+        elif in_url:
+            opts["user"], opts["password"] = in_url
+        tls = tls_context(n)
+        if tls is not None:
+            opts["tls"] = tls
+        _quiet_tls_eof()
+        # nats-py retries the first connect forever when reconnects are unlimited; a sidecar
+        # that cannot reach NATS at start must say so and exit instead. So: a bounded first
+        # attempt, then reconnect forever once we have been connected. Bounded in time too:
+        # after a failed TLS handshake nats-py's connect never returns (2.16), and a TLS
+        # failure at start is a configuration to fix, not a server to wait for.
+        connecting = asyncio.ensure_future(nc.connect(**{**opts, "max_reconnect_attempts": 1}))
+        failed = asyncio.ensure_future(tls_failed.wait())
         try:
-            # nats-py retries the first connect forever when reconnects are unlimited; a
-            # sidecar that cannot reach NATS at start must say so and exit instead. So: a
-            # bounded first attempt, then reconnect forever once we have been connected.
-            nc = Connection()
-            await nc.connect(**{**opts, "max_reconnect_attempts": 1})
+            await asyncio.wait({connecting, failed}, timeout=n.connect_timeout_s * (2 * len(urls) + 1) + 1,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failed.cancel()
+            if not connecting.done():  # hung, a TLS failure, or start abandoned
+                connecting.cancel()
+                await asyncio.wait({connecting})
+                try:
+                    await asyncio.wait_for(nc.close(), 2)
+                except Exception:  # a half-made connection: nothing to save
+                    pass
+        e = (first[-1] if first else asyncio.TimeoutError()) if connecting.cancelled() else connecting.exception()
+        if e is None:
             nc.options["max_reconnect_attempts"] = -1
+            first_done = True
             return nc
-        except (OSError, asyncio.TimeoutError, nats.errors.Error) as e:
-            raise UpstreamError(f"cannot connect to NATS at {', '.join(servers)}: {_describe(e)}") from None
+        if not isinstance(e, (OSError, asyncio.TimeoutError, nats.errors.Error)):
+            raise e
+        # nats-py ends with "no servers available"; the server's own answer (-ERR
+        # 'Authorization Violation', before the reset or broken pipe that follows it), else
+        # the last failure (refused, TLS verification, timeout), is the one that helps.
+        if first and isinstance(e, nats.errors.NoServersError):
+            e = ([x for x in first if str(x).startswith("nats: '")] or first)[-1]
+        why = _describe(e)
+        if why.startswith("'") and why.endswith("'"):  # the server's -ERR 'Authorization Violation'
+            why = why.strip("'").lower()
+        raise UpstreamError(f"cannot connect to NATS at {', '.join(urls)}: {why}") from None
+
+    def _denied(self, e: Exception, peer: bool, seen: dict[tuple[str, str], float]) -> bool:
+        """A permissions violation: one warning naming the subject (again at most once a
+        minute per subject); one the feeds cannot work without ends the sidecar, with that
+        line as its error. False for any other error."""
+        m = _PERMISSION_DENIED.search(str(e))
+        if not m:
+            return False
+        op, subject = m.group(1).lower(), m.group(2)
+        optional = _OPTIONAL_SUBSCRIBE.search(subject) if op == "subscription" else (
+            not _FEED_PUBLISH.search(subject))
+        what = f"NATS permission denied: {'publish' if op == 'publish' else 'subscribe'} to \"{subject}\""
+        if peer or optional:
+            now = time.monotonic()
+            if now - seen.get((op, subject), -PERMISSION_LOG_S) >= PERMISSION_LOG_S:
+                seen[(op, subject)] = now
+                why = (" (single-key purges are then seen at the next restart)" if op == "subscription"
+                       else "")
+                log.warning("%s%s; the user kvcache connects as needs it (README: Permissions)", what, why)
+        elif self._fatal_error is None and not self._stopping.is_set():
+            err = UpstreamError(f"{what}: the user kvcache connects as needs it to replicate "
+                                "(README: Permissions)")
+            self._fatal_error = err  # run() raises it after the shutdown: the CLI's one line
+            self._fatal(err)
+        return True
 
     async def _on_error(self, e: Exception) -> None:
         # Before the first connection the failure is reported once, as the startup error.
@@ -236,8 +455,43 @@ class Sidecar:
         return any(subject_match(f, key) for f in self.cfg.bucket(bucket).keys)
 
 
+# What a permissions violation names; the publishes the feeds cannot do without (the rest are
+# reads, which fail on their own, and consumer deletes, which the server does by itself), and
+# the subscriptions they can (purge and message-delete requests, see feed.py).
+_PERMISSION_DENIED = re.compile(r'permissions violation for (publish|subscription) to "([^"]*)"', re.I)
+_FEED_PUBLISH = re.compile(r"\.API\.(STREAM\.INFO|CONSUMER\.CREATE|CONSUMER\.MSG\.NEXT)\.")
+_OPTIONAL_SUBSCRIBE = re.compile(r"\.API\.STREAM\.(PURGE|MSG\.DELETE)\.")
+PERMISSION_LOG_S = 60.0
+
+
+
+def _tls_eof_filter(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("returning true from eof_received()")
+
+
+def _quiet_tls_eof() -> None:
+    """nats-py upgrades a plain stream to TLS (start_tls), whose protocol then answers EOF as
+    a plain one would: asyncio warns about it at every close of a TLS connection, a line that
+    tells the reader nothing."""
+    logger = logging.getLogger("asyncio")
+    if _tls_eof_filter not in logger.filters:
+        logger.addFilter(_tls_eof_filter)
+
+
 async def _noop() -> None:
     pass
+
+
+async def _step(what: str, aw: Awaitable, timeout: float) -> None:
+    """One shutdown step: bounded, and a failure is logged, never raised (the next steps
+    must run whatever state NATS is in)."""
+    log.debug("shutdown: %s", what)
+    try:
+        await asyncio.wait_for(aw, timeout)
+    except asyncio.TimeoutError:
+        log.warning("shutdown: %s did not finish within %gs", what, timeout)
+    except Exception as e:  # expected while NATS is gone: debug, not noise
+        log.debug("shutdown: %s: %s", what, _describe(e))
 
 
 def _describe(e: BaseException) -> str:

@@ -624,7 +624,8 @@ def test_info(env, r, kc):
     buckets = r.info("buckets")
     assert set(buckets) == {"main", "second", "nodirect", "many"}
     for name, row in buckets.items():
-        assert set(row) == {"synced", "keys", "applied_seq", "upstream_seq", "lag_ms", "resyncs"}
+        assert set(row) == {"synced", "keys", "applied_seq", "upstream_seq", "lag_ms", "resyncs",
+                            "removed_upstream", "state_polls"}
         assert row["synced"] == 1 and row["resyncs"] == 0
         assert row["upstream_seq"] >= row["applied_seq"]
     assert buckets["second"]["keys"] >= 2 and buckets["many"]["keys"] == 0

@@ -203,3 +203,45 @@ def test_every_config_key_has_a_flag() -> None:
     args = serve.parse_args(["--discover-peers", "--map-size-mb", "64", "--request-timeout-ms", "750"])
     cfg = load(None, env={}, overrides={k: v for k, v in vars(args).items() if k in dests})
     assert cfg.discover_peers is True and cfg.map_size_mb == 64 and cfg.nats.request_timeout_ms == 750
+
+
+def test_serve_help_names_every_default_and_variable():
+    """`kvcache serve --help`: every option says its default and its environment variable, and
+    the variable it names is the one config.load reads (same table), with the flag's effect."""
+    import re as _re
+
+    from kvcache import config
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    samples = {int: "7", float: "0.5", None: "x"}
+    special = {"socket_mode": ("600", "600"), "nats_servers": ("nats://127.0.0.1:9",) * 2,
+               "buckets": ("zz", "zz"), "log_level": ("debug", "debug"), "data_dir": ("/tmp/kvc-h",) * 2,
+               "socket": ("/tmp/kvc-h.sock",) * 2, "access_log_rate": ("0.5", "0.5")}
+    checked = 0
+    for action in serve._actions:
+        if action.dest in ("help", "config"):
+            continue
+        assert action.help and "(default: " in action.help, action.option_strings
+        m = _re.search(r"; env (KVCACHE_[A-Z_]+)", action.help)
+        assert m, action.help
+        var = m.group(1)
+        assert var == config.env_var(action.dest)
+        if isinstance(action, __import__("argparse").BooleanOptionalAction):
+            argv, env_value = [action.option_strings[0]], "true"
+        else:
+            flag_value, env_value = special.get(action.dest) or (samples.get(action.type, "x"),) * 2
+            argv = [action.option_strings[0], flag_value]
+        args = serve.parse_args(argv)
+        overrides = {k: v for k, v in vars(args).items() if k != "config"}
+
+        def outcome(**kw):
+            try:
+                return load(None, **kw)
+            except ConfigError as e:
+                return str(e).replace(var, "X").replace(action.dest.removeprefix("nats_"), "X")
+        from_flag = outcome(env={}, overrides=overrides)
+        from_env = outcome(env={var: env_value})
+        assert from_flag == from_env, (action.dest, from_flag, from_env)
+        assert from_env != load(None, env={}) or action.dest == "max_stale_ms", action.dest
+        checked += 1
+    assert checked == len(serve._actions) - 2 >= 31  # all but --help and --config (tested above)
+    assert "(default: 660; env KVCACHE_SOCKET_MODE)" in " ".join(serve.format_help().split())
