@@ -80,7 +80,10 @@ class _Parser:
             elif t is _Info:
                 await nc._process_info(ev.info)
             elif t is _Err:
-                await nc._process_err(f"'{ev.text.lower()}'")
+                # nats-py matches error texts in lower case; the subject a permissions
+                # violation names (in double quotes) keeps its case for the log.
+                head, quote, subject = ev.text.partition('"')
+                await nc._process_err(f"'{head.lower()}{quote}{subject}'")
             # +OK: nothing to do
         if batches:
             stats = nc.stats
