@@ -6,7 +6,7 @@ import logging
 import sys
 
 from . import __version__
-from .config import Config, load
+from .config import Config, load, validate_nats_auth
 from .errors import ConfigError, KvcacheError
 
 EXIT_CONFIG = 2
@@ -190,6 +190,7 @@ def _serve(cfg: Config, args: argparse.Namespace) -> int:
         raise ConfigError("no bucket to replicate: name one with --bucket NAME[:FILTER,...] "
                           "(or KVCACHE_BUCKETS, or [[bucket]] in the config file); only the embedded "
                           "nats-server (no --nats) comes with a demo bucket")
+    validate_nats_auth(cfg)
 
     from .sidecar import Sidecar
 

@@ -382,7 +382,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError("peer names must be unique")
     if "stale" in peer_names:  # KV.GET's source for a stale replica's answer
         raise ConfigError("peer name 'stale' is reserved")
-    validate_nats_auth(cfg)
 
 
 def valid_key_filter(f: str) -> bool:
@@ -402,7 +401,9 @@ def valid_key_filter(f: str) -> bool:
 
 def validate_nats_auth(cfg: Config) -> None:
     """Credentials and TLS files, checked before anything connects: a missing, unreadable or
-    malformed file is one line naming the setting and the file, never what the file holds."""
+    malformed file is one line naming the setting and the file, never what the file holds.
+    Only `serve` connects to NATS, so only it calls this: `kvcache get`/`info` with the same
+    config file must not need the credentials."""
     n = cfg.nats
     if n.creds and n.nkey:
         raise ConfigError("creds and nkey are exclusive: a creds file holds the user's nkey seed already")
