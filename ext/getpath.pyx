@@ -200,6 +200,11 @@ cdef class LocalGets:
     def close(self):
         self._closed = True
 
+    def forget_fresh(self):
+        """See kvcache.getpath.LocalGets.forget_fresh: every bucket asks its feed again."""
+        for b in self._buckets.values():
+            (<_Bucket>b).fresh_until_ns = 0
+
     def set_buckets(self, buckets, default):
         """`[(name, feed, max_stale_ms, replicates_every_key)]` and the default bucket's name
         (None: no default). A valid key of a bucket that replicates every key is then read

@@ -19,7 +19,7 @@ from .accesslog import AccessLog
 from .config import BucketConfig
 from .entry import Entry, Operation
 from .errors import KvcacheError, ReplyBudget, ReplyTooLarge, UpstreamError
-from .record import live_value
+from .record import Record, live_value
 from .replica import LONG_KEY_PREFIX, RECORD, lmdb_key
 
 if TYPE_CHECKING:
@@ -245,9 +245,30 @@ class Commands:
         return plan
 
     def local_ok(self, bc: BucketConfig, key: str, max_stale_ms: int | None = None) -> bool:
+        """Is the key replicated, and the replica fresh within the bound? Whether its record
+        may answer without going back in time is asked apart (_behind)."""
         feed = self.sc.feeds[bc.name]
-        return self.sc.in_filters(bc.name, key) and feed.fresh_enough(
+        return self.sc.in_filters(bc.name, key) and feed.fresh_within(
             bc.max_stale_ms if max_stale_ms is None else max_stale_ms)
+
+    def _behind(self, bc: BucketConfig, key: str, rec: Record | None) -> int:
+        """0 when the replica's record (None: it has none) may answer the key; else the
+        stream sequence it must reach first (a newer revision was handed out from NATS)."""
+        return self.sc.feeds[bc.name].behind(key, None if rec is None else rec.revision)
+
+    async def _local_after(self, bc: BucketConfig, key: str, want: int,
+                           max_stale_ms: int | None = None) -> tuple[bool, Record | None]:
+        """A read the replica could not answer without going back in time: wait (up to
+        MINREV_WAIT_S) for it to reach stream sequence `want`, as MINREV does. Then
+        (True, the key's record or None) if the replica may answer it now; else (False,
+        None), and the caller reads NATS (the router's floors keep that answer at or above
+        what was handed out)."""
+        if await self.sc.feeds[bc.name].wait_applied(want, MINREV_WAIT_S) and \
+                self.local_ok(bc, key, max_stale_ms):
+            rec = self.replica.get(bc.name, key)
+            if not self._behind(bc, key, rec):
+                return True, rec
+        return False, None
 
     # ------------------------------------------------------------------ reads
 
@@ -257,13 +278,28 @@ class Commands:
         t0 = self._t0()
         if self.local_ok(bc, key):
             rec = self.replica.get(bc.name, key)
-            self.stats.gets_local += 1
-            self._log(t0, bc.name, key, "local", rec is not None, "GET")
-            if rec is None:
-                self.stats.gets_notfound += 1
-                return resp.null(conn.proto)
-            return resp.bulk(rec.value, conn.proto)
+            want = self._behind(bc, key, rec)
+            if not want:
+                return self._local_value(conn, bc, key, rec, t0)
+            return self._gated_value(conn, bc, key, want, t0)
         return self._remote_value(conn, bc, key, t0)
+
+    def _local_value(self, conn: "Connection", bc: BucketConfig, key: str, rec: Record | None,
+                     t0: int = 0) -> bytes:
+        self.stats.gets_local += 1
+        self._log(t0, bc.name, key, "local", rec is not None, "GET")
+        if rec is None:
+            self.stats.gets_notfound += 1
+            return resp.null(conn.proto)
+        return resp.bulk(rec.value, conn.proto)
+
+    async def _gated_value(self, conn: "Connection", bc: BucketConfig, key: str, want: int,
+                           t0: int = 0) -> bytes:
+        """GET of a key whose newer revision was handed out from NATS (see _local_after)."""
+        local, rec = await self._local_after(bc, key, want)
+        if local:
+            return self._local_value(conn, bc, key, rec, t0)
+        return await self._remote_value(conn, bc, key, t0)
 
     async def _remote_value(self, conn: "Connection", bc: BucketConfig, key: str, t0: int = 0) -> bytes:
         entry = await self.remote_entry(bc, key, t0=t0, command="GET")
@@ -315,10 +351,12 @@ class Commands:
         if strong or not isinstance(err, UpstreamError) or not self.sc.in_filters(bc.name, key):
             raise CommandError(f"ERR upstream read failed: {err}")
         feed = self.sc.feeds[bc.name]
+        bound = bc.max_stale_ms if max_stale_ms is None else max_stale_ms
         if not feed.synced:
             why = "replica not synced"
+        elif feed.fresh_within(bound):  # the key was gated (Feed.behind), the replica is fresh
+            why = "replica behind a revision of the key already read from NATS"
         else:
-            bound = bc.max_stale_ms if max_stale_ms is None else max_stale_ms
             why = f"replica stale ({feed.lag_ms() / 1000:.1f}s behind, max_stale_ms {bound})"
         message = f"ERR bucket {bc.name}: {why} and no peer could answer: {err}"
         if not self.cfg.serves_stale(bc):
@@ -329,29 +367,45 @@ class Commands:
         if entry is None and not feed.synced:
             raise CommandError(f"{message}; not serving stale: the key may exist, the replica "
                                "has not finished its sync")
-        if self.sc.router.floors.behind(bc.name, key, entry):
+        if self.sc.router.floors.behind(bc.name, key, entry) or feed.behind(
+                key, None if entry is None else entry.revision):
             raise CommandError(f"{message}; not serving stale: a newer revision of the key "
                                "was already read from a peer")
         return entry
 
     def _newest(self, bc: BucketConfig, key: str, remote: Entry | None) -> Entry | None:
-        """Higher revision wins. A remote not-found carries no revision, and a lagging responder
-        may not have the key yet, so it never overrides a record the replica holds; a deletion
-        overrides it through its DEL/PURGE marker's higher revision."""
+        """The answer to hand out for a key read from NATS. Higher revision wins. A remote
+        not-found carries no revision, and a lagging responder may not have the key yet, so it
+        never overrides a record the replica holds; a deletion overrides it through its
+        DEL/PURGE marker's higher revision. A remote revision the synced replica has reached
+        (at or below its applied sequence) is no newer than what the replica knows, so the
+        replica's answer wins, absent included: the key was deleted since, and a lagging
+        peer's PUT must not bring it back after a local read showed it gone. A remote answer
+        above that is noted (Feed.handed_out): local reads must not go below it."""
         if not self.sc.in_filters(bc.name, key):
             return remote
         rec = self.replica.get(bc.name, key)
-        if rec is None or (remote is not None and remote.revision >= rec.revision):
-            return remote
-        return Entry(bc.name, key, rec.value, rec.revision, rec.created, 0, Operation.PUT, "local")
+        if rec is not None and (remote is None or remote.revision < rec.revision):
+            return Entry(bc.name, key, rec.value, rec.revision, rec.created, 0, Operation.PUT, "local")
+        if remote is None:
+            return None
+        feed = self.sc.feeds[bc.name]
+        if feed.synced and remote.revision <= feed.meta.applied_seq:
+            return remote if rec is not None else None  # with a record: the same revision
+        feed.handed_out(key, remote.revision)
+        return remote
 
     def _lookup(self, raw_keys: list[bytes], t0: int = 0, command: str = "MGET",
-                budget: ReplyBudget | None = None) -> tuple[list[bytes | None], dict[str, list[tuple[int, str]]]]:
+                budget: ReplyBudget | None = None) -> tuple[list[bytes | None], dict[str, list[tuple[int, str]]],
+                                                            dict[str, list[tuple[int, str, int]]]]:
         """Local values for the keys the replica may answer (one read transaction for all),
-        and the rest grouped by bucket. An invalid key fails the whole command, and so do
-        values beyond `budget` (ReplyTooLarge)."""
+        and the rest grouped by bucket; among the rest, the keys the replica could answer
+        once it reaches a revision already handed out from NATS (with that sequence: see
+        _gate). An invalid key fails the whole command, and so do values beyond `budget`
+        (ReplyTooLarge)."""
         values: list[bytes | None] = [None] * len(raw_keys)
         misses: dict[str, list[tuple[int, str]]] = {}
+        gated: dict[str, list[tuple[int, str, int]]] = {}
         plans = self._plans
         txn = None
         local = notfound = 0
@@ -360,7 +414,7 @@ class Commands:
                 plan = plans.get(raw)
                 if plan is None:
                     plan = self._plan(raw)
-                if not plan or not plan[0].fresh_enough(plan[1]):
+                if not plan or not plan[0].fresh_within(plan[1]):
                     bc, key = self.resolve(raw)  # raises for an invalid key
                     misses.setdefault(bc.name, []).append((i, key))
                     continue
@@ -368,6 +422,8 @@ class Commands:
                 if txn is None:
                     txn = self.replica.env.begin()
                 rec = txn.get(lkey, None, db)
+                if plan[0].floor_seq and self._gate(i, raw, plan[0], rec, gated):
+                    continue
                 if rec is not None and (rec[19] >= 0x80 or plan[0].max_age_ns):
                     rec, offset = live_value(rec, time.time_ns(), plan[0].max_age_ns), 0
                 local += 1
@@ -386,29 +442,79 @@ class Commands:
                 txn.abort()
             self.stats.gets_local += local
             self.stats.gets_notfound += notfound
-        return values, misses
+        for bucket, items in gated.items():  # NATS answers those the replica does not
+            misses.setdefault(bucket, []).extend((i, key) for i, key, _ in items)
+        return values, misses, gated
+
+    def _gate(self, i: int, raw: bytes, feed, rec: bytes | None,
+              gated: dict[str, list[tuple[int, str, int]]]) -> bool:
+        """_lookup's per-key question while some key is gated (Feed.behind): may the replica
+        answer `raw` (its raw record `rec`) without going back? If not, it joins `gated`."""
+        bc, key = self.resolve(raw)
+        live = rec is not None and not self.replica.expired(bc.name, rec)
+        want = feed.behind(key, RECORD.unpack_from(rec)[0] if live else None)
+        if want:
+            gated.setdefault(bc.name, []).append((i, key, want))
+        return bool(want)
+
+    async def _gated_many(self, values: list[bytes | None], misses: dict[str, list[tuple[int, str]]],
+                          gated: dict[str, list[tuple[int, str, int]]], budget: ReplyBudget | None,
+                          t0: int = 0, command: str = "MGET") -> None:
+        """MGET/EXISTS keys the replica could not answer without going back (see _gate):
+        wait once per bucket (up to MINREV_WAIT_S) for the replica to reach them, answer
+        those it may answer then, and leave the others in `misses`, for NATS."""
+        for bucket, items in gated.items():
+            bc = self.cfg.bucket(bucket)
+            await self.sc.feeds[bucket].wait_applied(max(w for _, _, w in items), MINREV_WAIT_S)
+            local = 0
+            answered: set[int] = set()
+            for i, key, _ in items:
+                if not self.local_ok(bc, key):
+                    continue
+                rec = self.replica.get(bucket, key)
+                if self._behind(bc, key, rec):
+                    continue
+                answered.add(i)
+                local += 1
+                self._log(t0, bucket, key, "local", rec is not None, command)
+                if rec is None:
+                    self.stats.gets_notfound += 1
+                    continue
+                if budget is not None:
+                    budget.spend(len(rec.value))
+                values[i] = rec.value
+            self.stats.gets_local += local
+            rest = [(i, key) for i, key in misses[bucket] if i not in answered]
+            if rest:
+                misses[bucket] = rest
+            else:
+                del misses[bucket]
 
     @arity(2, exact=False)
     def mget(self, conn: "Connection", args: list[bytes]) -> Reply:
         t0 = self._t0()
         budget = ReplyBudget(self.cfg.max_reply_bytes)
-        values, misses = self._lookup(args[1:], t0, "MGET", budget)
+        values, misses, gated = self._lookup(args[1:], t0, "MGET", budget)
         if not misses:
             return _values_reply(values, conn.proto)
         return self._remote_many(values, misses, lambda: _values_reply(values, conn.proto), t0, "MGET",
-                                 budget)
+                                 budget, gated)
 
     @arity(2, exact=False)
     def exists(self, conn: "Connection", args: list[bytes]) -> Reply:
         t0 = self._t0()
-        values, misses = self._lookup(args[1:], t0, "EXISTS")
+        values, misses, gated = self._lookup(args[1:], t0, "EXISTS")
         count = lambda: resp.integer(sum(v is not None for v in values))
-        return self._remote_many(values, misses, count, t0, "EXISTS") if misses else count()
+        return self._remote_many(values, misses, count, t0, "EXISTS", gated=gated) if misses else count()
 
     async def _remote_many(self, values: list[bytes | None], misses: dict[str, list[tuple[int, str]]],
                            reply: Callable[[], bytes], t0: int = 0, command: str = "MGET",
-                           budget: ReplyBudget | None = None) -> bytes:
-        """Fill the misses with one batched multi_last read per bucket, then encode."""
+                           budget: ReplyBudget | None = None,
+                           gated: dict[str, list[tuple[int, str, int]]] | None = None) -> bytes:
+        """Fill the misses with one batched multi_last read per bucket, then encode. Keys
+        in `gated` (also in `misses`) may still be answered by the replica (_gated_many)."""
+        if gated:
+            await self._gated_many(values, misses, gated, budget, t0, command)
         for bucket, wanted in misses.items():
             bc = self.cfg.bucket(bucket)
             keys = list(dict.fromkeys(k for _, k in wanted))
@@ -447,12 +553,24 @@ class Commands:
         min_rev = opts.get(b"minrev")
         t0 = self._t0()
         if consistency == "local" and min_rev is None and self.local_ok(bc, key, max_stale):
-            return self._local_entry(conn, bc, key, t0)
+            rec = self.replica.get(bc.name, key)
+            want = self._behind(bc, key, rec)
+            if not want:
+                return self._local_entry(conn, bc, key, rec, t0)
+            return self._gated_entry(conn, bc, key, want, max_stale, t0)
         return self._kv_get_remote(conn, bc, key, consistency == "strong", max_stale, min_rev, t0)
 
-    def _local_entry(self, conn: "Connection", bc: BucketConfig, key: str, t0: int = 0) -> bytes:
+    async def _gated_entry(self, conn: "Connection", bc: BucketConfig, key: str, want: int,
+                           max_stale: int | None, t0: int = 0) -> bytes:
+        """KV.GET of a key whose newer revision was handed out from NATS (see _local_after)."""
+        local, rec = await self._local_after(bc, key, want, max_stale)
+        if local:
+            return self._local_entry(conn, bc, key, rec, t0)
+        return await self._kv_get_remote(conn, bc, key, False, max_stale, None, t0)
+
+    def _local_entry(self, conn: "Connection", bc: BucketConfig, key: str, rec: Record | None,
+                     t0: int = 0) -> bytes:
         self.stats.gets_local += 1
-        rec = self.replica.get(bc.name, key)
         self._log(t0, bc.name, key, "local", rec is not None, "KV.GET")
         if rec is None:
             self.stats.gets_notfound += 1
@@ -466,7 +584,9 @@ class Commands:
             # other goes to the leader at once instead of waiting for sequences never applied.
             if self.sc.in_filters(bc.name, key) and await self.sc.feeds[bc.name].wait_applied(
                     min_rev, MINREV_WAIT_S) and self.local_ok(bc, key, max_stale):
-                return self._local_entry(conn, bc, key, t0)
+                rec = self.replica.get(bc.name, key)
+                if not self._behind(bc, key, rec):
+                    return self._local_entry(conn, bc, key, rec, t0)
             strong = True  # the replica is behind the revision asked for: the leader has it
         entry = await self.remote_entry(bc, key, strong=strong, t0=t0, max_stale_ms=max_stale)
         if entry is None:

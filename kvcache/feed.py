@@ -47,6 +47,9 @@ WATCH_MIN_S, WATCH_MAX_S = 0.25, 5.0  # bounds of the stream state poll's period
 HINT_CHECKS_S = (0.1, 1.0)  # after a purge request is seen: look again this long after it
 PLACEMENT_TRIES = 32    # consumers made to get one on the stream leader (R3: all miss with p = 2e-6)
 RECONCILE_TRIES = 3
+# Keys remembered as handed out from NATS ahead of the replica (Feed.ahead); past this many,
+# every key waits for the replica instead (slower, still right) rather than one being forgotten.
+AHEAD_MAX = 100_000
 META_TOUCH_INTERVAL_NS = 1_000_000_000
 
 # 409 descriptions that end one pull request and nothing more: pull again.
@@ -359,6 +362,14 @@ class Feed:
         self._last_meta_write = 0
         self._sync_started = 0.0
         self._waiters: list[tuple[int, asyncio.Future]] = []
+        # Revisions handed out from NATS that the replica has not reached (see handed_out):
+        # key -> the highest such revision, and the highest of all (0: none, the common case).
+        self.ahead: dict[str, int] = {}
+        self.floor_seq = 0
+        self._ahead_overflow = False  # AHEAD_MAX reached: every key waits for floor_seq
+        # Called when the first key is gated: the server drops the GET path's cached verdicts
+        # (LocalGets.forget_fresh), which would otherwise answer from the replica for a while.
+        self.on_gated: Callable[[], None] | None = None
         if self.meta.synced:
             self._synced_event.set()
 
@@ -549,8 +560,56 @@ class Feed:
         return max(0, (time.time_ns() - fresh) // 1_000_000) if fresh else 0
 
     def fresh_enough(self, max_stale_ms: int) -> bool:
-        """May reads be answered locally? Synced, and not staler than the bound."""
+        """May reads be answered locally without looking at each key? Fresh within the bound
+        (fresh_within), and no key is gated (see handed_out): the GET fast path asks this
+        alone, so while a key is gated its GETs go to the command layer, which asks per key."""
+        return not self.floor_seq and self.fresh_within(max_stale_ms)
+
+    def fresh_within(self, max_stale_ms: int) -> bool:
+        """Is the replica fresh enough to answer: synced, and not staler than the bound?
+        Whether a given key may then be answered locally is `behind`'s question."""
         return self.meta.synced and (self.caught_up or self.lag_ms() <= max_stale_ms)
+
+    # -------------------------------------------------------------- revisions handed out
+
+    def handed_out(self, key: str, revision: int) -> None:
+        """An answer for `key` at `revision` (a value, or a deletion's marker) was handed out
+        from NATS. A replica that has not reached it yet may lag within max_stale_ms, and its
+        older record must not answer the key's next read (a strong read, then a plain one):
+        until the replica reaches the revision the key is gated (`behind`), and the GET fast
+        path, which does not look per key, stands aside (fresh_enough). An unsynced replica's
+        position says nothing (a full sync comes in subject order): every revision counts."""
+        if revision <= self.meta.applied_seq and self.meta.synced:
+            return
+        opened = not self.floor_seq
+        if key in self.ahead or len(self.ahead) < AHEAD_MAX:
+            if revision > self.ahead.get(key, 0):
+                self.ahead[key] = revision
+        else:
+            self._ahead_overflow = True
+        if revision > self.floor_seq:
+            self.floor_seq = revision
+        if opened and self.on_gated is not None:
+            self.on_gated()
+
+    def behind(self, key: str, revision: int | None) -> int:
+        """0 when the replica may answer `key` without going back in time: its record's
+        `revision` (None: it has none) is not below a revision of the key already handed out
+        from NATS, or the replica has reached that. Else the stream sequence to wait for."""
+        if not self.floor_seq:
+            return 0
+        want = self.floor_seq if self._ahead_overflow else self.ahead.get(key, 0)
+        if not want or (revision is not None and revision >= want) or (
+                self.meta.synced and self.meta.applied_seq >= want):
+            return 0
+        return want
+
+    def _release(self) -> None:
+        """The replica reached every revision handed out ahead of it: no key is gated now."""
+        if self.meta.synced and self.meta.applied_seq >= self.floor_seq:
+            self.ahead.clear()
+            self.floor_seq = 0
+            self._ahead_overflow = False
 
     # -------------------------------------------------------------- consumer loop
 
@@ -596,6 +655,12 @@ class Feed:
             # Keys the sync does not deliver must go at the end; an empty replica has none.
             self._seen = set() if self.replica.count(self.bucket) else None
             self._sync_started = time.monotonic()
+            # Nothing is read locally until the sync ends, and then the replica holds every
+            # revision handed out before it began; those of a stream since recreated (lower
+            # sequences) would otherwise keep their keys gated for good.
+            self.ahead.clear()
+            self.floor_seq = 0
+            self._ahead_overflow = False
         return consumer
 
     async def _check_identity(self, info: dict) -> None:
@@ -641,6 +706,8 @@ class Feed:
         self.caught_up = caught_up
         if caught_up:
             self._reached_end()
+        if self.floor_seq:
+            self._release()
         if self._waiters:
             self._wake_waiters()
         return False
@@ -660,6 +727,8 @@ class Feed:
         if now - self._last_meta_write >= META_TOUCH_INTERVAL_NS:
             self._last_meta_write = now
             self.replica.put_meta(self.bucket, m)
+        if self.floor_seq:
+            self._release()
         if self._waiters:
             self._wake_waiters()
 

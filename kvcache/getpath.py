@@ -53,6 +53,13 @@ class LocalGets:
         self.plans: dict[bytes, tuple | bool] = {}
         self._fresh_until: dict[object, float] = {}  # feed -> monotonic time
 
+    def forget_fresh(self) -> None:
+        """Drop every cached "fresh enough" verdict: the next GET of each feed asks again. A
+        feed asks for this when a key becomes gated (Feed.on_gated): a verdict reused for
+        FRESH_VERDICT_S would answer that key from the replica, below a revision already
+        handed out from NATS."""
+        self._fresh_until.clear()
+
     def set_buckets(self, buckets: list[tuple], default: str | None) -> None:
         """`[(name, feed, max_stale_ms, replicates_every_key)]` and the default bucket. The
         native GET path reads valid keys of such buckets without asking the planner (same

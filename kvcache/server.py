@@ -334,6 +334,8 @@ class RespServer:
         self.commands = commands
         self.stats = stats
         self.gets = GETPATH.LocalGets(commands.replica, self._plan)
+        for feed in commands.sc.feeds.values():  # a gated key must not ride a cached verdict
+            feed.on_gated = self.gets.forget_fresh
         if not commands.access.enabled:  # with it on, every GET must reach the command layer
             feeds = commands.sc.feeds
             self.gets.set_buckets([(b.name, feeds[b.name], b.max_stale_ms, list(b.keys) == [">"])

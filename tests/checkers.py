@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import random
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+import hiredis
 import nats
 import nats.errors
 import nats.js.errors
@@ -173,6 +175,7 @@ class Regression:
     before: int     # the highest revision read before
     after: int      # the lower one read later
     at: float       # seconds since the reader started
+    command: str = ""   # the read that went back (MixedReads)
 
 
 class MonotonicReads:
@@ -254,6 +257,212 @@ class MonotonicReads:
     def summary(self) -> str:
         return (f"{self.reads} reads, {self.failed} failed {self.errors or ''}, "
                 f"{len(self.regressions)} regressions {self.regressions[:5] or ''}")
+
+
+# ----------------------------------------------------------------------------- mixed reads
+
+class CounterWriter:
+    """Puts to each of `keys` in a loop of its own, about `rate` writes/s in all, until
+    stopped or `limit` writes. A key's value is its own write counter (b"0", b"1", ...) and
+    its puts are awaited one after the other, so a higher value of a key is a later revision:
+    a read that answers only the value (GET, MGET) still says how new it is. A failed put (an
+    election, NATS down) is counted and tried again with the same counter, never raised."""
+
+    def __init__(self, kv, keys: Iterable[str], rate: float = 2000.0, limit: int = 1_000_000) -> None:
+        self.kv = kv
+        self.keys = list(keys)
+        self.rate = rate
+        self.limit = limit
+        self.ok = self.failed = 0
+        self.next: dict[str, int] = {k: 0 for k in self.keys}  # each key's next counter
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._t0 = self._t1 = 0.0
+
+    async def prime(self) -> None:
+        """Write counter 0 of every key (so that the keys exist before anyone reads)."""
+        for key in self.keys:
+            await settled(lambda key=key: self.kv.put(key, b"0"))
+            self.next[key] = 1
+
+    def start(self) -> "CounterWriter":
+        self._t0 = time.monotonic()
+        self._tasks = [asyncio.create_task(self._run(k)) for k in self.keys]
+        return self
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+        self._t1 = self._t1 or time.monotonic()
+
+    @property
+    def achieved(self) -> float:
+        """Writes/s over the run (until stop)."""
+        return self.ok / max((self._t1 or time.monotonic()) - self._t0, 1e-9)
+
+    async def _run(self, key: str) -> None:
+        per_key = self.rate / len(self.keys)
+        t0, n = time.monotonic(), 0
+        while not self._stop.is_set() and self.ok < self.limit:
+            delay = t0 + n / per_key - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            elif delay < -0.1:  # fell behind (an election): go on at the rate, no burst
+                t0 = time.monotonic() - n / per_key
+            try:
+                await self.kv.put(key, b"%d" % self.next[key])
+            except (nats.errors.Error, asyncio.TimeoutError, *SETTLING):
+                self.failed += 1
+                await asyncio.sleep(0.05)
+                continue
+            self.next[key] += 1
+            self.ok += 1
+            n += 1
+        self._t1 = self._t1 or time.monotonic()
+
+
+# What MixedReads sends, with weights: every way an application reads a key.
+READ_MIX = (("strong", 25), ("minrev", 15), ("kv.get", 20), ("get", 25), ("mget", 10), ("exists", 5))
+
+
+def _resp_command(args: list[bytes]) -> bytes:
+    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+
+
+class MixedReads:
+    """Reads `keys` through the sidecar's socket every way an application can, mixed on every
+    connection: `KV.GET k CONSISTENCY strong`, `KV.GET k MINREV r` (r: the highest revision of
+    k read so far), plain `KV.GET k`, `GET k`, `MGET` and `EXISTS`, `batch` requests pipelined
+    at a time on each of `clients` connections, until `reads` reads (or `seconds`, a guard
+    against a hang). Values are per-key write counters (CounterWriter), never deleted keys.
+
+    A read goes back in time when it answers a key below what an already completed read
+    answered: one whose reply this checker had processed before it sent the request (on any
+    connection), or one sent before it on the same connection (the sidecar answers each
+    connection's requests one after the other). Reads in flight together are not compared:
+    either order is right for them. A value missing (nil, EXISTS 0) is counted apart: these
+    keys exist throughout. Error replies are counted, not judged (an election, say).
+
+        reads = MixedReads(sc.socket, keys)
+        await reads.run()
+        assert not reads.regressions
+    """
+
+    def __init__(self, socket: str, keys: Iterable[str], clients: int = 4, batch: int = 16,
+                 reads: int = 100_000, seconds: float = 240.0, timeout: float = 30.0,
+                 seed: int = 12) -> None:
+        self.socket = socket
+        self.keys = [k.encode() for k in keys]
+        self.clients = clients
+        self.batch = batch
+        self.target = reads
+        self.seconds = seconds
+        self.timeout = timeout
+        self.seed = seed
+        self.high: dict[bytes, int] = {}   # key -> highest counter of the completed reads
+        self.rev: dict[bytes, int] = {}    # key -> highest revision a KV.GET answered
+        self.regressions: list[Regression] = []
+        self.reads = 0                     # commands answered without an error
+        self.values = 0                    # key values checked (an MGET checks several)
+        self.missing = 0
+        self.failed = 0
+        self.errors: dict[str, int] = {}
+        self.commands: dict[str, int] = {}
+        self._stop = asyncio.Event()
+        self._t0 = 0.0
+
+    def stop(self) -> None:
+        """End the run early (after the batches in flight)."""
+        self._stop.set()
+
+    async def run(self) -> "MixedReads":
+        self._t0 = time.monotonic()
+        await asyncio.gather(*(self._client(i) for i in range(self.clients)))
+        return self
+
+    def _done(self) -> bool:
+        return (self._stop.is_set() or self.reads + self.failed >= self.target
+                or time.monotonic() - self._t0 >= self.seconds)
+
+    def _command(self, rng, prev: bytes) -> tuple[str, list[bytes], list[bytes]]:
+        """(kind, keys read, RESP arguments); half the time the key just read again, so that
+        a strong read is often followed by a local one of the same key."""
+        kind = rng.choices([k for k, _ in READ_MIX], [w for _, w in READ_MIX])[0]
+        key = prev if rng.random() < 0.5 else rng.choice(self.keys)
+        if kind == "strong":
+            return kind, [key], [b"KV.GET", key, b"CONSISTENCY", b"strong"]
+        if kind == "minrev" and key in self.rev:
+            return kind, [key], [b"KV.GET", key, b"MINREV", b"%d" % self.rev[key]]
+        if kind in ("minrev", "kv.get"):
+            return "kv.get", [key], [b"KV.GET", key]
+        if kind == "get":
+            return kind, [key], [b"GET", key]
+        keys = [key, *rng.sample(self.keys, min(2, len(self.keys)))]
+        return kind, keys, [kind.upper().encode(), *keys]
+
+    async def _client(self, n: int) -> None:
+        rng = random.Random(self.seed * 1000 + n)
+        reader, writer = await asyncio.open_unix_connection(self.socket)
+        parser = hiredis.Reader()
+        prev = self.keys[n % len(self.keys)]
+        try:
+            while not self._done():
+                cmds = []
+                for _ in range(self.batch):
+                    cmds.append(self._command(rng, prev))
+                    prev = cmds[-1][1][0]
+                floor = dict(self.high)  # what completed reads answered, as these leave
+                writer.write(b"".join(_resp_command(args) for _, _, args in cmds))
+                replies: list = []
+                while len(replies) < len(cmds):
+                    data = await asyncio.wait_for(reader.read(1 << 16), self.timeout)
+                    if not data:
+                        raise ConnectionError("the sidecar closed the connection")
+                    parser.feed(data)
+                    while (reply := parser.gets()) is not False:
+                        replies.append(reply)
+                for (kind, keys, _), reply in zip(cmds, replies):
+                    self._check(kind, keys, reply, floor)
+        finally:
+            writer.close()
+
+    def _check(self, kind: str, keys: list[bytes], reply: Any, floor: dict[bytes, int]) -> None:
+        self.commands[kind] = self.commands.get(kind, 0) + 1
+        if isinstance(reply, hiredis.ReplyError):
+            self.failed += 1
+            what = str(reply)[:80]
+            self.errors[what] = self.errors.get(what, 0) + 1
+            return
+        self.reads += 1
+        if kind == "exists":
+            self.missing += len(keys) - reply
+            return
+        if kind == "mget":
+            values = reply
+        elif kind == "get":
+            values = [reply]
+        else:  # KV.GET: [value, revision, created, operation, source]
+            values = [reply[0] if reply else None]
+            if reply and reply[1] > self.rev.get(keys[0], 0):
+                self.rev[keys[0]] = reply[1]
+        for key, value in zip(keys, values):
+            self.values += 1
+            if value is None:
+                self.missing += 1
+                continue
+            counter = int(value)
+            if counter < floor.get(key, 0):
+                self.regressions.append(Regression(key.decode(), floor[key], counter,
+                                                   time.monotonic() - self._t0, kind))
+            else:
+                floor[key] = counter
+            if counter > self.high.get(key, -1):
+                self.high[key] = counter
+
+    def summary(self) -> str:
+        return (f"{self.reads} reads ({self.values} values; {self.commands}), {self.failed} failed "
+                f"{self.errors or ''}, {self.missing} missing, {len(self.regressions)} regressions "
+                f"{self.regressions[:5] or ''}")
 
 
 # ----------------------------------------------------------------------------- staleness

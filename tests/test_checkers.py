@@ -1,10 +1,11 @@
 """The checkers must be able to fail: a checker that never reports is worse than none."""
 from __future__ import annotations
 
+import hiredis
 import nats
 import pytest
 
-from checkers import Differences, MonotonicReads, differences, lag_probe, new_bucket, replica_state
+from checkers import Differences, MixedReads, MonotonicReads, differences, lag_probe, new_bucket, replica_state
 from sidecar_proc import Sidecar
 
 pytestmark = pytest.mark.timeout(120)
@@ -24,6 +25,21 @@ def test_monotonic_reads_flags_a_revision_going_down() -> None:
         reads.observe(key, rev)
     assert [(r.key, r.before, r.after) for r in reads.regressions] == [("k", 5, 4)]
     assert reads.reads == 6
+
+
+def test_mixed_reads_flag_a_value_going_down_after_a_completed_read() -> None:
+    reads = MixedReads("/nonexistent", ["k"])
+    floor: dict[bytes, int] = {}  # one batch of one connection, replies in order
+    reads._check("strong", [b"k"], [b"5", 6, 0, b"PUT", b"leader"], floor)
+    reads._check("get", [b"k"], b"4", floor)                 # after the 5, same connection
+    reads._check("mget", [b"k", b"k"], [b"5", None], floor)  # a key that exists, missing
+    reads._check("exists", [b"k"], 0, floor)
+    reads._check("kv.get", [b"k"], hiredis.ReplyError("ERR x"), floor)
+    assert [(r.key, r.before, r.after, r.command) for r in reads.regressions] == [("k", 5, 4, "get")]
+    assert (reads.reads, reads.failed, reads.missing) == (4, 1, 2)
+    assert reads.high == {b"k": 5} and reads.rev == {b"k": 6}
+    reads._check("get", [b"k"], b"3", {})  # sent before the 5 was read: not compared
+    assert len(reads.regressions) == 1
 
 
 async def test_checkers_on_a_live_sidecar(nats_server, tmp_path) -> None:

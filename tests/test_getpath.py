@@ -178,6 +178,22 @@ def test_stale_replica_is_not_served_and_freshness_is_asked_once_per_call(mod, e
 
 
 @pytest.mark.parametrize("mod", IMPLS)
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "planned"])
+def test_forget_fresh_drops_the_cached_verdicts_at_once(mod, env, direct):
+    """A feed whose key became gated (Feed.on_gated) says so at once: the verdict believed
+    for FRESH_VERDICT_S must not answer another GET from the replica."""
+    replica, feeds = env
+    gets, _ = make(mod, replica, feeds, direct)
+    assert gets.serve(*request(["a", "other:only.here"]), 2, 1 << 30)[1] == 2
+    asked = feeds["main"].asked
+    feeds["main"].fresh = feeds["other"].fresh = False
+    gets.forget_fresh()
+    assert gets.serve(*request(["a"]), 2, 1 << 30) == (b"", 0, 0)
+    assert gets.serve(*request(["other:only.here"]), 2, 1 << 30) == (b"", 0, 0)
+    assert feeds["main"].asked == asked + 1
+
+
+@pytest.mark.parametrize("mod", IMPLS)
 def test_budget_cuts_after_the_reply_that_reaches_it(mod, env):
     replica, feeds = env
     gets, _ = make(mod, replica, feeds)
