@@ -68,6 +68,20 @@ async def settled(call, timeout: float = 60.0):
             await asyncio.sleep(0.2)
 
 
+async def kill_stream_leader(js, cluster, stream: str):
+    """SIGKILL the server leading `stream` and wait until another one leads it; returns the
+    killed server, for the caller to start again."""
+    leader = (await settled(lambda: js.stream_info(stream))).cluster.leader
+    victim = cluster.server(leader)
+    victim.kill()
+
+    async def new_leader() -> bool:
+        info = await settled(lambda: js.stream_info(stream))
+        return info.cluster.leader not in (None, leader)
+    await until(new_leader, 60, "a new stream leader")
+    return victim
+
+
 def new_bucket() -> str:
     return "t" + uuid.uuid4().hex[:10]
 

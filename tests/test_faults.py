@@ -23,8 +23,8 @@ import nats.errors
 import pytest
 from nats.js.api import KeyValueConfig
 
-from checkers import (SETTLING, MonotonicReads, bucket_info, differences, new_bucket, replica_state, settled,
-                      until, wait_synced)
+from checkers import (SETTLING, MonotonicReads, bucket_info, differences, kill_stream_leader, new_bucket,
+                      replica_state, settled, until, wait_synced)
 from kvcache.replica import FORMAT_KEY, META_DB
 from sidecar_proc import Sidecar
 from topology import DelayProxy
@@ -197,13 +197,7 @@ async def test_stream_leader_killed_and_restarted_during_writes(nats_cluster, cl
 
     async def fault() -> float:
         await asyncio.sleep(0.3)
-        leader = (await settled(lambda: cluster_js.stream_info(f"KV_{b}"))).cluster.leader
-        victim = nats_cluster.server(leader)
-        victim.kill()
-        async def new_leader():
-            info = await settled(lambda: cluster_js.stream_info(f"KV_{b}"))
-            return info.cluster.leader not in (None, leader)
-        await until(new_leader, 60, "a new stream leader")
+        victim = await kill_stream_leader(cluster_js, nats_cluster, f"KV_{b}")
         await asyncio.sleep(1.0)  # writes to the new leader
         await asyncio.to_thread(victim.start)
         await asyncio.to_thread(nats_cluster.wait_ready)

@@ -16,7 +16,7 @@ import asyncio
 import nats
 import pytest
 
-from checkers import CounterWriter, MixedReads, new_bucket, settled, until, wait_synced
+from checkers import CounterWriter, MixedReads, kill_stream_leader, new_bucket, settled, until, wait_synced
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -81,14 +81,7 @@ async def test_reads_never_go_back_across_a_leader_kill(nats_cluster, sidecars):
 
         try:
             await progressed(READS // 5)
-            leader = (await settled(lambda: js.stream_info(f"KV_{b}"))).cluster.leader
-            victim = nats_cluster.server(leader)
-            victim.kill()
-
-            async def new_leader():
-                info = await settled(lambda: js.stream_info(f"KV_{b}"))
-                return info.cluster.leader not in (None, leader)
-            await until(new_leader, 60, "a new stream leader")
+            victim = await kill_stream_leader(js, nats_cluster, f"KV_{b}")
             await progressed(reads.reads + READS // 5)  # reads and writes with the new leader
             await asyncio.to_thread(victim.start)
             await asyncio.to_thread(nats_cluster.wait_ready)
