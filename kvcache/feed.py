@@ -370,6 +370,9 @@ class Feed:
         # Called when the first key is gated: the server drops the GET path's cached verdicts
         # (LocalGets.forget_fresh), which would otherwise answer from the replica for a while.
         self.on_gated: Callable[[], None] | None = None
+        # Called when the stream was recreated or rewound (its revisions start again): the
+        # router forgets the bucket's floors (Router.floors.forget).
+        self.on_renumbered: Callable[[], None] | None = None
         if self.meta.synced:
             self._synced_event.set()
 
@@ -427,6 +430,9 @@ class Feed:
         elif first > m.applied_seq + 1:
             reason = f"stream no longer holds sequence {m.applied_seq + 1} (first is {first})"
         self._full = reason is not None
+        if reason is not None and self.on_renumbered is not None and (
+                reason == "stream was recreated" or reason.startswith("stream sequence went backwards")):
+            self.on_renumbered()
         if self._full:
             if count_it and reason != "first sync":
                 m.resyncs += 1

@@ -67,6 +67,12 @@ class Floors:
         floor = self._rev.get((bucket, key))
         return floor is not None and (e is None or e.revision < floor)
 
+    def forget(self, bucket: str) -> None:
+        """The bucket's stream was recreated (its revisions start again from 1): its floors
+        would make every remote read of its keys fail as 'behind'."""
+        for k in [k for k in self._rev if k[0] == bucket]:
+            del self._rev[k]
+
     def saw(self, bucket: str, key: str, e: Entry | None) -> None:
         if e is None:
             return

@@ -91,6 +91,7 @@ class Sidecar:
         for b in self.cfg.buckets:
             feed = Feed(self.nc, b, self.replica, heartbeat_s=self.cfg.heartbeat_ms / 1000,
                         timeout=timeout, on_fatal=self._fatal)
+            feed.on_renumbered = functools.partial(self.router.floors.forget, b.name)
             try:
                 await feed.start()
             except BucketNotFound:

@@ -345,6 +345,30 @@ async def test_bucket_deleted_and_recreated_while_running(nats_server_module, nc
     assert row["resyncs"] == 1
 
 
+async def test_recreated_bucket_forgets_the_floors_of_remote_keys(nats_server_module, nc, sidecars):
+    """A key outside the filters is read remotely, and its revision becomes a floor that no
+    later read may go below. A bucket deleted and made again numbers from 1: the old floors
+    must go with it, or every remote read of such a key fails as 'behind'."""
+    js = nc.jetstream()
+    b = new_bucket()
+    kv = await js.create_key_value(bucket=b)
+    for i in range(20):
+        await kv.put("out.k", b"old %d" % i)
+    await kv.put("in.k", b"in")
+    sc = sidecars(nats_server_module.url, f"{b}:in.>").start(wait_synced=False)
+    await wait_synced(sc, b, keys=1)
+    with sc.client() as c:
+        assert c.get(f"{b}:out.k") == b"old 19"   # floor: revision 20
+    await js.delete_key_value(b)
+    kv = await js.create_key_value(bucket=b)
+    await kv.put("out.k", b"new")                  # revision 1
+    await kv.put("in.k", b"in again")
+    await until(lambda: "stream was recreated" in sc.log(), what="the feed sees the bucket made again")
+    await wait_synced(sc, b, keys=1)
+    with sc.client() as c:
+        assert c.get(f"{b}:out.k") == b"new"
+
+
 async def test_deleted_consumer_is_recreated(nats_server_module, nc, sidecars):
     js = nc.jetstream()
     b = new_bucket()
