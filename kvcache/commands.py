@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Awaitable, Callable, Union
 
-from . import __version__, resp
+from . import __version__, native, resp
 from .accesslog import AccessLog
 from .config import BucketConfig
 from .entry import Entry, Operation
@@ -838,6 +838,7 @@ class Commands:
                 ("process_id", os.getpid()), ("uptime_in_seconds", int(time.time() - st.started)),
                 ("socket", self.cfg.socket_path), ("nats_url", sc.nats_url),
                 ("embedded_nats", int(sc.use_embedded)),
+                ("native", ",".join(f"{k}={v.split()[0]}" for k, v in native.report().items())),
                 ("default_bucket", self.cfg.default_bucket or ""),
             ],
             "clients": [

@@ -19,6 +19,7 @@ import nats
 import nats.errors
 
 from . import jetstream as jsapi
+from . import native
 from .commands import Commands, Stats
 from .config import BucketConfig, Config, ensure_dirs, strip_url_auth, tls_context, url_auth
 from .errors import BucketNotFound, ConfigError, KvcacheError, UpstreamError
@@ -76,6 +77,9 @@ class Sidecar:
         # nats-server, opening the replica, connecting, syncing and logging.
         self._lock_data_dir()
         claim_socket_path(os.path.abspath(self.cfg.socket_path))
+        chosen = native.report()
+        log.log(logging.INFO if native.all_native() else logging.WARNING,
+                "implementations: %s", ", ".join(f"{k} {v}" for k, v in chosen.items()))
         if self.use_embedded:
             await self._start_embedded()
             self._supervisor = asyncio.ensure_future(self._supervise_embedded())

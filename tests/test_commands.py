@@ -621,6 +621,10 @@ def test_info(env, r, kc):
                   "connected_clients", "redis_version"):
         assert isinstance(info[field], int) or field == "redis_version", field
     assert info["default_bucket"] == "main"
+    # which implementation serves each native module, as the sidecar chose it at start
+    expected = "twin" if os.environ.get("KVCACHE_NO_EXTENSIONS") == "1" else None
+    assert set(info["native"]) == {"resp", "natsproto", "getpath", "localget"}
+    assert all(v in ("native", "twin") and (expected is None or v == expected) for v in info["native"].values())
     buckets = r.info("buckets")
     assert set(buckets) == {"main", "second", "nodirect", "many"}
     for name, row in buckets.items():

@@ -14,15 +14,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvcache.native import native_or_none
 from kvcache import getpath as twin
 from kvcache.record import item, lmdb_key
 from kvcache.replica import BucketMeta, Replica
 from kvcache.resp import GET_LEN
 
-try:
-    from kvcache._native import getpath as native
-except ImportError:
-    native = None
+native = native_or_none("getpath")  # None: not built (an error with KVCACHE_REQUIRE_EXTENSIONS=1)
 
 IMPLS = [
     pytest.param(twin, id="python"),
@@ -273,11 +271,9 @@ def resp_get(key: str) -> bytes:
 
 
 READERS = [pytest.param("resp", id="twin-reader")]
-try:
-    from kvcache._native import resp as native_resp
+native_resp = native_or_none("resp")
+if native_resp is not None:
     READERS.append(pytest.param("native", id="native-reader"))
-except ImportError:
-    native_resp = None
 
 
 @pytest.mark.parametrize("mod", IMPLS)

@@ -7,6 +7,7 @@ import time
 import nats
 import pytest
 
+from kvcache.native import native_or_none
 from kvcache import LocalReader
 from kvcache.errors import ReplicaError
 from kvcache.localreader import StaleReplica
@@ -104,9 +105,8 @@ def test_stale_after_the_sidecar_stops(tmp_path, nats_server):
 def test_fast_path_twins_agree(sidecar):
     """LocalGet (native and twin) on the same reader: same values, same fallbacks."""
     from kvcache import localget as twin_mod
-    try:
-        from kvcache._native import localget as native_mod
-    except ImportError:
+    native_mod = native_or_none("localget")
+    if native_mod is None:
         pytest.skip("kvcache._native.localget not built")
     keys = [f"a.{i}" for i in range(0, 200, 13)] + [LONG_KEY, "lr2:x", "missing", "lr2:missing"]
     with LocalReader(sidecar.data_dir, max_stale_ms=60_000) as r:
@@ -138,10 +138,7 @@ def test_expired_records_are_absent(tmp_path, nats_server_module):
     LocalGet fast path, native and twin, `entry`, `keys`), with no sweep having run yet for
     the native/twin comparison; `never` and keys without a TTL stay."""
     from kvcache import localget as twin_mod
-    try:
-        from kvcache._native import localget as native_mod
-    except ImportError:
-        native_mod = None
+    native_mod = native_or_none("localget")
 
     async def fill_ttl() -> None:
         nc = await nats.connect(nats_server_module.url)
