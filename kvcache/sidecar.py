@@ -77,9 +77,6 @@ class Sidecar:
         # nats-server, opening the replica, connecting, syncing and logging.
         self._lock_data_dir()
         claim_socket_path(os.path.abspath(self.cfg.socket_path))
-        chosen = native.report()
-        log.log(logging.INFO if native.all_native() else logging.WARNING,
-                "implementations: %s", ", ".join(f"{k} {v}" for k, v in chosen.items()))
         if self.use_embedded:
             await self._start_embedded()
             self._supervisor = asyncio.ensure_future(self._supervise_embedded())
@@ -107,6 +104,11 @@ class Sidecar:
         self.commands = Commands(self)
         self.server = RespServer(self.cfg, self.commands, self.stats)
         await self.server.start()
+        # Which implementation serves each native module: logged once serving (a mistake
+        # before that is the one line a user sees), a warning when any twin serves.
+        chosen = native.report()
+        log.log(logging.INFO if native.all_native() else logging.WARNING,
+                "implementations: %s", ", ".join(f"{k} {v}" for k, v in chosen.items()))
 
     async def run(self) -> None:
         """Serve until SIGTERM/SIGINT, then shut down gracefully. A signal during start
