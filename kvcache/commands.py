@@ -263,8 +263,15 @@ class Commands:
         (True, the key's record or None) if the replica may answer it now; else (False,
         None), and the caller reads NATS (the router's floors keep that answer at or above
         what was handed out)."""
-        if await self.sc.feeds[bc.name].wait_applied(want, MINREV_WAIT_S) and \
-                self.local_ok(bc, key, max_stale_ms):
+        if await self.sc.feeds[bc.name].wait_applied(want, MINREV_WAIT_S):
+            return self._local_now(bc, key, max_stale_ms)
+        return False, None
+
+    def _local_now(self, bc: BucketConfig, key: str,
+                   max_stale_ms: int | None = None) -> tuple[bool, Record | None]:
+        """(True, the key's record or None) when the replica may answer the key now: fresh
+        within the bound and not behind a revision handed out from NATS; else (False, None)."""
+        if self.local_ok(bc, key, max_stale_ms):
             rec = self.replica.get(bc.name, key)
             if not self._behind(bc, key, rec):
                 return True, rec
@@ -469,10 +476,8 @@ class Commands:
             local = 0
             answered: set[int] = set()
             for i, key, _ in items:
-                if not self.local_ok(bc, key):
-                    continue
-                rec = self.replica.get(bucket, key)
-                if self._behind(bc, key, rec):
+                ok, rec = self._local_now(bc, key)
+                if not ok:
                     continue
                 answered.add(i)
                 local += 1
@@ -582,10 +587,9 @@ class Commands:
         if min_rev is not None and not strong:
             # A replicated key is served locally once the replica reaches the revision; any
             # other goes to the leader at once instead of waiting for sequences never applied.
-            if self.sc.in_filters(bc.name, key) and await self.sc.feeds[bc.name].wait_applied(
-                    min_rev, MINREV_WAIT_S) and self.local_ok(bc, key, max_stale):
-                rec = self.replica.get(bc.name, key)
-                if not self._behind(bc, key, rec):
+            if self.sc.in_filters(bc.name, key):
+                local, rec = await self._local_after(bc, key, min_rev, max_stale)
+                if local:
                     return self._local_entry(conn, bc, key, rec, t0)
             strong = True  # the replica is behind the revision asked for: the leader has it
         entry = await self.remote_entry(bc, key, strong=strong, t0=t0, max_stale_ms=max_stale)
