@@ -407,7 +407,7 @@ class Feed:
         without a trace in the stream (after a process start or a reconnect, when that is
         likely)."""
         self.stream_config = info.get("config", {})
-        self._set_max_age(int(self.stream_config.get("max_age", 0) or 0),
+        self._set_deadlines(int(self.stream_config.get("max_age", 0) or 0),
                           bool(self.stream_config.get("allow_msg_ttl")))
         state = info.get("state", {})
         first, last = state.get("first_seq", 0), state.get("last_seq", 0)
@@ -454,7 +454,7 @@ class Feed:
         m.max_age_ns = self.max_age_ns
         self.replica.put_meta(self.bucket, m)
 
-    def _set_max_age(self, max_age_ns: int, msg_ttl: bool) -> None:
+    def _set_deadlines(self, max_age_ns: int, msg_ttl: bool) -> None:
         """The stream's max_age, where every reader applies it (LocalReader: in the meta),
         and whether it takes per-message TTLs. A new max_age moves every record's deadline,
         and per-message TTLs turned on may have come before this saw it: the expiry index is
@@ -613,9 +613,12 @@ class Feed:
     def _release(self) -> None:
         """The replica reached every revision handed out ahead of it: no key is gated now."""
         if self.meta.synced and self.meta.applied_seq >= self.floor_seq:
-            self.ahead.clear()
-            self.floor_seq = 0
-            self._ahead_overflow = False
+            self._clear_gate()
+
+    def _clear_gate(self) -> None:
+        self.ahead.clear()
+        self.floor_seq = 0
+        self._ahead_overflow = False
 
     # -------------------------------------------------------------- consumer loop
 
@@ -664,9 +667,7 @@ class Feed:
             # Nothing is read locally until the sync ends, and then the replica holds every
             # revision handed out before it began; those of a stream since recreated (lower
             # sequences) would otherwise keep their keys gated for good.
-            self.ahead.clear()
-            self.floor_seq = 0
-            self._ahead_overflow = False
+            self._clear_gate()
         return consumer
 
     async def _check_identity(self, info: dict) -> None:
@@ -830,7 +831,7 @@ class Feed:
         if max_age != self.max_age_ns or (msg_ttl and not self._deadlines):
             log.info("bucket %s: max_age is now %ds%s", self.bucket, max_age // 1_000_000_000,
                      ", with per-message TTLs" if msg_ttl else "")
-            self._set_max_age(max_age, msg_ttl)
+            self._set_deadlines(max_age, msg_ttl)
             self.replica.put_meta(self.bucket, self.meta)
         state = info.get("state", {})
         first, last = state.get("first_seq", 0), state.get("last_seq", 0)
