@@ -898,8 +898,8 @@ class Feed:
             if self._full or not self.meta.synced:
                 return
             try:
-                removed = await self.check_state(force=True)
-                removed += await self._reconcile_once([subject] if subject else None) or 0
+                await self.check_state(force=True)  # counts and logs what it removes itself
+                removed = await self._reconcile_once([subject] if subject else None) or 0
             except asyncio.CancelledError:
                 raise
             except Exception as e:
