@@ -46,10 +46,11 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import nats
 
@@ -431,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     socket_bench.exit_on_sigterm()
     args.out.mkdir(parents=True, exist_ok=True)
-    started = datetime.now(timezone.utc)
+    started = datetime.now(UTC)
     md: list[str] = []
     figures: dict[str, Any] = {}
     problems: list[str] = []
@@ -477,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             problems += [f"sync: {r.method} did not finish" for r in s.results
                          if not r.finished and r.kind != "watch"]
 
-    seconds = (datetime.now(timezone.utc) - started).total_seconds()
+    seconds = (datetime.now(UTC) - started).total_seconds()
     head = ["# kvcache compared", "",
             f"`{shlex.join(['python', 'bench/compare.py', *(sys.argv[1:] if argv is None else argv)])}`, "
             f"{started:%Y-%m-%d %H:%M} UTC, {seconds:.0f} s.", "",

@@ -21,9 +21,9 @@ from pathlib import Path
 import nats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from checkers import lag_probe, percentile, settled  # noqa: E402
-from sidecar_proc import Sidecar  # noqa: E402
-from topology import start_cluster, start_single  # noqa: E402
+from checkers import lag_probe, percentile, settled
+from sidecar_proc import Sidecar
+from topology import start_cluster, start_single
 
 BUCKET = "lag"
 KEY = "lag.probe"

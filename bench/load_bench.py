@@ -31,9 +31,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from topology import start_single  # noqa: E402
+from topology import start_single
 
-from kvcache import jetstream as jsapi  # noqa: E402
+from kvcache import jetstream as jsapi
 
 VALUE_BYTES = 64
 

@@ -38,9 +38,9 @@ from locust import User, events, task
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # the keyspace as compare.py loads it (importing compare puts this checkout's kvcache first)
-from compare import COLD_PREFIX, HOT_PREFIX, key_name, percentiles, value_of  # noqa: E402
+from compare import COLD_PREFIX, HOT_PREFIX, key_name, percentiles, value_of
 
-from kvcache.client import Client  # noqa: E402
+from kvcache.client import Client
 
 
 def zipf_cum_weights(n: int, s: float) -> list[float]:
@@ -117,7 +117,7 @@ class KvcacheUser(User):
             if reply != expected:
                 raise AssertionError(f"{name}: got {reply!r:.80}, expected {expected!r:.80}")
             length = sum(len(v or b"") for v in reply) if isinstance(reply, list) else len(reply or b"")
-        except Exception as e:  # noqa: BLE001 - reported to locust as a failure
+        except Exception as e:
             elapsed = time.perf_counter() - t0
             exc = e
         _samples.setdefault(name, []).append(elapsed * 1e6)

@@ -19,12 +19,11 @@ from pathlib import Path
 import nats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from checkers import percentile  # noqa: E402
-from sidecar_proc import Sidecar  # noqa: E402
+from checkers import percentile
+from sidecar_proc import Sidecar
 
-from kvcache import LocalReader  # noqa: E402
-from kvcache.natsserver import NatsServer  # noqa: E402
-
+from kvcache import LocalReader
+from kvcache.natsserver import NatsServer
 
 POLL_S = 0.0001  # a polite poll: a busy loop would steal the CPU the sidecar needs (2 cores)
 

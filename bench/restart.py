@@ -17,10 +17,10 @@ from pathlib import Path
 import nats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from sidecar_proc import Sidecar  # noqa: E402
+from sidecar_proc import Sidecar
 
-from kvcache import LocalReader  # noqa: E402
-from kvcache.natsserver import NatsServer  # noqa: E402
+from kvcache import LocalReader
+from kvcache.natsserver import NatsServer
 
 
 async def publish_all(js, items, chunk: int = 2000) -> None:

@@ -35,10 +35,11 @@ import redis
 import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from kvcache.client import AsyncClient, KvcacheError  # noqa: E402
-from checkers import percentile  # noqa: E402
-from sidecar_proc import Sidecar  # noqa: E402
-from topology import ProxyHost, add_hub_mirror, nats_run, start_cluster, start_leaf  # noqa: E402
+from checkers import percentile
+from sidecar_proc import Sidecar
+from topology import ProxyHost, add_hub_mirror, nats_run, start_cluster, start_leaf
+
+from kvcache.client import AsyncClient, KvcacheError
 
 BUCKET = "rb"
 KEYS = 100
@@ -86,7 +87,7 @@ async def peer_latency(url: str, subject_prefix: str, n: int) -> list[float]:
         await nc.close()
 
 
-async def interleaved(urls: dict[str, str], socket: str, n: int, proxies: "ProxyHost") -> dict:
+async def interleaved(urls: dict[str, str], socket: str, n: int, proxies: ProxyHost) -> dict:
     """Each iteration times, one after the other (in a shuffled order) on the same key:
     leaf1's and the hub's own Direct Get, nats-py `kv.get` via the hub and sidecar GETs, so
     the machine's noise (2 shared cores) falls on all of them alike. Phase `steady`, then phase `stall`, in which
@@ -107,7 +108,7 @@ async def interleaved(urls: dict[str, str], socket: str, n: int, proxies: "Proxy
             if await op() is None:
                 failed[label] += 1
                 return
-        except (redis.RedisError, KvcacheError, nats.errors.Error, asyncio.TimeoutError):
+        except (TimeoutError, redis.RedisError, KvcacheError, nats.errors.Error):
             failed[label] += 1
             return
         lat[label].append(time.perf_counter() - t)

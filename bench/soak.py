@@ -38,10 +38,11 @@ import nats.errors
 import nats.js.errors
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from checkers import SETTLING, MonotonicReads, differences, lag_probe, percentile, settled  # noqa: E402
-from kvcache.client import AsyncClient, KvcacheError  # noqa: E402
-from sidecar_proc import Sidecar  # noqa: E402
-from topology import ProxyHost, start_cluster  # noqa: E402
+from checkers import SETTLING, MonotonicReads, differences, lag_probe, percentile, settled
+from sidecar_proc import Sidecar
+from topology import ProxyHost, start_cluster
+
+from kvcache.client import AsyncClient, KvcacheError
 
 BUCKET = "soak"
 HEARTBEAT_MS = 1000
@@ -134,7 +135,7 @@ class Soak:
                     await self.kv.purge(key)
                 self.writes.ok += 1
                 self.writes.by_op[op] = self.writes.by_op.get(op, 0) + 1
-            except (*SETTLING, nats.errors.Error, asyncio.TimeoutError):
+            except (TimeoutError, *SETTLING, nats.errors.Error):
                 self.writes.failed += 1   # a leader election: the write did not happen, or did
                 await asyncio.sleep(0.05)
 

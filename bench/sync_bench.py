@@ -50,9 +50,10 @@ import nats.errors
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+from socket_bench import exit_on_sigterm  # noqa: E402
+
 from kvcache.client import Client, ConnectionFailed  # noqa: E402
 from kvcache.natsserver import NatsServer, die_with_parent  # noqa: E402
-from socket_bench import exit_on_sigterm  # noqa: E402
 
 BUCKET = "bench"
 
@@ -169,7 +170,7 @@ async def bench_watch(url: str, n: int, raised: bool, timeout: float, stall_s: f
                     break
                 try:
                     entry = await asyncio.wait_for(watcher._updates.get(), min(stall_s, left))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if time.monotonic() < deadline:
                         reason = f"stalled: nothing for {stall_s:.0f}s"
                     else:
@@ -183,7 +184,7 @@ async def bench_watch(url: str, n: int, raised: bool, timeout: float, stall_s: f
         finally:
             try:
                 await asyncio.wait_for(watcher.stop(), 5)
-            except Exception:  # noqa: BLE001 - the measurement is done either way
+            except Exception:
                 pass
         note = f"{count} entries before the end marker"
         if not finished:
@@ -195,7 +196,7 @@ async def bench_watch(url: str, n: int, raised: bool, timeout: float, stall_s: f
     finally:
         try:
             await asyncio.wait_for(nc.close(), 10)
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
 
@@ -249,7 +250,7 @@ async def bench_raw(url: str, n: int, timeout: float, stall_s: float, window: in
                 break
             try:
                 data = await asyncio.wait_for(reader.read(1 << 20), min(stall_s, left))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 reason = f"stalled: nothing for {stall_s:.0f}s"
                 break
             if not data:
@@ -306,7 +307,7 @@ async def bench_raw(url: str, n: int, timeout: float, stall_s: float, window: in
         writer.close()
         try:
             await asyncio.wait_for(writer.wait_closed(), 5)
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             pass
 
 

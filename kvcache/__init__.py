@@ -1,9 +1,9 @@
 """kvcache: a read-cache sidecar for NATS JetStream Key-Value buckets."""
 __version__ = "0.1.0"
 
-from .entry import Entry, Operation  # noqa: E402
+from .entry import Entry, Operation
 
-__all__ = ["Entry", "Operation", "Client", "AsyncClient", "LocalReader", "__version__"]
+__all__ = ["AsyncClient", "Client", "Entry", "LocalReader", "Operation", "__version__"]
 
 
 def __getattr__(name: str):

@@ -58,10 +58,10 @@ class AccessLog:
             atexit.register(self.close)
 
     @classmethod
-    def from_config(cls, cfg: object) -> "AccessLog":
+    def from_config(cls, cfg: object) -> AccessLog:
         """The sidecar's log from its Config (`access_log_*` settings)."""
         directory = getattr(cfg, "access_log_dir", None) or os.path.join(
-            getattr(cfg, "data_dir"), "access-logs")
+            cfg.data_dir, "access-logs")
         return cls(directory, getattr(cfg, "access_log_rate", 0.0),
                    getattr(cfg, "access_log_max_bytes", 64 << 20), getattr(cfg, "access_log_files", 10))
 

@@ -143,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     _document_settings(info)
 
     # The Spark jobs: their modules import pyspark only when they run.
-    from .pipeline import hotkeys as hotkeys_job, load as load_job
+    from .pipeline import hotkeys as hotkeys_job
+    from .pipeline import load as load_job
     load_job.add_arguments(sub.add_parser("load", help="bulk-load a dataset into a KV bucket (Spark)"))
     hotkeys_job.add_arguments(sub.add_parser("hotkeys", help="hot keys from sidecar access logs (Spark)"))
     return parser
@@ -157,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.command in ("load", "hotkeys"):
             _require_spark(args.command)  # before anything is done (load creates buckets)
-            from .pipeline import hotkeys, load as load_job
+            from .pipeline import hotkeys
+            from .pipeline import load as load_job
             return (load_job if args.command == "load" else hotkeys).run(args)
         overrides = {k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}
         cfg = load(args.config, overrides=overrides)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Any, Generator, Sequence, TypeVar
+from collections.abc import Generator, Sequence
+from typing import Any, TypeVar
 
 from kvcache.entry import Entry, Operation
 from kvcache.errors import KvcacheError
@@ -19,8 +20,15 @@ from kvcache.resp import ReplyError
 # The reply parser: the Cython extension when built, else its pure-Python twin (same API).
 ReplyReader = pick("resp", "resp").ReplyReader
 
-__all__ = ["Client", "AsyncClient", "ResponseError", "ConnectionFailed", "Arg", "encode_command",
-           "parse_info"]
+__all__ = [
+    "Arg",
+    "AsyncClient",
+    "Client",
+    "ConnectionFailed",
+    "ResponseError",
+    "encode_command",
+    "parse_info",
+]
 
 Arg = str | bytes | bytearray | memoryview | int | float
 T = TypeVar("T")
@@ -255,7 +263,7 @@ class Client:
         if sock is not None:
             sock.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -347,7 +355,7 @@ class AsyncClient:
             except OSError:
                 pass
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -11,8 +11,9 @@ import os
 import re
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Awaitable, Callable, Union
+from typing import TYPE_CHECKING, Union
 
 from . import __version__, native, resp
 from .accesslog import AccessLog
@@ -23,8 +24,8 @@ from .record import Record, live_value
 from .replica import LONG_KEY_PREFIX, RECORD, lmdb_key
 
 if TYPE_CHECKING:
-    from .sidecar import Sidecar
     from .server import Connection
+    from .sidecar import Sidecar
 
 Reply = Union[bytes, Awaitable[bytes]]
 # fullmatch, never match(): `$` also matches before a trailing "\n", and a newline in a key
@@ -157,7 +158,7 @@ def arity(n: int, exact: bool = True):
 
 
 class Commands:
-    def __init__(self, sidecar: "Sidecar") -> None:
+    def __init__(self, sidecar: Sidecar) -> None:
         self.sc = sidecar
         self.cfg = sidecar.cfg
         self.replica = sidecar.replica
@@ -168,7 +169,7 @@ class Commands:
         # path plans through local_plan and caches its own.
         self._plans: dict[bytes, tuple | bool] = {}
         self._next_cursor = 1
-        self._table: dict[bytes, Callable[["Connection", list[bytes]], Reply]] = {
+        self._table: dict[bytes, Callable[[Connection, list[bytes]], Reply]] = {
             b"get": self.get, b"mget": self.mget, b"exists": self.exists,
             b"kv.get": self.kv_get, b"keys": self.keys, b"scan": self.scan,
             b"dbsize": self.dbsize, b"info": self.info,
@@ -177,7 +178,7 @@ class Commands:
             b"config": self.config, b"auth": self.auth,
         }
 
-    def dispatch(self, conn: "Connection", args: list[bytes]) -> Reply:
+    def dispatch(self, conn: Connection, args: list[bytes]) -> Reply:
         self.stats.commands += 1
         name = args[0].lower()
         handler = self._table.get(name)
@@ -280,7 +281,7 @@ class Commands:
     # ------------------------------------------------------------------ reads
 
     @arity(2)
-    def get(self, conn: "Connection", args: list[bytes]) -> Reply:
+    def get(self, conn: Connection, args: list[bytes]) -> Reply:
         bc, key = self.resolve(args[1])
         t0 = self._t0()
         if self.local_ok(bc, key):
@@ -291,7 +292,7 @@ class Commands:
             return self._gated_value(conn, bc, key, want, t0)
         return self._remote_value(conn, bc, key, t0)
 
-    def _local_value(self, conn: "Connection", bc: BucketConfig, key: str, rec: Record | None,
+    def _local_value(self, conn: Connection, bc: BucketConfig, key: str, rec: Record | None,
                      t0: int = 0) -> bytes:
         self.stats.gets_local += 1
         self._log(t0, bc.name, key, "local", rec is not None, "GET")
@@ -300,7 +301,7 @@ class Commands:
             return resp.null(conn.proto)
         return resp.bulk(rec.value, conn.proto)
 
-    async def _gated_value(self, conn: "Connection", bc: BucketConfig, key: str, want: int,
+    async def _gated_value(self, conn: Connection, bc: BucketConfig, key: str, want: int,
                            t0: int = 0) -> bytes:
         """GET of a key whose newer revision was handed out from NATS (see _local_after)."""
         local, rec = await self._local_after(bc, key, want)
@@ -308,7 +309,7 @@ class Commands:
             return self._local_value(conn, bc, key, rec, t0)
         return await self._remote_value(conn, bc, key, t0)
 
-    async def _remote_value(self, conn: "Connection", bc: BucketConfig, key: str, t0: int = 0) -> bytes:
+    async def _remote_value(self, conn: Connection, bc: BucketConfig, key: str, t0: int = 0) -> bytes:
         entry = await self.remote_entry(bc, key, t0=t0, command="GET")
         return resp.bulk(entry.value if entry else None, conn.proto)
 
@@ -496,7 +497,7 @@ class Commands:
                 del misses[bucket]
 
     @arity(2, exact=False)
-    def mget(self, conn: "Connection", args: list[bytes]) -> Reply:
+    def mget(self, conn: Connection, args: list[bytes]) -> Reply:
         t0 = self._t0()
         budget = ReplyBudget(self.cfg.max_reply_bytes)
         values, misses, gated = self._lookup(args[1:], t0, "MGET", budget)
@@ -506,7 +507,7 @@ class Commands:
                                  budget, gated)
 
     @arity(2, exact=False)
-    def exists(self, conn: "Connection", args: list[bytes]) -> Reply:
+    def exists(self, conn: Connection, args: list[bytes]) -> Reply:
         t0 = self._t0()
         values, misses, gated = self._lookup(args[1:], t0, "EXISTS")
         count = lambda: resp.integer(sum(v is not None for v in values))
@@ -548,7 +549,7 @@ class Commands:
         return reply()
 
     @arity(2, exact=False)
-    def kv_get(self, conn: "Connection", args: list[bytes]) -> Reply:
+    def kv_get(self, conn: Connection, args: list[bytes]) -> Reply:
         bc, key = self.resolve(args[1])
         opts = _options(args[2:], {b"consistency": str, b"maxstale": int, b"minrev": int})
         consistency = opts.get(b"consistency", "local").lower()
@@ -565,7 +566,7 @@ class Commands:
             return self._gated_entry(conn, bc, key, want, max_stale, t0)
         return self._kv_get_remote(conn, bc, key, consistency == "strong", max_stale, min_rev, t0)
 
-    async def _gated_entry(self, conn: "Connection", bc: BucketConfig, key: str, want: int,
+    async def _gated_entry(self, conn: Connection, bc: BucketConfig, key: str, want: int,
                            max_stale: int | None, t0: int = 0) -> bytes:
         """KV.GET of a key whose newer revision was handed out from NATS (see _local_after)."""
         local, rec = await self._local_after(bc, key, want, max_stale)
@@ -573,7 +574,7 @@ class Commands:
             return self._local_entry(conn, bc, key, rec, t0)
         return await self._kv_get_remote(conn, bc, key, False, max_stale, None, t0)
 
-    def _local_entry(self, conn: "Connection", bc: BucketConfig, key: str, rec: Record | None,
+    def _local_entry(self, conn: Connection, bc: BucketConfig, key: str, rec: Record | None,
                      t0: int = 0) -> bytes:
         self.stats.gets_local += 1
         self._log(t0, bc.name, key, "local", rec is not None, "KV.GET")
@@ -582,7 +583,7 @@ class Commands:
             return resp.null(conn.proto)
         return _entry_reply(Entry(bc.name, key, rec.value, rec.revision, rec.created), conn.proto)
 
-    async def _kv_get_remote(self, conn: "Connection", bc: BucketConfig, key: str, strong: bool,
+    async def _kv_get_remote(self, conn: Connection, bc: BucketConfig, key: str, strong: bool,
                              max_stale: int | None, min_rev: int | None, t0: int = 0) -> bytes:
         if min_rev is not None and not strong:
             # A replicated key is served locally once the replica reaches the revision; any
@@ -610,7 +611,7 @@ class Commands:
         return self.cfg.default_bucket, text, ""
 
     @arity(2)
-    def keys(self, conn: "Connection", args: list[bytes]) -> Reply:
+    def keys(self, conn: Connection, args: list[bytes]) -> Reply:
         bucket, glob, shown = self._pattern_target(args[1])
         match = glob_matcher(glob)
         out = [resp.bulk((shown + k).encode(), conn.proto)
@@ -618,7 +619,7 @@ class Commands:
         return resp.array(out, conn.proto)
 
     @arity(2, exact=False)
-    def scan(self, conn: "Connection", args: list[bytes]) -> Reply:
+    def scan(self, conn: Connection, args: list[bytes]) -> Reply:
         try:
             cursor = int(args[1])
         except ValueError:
@@ -661,26 +662,26 @@ class Commands:
         return cursor
 
     @arity(1)
-    def dbsize(self, conn: "Connection", args: list[bytes]) -> Reply:
+    def dbsize(self, conn: Connection, args: list[bytes]) -> Reply:
         b = self.cfg.default_bucket
         return resp.integer(self.replica.count(b) if b else 0)
 
     # ------------------------------------------------------------------ connection
 
-    def ping(self, conn: "Connection", args: list[bytes]) -> Reply:
+    def ping(self, conn: Connection, args: list[bytes]) -> Reply:
         if len(args) > 2:
             raise CommandError("ERR wrong number of arguments for 'ping' command")
         return resp.bulk(args[1], conn.proto) if len(args) == 2 else resp.PONG
 
     @arity(2)
-    def echo(self, conn: "Connection", args: list[bytes]) -> Reply:
+    def echo(self, conn: Connection, args: list[bytes]) -> Reply:
         return resp.bulk(args[1], conn.proto)
 
-    def quit(self, conn: "Connection", args: list[bytes]) -> Reply:
+    def quit(self, conn: Connection, args: list[bytes]) -> Reply:
         conn.close_after_reply()
         return resp.OK
 
-    def hello(self, conn: "Connection", args: list[bytes]) -> Reply:
+    def hello(self, conn: Connection, args: list[bytes]) -> Reply:
         """Redis's order: every option is parsed, then AUTH checked, then SETNAME validated,
         and only then anything applied, so a failed HELLO changes nothing."""
         proto = conn.proto
@@ -718,7 +719,7 @@ class Commands:
         return resp.map_([(resp.bulk(k), v) for k, v in info], proto)
 
     @arity(2, exact=False)
-    def auth(self, conn: "Connection", args: list[bytes]) -> Reply:
+    def auth(self, conn: Connection, args: list[bytes]) -> Reply:
         """Redis's answers with no password configured (see WRONGPASS): never an OK that
         pretends a password was checked, never a refusal of the one user that exists."""
         if len(args) > 3:
@@ -729,7 +730,7 @@ class Commands:
         return resp.OK
 
     @arity(2, exact=False)
-    def client(self, conn: "Connection", args: list[bytes]) -> Reply:
+    def client(self, conn: Connection, args: list[bytes]) -> Reply:
         """The subcommands kvcache performs, as Redis does them; everything about
         client-side caching says tracking is off, and turning it on is refused."""
         sub = args[1].lower()
@@ -780,7 +781,7 @@ class Commands:
             return TRACKINGINFO_OFF[conn.proto]
         raise CommandError(f"ERR unknown subcommand '{args[1].decode(errors='replace')[:64]}'. Try CLIENT HELP.")
 
-    def command(self, conn: "Connection", args: list[bytes]) -> Reply:
+    def command(self, conn: Connection, args: list[bytes]) -> Reply:
         sub = args[1].lower() if len(args) > 1 else b""
         proto = conn.proto
         if sub == b"" and len(args) == 1:
@@ -800,7 +801,7 @@ class Commands:
         raise CommandError(f"ERR unknown subcommand '{args[1].decode(errors='replace')[:64]}'. Try COMMAND HELP.")
 
     @arity(2)
-    def select(self, conn: "Connection", args: list[bytes]) -> Reply:
+    def select(self, conn: Connection, args: list[bytes]) -> Reply:
         """Only database 0 exists (CONFIG GET databases says 1); Redis's wording for the rest."""
         if args[1] == b"0":
             return resp.OK
@@ -811,7 +812,7 @@ class Commands:
         raise CommandError("ERR DB index is out of range")
 
     @arity(2, exact=False)
-    def config(self, conn: "Connection", args: list[bytes]) -> Reply:
+    def config(self, conn: Connection, args: list[bytes]) -> Reply:
         if args[1].lower() != b"get":
             raise CommandError("ERR kvcache supports CONFIG GET only")
         if len(args) < 3:
@@ -830,7 +831,7 @@ class Commands:
 
     # ------------------------------------------------------------------ INFO
 
-    def info(self, conn: "Connection", args: list[bytes]) -> Reply:
+    def info(self, conn: Connection, args: list[bytes]) -> Reply:
         wanted = {a.decode(errors="replace").lower() for a in args[1:]}
         return resp.verbatim(self.info_text(wanted), conn.proto)
 

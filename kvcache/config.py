@@ -12,9 +12,10 @@ import os
 import re
 import ssl
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from .errors import ConfigError
 

@@ -11,7 +11,7 @@ class Operation(str, Enum):
     PURGE = "PURGE"
 
     @classmethod
-    def from_header(cls, value: str | None) -> "Operation":
+    def from_header(cls, value: str | None) -> Operation:
         """`KV-Operation` header value; absent means PUT (ADR-8)."""
         if not value:
             return cls.PUT
@@ -21,7 +21,7 @@ class Operation(str, Enum):
             return cls.PUT
 
     @classmethod
-    def of(cls, headers: dict | None) -> "Operation":
+    def of(cls, headers: dict | None) -> Operation:
         """The operation a stream message stands for: its `KV-Operation` header (ADR-8), or a
         marker the server placed itself (nats-server 2.11+: TTL expiry, purges), which carries
         `Nats-Marker-Reason` instead. The feed and the router must agree on this."""

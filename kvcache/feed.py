@@ -28,7 +28,7 @@ import logging
 import random
 import secrets
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from . import jetstream as jsapi
 from .config import BucketConfig
@@ -130,7 +130,7 @@ class PullConsumer:
             while not self._done:
                 try:
                     await asyncio.wait_for(self._wake.wait(), self.heartbeat_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 self._wake.clear()
                 if self._error is not None:
@@ -281,7 +281,7 @@ class PullConsumer:
         try:
             if self.on_batch(runs):
                 self._done = True
-        except BaseException as e:  # noqa: BLE001 - handed to run(), which raises it
+        except BaseException as e:
             self._error = e
 
     def _status(self, ev) -> None:
@@ -300,7 +300,7 @@ class PullConsumer:
             if self._caught_up and last_c == self._next_cseq - 1:
                 try:
                     self.on_idle(int(hdrs.get("Nats-Last-Stream", 0) or 0))
-                except BaseException as e:  # noqa: BLE001
+                except BaseException as e:
                     self._error = e
             return
         if status in (404, 408) or (status == 409 and any(d in desc for d in REQUEST_ENDED)):
@@ -523,7 +523,7 @@ class Feed:
         try:
             await asyncio.wait_for(fut, timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         finally:
             if item in self._waiters:

@@ -27,7 +27,7 @@ asked at most once per feed per call, and a yes is believed for FRESH_VERDICT_S.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from .record import LONG_KEY_PREFIX, RECORD, live_value
 from .replica import Replica
@@ -157,8 +157,19 @@ class LocalGets:
 class GetConnection:
     """Per-connection state of the hot path; kvcache.server.Connection adds the rest."""
 
-    __slots__ = ("gets", "stats", "transport", "reader", "proto", "_busy", "_closing",
-                 "_paused_writing", "_eof", "_draining", "_muted")
+    __slots__ = (
+        "_busy",
+        "_closing",
+        "_draining",
+        "_eof",
+        "_muted",
+        "_paused_writing",
+        "gets",
+        "proto",
+        "reader",
+        "stats",
+        "transport",
+    )
 
     def __init__(self, gets: LocalGets, stats, reader) -> None:
         self.gets = gets

@@ -12,7 +12,7 @@ which does the checking, fills the dicts and returns the value itself (or raises
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from .record import RECORD, live_value
 
@@ -20,7 +20,7 @@ _monotonic = time.monotonic
 
 
 class LocalGet:
-    __slots__ = ("plans", "fresh_until", "begin", "slow")
+    __slots__ = ("begin", "fresh_until", "plans", "slow")
 
     def __init__(self, plans: dict, fresh_until: dict, begin: Callable, slow: Callable) -> None:
         self.plans = plans

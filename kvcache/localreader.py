@@ -115,7 +115,7 @@ class LocalReader:
     def close(self) -> None:
         self._replica.close()
 
-    def __enter__(self) -> "LocalReader":
+    def __enter__(self) -> LocalReader:
         return self
 
     def __exit__(self, *exc: object) -> None:

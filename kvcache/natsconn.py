@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import Callable
+from collections.abc import Callable
 
 import nats.errors
 from nats.aio.client import Client
@@ -42,7 +42,7 @@ def nats_headers(ev) -> dict | None:
 class _Parser:
     """Stands in for nats.protocol.parser.Parser: same `parse()` and `reset()`."""
 
-    def __init__(self, nc: "Connection") -> None:
+    def __init__(self, nc: Connection) -> None:
         self.nc = nc
         self.lanes: dict[int, tuple[int, LaneHandler]] = {}
         self.reset()
@@ -165,7 +165,7 @@ class Connection(Client):
             if fut is not None and not fut.done():
                 fut.set_result(ev)
 
-    async def _process_headers(self, headers):  # noqa: D401 - nats-py hook
+    async def _process_headers(self, headers):
         # The reader has decoded them already (see nats_headers).
         return headers
 

@@ -45,11 +45,27 @@ from typing import NamedTuple
 
 from kvcache.entry import Operation
 from kvcache.errors import ProtocolError
-from kvcache.record import item as _item, parse_msg_ttl
+from kvcache.record import item as _item
+from kvcache.record import parse_msg_ttl
 
 __all__ = [
-    "Msg", "HMsg", "Ping", "Pong", "Ok", "Err", "Info", "PING", "PONG", "OK",
-    "AckMeta", "NatsReader", "Run", "parse_ack", "decode_headers", "status_headers", "ProtocolError",
+    "OK",
+    "PING",
+    "PONG",
+    "AckMeta",
+    "Err",
+    "HMsg",
+    "Info",
+    "Msg",
+    "NatsReader",
+    "Ok",
+    "Ping",
+    "Pong",
+    "ProtocolError",
+    "Run",
+    "decode_headers",
+    "parse_ack",
+    "status_headers",
 ]
 
 MAX_CONTROL_LINE = 4096

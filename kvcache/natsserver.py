@@ -9,17 +9,18 @@ import json
 import os
 import shutil
 import signal
-import sys
 import socket
 import subprocess
+import sys
 import sysconfig
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Sequence
+from typing import Any
 
 from kvcache.errors import KvcacheError
 
@@ -202,7 +203,7 @@ class NatsServer:
 
     # -- lifecycle -----------------------------------------------------------------------
 
-    def start(self, timeout: float = 10) -> "NatsServer":
+    def start(self, timeout: float = 10) -> NatsServer:
         """Launch and wait until clients can connect and JetStream (if any) is enabled."""
         if self.running:
             return self
@@ -353,12 +354,12 @@ class NatsServer:
         self._signal(signal.SIGCONT)
         self._paused = False
 
-    def restart(self, timeout: float = 10) -> "NatsServer":
+    def restart(self, timeout: float = 10) -> NatsServer:
         """Stop if running, then start again on the same ports and store."""
         self.stop()
         return self.start(timeout)
 
-    def __enter__(self) -> "NatsServer":
+    def __enter__(self) -> NatsServer:
         return self.start()
 
     def __exit__(

@@ -15,8 +15,8 @@ import json
 import math
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import nats.errors
 from nats.aio.client import Client as NATS

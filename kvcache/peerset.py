@@ -10,7 +10,7 @@ read capacity, and the main connection serves every bucket without them.
 from __future__ import annotations
 
 import logging
-from typing import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import nats.errors
 from nats.aio.client import Client as NATS

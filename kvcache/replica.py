@@ -17,26 +17,37 @@ transaction held open pins old pages and makes the file grow under a busy writer
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
-import hashlib
 import signal
 import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import TypeVar
 
 import lmdb
 
 from .errors import ReplicaError
-from .subjects import subject_match
-from .record import (  # noqa: F401 - re-exported: the replica's record format
-    LONG_KEY_PREFIX, MAX_LMDB_KEY, RECORD, Record, decode_key, decode_record, encode_record,
-    Item, deadline, live_value, lkey_of, lmdb_key,
+from .record import (
+    LONG_KEY_PREFIX,
+    MAX_LMDB_KEY,
+    RECORD,
+    Item,
+    Record,
+    deadline,
+    decode_key,
+    decode_record,
+    encode_record,
+    live_value,
+    lkey_of,
+    lmdb_key,
 )
+from .subjects import subject_match
 
 T = TypeVar("T")
 
@@ -68,7 +79,7 @@ class BucketMeta:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
 
     @classmethod
-    def decode(cls, raw: bytes | None) -> "BucketMeta":
+    def decode(cls, raw: bytes | None) -> BucketMeta:
         if not raw:
             return cls()
         data = json.loads(raw)

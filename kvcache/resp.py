@@ -11,14 +11,36 @@ against this one on the same wire vectors, as hiredis is against redis-py's Pyth
 from __future__ import annotations
 
 import re
-from typing import Final, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Final
 
 from kvcache.errors import ProtocolError
 
 __all__ = [
-    "RequestReader", "ReplyReader", "ReplyError", "INLINE_MAX", "GET_LEN",
-    "simple", "error", "integer", "bulk", "null", "array", "map_", "verbatim", "boolean",
-    "double", "CRLF", "OK", "PONG", "NIL2", "NIL3", "NULL_ARRAY2", "EMPTY_ARRAY", "ZERO", "ONE",
+    "CRLF",
+    "EMPTY_ARRAY",
+    "GET_LEN",
+    "INLINE_MAX",
+    "NIL2",
+    "NIL3",
+    "NULL_ARRAY2",
+    "OK",
+    "ONE",
+    "PONG",
+    "ZERO",
+    "ReplyError",
+    "ReplyReader",
+    "RequestReader",
+    "array",
+    "boolean",
+    "bulk",
+    "double",
+    "error",
+    "integer",
+    "map_",
+    "null",
+    "simple",
+    "verbatim",
 ]
 
 INLINE_MAX: Final = 64 * 1024
@@ -45,7 +67,7 @@ class _BufferedReader:
     """What both readers share: a receive buffer consumed from a read position, compacted only
     when the consumed prefix is large (no quadratic copying), and a sticky protocol error."""
 
-    __slots__ = ("_buf", "_pos", "_error")
+    __slots__ = ("_buf", "_error", "_pos")
 
     def __init__(self) -> None:
         self._buf = bytearray()
@@ -83,8 +105,16 @@ class RequestReader(_BufferedReader):
     After a `ProtocolError` the framing is lost: every later call raises it again.
     """
 
-    __slots__ = ("max_request_bytes", "max_args", "_argc", "_args",
-                 "_bulklen", "_reqsize", "_no_fast", "_inline_max")
+    __slots__ = (
+        "_argc",
+        "_args",
+        "_bulklen",
+        "_inline_max",
+        "_no_fast",
+        "_reqsize",
+        "max_args",
+        "max_request_bytes",
+    )
 
     def __init__(self, max_request_bytes: int = 4 * 1024 * 1024, max_args: int = 1_048_576) -> None:
         super().__init__()
@@ -328,7 +358,7 @@ class ReplyReader(_BufferedReader):
     Partly received aggregates are kept on a stack between calls, so nothing is parsed twice.
     """
 
-    __slots__ = ("_stack", "_not_enough")
+    __slots__ = ("_not_enough", "_stack")
 
     def __init__(self, not_enough_data: object = False) -> None:
         """`not_enough_data` is what `gets` returns when no full reply is buffered; pass a

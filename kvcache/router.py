@@ -24,8 +24,9 @@ import asyncio
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any
 
 from .entry import Entry
 from .errors import ReplyBudget, UpstreamError

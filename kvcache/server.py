@@ -21,12 +21,13 @@ import os
 import resource
 import socket
 import stat
-from typing import TYPE_CHECKING, Awaitable
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING
 
 from . import resp
+from .errors import KvcacheError, ProtocolError
 from .getpath import FLUSH_AT
 from .native import pick
-from .errors import KvcacheError, ProtocolError
 
 if TYPE_CHECKING:
     from .commands import Commands, Stats
@@ -50,10 +51,21 @@ class Connection(GETPATH.GetConnection, asyncio.Protocol):
     """One client. The per-read hot path (data_received, and the state it reads: transport,
     reader, proto and the flags) is GetConnection's, in C when built; the rest is here."""
 
-    __slots__ = ("srv", "id", "name", "lib_name", "lib_ver", "_stall", "_stall_size",
-                 "_reply_off", "_skip", "_skip_next", "_drop_busy")
+    __slots__ = (
+        "_drop_busy",
+        "_reply_off",
+        "_skip",
+        "_skip_next",
+        "_stall",
+        "_stall_size",
+        "id",
+        "lib_name",
+        "lib_ver",
+        "name",
+        "srv",
+    )
 
-    def __init__(self, srv: "RespServer", conn_id: int) -> None:
+    def __init__(self, srv: RespServer, conn_id: int) -> None:
         super().__init__(srv.gets, srv.stats,
                          WIRE.RequestReader(srv.cfg.max_request_bytes, srv.cfg.max_args))
         self.srv = srv
@@ -329,7 +341,7 @@ class Connection(GETPATH.GetConnection, asyncio.Protocol):
 
 
 class RespServer:
-    def __init__(self, cfg: "Config", commands: "Commands", stats: "Stats") -> None:
+    def __init__(self, cfg: Config, commands: Commands, stats: Stats) -> None:
         self.cfg = cfg
         self.commands = commands
         self.stats = stats
@@ -391,7 +403,7 @@ class RespServer:
                 c.transport.close()
         try:
             await asyncio.wait_for(self._server.wait_closed(), grace)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         self._server = None
         self._remove_socket()

@@ -13,7 +13,7 @@ import re
 import signal
 import ssl
 import time
-from typing import Awaitable
+from collections.abc import Awaitable
 
 import nats
 import nats.errors
@@ -378,7 +378,7 @@ class Sidecar:
                     await asyncio.wait_for(nc.close(), 2)
                 except Exception:  # a half-made connection: nothing to save
                     pass
-        e = (first[-1] if first else asyncio.TimeoutError()) if connecting.cancelled() else connecting.exception()
+        e = (first[-1] if first else TimeoutError()) if connecting.cancelled() else connecting.exception()
         if e is None:
             nc.options["max_reconnect_attempts"] = -1
             first_done = True
@@ -495,7 +495,7 @@ async def _step(what: str, aw: Awaitable, timeout: float) -> None:
     log.debug("shutdown: %s", what)
     try:
         await asyncio.wait_for(aw, timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         log.warning("shutdown: %s did not finish within %gs", what, timeout)
     except Exception as e:  # expected while NATS is gone: debug, not noise
         log.debug("shutdown: %s: %s", what, _describe(e))

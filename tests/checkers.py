@@ -12,9 +12,10 @@ import inspect
 import random
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import hiredis
 import nats
@@ -43,7 +44,7 @@ async def until(pred: Callable[[], Any], timeout: float = 30.0, what: str = "con
             if last:
                 return last
             err = None
-        except Exception as e:  # noqa: BLE001 - reported at the deadline
+        except Exception as e:
             err = e
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}; "
@@ -146,7 +147,7 @@ class Differences:
     differ: list[str] = field(default_factory=list)
 
     @classmethod
-    def between(cls, want: State, have: State) -> "Differences":
+    def between(cls, want: State, have: State) -> Differences:
         return cls(sorted(set(have) - set(want)), sorted(set(want) - set(have)),
                    sorted(k for k in set(want) & set(have) if want[k] != have[k]))
 
@@ -219,7 +220,7 @@ class MonotonicReads:
         self._tasks: list[asyncio.Task] = []
         self._t0 = 0.0
 
-    async def __aenter__(self) -> "MonotonicReads":
+    async def __aenter__(self) -> MonotonicReads:
         self.start()
         return self
 
@@ -299,7 +300,7 @@ class CounterWriter:
             await settled(lambda key=key: self.kv.put(key, b"0"))
             self.next[key] = 1
 
-    def start(self) -> "CounterWriter":
+    def start(self) -> CounterWriter:
         self._t0 = time.monotonic()
         self._tasks = [asyncio.create_task(self._run(k)) for k in self.keys]
         return self
@@ -325,7 +326,7 @@ class CounterWriter:
                 t0 = time.monotonic() - n / per_key
             try:
                 await self.kv.put(key, b"%d" % self.next[key])
-            except (nats.errors.Error, asyncio.TimeoutError, *SETTLING):
+            except (TimeoutError, nats.errors.Error, *SETTLING):
                 self.failed += 1
                 await asyncio.sleep(0.05)
                 continue
@@ -389,7 +390,7 @@ class MixedReads:
         """End the run early (after the batches in flight)."""
         self._stop.set()
 
-    async def run(self) -> "MixedReads":
+    async def run(self) -> MixedReads:
         self._t0 = time.monotonic()
         await asyncio.gather(*(self._client(i) for i in range(self.clients)))
         return self
@@ -526,7 +527,7 @@ async def lag_probe(js, bucket: str, socket: str, rate: float = 1000.0, seconds:
     async def ack(fut) -> None:
         try:
             await fut
-        except (nats.errors.Error, asyncio.TimeoutError):
+        except (TimeoutError, nats.errors.Error):
             lag.failed_writes += 1
 
     async def writer() -> None:

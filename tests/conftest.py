@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import nats
 import pytest
-
-from kvcache.natsserver import NatsServer
 from sidecar_proc import Sidecar
 from topology import Cluster, start_cluster, start_leaf, start_single
+
+from kvcache.natsserver import NatsServer
 
 # Feeds notice a lost consumer after 3 heartbeats: short ones keep fault tests quick.
 HEARTBEAT = ["--heartbeat-ms", "500"]

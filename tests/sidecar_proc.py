@@ -31,7 +31,7 @@ class Sidecar:
         self.log_path = self.data_dir.parent / f"{self.data_dir.name}-sidecar.log"
         self.proc: subprocess.Popen | None = None
 
-    def start(self, wait_synced: bool = True, timeout: float = 60.0) -> "Sidecar":
+    def start(self, wait_synced: bool = True, timeout: float = 60.0) -> Sidecar:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
@@ -114,7 +114,7 @@ class Sidecar:
         except FileNotFoundError:
             return ""
 
-    def __enter__(self) -> "Sidecar":
+    def __enter__(self) -> Sidecar:
         return self
 
     def __exit__(self, *exc: object) -> None:

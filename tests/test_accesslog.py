@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import redis
+from sidecar_proc import Sidecar
+from topology import nats_run
 
 from kvcache.accesslog import FIELDS, AccessLog
 from kvcache.config import load as load_config
 from kvcache.errors import ConfigError
-from sidecar_proc import Sidecar
-from topology import nats_run
 
 
 def read_records(directory: Path) -> list[dict[str, str]]:

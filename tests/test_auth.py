@@ -20,11 +20,11 @@ from pathlib import Path
 import nats
 import nkeys
 import pytest
+from natsauth import Operator, have_openssl, make_pki, new_key, public, seed
+from sidecar_proc import Sidecar, run_cli
 
 from kvcache.client import ResponseError
 from kvcache.natsserver import NatsServer
-from natsauth import Operator, have_openssl, make_pki, new_key, public, seed
-from sidecar_proc import Sidecar, run_cli
 
 BUCKET = "b"
 HEARTBEAT = ["--heartbeat-ms", "500", "--request-timeout-ms", "1000"]

@@ -4,8 +4,15 @@ from __future__ import annotations
 import hiredis
 import nats
 import pytest
-
-from checkers import Differences, MixedReads, MonotonicReads, differences, lag_probe, new_bucket, replica_state
+from checkers import (
+    Differences,
+    MixedReads,
+    MonotonicReads,
+    differences,
+    lag_probe,
+    new_bucket,
+    replica_state,
+)
 from sidecar_proc import Sidecar
 
 pytestmark = pytest.mark.timeout(120)

@@ -12,14 +12,23 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import redis
 
-from kvcache.client import (AsyncClient, Client, ConnectionFailed, ResponseError, _entry, _keys,
-                            _step, encode_command, parse_info)
+from kvcache.client import (
+    AsyncClient,
+    Client,
+    ConnectionFailed,
+    ResponseError,
+    _entry,
+    _keys,
+    _step,
+    encode_command,
+    parse_info,
+)
 from kvcache.entry import Entry, Operation
 
 

@@ -13,16 +13,16 @@ import shutil
 import socket
 import subprocess
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import redis
-
-from kvcache.client import encode_command as encode
-from kvcache.natsserver import die_with_parent
 from sidecar_proc import Sidecar
 from test_commands import _put_all
 from topology import nats_run
+
+from kvcache.client import encode_command as encode
+from kvcache.natsserver import die_with_parent
 
 VALUES = {f"in.k{i}": b"v%d" % i for i in range(10)}
 VALUES |= {"in.big": b"B" * (300 * 1024), "out.r1": b"remote1", "out.r2": b"remote2"}

@@ -17,16 +17,16 @@ import asyncio
 import os
 import socket
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import redis
+from sidecar_proc import Sidecar
+from topology import nats_run
 
 from kvcache.client import Client, ResponseError
 from kvcache.client import encode_command as encode
 from kvcache.entry import Operation
-from topology import nats_run
-from sidecar_proc import Sidecar
 
 LONG_KEY = "in." + "k" * 300 + "." + "y" * 300          # 606 bytes: stored under a digest
 LONG_REMOTE = "out." + "r" * 300 + "." + "z" * 300

@@ -4,11 +4,11 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+from sidecar_proc import run_cli
 
 from kvcache.cli import build_parser
 from kvcache.config import load, parse_bucket_spec, valid_key_filter
 from kvcache.errors import ConfigError
-from sidecar_proc import run_cli
 
 FULL = """
 socket = "/tmp/kvc-test.sock"

@@ -7,7 +7,6 @@ import time
 
 import pytest
 import redis
-
 from sidecar_proc import Sidecar, run_cli
 
 

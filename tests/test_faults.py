@@ -14,20 +14,30 @@ import asyncio
 import os
 import subprocess
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Awaitable, Callable
 
 import lmdb
 import nats
 import nats.errors
 import pytest
+from checkers import (
+    SETTLING,
+    MonotonicReads,
+    bucket_info,
+    differences,
+    kill_stream_leader,
+    new_bucket,
+    replica_state,
+    settled,
+    until,
+    wait_synced,
+)
 from nats.js.api import KeyValueConfig
-
-from checkers import (SETTLING, MonotonicReads, bucket_info, differences, kill_stream_leader, new_bucket,
-                      replica_state, settled, until, wait_synced)
-from kvcache.replica import FORMAT_KEY, META_DB
 from sidecar_proc import Sidecar
 from topology import DelayProxy
+
+from kvcache.replica import FORMAT_KEY, META_DB
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -50,7 +60,7 @@ class Writer:
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
 
-    def start(self) -> "Writer":
+    def start(self) -> Writer:
         self._task = asyncio.create_task(self._run())
         return self
 
@@ -65,7 +75,7 @@ class Writer:
             try:
                 await self.kv.put(self.keys[i % len(self.keys)], b"w%d" % i)
                 self.ok += 1
-            except (nats.errors.Error, asyncio.TimeoutError, *SETTLING):
+            except (TimeoutError, nats.errors.Error, *SETTLING):
                 self.failed += 1
                 await asyncio.sleep(0.05)
             i += 1

@@ -10,17 +10,25 @@ import os
 import nats
 import nats.js.errors
 import pytest
+from checkers import (
+    bucket_info,
+    converged,
+    new_bucket,
+    replica_state,
+    settled,
+    until,
+    upstream_state,
+    wait_synced,
+)
 from nats.js.api import KeyValueConfig
+from sidecar_proc import Sidecar
+from topology import start_single
 
-from checkers import (bucket_info, converged, new_bucket, replica_state, settled, until, upstream_state,
-                      wait_synced)
 from kvcache import LocalReader
 from kvcache import jetstream as jsapi
 from kvcache.errors import UpstreamError
 from kvcache.feed import PullConsumer
 from kvcache.natsconn import Connection
-from sidecar_proc import Sidecar
-from topology import start_single
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -30,18 +30,18 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from kvcache import resp
-from kvcache.client import Client, encode_command
 from sidecar_proc import Sidecar
 from test_server import BIG, connect, info, key, rss_kb, seed_bucket
 from topology import wait_until
+
+from kvcache import resp
+from kvcache.client import Client, encode_command
 
 NKEYS = 300
 STALL_MS = 1500            # the sidecar's output-buffer cut-off in this module (default 60 s)
@@ -499,7 +499,7 @@ def fill_until_stuck(path: str, request: bytes, max_s: float = 20) -> tuple[sock
     while time.monotonic() < deadline:
         try:
             sent += s.send(request)
-        except socket.timeout:
+        except TimeoutError:
             return s, sent
     s.close()
     raise AssertionError(f"the sidecar kept reading from a client that never reads ({sent} B)")

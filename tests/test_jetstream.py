@@ -3,16 +3,17 @@ and the reading of cluster info the feed relies on to trust a consumer."""
 from __future__ import annotations
 
 import calendar
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvcache.jetstream import misplaced, parse_time_ns, stream_leader
 
 
 def reference_ns(dt: datetime, nanos: int) -> int:
     """calendar.timegm on the UTC time: the arithmetic parse_time_ns replaces."""
-    u = dt.astimezone(timezone.utc)
+    u = dt.astimezone(UTC)
     return calendar.timegm(u.timetuple()) * 1_000_000_000 + nanos
 
 

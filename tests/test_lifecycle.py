@@ -16,7 +16,6 @@ import time
 
 import nats
 import pytest
-
 from sidecar_proc import Sidecar, run_cli
 from test_embedded import embedded_pid, pid_alive
 from topology import start_single

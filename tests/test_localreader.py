@@ -6,12 +6,12 @@ import time
 
 import nats
 import pytest
+from sidecar_proc import Sidecar
 
-from kvcache.native import native_or_none
 from kvcache import LocalReader
 from kvcache.errors import ReplicaError
 from kvcache.localreader import StaleReplica
-from sidecar_proc import Sidecar
+from kvcache.native import native_or_none
 
 LONG_KEY = "long." + "k" * 600
 

@@ -10,7 +10,6 @@ import sys
 
 import nats
 import pytest
-
 from sidecar_proc import Sidecar, run_cli
 
 

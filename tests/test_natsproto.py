@@ -17,14 +17,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client as _NatsClient
 from nats.protocol.parser import Parser as _NatsParser
+from nats_vectors import ACK, ACK_LONG, VECTORS, hmsg_frame, msg_frame
 
-from kvcache.native import native_or_none
 from kvcache import natsproto as twin
 from kvcache.entry import Operation
 from kvcache.errors import ProtocolError
+from kvcache.native import native_or_none
 from kvcache.natsproto import AckMeta, HMsg, Msg
 from kvcache.record import item, parse_msg_ttl
-from nats_vectors import ACK, ACK_LONG, VECTORS, hmsg_frame, msg_frame
 
 # not built: the native half of every test is skipped (fails with KVCACHE_REQUIRE_EXTENSIONS=1)
 native = native_or_none("natsproto")

@@ -6,14 +6,13 @@ import csv
 from pathlib import Path
 
 import pyarrow.parquet as pq
+from sidecar_proc import run_cli
+from test_pipeline_load import spark  # noqa: F401 - the session's one SparkSession
 
 from kvcache import cli
 from kvcache.accesslog import AccessLog
 from kvcache.config import valid_key_filter
 from kvcache.pipeline.cover import Filter, cover_filters, group_of
-from sidecar_proc import run_cli
-from test_pipeline_load import spark  # noqa: F401 - the session's one SparkSession
-
 
 # ---------------------------------------------------------------------------- the algorithm
 

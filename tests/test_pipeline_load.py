@@ -13,18 +13,18 @@ import re
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import nats
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from sidecar_proc import run_cli
+from topology import wait_until
 
 from kvcache import cli
 from kvcache import jetstream as jsapi
-from sidecar_proc import run_cli
-from topology import wait_until
 
 
 @pytest.fixture(scope="session")

@@ -12,9 +12,8 @@ import time
 
 import pytest
 import redis
-from nats.js.api import DiscardPolicy
-
 from checkers import bucket_info, new_bucket, percentile, until, wait_synced
+from nats.js.api import DiscardPolicy
 
 pytestmark = pytest.mark.timeout(120)
 

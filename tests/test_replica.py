@@ -9,8 +9,16 @@ import pytest
 from kvcache.entry import Operation
 from kvcache.errors import ReplicaError
 from kvcache.record import item
-from kvcache.replica import (FORMAT_KEY, FORMAT_VERSION, LONG_KEY_PREFIX, MAX_LMDB_KEY, META_DB,
-                             BucketMeta, Replica, lmdb_key)
+from kvcache.replica import (
+    FORMAT_KEY,
+    FORMAT_VERSION,
+    LONG_KEY_PREFIX,
+    MAX_LMDB_KEY,
+    META_DB,
+    BucketMeta,
+    Replica,
+    lmdb_key,
+)
 
 PUT, DEL, PURGE = Operation.PUT, Operation.DEL, Operation.PURGE
 MiB = 1 << 20

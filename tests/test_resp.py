@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.native import native_or_none
 from kvcache import resp
 from kvcache.errors import ProtocolError
+from kvcache.native import native_or_none
 from kvcache.resp import INLINE_MAX, ReplyError, ReplyReader, RequestReader
 
 # --------------------------------------------------------------------------- helpers

@@ -14,15 +14,22 @@ import tracemalloc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from kvcache.native import native_or_none
-from kvcache import resp as twin
-from kvcache.errors import ProtocolError
 from test_resp import (
-    INLINE_MAX, LIMIT_VECTORS, REPLY_VECTORS, REQUEST_VECTORS, _replies, norm, run_hiredis, splits,
+    INLINE_MAX,
+    LIMIT_VECTORS,
+    REPLY_VECTORS,
+    REQUEST_VECTORS,
+    _replies,
+    norm,
+    run_hiredis,
+    splits,
 )
 from test_resp import run_replies as _run_replies
 from test_resp import run_requests as _run_requests
+
+from kvcache import resp as twin
+from kvcache.errors import ProtocolError
+from kvcache.native import native_or_none
 
 native = native_or_none("resp")  # an error, not a skip, with KVCACHE_REQUIRE_EXTENSIONS=1
 if native is None:

@@ -12,11 +12,11 @@ import json
 
 import nats
 import pytest
+from topology import nats_run
 
 from kvcache.entry import Operation
 from kvcache.errors import UpstreamError
 from kvcache.router import MULTI_LAST_MAX, Peer, Router
-from topology import nats_run
 
 BIG = 1100     # > 1024 subjects under `big.>`
 MANY = 1500

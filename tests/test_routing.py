@@ -9,20 +9,20 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import AsyncIterator
 
 import nats
 import pytest
 import redis
 from nats.js.api import StreamConfig, StreamSource
+from sidecar_proc import Sidecar, write_config
+from topology import DelayProxy, add_hub_mirror, nats_run, wait_until
 
 from kvcache import jetstream as jsapi
 from kvcache.natsconn import Connection
-from kvcache.router import Peer, Policy, Router
-from sidecar_proc import Sidecar, write_config
 from kvcache.natsserver import NatsServer
-from topology import DelayProxy, add_hub_mirror, nats_run, wait_until
+from kvcache.router import Peer, Policy, Router
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,16 +15,16 @@ import stat
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import redis
-
-from kvcache.client import Client, encode_command
 from sidecar_proc import Sidecar, run_cli
 from test_commands import _put_all, read_until
 from topology import nats_run, wait_until
+
+from kvcache.client import Client, encode_command
 
 NKEYS = 200
 VALUE = b"v" * 100
@@ -297,7 +297,7 @@ class Steady(threading.Thread):
                 if self.r.get(key(i % NKEYS)) != VALUE:
                     self.errors.append(f"wrong value for {key(i % NKEYS)}")
                 self.ok += 1
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 self.errors.append(repr(e))
                 return
             i += 1
@@ -387,7 +387,7 @@ def test_client_that_never_reads(sc, target):
             while sent[0] < total_goal and not done.is_set():
                 try:
                     sent[0] += s.send(view[sent[0] % len(request):])
-                except socket.timeout:
+                except TimeoutError:
                     continue
         except OSError:
             pass
@@ -542,7 +542,7 @@ def test_sigterm_with_a_client_that_never_reads(own_sidecar):
     try:
         while True:          # until the sidecar stops reading from us
             c.send(request)
-    except socket.timeout:
+    except TimeoutError:
         pass
     s.proc.send_signal(signal.SIGTERM)
     try:

@@ -12,16 +12,16 @@ never about times.
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
-from typing import AsyncIterator
 
 import nats
 import pytest
-
 from checkers import until
-from kvcache.client import AsyncClient, ResponseError
 from sidecar_proc import Sidecar
 from topology import DelayProxy
+
+from kvcache.client import AsyncClient, ResponseError
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -3,18 +3,19 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Awaitable, Callable, TypeVar
+from typing import TypeVar
 
 import nats
 import nats.js.errors
 import pytest
 from nats.aio.client import Client as NATS
 from nats.js.api import ExternalStream, StreamConfig, StreamSource
+from topology import Cluster
 
 from kvcache.errors import KvcacheError
 from kvcache.natsserver import NatsServer, find_binary, free_port
-from topology import Cluster
 
 T = TypeVar("T")
 
@@ -40,7 +41,7 @@ async def eventually(fn: Callable[[], Awaitable[T]], timeout: float, what: str) 
             result = await fn()
             if result:
                 return result
-        except Exception as exc:  # noqa: BLE001 - reported at the deadline
+        except Exception as exc:
             last = exc
         await asyncio.sleep(0.1)
     raise AssertionError(f"timed out after {timeout:g}s waiting for {what}; last error: {last!r}")

@@ -9,9 +9,9 @@ import asyncio
 import multiprocessing as mp
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import nats
 from nats.js.api import ExternalStream, StreamConfig, StreamSource
@@ -30,7 +30,7 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str, inter
             result = predicate()
             if result:
                 return result
-        except Exception as exc:  # noqa: BLE001 - surfaced in the timeout message
+        except Exception as exc:
             last_exc = exc
         if time.monotonic() >= deadline:
             detail = f" (last error: {last_exc!r})" if last_exc else ""
@@ -197,7 +197,7 @@ class DelayProxy:
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
 
-    def start(self) -> "DelayProxy":
+    def start(self) -> DelayProxy:
         ready = threading.Event()
 
         def run() -> None:
@@ -244,7 +244,7 @@ class DelayProxy:
         self._thread.join(5)
         self._loop = None
 
-    def __enter__(self) -> "DelayProxy":
+    def __enter__(self) -> DelayProxy:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -112,7 +112,7 @@ def log_paths(logdirs: list[str]) -> list[str]:
     return paths
 
 
-def analyse(logs: "DataFrame", top: int, cover: float) -> Report:
+def analyse(logs: DataFrame, top: int, cover: float) -> Report:
     """All the aggregation happens in Spark; only per-group totals reach the driver."""
     from pyspark.sql import functions as F
 

@@ -34,7 +34,7 @@ class KeySpec:
     parts: tuple[tuple[str, bool], ...]  # (text, is_column)
 
     @classmethod
-    def parse(cls, spec: str) -> "KeySpec":
+    def parse(cls, spec: str) -> KeySpec:
         if not spec:
             raise ConfigError("--key must name a column or a template like '{region}.{id}'")
         if "{" not in spec and "}" not in spec:

@@ -140,7 +140,7 @@ def load(args: argparse.Namespace, err: TextIO | None = None) -> Summary:
         kv = key_value_frame(df, key, args.value, json_cols)
         want = args.partitions or spark.sparkContext.defaultParallelism
         have = kv.rdd.getNumPartitions()
-        if args.partitions and have != want or have < want:
+        if (args.partitions and have != want) or have < want:
             kv = kv.repartition(want, "key")  # by key: a key's rows share one connection
             have = want
         start = time.monotonic()
@@ -174,8 +174,8 @@ def _json_columns(spec: str | None) -> list[str] | None:
     return cols
 
 
-def key_value_frame(df: "DataFrame", key: KeySpec, value: str | None,
-                    json_cols: list[str] | None) -> "DataFrame":
+def key_value_frame(df: DataFrame, key: KeySpec, value: str | None,
+                    json_cols: list[str] | None) -> DataFrame:
     """Two columns, `key` (string) and `value` (binary), computed by Spark."""
     from pyspark.sql import functions as F
 
@@ -195,7 +195,7 @@ def key_value_frame(df: "DataFrame", key: KeySpec, value: str | None,
     return df.select(key_col.alias("key"), value_col.alias("value"))
 
 
-def _as_binary(df: "DataFrame", column: str) -> "Column":
+def _as_binary(df: DataFrame, column: str) -> Column:
     from pyspark.sql import functions as F
     from pyspark.sql.types import ArrayType, BinaryType, MapType, StringType, StructType
 
@@ -243,7 +243,7 @@ async def connect(opts: WriteOptions) -> nats.NATS:
         await nc.connect(servers=list(opts.servers), connect_timeout=3, allow_reconnect=True,
                          max_reconnect_attempts=1, reconnect_time_wait=0.2, error_cb=quiet,
                          name="kvcache-load-driver", **opts.connect_options())
-    except (OSError, asyncio.TimeoutError, nats.errors.Error) as e:
+    except (TimeoutError, OSError, nats.errors.Error) as e:
         why = "timed out" if isinstance(e, asyncio.TimeoutError) else (str(e) or type(e).__name__).replace("nats: ", "")
         raise UpstreamError(f"cannot connect to NATS at {', '.join(opts.servers)}: {why}") from None
     return nc
@@ -255,7 +255,7 @@ class Progress:
     """A driver thread printing, every `interval` seconds, the job's finished tasks and how
     far the bucket's stream has moved (its last sequence: stored puts, retries included)."""
 
-    def __init__(self, spark: "SparkSession", opts: WriteOptions, interval: float, err: TextIO) -> None:
+    def __init__(self, spark: SparkSession, opts: WriteOptions, interval: float, err: TextIO) -> None:
         self.spark = spark
         self.opts = opts
         self.interval = interval
@@ -263,7 +263,7 @@ class Progress:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvcache-load-progress", daemon=True)
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         if self.interval > 0:
             self._thread.start()
         return self

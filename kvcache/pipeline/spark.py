@@ -25,7 +25,7 @@ appender.console.layout.pattern = %d{HH:mm:ss} %p %c{1}: %m%n
 """
 
 
-def session(master: str | None, app: str) -> tuple["SparkSession", bool]:
+def session(master: str | None, app: str) -> tuple[SparkSession, bool]:
     """The active session (spark-submit, tests, a notebook) or a new one on `master`
     (default `local[*]`). Returns (session, owned): the caller stops only what it started."""
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"pyspark\..*")
@@ -101,8 +101,8 @@ def _format_of(name: str) -> str | None:
     return FORMATS.get(os.path.splitext(low)[1])
 
 
-def read(spark: "SparkSession", paths: list[str], fmt: str, *, delimiter: str | None = None,
-         infer_schema: bool = False, multiline: bool = False) -> "DataFrame":
+def read(spark: SparkSession, paths: list[str], fmt: str, *, delimiter: str | None = None,
+         infer_schema: bool = False, multiline: bool = False) -> DataFrame:
     """Spark's own reader for the format. CSV: a header row, every column a string unless
     `infer_schema` (keys like `007` stay intact). JSON: one document per line unless `multiline`."""
     reader = spark.read.format(fmt)

@@ -22,8 +22,9 @@ import itertools
 import json
 import random
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import nats.errors
 
@@ -76,7 +77,7 @@ class PartitionResult:
     failed_examples: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
-    def add(self, other: "PartitionResult", examples: int) -> None:
+    def add(self, other: PartitionResult, examples: int) -> None:
         for name in ("rows", "written", "invalid", "failed", "retried", "disconnects"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.seconds = max(self.seconds, other.seconds)
@@ -110,7 +111,7 @@ def _extend(out: list[str], more: list[str], limit: int) -> None:
 class _Row:
     """A row sent on its own: a retry (first sends go out in slices)."""
 
-    __slots__ = ("key", "value", "attempts", "deadline")
+    __slots__ = ("attempts", "deadline", "key", "value")
 
     def __init__(self, key: str, value: bytes, attempts: int = 0) -> None:
         self.key = key
@@ -118,7 +119,7 @@ class _Row:
         self.attempts = attempts
         self.deadline = 0.0
 
-    def row(self, rid: int) -> "_Row":
+    def row(self, rid: int) -> _Row:
         return self
 
 
@@ -126,7 +127,7 @@ class _Slice:
     """Rows sent together for the first time: reply ids base .. base+len-1. A row is taken out
     (as a _Row) only when it has to be sent again."""
 
-    __slots__ = ("keys", "values", "base", "deadline")
+    __slots__ = ("base", "deadline", "keys", "values")
 
     def __init__(self, keys: Any, values: Any, base: int, deadline: float) -> None:
         self.keys = keys
@@ -170,7 +171,7 @@ class PartitionWriter:
         start = time.monotonic()
         try:
             await self._connect()
-        except (OSError, asyncio.TimeoutError, nats.errors.Error) as e:
+        except (TimeoutError, OSError, nats.errors.Error) as e:
             why = f"cannot connect to NATS: {type(e).__name__} {e}".strip()
             for batch in batches:
                 keys, _ = self._accept(batch)
@@ -253,7 +254,7 @@ class PartitionWriter:
                     pending_size=64 << 20, skip_subject_validation=True,
                     error_cb=quiet, disconnected_cb=self._on_disconnect, **self.opts.connect_options())
                 break
-            except (OSError, asyncio.TimeoutError, nats.errors.Error):
+            except (TimeoutError, OSError, nats.errors.Error):
                 if time.monotonic() + delay > deadline:
                     raise
                 await asyncio.sleep(delay)
@@ -269,7 +270,7 @@ class PartitionWriter:
         if self.nc is not None and not self.nc.is_closed:
             try:
                 await asyncio.wait_for(self.nc.close(), 5)
-            except (asyncio.TimeoutError, nats.errors.Error):
+            except (TimeoutError, nats.errors.Error):
                 pass
 
     def _frame(self, row: _Row) -> None:
@@ -381,7 +382,7 @@ class PartitionWriter:
         if wait > 0 and not self._wake.is_set():
             try:
                 await asyncio.wait_for(self._wake.wait(), wait)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         else:
             await asyncio.sleep(0)  # let acks in
