@@ -21,7 +21,10 @@ import math
 import os
 import random
 import time
-from typing import IO
+from typing import IO, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config import Config
 
 FIELDS = ("ts_ms", "bucket", "key", "source", "hit", "latency_us", "command", "rate")
 FILE_NAME = "access.log"
@@ -58,12 +61,10 @@ class AccessLog:
             atexit.register(self.close)
 
     @classmethod
-    def from_config(cls, cfg: object) -> AccessLog:
+    def from_config(cls, cfg: Config) -> AccessLog:
         """The sidecar's log from its Config (`access_log_*` settings)."""
-        directory = getattr(cfg, "access_log_dir", None) or os.path.join(
-            cfg.data_dir, "access-logs")
-        return cls(directory, getattr(cfg, "access_log_rate", 0.0),
-                   getattr(cfg, "access_log_max_bytes", 64 << 20), getattr(cfg, "access_log_files", 10))
+        directory = cfg.access_log_dir or os.path.join(cfg.data_dir, "access-logs")
+        return cls(directory, cfg.access_log_rate, cfg.access_log_max_bytes, cfg.access_log_files)
 
     # ------------------------------------------------------------------ sampling
 

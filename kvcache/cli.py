@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import NoReturn
 
 from . import __version__
 from .config import Config, load, validate_nats_auth
@@ -14,7 +15,7 @@ EXIT_RUNTIME = 1
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse exits 2 with usage; keep it to one line
+    def error(self, message: str) -> NoReturn:  # argparse exits 2 with usage; keep it to one line
         # main() prints "kvcache: error: ..."; name the subcommand's help, not a second prefix
         raise ConfigError(f"{message} (see {self.prog} --help)")
 

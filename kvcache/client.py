@@ -12,6 +12,7 @@ import socket
 from collections.abc import Generator, Sequence
 from typing import Any, TypeVar
 
+from kvcache import resp
 from kvcache.entry import Entry, Operation
 from kvcache.errors import KvcacheError
 from kvcache.native import pick
@@ -32,7 +33,7 @@ __all__ = [
 
 Arg = str | bytes | bytearray | memoryview | int | float
 T = TypeVar("T")
-_Op = Generator[Sequence[Arg], object, T]
+_Op = Generator[Sequence[Arg], Any, T]  # sent: a decoded reply, whatever the command's shape
 """An operation: yields commands, is sent each reply (or thrown its ResponseError), returns
 its result."""
 
@@ -64,7 +65,7 @@ def encode_command(args: Sequence[Arg]) -> bytes:
             data = repr(arg).encode()
         else:
             raise TypeError(f"cannot send {type(arg).__name__} as a command argument")
-        parts.append(b"$%d\r\n%b\r\n" % (len(data), data))
+        parts.append(b"$%d\r\n%b\r\n" % (len(data), bytes(data)))
     return b"".join(parts)
 
 
@@ -146,13 +147,13 @@ def _ping() -> _Op[bool]:
 
 
 def _get(key: str) -> _Op[bytes | None]:
-    return (yield ("GET", key))  # type: ignore[misc]
+    return (yield ("GET", key))
 
 
 def _mget(keys: Sequence[str]) -> _Op[list[bytes | None]]:
     if not keys:
         return []
-    return (yield ("MGET", *keys))  # type: ignore[misc]
+    return (yield ("MGET", *keys))
 
 
 def _entry(key: str, consistency: str | None, max_stale_ms: int | None,
@@ -183,7 +184,7 @@ def _keys(pattern: str) -> _Op[list[str]]:
     try:
         while True:
             reply = yield ("SCAN", cursor, "MATCH", pattern, "COUNT", 1000)
-            cursor, batch = reply  # type: ignore[misc]
+            cursor, batch = reply
             seen.update(dict.fromkeys(map(_text, batch)))
             if cursor in (b"0", 0):
                 return list(seen)
@@ -217,7 +218,7 @@ class Client:
         self.socket_path = socket_path
         self.timeout = timeout
         self._sock: socket.socket | None = None
-        self._reader: ReplyReader | None = None
+        self._reader: resp.ReplyReader | None = None  # the native one has the same API
 
     def _connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -306,7 +307,7 @@ class AsyncClient:
         self.timeout = timeout
         self._lock = asyncio.Lock()
         self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
-        self._reader: ReplyReader | None = None
+        self._reader: resp.ReplyReader | None = None  # the native one has the same API
 
     async def _roundtrip(self, args: Sequence[Arg]) -> object:
         request = encode_command(args)

@@ -119,7 +119,7 @@ def load(
 ) -> Config:
     """Build a validated Config. `overrides` are flag values (None means not given)."""
     env = os.environ if env is None else env
-    path = path or env.get(env_var("config"))
+    path = path or env.get(_env_name("config"))
     raw: dict[str, Any] = _read_toml(path) if path else {}
     cfg = _from_mapping(raw, where=path or "config")
     _apply_env(cfg, env)
@@ -264,9 +264,16 @@ def default_of(setting: str) -> Any:
     return None
 
 
+def _env_name(setting: str) -> str:
+    """env_var for a setting known to have one."""
+    var = env_var(setting)
+    assert var is not None, setting
+    return var
+
+
 def _apply_env(cfg: Config, env: Mapping[str, str]) -> None:
     for name, f in _SCALARS.items():
-        var = env_var(name)
+        var = _env_name(name)
         value = env.get(var)
         if value is None:
             continue
@@ -276,25 +283,25 @@ def _apply_env(cfg: Config, env: Mapping[str, str]) -> None:
             except ValueError:
                 raise ConfigError(f"{var} must be an octal file mode, got '{value}'") from None
         else:
-            setattr(cfg, name, _parse_scalar(value, f.type, var))
+            setattr(cfg, name, _parse_scalar(value, str(f.type), var))
     for name, f in _NATS_SCALARS.items():
-        var = env_var("nats_" + name)
+        var = _env_name("nats_" + name)
         value = env.get(var)
         if value is None:
             continue
         if name == "servers":
             cfg.nats.servers = _split_list(value)
         else:
-            setattr(cfg.nats, name, _parse_scalar(value, f.type, var))
-    if env.get(var := env_var("buckets")):
+            setattr(cfg.nats, name, _parse_scalar(value, str(f.type), var))
+    if env.get(var := _env_name("buckets")):
         cfg.buckets = [parse_bucket_spec(s) for s in env[var].split()]
-    if env.get(var := env_var("max_stale_ms")):
+    if env.get(var := _env_name("max_stale_ms")):
         stale = _parse_scalar(env[var], "int", var)
         if stale < 0:
             raise ConfigError(f"{var} must not be negative, got {stale}")
         for b in cfg.buckets:
             b.max_stale_ms = stale
-    if env_var("serve_stale") in env:  # parsed into cfg.serve_stale above; like
+    if _env_name("serve_stale") in env:  # parsed into cfg.serve_stale above; like
         for b in cfg.buckets:           # KVCACHE_MAX_STALE_MS, it sets every bucket
             b.serve_stale = cfg.serve_stale
 

@@ -22,7 +22,10 @@ class ReplicaError(KvcacheError):
 
 
 class ProtocolError(KvcacheError):
-    """Malformed RESP: the framing is lost and the connection must close."""
+    """Malformed RESP or NATS input: the framing is lost and the connection must close.
+    The NATS reader attaches the events parsed before the error as `events`."""
+
+    events: list[object]
 
 
 class ReplyTooLarge(KvcacheError):

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from kvcache.entry import Operation
 from kvcache.errors import ProtocolError
@@ -138,7 +138,7 @@ class Run:
         fields = getattr(other, "fields", None)
         return fields is not None and type(other).__name__ == "Run" and self.fields() == fields()
 
-    __hash__ = None  # mutable
+    __hash__ = None  # type: ignore[assignment]  # mutable
 
     def __repr__(self) -> str:
         return f"Run(sid={self.sid}, cseq={self.first_cseq}..{self.last_cseq}, items={len(self.items)})"
@@ -187,7 +187,7 @@ def parse_ack(reply: bytes | str) -> AckMeta | None:
     nums = [_u64(x) for x in t[i + 2:i + 7]]
     if None in nums:
         return None
-    return AckMeta(t[i], t[i + 1], *nums)
+    return AckMeta(t[i], t[i + 1], *cast("list[int]", nums))
 
 
 _WS = b" \t\r\n\x0b\x0c"
@@ -297,6 +297,7 @@ class NatsReader:
     def feed(self, data: bytes) -> list:
         if self._broken:
             raise ProtocolError("nats: reader unusable after a protocol error")
+        buf: bytes | bytearray
         if self._buf:
             self._buf += data
             buf = self._buf
@@ -355,7 +356,7 @@ class NatsReader:
                 raise ProtocolError("nats: message payload not followed by CRLF")
             plen = self._lanes.get(sid) if self._lanes else None
             ack = parse_ack(reply) if plen is not None else None
-            if ack is not None and len(raw_subject) >= plen:
+            if ack is not None and plen is not None and len(raw_subject) >= plen:
                 _deliver(events, sid, ack, raw_subject[plen:], bytes(buf[b:b + hdr_len]),
                          bytes(buf[b + hdr_len:b + total]))
             elif kind == 1:

@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import TypeVar
+from typing import TypeVar, overload
 
 import lmdb
 
@@ -48,6 +48,15 @@ from .record import (
     lmdb_key,
 )
 from .subjects import subject_match
+
+
+@overload
+def _bytes(v: bytes | memoryview) -> bytes: ...
+@overload
+def _bytes(v: bytes | memoryview | None) -> bytes | None: ...
+def _bytes(v: bytes | memoryview | None) -> bytes | None:
+    """lmdb's read results, typed as what they are here: bytes (no `buffers=True` anywhere)."""
+    return v  # type: ignore[return-value]
 
 T = TypeVar("T")
 
@@ -166,7 +175,7 @@ class Replica:
     def wipe(self) -> None:
         """Drop every bucket and all meta (the format marker too)."""
         def write(txn: lmdb.Transaction) -> None:
-            names = [k for k, _ in txn.cursor()]
+            names = [bytes(k) for k, _ in txn.cursor()]
             for name in names:
                 if not name.startswith((b"kv:", b"x:")):
                     continue
@@ -224,7 +233,7 @@ class Replica:
 
     def get_raw(self, txn: lmdb.Transaction, db, key: str, bucket: str = "") -> bytes | None:
         """Value only, inside the caller's read transaction (the server's batched path)."""
-        raw = txn.get(lmdb_key(key), db=db)
+        raw = _bytes(txn.get(lmdb_key(key), db=db))
         if raw is None:
             return None
         return live_value(raw, time.time_ns(), self.max_age.get(bucket, 0))
@@ -428,11 +437,11 @@ class Replica:
             ok = cur.set_range(after) if after is not None else cur.first()
             if ok and after is not None and cur.key() == after:
                 ok = cur.next()
-            batch = []
+            batch: list[tuple[bytes, bytes]] = []
             last = None
             while ok and len(batch) < limit:
-                last = cur.key()
-                batch.append((last, cur.value()))
+                last = _bytes(cur.key())
+                batch.append((last, _bytes(cur.value())))
                 ok = cur.next()
             due = self._due_entries(bucket, batch)
             if due:
@@ -463,8 +472,8 @@ class Replica:
             while ok and seen < limit:
                 if DUE.unpack_from(cur.key())[0] > now_ns:
                     return removed, False
-                lk = cur.value()
-                raw = txn.get(lk, db=db)
+                lk = _bytes(cur.value())
+                raw = _bytes(txn.get(lk, db=db))
                 if raw is not None:
                     due = deadline(raw, max_age)
                     if due and due <= now_ns:

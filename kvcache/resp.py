@@ -159,6 +159,7 @@ class RequestReader(_BufferedReader):
             self._pos = end
             return [m[1]], [m[2]], pos
         m = _GET_RUN(buf, pos)
+        assert m is not None  # _GET_ONE matched here, so the run has at least that GET
         end = m.end()
         self._pos = end
         fields = bytes(buf[pos:end]).split(b"\r\n")
@@ -192,9 +193,9 @@ class RequestReader(_BufferedReader):
                     stop = nl - 1 if nl > pos and buf[nl - 1] == _CR else nl
                     if stop - pos > self._inline_max:
                         raise self._fail("too big inline request")
-                    line = bytes(buf[pos:stop])
+                    inline = bytes(buf[pos:stop])
                     pos = nl + 1
-                    args = _split_inline(line)
+                    args = _split_inline(inline)
                     if args is None:
                         raise self._fail("unbalanced quotes in request")
                     if args:
@@ -535,6 +536,8 @@ def null(proto: int = 2) -> bytes:
 def bulk(b: Bytes | None, proto: int = 2) -> bytes:
     if b is None:
         return NIL3 if proto == 3 else NIL2
+    if type(b) is not bytes:
+        b = bytes(b)
     return b"$%d\r\n%b\r\n" % (len(b), b)
 
 

@@ -46,6 +46,7 @@ def build(out_dir: str) -> tuple[str, str]:
     zpath = os.path.join(out_dir, ZIP_NAME)
     with zipfile.ZipFile(zpath, "w", zipfile.ZIP_DEFLATED) as zf:
         for pkg in (kvcache, nats):
+            assert pkg.__file__ is not None  # both are regular packages
             _add_package(zf, os.path.dirname(os.path.abspath(pkg.__file__)))
     spath = os.path.join(out_dir, SUBMIT_NAME)
     with open(spath, "w") as f:

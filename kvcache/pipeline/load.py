@@ -24,7 +24,15 @@ from ..config import BUCKET_NAME
 from ..errors import BucketNotFound, ConfigError, UpstreamError
 from . import spark as sparkio
 from .keys import KeySpec
-from .writer import RESULT_DDL, PartitionResult, WriteOptions, arrow_partition_fn, quiet, result_from_row
+from .writer import (
+    RECONNECT_WAIT,
+    RESULT_DDL,
+    PartitionResult,
+    WriteOptions,
+    arrow_partition_fn,
+    quiet,
+    result_from_row,
+)
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -241,7 +249,7 @@ async def connect(opts: WriteOptions) -> nats.NATS:
     try:
         # allow_reconnect with one attempt: nats-py's bounded first connect (see the sidecar)
         await nc.connect(servers=list(opts.servers), connect_timeout=3, allow_reconnect=True,
-                         max_reconnect_attempts=1, reconnect_time_wait=0.2, error_cb=quiet,
+                         max_reconnect_attempts=1, **RECONNECT_WAIT, error_cb=quiet,
                          name="kvcache-load-driver", **opts.connect_options())
     except (TimeoutError, OSError, nats.errors.Error) as e:
         why = "timed out" if isinstance(e, asyncio.TimeoutError) else (str(e) or type(e).__name__).replace("nats: ", "")

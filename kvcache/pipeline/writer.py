@@ -31,6 +31,10 @@ import nats.errors
 from ..natsconn import Connection
 from .keys import KEY_RE2, RESERVED_PREFIX, key_problem
 
+# nats-py annotates reconnect_time_wait as int but sleeps whatever it is given: a short first
+# reconnect wait for the bounded first connect (one attempt, see the sidecar)
+RECONNECT_WAIT: dict[str, Any] = {"reconnect_time_wait": 0.2}
+
 BACKOFF_BASE_S = 0.05
 BACKOFF_MAX_S = 2.0
 EXPIRE_EVERY_S = 0.05
@@ -250,7 +254,7 @@ class PartitionWriter:
             try:
                 await nc.connect(
                     servers=list(self.opts.servers), name="kvcache-load", connect_timeout=2,
-                    allow_reconnect=True, max_reconnect_attempts=1, reconnect_time_wait=0.2,
+                    allow_reconnect=True, max_reconnect_attempts=1, **RECONNECT_WAIT,
                     pending_size=64 << 20, skip_subject_validation=True,
                     error_cb=quiet, disconnected_cb=self._on_disconnect, **self.opts.connect_options())
                 break
@@ -315,6 +319,7 @@ class PartitionWriter:
         rids = self._out_rids
         self._out, self._out_rids = [], []
         nc = self.nc
+        assert nc is not None  # _flush runs only between connect and close
         if nc.is_closed or (not nc.is_connected and
                             nc._pending_data_size + len(data) > nc._max_pending_size):
             for ids in rids:
