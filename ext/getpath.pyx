@@ -277,14 +277,13 @@ cdef class LocalGets:
 
     cdef object _plan(self, bytes key):
         cdef _Plan p
-        plan = self.planner(key)
+        plan = self.planner(key)  # a kvcache.readpolicy.Plan, or False
         if plan:
-            feed, max_stale, bucket, lkey = plan
             p = _Plan.__new__(_Plan)
-            p.bucket = self._bucket(bucket)
-            p.bucket.feed = feed
-            p.bucket.max_stale = max_stale
-            p.lkey = lkey
+            p.bucket = self._bucket(plan.bucket)
+            p.bucket.feed = plan.feed
+            p.bucket.max_stale = plan.max_stale_ms
+            p.lkey = plan.lkey
             plan = p
         if len(self.plans) >= _PLAN_CACHE:
             self.plans.clear()

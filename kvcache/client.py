@@ -10,13 +10,15 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Generator, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvcache import resp
 from kvcache.entry import Entry, Operation
 from kvcache.errors import KvcacheError
 from kvcache.native import pick
 from kvcache.resp import ReplyError
+
+if TYPE_CHECKING:
+    from kvcache.resp import ReplyReader as TwinReplyReader
 
 # The reply parser: the Cython extension when built, else its pure-Python twin (same API).
 ReplyReader = pick("resp", "resp").ReplyReader
@@ -218,7 +220,7 @@ class Client:
         self.socket_path = socket_path
         self.timeout = timeout
         self._sock: socket.socket | None = None
-        self._reader: resp.ReplyReader | None = None  # the native one has the same API
+        self._reader: TwinReplyReader | None = None  # the native one has the same API
 
     def _connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -307,7 +309,7 @@ class AsyncClient:
         self.timeout = timeout
         self._lock = asyncio.Lock()
         self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
-        self._reader: resp.ReplyReader | None = None  # the native one has the same API
+        self._reader: TwinReplyReader | None = None  # the native one has the same API
 
     async def _roundtrip(self, args: Sequence[Arg]) -> object:
         request = encode_command(args)

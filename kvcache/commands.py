@@ -1,5 +1,5 @@
-"""The RESP command set (DESIGN.md's table): decode arguments, answer from the replica when it
-may, hand the rest to the router, encode the reply.
+"""The RESP command set (docs/commands.md): decode arguments, ask the read policy where each
+read is answered (kvcache.readpolicy), count and log it, encode the reply.
 
 A handler returns the encoded reply as bytes when it can answer at once (the common case: a
 local read), or a coroutine when it must ask NATS; the server keeps replies in request order.
@@ -7,36 +7,27 @@ local read), or a coroutine when it must ask NATS; the server keeps replies in r
 from __future__ import annotations
 
 import functools
-import os
 import re
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Union
+from typing import Protocol, Union
 
-from . import __version__, native, resp
+from . import __version__, resp
 from .accesslog import AccessLog
-from .config import BucketConfig
+from .config import BucketConfig, Config
 from .entry import Entry, Operation
-from .errors import KvcacheError, ReplyBudget, ReplyTooLarge, UpstreamError
+from .errors import CommandError, KvcacheError, ReplyBudget, ReplyTooLarge
+from .info import Info
+from .keys import glob_matcher
+from .readpolicy import STALE_SOURCE, ReadPolicy
 from .record import Record, live_value
-from .replica import LONG_KEY_PREFIX, RECORD, lmdb_key
+from .replica import RECORD
+from .scan import ScanCursors
+from .stats import Stats
 
-if TYPE_CHECKING:
-    from .server import Connection
-    from .sidecar import Sidecar
+__all__ = ["CommandError", "Commands", "Session"]
 
 Reply = Union[bytes, Awaitable[bytes]]
-# fullmatch, never match(): `$` also matches before a trailing "\n", and a newline in a key
-# would end the NATS protocol line of the Direct Get request built from it.
-KEY_RE = re.compile(r"[-/_=a-zA-Z0-9]+(?:\.[-/_=a-zA-Z0-9]+)*")
-SCAN_CURSORS = 10_000
-MINREV_WAIT_S = 0.25
-PLAN_CACHE = 100_000
-# KV.GET's source for an answer from a replica too stale to be trusted, given because no peer
-# could answer and the bucket has serve_stale on (config.py keeps it from naming a peer).
-STALE_SOURCE = "stale"
 
 READONLY = resp.error("READONLY kvcache is a read replica")
 WRITE_COMMANDS = frozenset(b"""
@@ -126,23 +117,19 @@ AUTH_WITHOUT_PASSWORD = ("ERR AUTH <password> called without any password config
                          "default user. Are you sure your configuration is correct?")
 
 
-class CommandError(KvcacheError):
-    """Answered to the client as a RESP error; the connection stays usable."""
+class Session(Protocol):
+    """What the command layer needs of a client's connection (kvcache.server's
+    ClientConnection): its protocol, identity, and the replies it controls."""
 
+    proto: int
+    id: int
+    name: bytes
+    lib_name: bytes
+    lib_ver: bytes
 
-@dataclass
-class Stats:
-    gets_local: int = 0
-    gets_remote: int = 0
-    gets_notfound: int = 0
-    remote_errors: int = 0
-    gets_stale: int = 0  # answered from a stale replica (serve_stale) after a failed remote read
-    commands: int = 0
-    connections_received: int = 0
-    rejected_connections: int = 0
-    protocol_errors: int = 0
-    clients_cut_off: int = 0  # read none of their queued replies for client_write_stall_ms
-    started: float = field(default_factory=time.time)
+    def close_after_reply(self) -> None: ...
+    def set_reply_mode(self, mode: bytes) -> bytes: ...
+    def client_info(self) -> str: ...
 
 
 def arity(n: int, exact: bool = True):
@@ -158,18 +145,20 @@ def arity(n: int, exact: bool = True):
 
 
 class Commands:
-    def __init__(self, sidecar: Sidecar) -> None:
-        self.sc = sidecar
-        self.cfg = sidecar.cfg
-        self.replica = sidecar.replica
-        self.stats = sidecar.stats
-        self._cursors: OrderedDict[int, tuple[str, bytes]] = OrderedDict()
-        self.access = AccessLog.from_config(self.cfg)
-        # Raw key -> how to read it locally (see _plan), for MGET/EXISTS; the server's GET
-        # path plans through local_plan and caches its own.
-        self._plans: dict[bytes, tuple | bool] = {}
-        self._next_cursor = 1
-        self._table: dict[bytes, Callable[[Connection, list[bytes]], Reply]] = {
+    """The command table: Redis's read commands and KV.GET over the read policy. Handlers
+    return the encoded reply, or a coroutine when NATS must answer (the server keeps replies
+    in request order); a CommandError becomes the RESP error reply."""
+
+    def __init__(self, cfg: Config, policy: ReadPolicy, stats: Stats,
+                 access: AccessLog | None = None) -> None:
+        self.cfg = cfg
+        self.policy = policy
+        self.replica = policy.replica
+        self.stats = stats
+        self.access = access if access is not None else AccessLog.from_config(cfg)
+        self.info_source = Info(cfg, stats, policy, self.access)
+        self._cursors = ScanCursors()
+        self._table: dict[bytes, Callable[[Session, list[bytes]], Reply]] = {
             b"get": self.get, b"mget": self.mget, b"exists": self.exists,
             b"kv.get": self.kv_get, b"keys": self.keys, b"scan": self.scan,
             b"dbsize": self.dbsize, b"info": self.info,
@@ -178,7 +167,7 @@ class Commands:
             b"config": self.config, b"auth": self.auth,
         }
 
-    def dispatch(self, conn: Connection, args: list[bytes]) -> Reply:
+    def dispatch(self, conn: Session, args: list[bytes]) -> Reply:
         self.stats.commands += 1
         name = args[0].lower()
         handler = self._table.get(name)
@@ -193,106 +182,21 @@ class Commands:
         except (CommandError, ReplyTooLarge) as e:
             return resp.error(str(e))
 
-    # ------------------------------------------------------------------ addressing
-
-    def resolve(self, raw: bytes) -> tuple[BucketConfig, str]:
-        """`bucket:key` names the bucket; a bare key reads the default (first) bucket."""
-        try:
-            text = raw.decode()
-        except UnicodeDecodeError:
-            raise CommandError("ERR invalid key: not UTF-8") from None
-        bucket, sep, key = text.partition(":")
-        if not sep:
-            bucket, key = self.cfg.default_bucket or "", text
-        bc = self.cfg.bucket(bucket)
-        if bc is None:
-            # It may well exist in NATS: what is missing is this sidecar's configuration.
-            if not sep and not bucket:
-                raise CommandError("ERR no default bucket: this sidecar replicates no bucket; "
-                                   "start it with --bucket NAME or a [[bucket]] entry")
-            names = ", ".join(b.name for b in self.cfg.buckets[:8]) + (
-                ", ..." if len(self.cfg.buckets) > 8 else "")
-            raise CommandError(
-                f"ERR no such bucket '{bucket[:64]}' in this sidecar (it replicates: {names or 'none'}); "
-                f"to read it, add --bucket {bucket[:64] or 'NAME'} or a [[bucket]] entry and restart")
-        if not KEY_RE.fullmatch(key):
-            raise CommandError(f"ERR invalid key '{key[:64]}': KV keys use A-Z a-z 0-9 - / _ = and dots between tokens")
-        return bc, key
-
-    def local_plan(self, raw: bytes) -> tuple | bool:
-        """For the server's GET fast path: `(feed, max_stale_ms, db, lmdb key, value offset or
-        None)` when `raw` names a valid key inside its bucket's filters, cached; False when the
-        key is invalid or remote (the generic path answers it: error or fallback read).
-        Freshness is not part of the plan: the caller checks it (once per batch).
-        Always False while the access log is on, so that GETs reach `get` and are logged."""
-        if self.access.enabled:
-            return False
-        return self._plan(raw)
-
-    def _plan(self, raw: bytes) -> tuple | bool:
-        try:
-            bc, key = self.resolve(raw)
-        except CommandError:
-            return False
-        if not self.sc.in_filters(bc.name, key):
-            plan: tuple | bool = False
-        else:
-            lkey = lmdb_key(key)
-            plan = (self.sc.feeds[bc.name], bc.max_stale_ms, self.replica.db(bc.name), lkey,
-                    None if lkey.startswith(LONG_KEY_PREFIX) else RECORD.size)
-        if len(self._plans) >= PLAN_CACHE:
-            self._plans.clear()
-        self._plans[raw] = plan
-        return plan
-
-    def local_ok(self, bc: BucketConfig, key: str, max_stale_ms: int | None = None) -> bool:
-        """Is the key replicated, and the replica fresh within the bound? Whether its record
-        may answer without going back in time is asked apart (_behind)."""
-        feed = self.sc.feeds[bc.name]
-        return self.sc.in_filters(bc.name, key) and feed.fresh_within(
-            bc.max_stale_ms if max_stale_ms is None else max_stale_ms)
-
-    def _behind(self, bc: BucketConfig, key: str, rec: Record | None) -> int:
-        """0 when the replica's record (None: it has none) may answer the key; else the
-        stream sequence it must reach first (a newer revision was handed out from NATS)."""
-        return self.sc.feeds[bc.name].behind(key, None if rec is None else rec.revision)
-
-    async def _local_after(self, bc: BucketConfig, key: str, want: int,
-                           max_stale_ms: int | None = None) -> tuple[bool, Record | None]:
-        """A read the replica could not answer without going back in time: wait (up to
-        MINREV_WAIT_S) for it to reach stream sequence `want`, as MINREV does. Then
-        (True, the key's record or None) if the replica may answer it now; else (False,
-        None), and the caller reads NATS (the router's floors keep that answer at or above
-        what was handed out)."""
-        if await self.sc.feeds[bc.name].wait_applied(want, MINREV_WAIT_S):
-            return self._local_now(bc, key, max_stale_ms)
-        return False, None
-
-    def _local_now(self, bc: BucketConfig, key: str,
-                   max_stale_ms: int | None = None) -> tuple[bool, Record | None]:
-        """(True, the key's record or None) when the replica may answer the key now: fresh
-        within the bound and not behind a revision handed out from NATS; else (False, None)."""
-        if self.local_ok(bc, key, max_stale_ms):
-            rec = self.replica.get(bc.name, key)
-            if not self._behind(bc, key, rec):
-                return True, rec
-        return False, None
-
     # ------------------------------------------------------------------ reads
 
     @arity(2)
-    def get(self, conn: Connection, args: list[bytes]) -> Reply:
-        bc, key = self.resolve(args[1])
+    def get(self, conn: Session, args: list[bytes]) -> Reply:
+        bc, key = self.policy.resolve(args[1])
         t0 = self._t0()
-        if self.local_ok(bc, key):
+        if self.policy.local_ok(bc, key):
             rec = self.replica.get(bc.name, key)
-            want = self._behind(bc, key, rec)
+            want = self.policy.behind(bc, key, rec)
             if not want:
                 return self._local_value(conn, bc, key, rec, t0)
             return self._gated_value(conn, bc, key, want, t0)
         return self._remote_value(conn, bc, key, t0)
 
-    def _local_value(self, conn: Connection, bc: BucketConfig, key: str, rec: Record | None,
+    def _local_value(self, conn: Session, bc: BucketConfig, key: str, rec: Record | None,
                      t0: int = 0) -> bytes:
         self.stats.gets_local += 1
         self._log(t0, bc.name, key, "local", rec is not None, "GET")
@@ -301,15 +205,15 @@ class Commands:
             return resp.null(conn.proto)
         return resp.bulk(rec.value, conn.proto)
 
-    async def _gated_value(self, conn: Connection, bc: BucketConfig, key: str, want: int,
+    async def _gated_value(self, conn: Session, bc: BucketConfig, key: str, want: int,
                            t0: int = 0) -> bytes:
         """GET of a key whose newer revision was handed out from NATS (see _local_after)."""
-        local, rec = await self._local_after(bc, key, want)
+        local, rec = await self.policy.local_after(bc, key, want)
         if local:
             return self._local_value(conn, bc, key, rec, t0)
         return await self._remote_value(conn, bc, key, t0)
 
-    async def _remote_value(self, conn: Connection, bc: BucketConfig, key: str, t0: int = 0) -> bytes:
+    async def _remote_value(self, conn: Session, bc: BucketConfig, key: str, t0: int = 0) -> bytes:
         entry = await self.remote_entry(bc, key, t0=t0, command="GET")
         return resp.bulk(entry.value if entry else None, conn.proto)
 
@@ -332,76 +236,20 @@ class Commands:
         self.stats.gets_remote += 1
         source = "remote"
         try:
-            entry = await self.sc.router.get(bc.name, key, strong=strong)
+            entry = await self.policy.remote(bc, key, strong=strong)
         except KvcacheError as e:
             self.stats.remote_errors += 1
-            entry = self._stale_entry(bc, key, e, strong, max_stale_ms)  # or CommandError
+            entry = self.policy.stale_entry(bc, key, e, strong, max_stale_ms)  # or CommandError
             source = STALE_SOURCE
             self.stats.gets_stale += 1
         else:
-            entry = self._newest(bc, key, entry)
+            entry = self.policy.newest(bc, key, entry)
         hit = entry is not None and entry.operation is Operation.PUT
         self._log(t0, bc.name, key, entry.source if entry else source, hit, command)
         if not hit:
             self.stats.gets_notfound += 1
             return None
         return entry
-
-    def _stale_entry(self, bc: BucketConfig, key: str, err: KvcacheError, strong: bool = False,
-                     max_stale_ms: int | None = None) -> Entry | None:
-        """A fallback read failed. If it was one the replica passed on for staleness (a key of
-        the replicated set, neither CONSISTENCY strong nor MINREV) and no peer could answer
-        (UpstreamError), the bucket's serve_stale decides: the replica's last known value
-        (source STALE_SOURCE; None for a key it knows to be absent), or a RESP error saying why
-        neither answered. Even with serve_stale, the replica does not answer what it cannot
-        know (a key it lacks while it is not synced) or what would take a key's reads back in
-        time (a newer revision was already read from a peer): those stay errors."""
-        if strong or not isinstance(err, UpstreamError) or not self.sc.in_filters(bc.name, key):
-            raise CommandError(f"ERR upstream read failed: {err}")
-        feed = self.sc.feeds[bc.name]
-        bound = bc.max_stale_ms if max_stale_ms is None else max_stale_ms
-        if not feed.synced:
-            why = "replica not synced"
-        elif feed.fresh_within(bound):  # the key was gated (Feed.behind), the replica is fresh
-            why = "replica behind a revision of the key already read from NATS"
-        else:
-            why = f"replica stale ({feed.lag_ms() / 1000:.1f}s behind, max_stale_ms {bound})"
-        message = f"ERR bucket {bc.name}: {why} and no peer could answer: {err}"
-        if not self.cfg.serves_stale(bc):
-            raise CommandError(message)
-        rec = self.replica.get(bc.name, key)
-        entry = None if rec is None else Entry(bc.name, key, rec.value, rec.revision, rec.created,
-                                               0, Operation.PUT, STALE_SOURCE)
-        if entry is None and not feed.synced:
-            raise CommandError(f"{message}; not serving stale: the key may exist, the replica "
-                               "has not finished its sync")
-        if self.sc.router.floors.behind(bc.name, key, entry) or feed.behind(
-                key, None if entry is None else entry.revision):
-            raise CommandError(f"{message}; not serving stale: a newer revision of the key "
-                               "was already read from a peer")
-        return entry
-
-    def _newest(self, bc: BucketConfig, key: str, remote: Entry | None) -> Entry | None:
-        """The answer to hand out for a key read from NATS. Higher revision wins. A remote
-        not-found carries no revision, and a lagging responder may not have the key yet, so it
-        never overrides a record the replica holds; a deletion overrides it through its
-        DEL/PURGE marker's higher revision. A remote revision the synced replica has reached
-        (at or below its applied sequence) is no newer than what the replica knows, so the
-        replica's answer wins, absent included: the key was deleted since, and a lagging
-        peer's PUT must not bring it back after a local read showed it gone. A remote answer
-        above that is noted (Feed.handed_out): local reads must not go below it."""
-        if not self.sc.in_filters(bc.name, key):
-            return remote
-        rec = self.replica.get(bc.name, key)
-        if rec is not None and (remote is None or remote.revision < rec.revision):
-            return Entry(bc.name, key, rec.value, rec.revision, rec.created, 0, Operation.PUT, "local")
-        if remote is None:
-            return None
-        feed = self.sc.feeds[bc.name]
-        if feed.synced and remote.revision <= feed.meta.applied_seq:
-            return remote if rec is not None else None  # with a record: the same revision
-        feed.handed_out(key, remote.revision)
-        return remote
 
     def _lookup(self, raw_keys: list[bytes], t0: int = 0, command: str = "MGET",
                 budget: ReplyBudget | None = None) -> tuple[list[bytes | None], dict[str, list[tuple[int, str]]],
@@ -414,29 +262,30 @@ class Commands:
         values: list[bytes | None] = [None] * len(raw_keys)
         misses: dict[str, list[tuple[int, str]]] = {}
         gated: dict[str, list[tuple[int, str, int]]] = {}
-        plans = self._plans
+        plan_of = self.policy.plan
         txn = None
         local = notfound = 0
         try:
             for i, raw in enumerate(raw_keys):
-                plan = plans.get(raw)
-                if plan is None:
-                    plan = self._plan(raw)
-                if not plan or not plan[0].fresh_within(plan[1]):
-                    bc, key = self.resolve(raw)  # raises for an invalid key
+                plan = plan_of(raw)
+                if not plan or not plan.feed.fresh_within(plan.max_stale_ms):
+                    bc, key = self.policy.resolve(raw)  # raises for an invalid key
                     misses.setdefault(bc.name, []).append((i, key))
                     continue
-                _, _, db, lkey, offset = plan
+                feed, _, _, lkey, db, offset = plan
                 if txn is None:
                     txn = self.replica.env.begin()
                 rec = txn.get(lkey, None, db)
-                if plan[0].floor_seq and self._gate(i, raw, plan[0], rec, gated):
-                    continue
-                if rec is not None and (rec[19] >= 0x80 or plan[0].max_age_ns):
-                    rec, offset = live_value(rec, time.time_ns(), plan[0].max_age_ns), 0
+                if feed.floor_seq:
+                    bucket, key, want = self.policy.gated(raw, feed, rec)
+                    if want:
+                        gated.setdefault(bucket, []).append((i, key, want))
+                        continue
+                if rec is not None and (rec[19] >= 0x80 or feed.max_age_ns):
+                    rec, offset = live_value(rec, time.time_ns(), feed.max_age_ns), 0
                 local += 1
                 if t0 and self.access.sampled():  # resolved again only when sampled
-                    bc, key = self.resolve(raw)
+                    bc, key = self.policy.resolve(raw)
                     self._record(t0, bc.name, key, "local", rec is not None, command)
                 if rec is None:
                     notfound += 1
@@ -454,30 +303,20 @@ class Commands:
             misses.setdefault(bucket, []).extend((i, key) for i, key, _ in items)
         return values, misses, gated
 
-    def _gate(self, i: int, raw: bytes, feed, rec: bytes | None,
-              gated: dict[str, list[tuple[int, str, int]]]) -> bool:
-        """_lookup's per-key question while some key is gated (Feed.behind): may the replica
-        answer `raw` (its raw record `rec`) without going back? If not, it joins `gated`."""
-        bc, key = self.resolve(raw)
-        live = rec is not None and not self.replica.expired(bc.name, rec)
-        want = feed.behind(key, RECORD.unpack_from(rec)[0] if live else None)
-        if want:
-            gated.setdefault(bc.name, []).append((i, key, want))
-        return bool(want)
-
     async def _gated_many(self, values: list[bytes | None], misses: dict[str, list[tuple[int, str]]],
                           gated: dict[str, list[tuple[int, str, int]]], budget: ReplyBudget | None,
                           t0: int = 0, command: str = "MGET") -> None:
         """MGET/EXISTS keys the replica could not answer without going back (see _gate):
-        wait once per bucket (up to MINREV_WAIT_S) for the replica to reach them, answer
+        wait once per bucket (up to readpolicy.MINREV_WAIT_S) for the replica to reach them, answer
         those it may answer then, and leave the others in `misses`, for NATS."""
         for bucket, items in gated.items():
             bc = self.cfg.bucket(bucket)
-            await self.sc.feeds[bucket].wait_applied(max(w for _, _, w in items), MINREV_WAIT_S)
+            assert bc is not None  # gated keys were resolved
+            await self.policy.wait_applied(bucket, max(w for _, _, w in items))
             local = 0
             answered: set[int] = set()
             for i, key, _ in items:
-                ok, rec = self._local_now(bc, key)
+                ok, rec = self.policy.local_now(bc, key)
                 if not ok:
                     continue
                 answered.add(i)
@@ -497,7 +336,7 @@ class Commands:
                 del misses[bucket]
 
     @arity(2, exact=False)
-    def mget(self, conn: Connection, args: list[bytes]) -> Reply:
+    def mget(self, conn: Session, args: list[bytes]) -> Reply:
         t0 = self._t0()
         budget = ReplyBudget(self.cfg.max_reply_bytes)
         values, misses, gated = self._lookup(args[1:], t0, "MGET", budget)
@@ -507,7 +346,7 @@ class Commands:
                                  budget, gated)
 
     @arity(2, exact=False)
-    def exists(self, conn: Connection, args: list[bytes]) -> Reply:
+    def exists(self, conn: Session, args: list[bytes]) -> Reply:
         t0 = self._t0()
         values, misses, gated = self._lookup(args[1:], t0, "EXISTS")
         count = lambda: resp.integer(sum(v is not None for v in values))
@@ -527,17 +366,17 @@ class Commands:
             self.stats.gets_remote += len(keys)
             source = "remote"
             try:
-                found = await self.sc.router.get_many(bucket, keys, budget)
+                found = await self.policy.remote_many(bucket, keys, budget)
             except ReplyTooLarge:
                 raise
             except KvcacheError as e:
                 self.stats.remote_errors += 1
                 # every key from the stale replica, or the command fails (_stale_entry)
-                found = {k: self._stale_entry(bc, k, e) for k in keys}
+                found = {k: self.policy.stale_entry(bc, k, e) for k in keys}
                 source = STALE_SOURCE
                 self.stats.gets_stale += len(keys)
             for i, key in wanted:
-                entry = found[key] if source == STALE_SOURCE else self._newest(bc, key, found.get(key))
+                entry = found[key] if source == STALE_SOURCE else self.policy.newest(bc, key, found.get(key))
                 self._log(t0, bucket, key, entry.source if entry else source,
                           entry is not None and entry.operation is Operation.PUT, command)
                 if entry is None or entry.operation is not Operation.PUT:
@@ -549,8 +388,8 @@ class Commands:
         return reply()
 
     @arity(2, exact=False)
-    def kv_get(self, conn: Connection, args: list[bytes]) -> Reply:
-        bc, key = self.resolve(args[1])
+    def kv_get(self, conn: Session, args: list[bytes]) -> Reply:
+        bc, key = self.policy.resolve(args[1])
         opts = _options(args[2:], {b"consistency": str, b"maxstale": int, b"minrev": int})
         consistency = opts.get(b"consistency", "local").lower()
         if consistency not in ("local", "strong"):
@@ -558,23 +397,23 @@ class Commands:
         max_stale = opts.get(b"maxstale")
         min_rev = opts.get(b"minrev")
         t0 = self._t0()
-        if consistency == "local" and min_rev is None and self.local_ok(bc, key, max_stale):
+        if consistency == "local" and min_rev is None and self.policy.local_ok(bc, key, max_stale):
             rec = self.replica.get(bc.name, key)
-            want = self._behind(bc, key, rec)
+            want = self.policy.behind(bc, key, rec)
             if not want:
                 return self._local_entry(conn, bc, key, rec, t0)
             return self._gated_entry(conn, bc, key, want, max_stale, t0)
         return self._kv_get_remote(conn, bc, key, consistency == "strong", max_stale, min_rev, t0)
 
-    async def _gated_entry(self, conn: Connection, bc: BucketConfig, key: str, want: int,
+    async def _gated_entry(self, conn: Session, bc: BucketConfig, key: str, want: int,
                            max_stale: int | None, t0: int = 0) -> bytes:
         """KV.GET of a key whose newer revision was handed out from NATS (see _local_after)."""
-        local, rec = await self._local_after(bc, key, want, max_stale)
+        local, rec = await self.policy.local_after(bc, key, want, max_stale)
         if local:
             return self._local_entry(conn, bc, key, rec, t0)
         return await self._kv_get_remote(conn, bc, key, False, max_stale, None, t0)
 
-    def _local_entry(self, conn: Connection, bc: BucketConfig, key: str, rec: Record | None,
+    def _local_entry(self, conn: Session, bc: BucketConfig, key: str, rec: Record | None,
                      t0: int = 0) -> bytes:
         self.stats.gets_local += 1
         self._log(t0, bc.name, key, "local", rec is not None, "KV.GET")
@@ -583,13 +422,13 @@ class Commands:
             return resp.null(conn.proto)
         return _entry_reply(Entry(bc.name, key, rec.value, rec.revision, rec.created), conn.proto)
 
-    async def _kv_get_remote(self, conn: Connection, bc: BucketConfig, key: str, strong: bool,
+    async def _kv_get_remote(self, conn: Session, bc: BucketConfig, key: str, strong: bool,
                              max_stale: int | None, min_rev: int | None, t0: int = 0) -> bytes:
         if min_rev is not None and not strong:
             # A replicated key is served locally once the replica reaches the revision; any
             # other goes to the leader at once instead of waiting for sequences never applied.
-            if self.sc.in_filters(bc.name, key):
-                local, rec = await self._local_after(bc, key, min_rev, max_stale)
+            if self.policy.in_filters(bc.name, key):
+                local, rec = await self.policy.local_after(bc, key, min_rev, max_stale)
                 if local:
                     return self._local_entry(conn, bc, key, rec, t0)
             strong = True  # the replica is behind the revision asked for: the leader has it
@@ -611,7 +450,7 @@ class Commands:
         return self.cfg.default_bucket, text, ""
 
     @arity(2)
-    def keys(self, conn: Connection, args: list[bytes]) -> Reply:
+    def keys(self, conn: Session, args: list[bytes]) -> Reply:
         bucket, glob, shown = self._pattern_target(args[1])
         match = glob_matcher(glob)
         out = [resp.bulk((shown + k).encode(), conn.proto)
@@ -619,7 +458,7 @@ class Commands:
         return resp.array(out, conn.proto)
 
     @arity(2, exact=False)
-    def scan(self, conn: Connection, args: list[bytes]) -> Reply:
+    def scan(self, conn: Session, args: list[bytes]) -> Reply:
         try:
             cursor = int(args[1])
         except ValueError:
@@ -634,11 +473,9 @@ class Commands:
         after = None
         if cursor:
             # Kept, not consumed: a client that lost a reply may send the same cursor again.
-            saved = self._cursors.get(cursor)
-            if saved is None or saved[0] != bucket:
+            after = self._cursors.resume(cursor, bucket)
+            if after is None:
                 raise CommandError("ERR invalid cursor")
-            self._cursors.move_to_end(cursor)
-            after = saved[1]
         match = glob_matcher(glob)
         found: list[bytes] = []
         last = None
@@ -650,38 +487,30 @@ class Commands:
                 found.append(resp.bulk((shown + key).encode(), conn.proto))
         next_cursor = 0
         if n == count and last is not None:
-            next_cursor = self._save_cursor(bucket, last)
+            next_cursor = self._cursors.save(bucket, last)
         return resp.array([resp.bulk(b"%d" % next_cursor), resp.array(found, conn.proto)], conn.proto)
 
-    def _save_cursor(self, bucket: str, last: bytes) -> int:
-        cursor = self._next_cursor
-        self._next_cursor += 1
-        self._cursors[cursor] = (bucket, last)
-        while len(self._cursors) > SCAN_CURSORS:
-            self._cursors.popitem(last=False)
-        return cursor
-
     @arity(1)
-    def dbsize(self, conn: Connection, args: list[bytes]) -> Reply:
+    def dbsize(self, conn: Session, args: list[bytes]) -> Reply:
         b = self.cfg.default_bucket
         return resp.integer(self.replica.count(b) if b else 0)
 
     # ------------------------------------------------------------------ connection
 
-    def ping(self, conn: Connection, args: list[bytes]) -> Reply:
+    def ping(self, conn: Session, args: list[bytes]) -> Reply:
         if len(args) > 2:
             raise CommandError("ERR wrong number of arguments for 'ping' command")
         return resp.bulk(args[1], conn.proto) if len(args) == 2 else resp.PONG
 
     @arity(2)
-    def echo(self, conn: Connection, args: list[bytes]) -> Reply:
+    def echo(self, conn: Session, args: list[bytes]) -> Reply:
         return resp.bulk(args[1], conn.proto)
 
-    def quit(self, conn: Connection, args: list[bytes]) -> Reply:
+    def quit(self, conn: Session, args: list[bytes]) -> Reply:
         conn.close_after_reply()
         return resp.OK
 
-    def hello(self, conn: Connection, args: list[bytes]) -> Reply:
+    def hello(self, conn: Session, args: list[bytes]) -> Reply:
         """Redis's order: every option is parsed, then AUTH checked, then SETNAME validated,
         and only then anything applied, so a failed HELLO changes nothing."""
         proto = conn.proto
@@ -719,7 +548,7 @@ class Commands:
         return resp.map_([(resp.bulk(k), v) for k, v in info], proto)
 
     @arity(2, exact=False)
-    def auth(self, conn: Connection, args: list[bytes]) -> Reply:
+    def auth(self, conn: Session, args: list[bytes]) -> Reply:
         """Redis's answers with no password configured (see WRONGPASS): never an OK that
         pretends a password was checked, never a refusal of the one user that exists."""
         if len(args) > 3:
@@ -730,7 +559,7 @@ class Commands:
         return resp.OK
 
     @arity(2, exact=False)
-    def client(self, conn: Connection, args: list[bytes]) -> Reply:
+    def client(self, conn: Session, args: list[bytes]) -> Reply:
         """The subcommands kvcache performs, as Redis does them; everything about
         client-side caching says tracking is off, and turning it on is refused."""
         sub = args[1].lower()
@@ -781,7 +610,7 @@ class Commands:
             return TRACKINGINFO_OFF[conn.proto]
         raise CommandError(f"ERR unknown subcommand '{args[1].decode(errors='replace')[:64]}'. Try CLIENT HELP.")
 
-    def command(self, conn: Connection, args: list[bytes]) -> Reply:
+    def command(self, conn: Session, args: list[bytes]) -> Reply:
         sub = args[1].lower() if len(args) > 1 else b""
         proto = conn.proto
         if sub == b"" and len(args) == 1:
@@ -801,7 +630,7 @@ class Commands:
         raise CommandError(f"ERR unknown subcommand '{args[1].decode(errors='replace')[:64]}'. Try COMMAND HELP.")
 
     @arity(2)
-    def select(self, conn: Connection, args: list[bytes]) -> Reply:
+    def select(self, conn: Session, args: list[bytes]) -> Reply:
         """Only database 0 exists (CONFIG GET databases says 1); Redis's wording for the rest."""
         if args[1] == b"0":
             return resp.OK
@@ -812,7 +641,7 @@ class Commands:
         raise CommandError("ERR DB index is out of range")
 
     @arity(2, exact=False)
-    def config(self, conn: Connection, args: list[bytes]) -> Reply:
+    def config(self, conn: Session, args: list[bytes]) -> Reply:
         if args[1].lower() != b"get":
             raise CommandError("ERR kvcache supports CONFIG GET only")
         if len(args) < 3:
@@ -831,66 +660,15 @@ class Commands:
 
     # ------------------------------------------------------------------ INFO
 
-    def info(self, conn: Connection, args: list[bytes]) -> Reply:
+    def info(self, conn: Session, args: list[bytes]) -> Reply:
         wanted = {a.decode(errors="replace").lower() for a in args[1:]}
         return resp.verbatim(self.info_text(wanted), conn.proto)
 
     def info_text(self, wanted: set[str]) -> str:
-        sc, st = self.sc, self.stats
-        sections = {
-            "server": [
-                ("kvcache_version", __version__), ("redis_version", "7.2.0"),
-                ("process_id", os.getpid()), ("uptime_in_seconds", int(time.time() - st.started)),
-                ("socket", self.cfg.socket_path), ("nats_url", sc.nats_url),
-                ("embedded_nats", int(sc.use_embedded)),
-                ("native", ",".join(f"{k}={v.split()[0]}" for k, v in native.report().items())),
-                ("default_bucket", self.cfg.default_bucket or ""),
-            ],
-            "clients": [
-                ("connected_clients", sc.server.client_count if sc.server else 0),
-                ("maxclients", self.cfg.max_clients),
-                ("rejected_connections", st.rejected_connections),
-                ("clients_cut_off", st.clients_cut_off),
-            ],
-            "stats": [
-                ("gets_local", st.gets_local), ("gets_remote", st.gets_remote),
-                ("gets_notfound", st.gets_notfound), ("remote_errors", st.remote_errors),
-                ("gets_stale", st.gets_stale),
-                ("total_commands_processed", st.commands),
-                ("total_connections_received", st.connections_received),
-                ("protocol_errors", st.protocol_errors),
-                ("access_log_records", self.access.records),
-            ],
-            "buckets": [(name, _fields(
-                synced=int(f.synced), keys=self.replica.count(name), applied_seq=f.meta.applied_seq,
-                upstream_seq=max(f.upstream_seq, f.meta.applied_seq), lag_ms=f.lag_ms(),
-                resyncs=f.meta.resyncs, removed_upstream=f.removed_upstream,
-                state_polls=f.state_polls)) for name, f in sc.feeds.items()],
-            "peers": [(p.label, _fields(
-                stream=p.stream, state=p.state, ewma_us=int(p.stats.ewma_us),
-                requests=p.stats.requests, errors=p.stats.errors, hedges=p.stats.hedges))
-                for p in sc.router.peers()],
-            "routing": sc.router.info_rows(),
-        }
-        default = {"server", "clients", "stats", "buckets", "peers"}
-        show = default if not wanted or "default" in wanted else wanted
-        if wanted & {"all", "everything"}:
-            show = set(sections)
-        lines: list[str] = []
-        for name, items in sections.items():
-            if name not in show:
-                continue
-            lines.append(f"# {name.capitalize()}")
-            lines += [f"{k}:{v}" for k, v in items]
-            lines.append("")
-        return "\r\n".join(lines)
+        return self.info_source.text(wanted)
 
 
 # ---------------------------------------------------------------------- helpers
-
-def _fields(**kv: object) -> str:
-    return ",".join(f"{k}={v}" for k, v in kv.items())
-
 
 def _values_reply(values: list[bytes | None], proto: int) -> bytes:
     return resp.array([resp.bulk(v, proto) for v in values], proto)
@@ -960,37 +738,3 @@ def _options(args: list[bytes], spec: dict[bytes, type]) -> dict[bytes, object]:
         else:
             out[name] = raw
     return out
-
-
-@functools.lru_cache(maxsize=256)
-def glob_matcher(pattern: str) -> Callable[[str], bool]:
-    """Redis glob: * ? [abc] [^a] [a-z] and backslash escapes."""
-    if pattern == "*":
-        return lambda _: True
-    out, i, n = [], 0, len(pattern)
-    while i < n:
-        c = pattern[i]
-        if c == "*":
-            out.append(".*")
-        elif c == "?":
-            out.append(".")
-        elif c == "\\" and i + 1 < n:
-            i += 1
-            out.append(re.escape(pattern[i]))
-        elif c == "[":
-            j = pattern.find("]", i + 2 if i + 1 < n and pattern[i + 1] in "^!" else i + 1)
-            if j < 0:
-                out.append(re.escape(c))
-            else:
-                body = pattern[i + 1 : j]
-                neg = body[:1] in ("^", "!")
-                if neg:
-                    body = body[1:]
-                body = body.replace("\\", "\\\\").replace("]", "\\]")
-                out.append(f"[{'^' if neg else ''}{body}]")
-                i = j
-        else:
-            out.append(re.escape(c))
-        i += 1
-    rx = re.compile("".join(out), re.DOTALL)
-    return lambda s: rx.fullmatch(s) is not None

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .keys import valid_filter
 
 BUCKET_NAME = re.compile(r"^[a-zA-Z0-9_-]+$")
-KEY_TOKEN = re.compile(r"^[-/_=a-zA-Z0-9]+$")
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the terminating NUL
 
 
@@ -375,7 +375,7 @@ def validate(cfg: Config) -> None:
         if not b.keys:
             raise ConfigError(f"bucket '{b.name}': keys must list at least one filter")
         for f in b.keys:
-            if not valid_key_filter(f):
+            if not valid_filter(f):
                 raise ConfigError(f"bucket '{b.name}': invalid key filter '{f}'")
         if b.max_stale_ms < 0:
             raise ConfigError(f"bucket '{b.name}': max_stale_ms must not be negative")
@@ -390,18 +390,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError("peer names must be unique")
     if "stale" in peer_names:  # KV.GET's source for a stale replica's answer
         raise ConfigError("peer name 'stale' is reserved")
-
-
-def valid_key_filter(f: str) -> bool:
-    """A NATS subject filter over KV keys: tokens, `*` for one token, `>` last."""
-    tokens = f.split(".")
-    for i, t in enumerate(tokens):
-        if t == ">":
-            if i != len(tokens) - 1:
-                return False
-        elif t != "*" and not KEY_TOKEN.match(t):
-            return False
-    return True
 
 
 

@@ -21,6 +21,11 @@ class ReplicaError(KvcacheError):
     """The LMDB replica could not be opened or written."""
 
 
+class CommandError(KvcacheError):
+    """A command's one-line refusal, answered to the client as a RESP error (the message is
+    the error text, code first); the connection stays usable."""
+
+
 class ProtocolError(KvcacheError):
     """Malformed RESP or NATS input: the framing is lost and the connection must close.
     The NATS reader attaches the events parsed before the error as `events`."""

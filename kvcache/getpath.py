@@ -19,8 +19,8 @@ request reader, then cut and serve GET runs until the buffer is empty (more=Fals
 something other than an answerable GET is next or the budget is reached (more=True: the
 server's generic loop takes over from there).
 
-`planner(key)` says how to read a raw key locally: `(feed, max_stale_ms, bucket, lmdb key)`,
-or False when the generic path must answer it. Plans are cached here (a bounded dict), so
+`planner(key)` says how to read a raw key locally: a kvcache.readpolicy.Plan, or False when
+the generic path must answer it. Plans are cached here (a bounded dict), so
 the planner runs once per distinct key; freshness (`feed.fresh_enough(max_stale_ms)`) is
 asked at most once per feed per call, and a yes is believed for FRESH_VERDICT_S.
 """
@@ -28,10 +28,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from .record import LONG_KEY_PREFIX, RECORD, live_value
+from .record import RECORD, live_value
 from .replica import Replica
 from .resp import GET_LEN, NIL2, NIL3
+
+if TYPE_CHECKING:
+    from .readpolicy import Plan
 
 PLAN_CACHE = 65536
 FLUSH_AT = 256 * 1024  # write out what a batch has answered once it is this big
@@ -43,14 +47,14 @@ BULK_HEADER = [b"$%d\r\n" % n for n in range(10_000)]
 
 _monotonic = time.monotonic
 
-Planner = Callable[[bytes], "tuple | bool"]
+Planner = Callable[[bytes], "Plan | bool"]
 
 
 class LocalGets:
     def __init__(self, replica: Replica, planner: Planner) -> None:
         self.replica = replica
         self.planner = planner
-        self.plans: dict[bytes, tuple | bool] = {}
+        self.plans: dict[bytes, Plan | bool] = {}
         self._fresh_until: dict[object, float] = {}  # feed -> monotonic time
 
     def forget_fresh(self) -> None:
@@ -66,12 +70,8 @@ class LocalGets:
         answers, less work); here the planner answers everything, so only its cache resets."""
         self.plans.clear()
 
-    def _plan(self, key: bytes) -> tuple | bool:
+    def _plan(self, key: bytes) -> Plan | bool:
         plan = self.planner(key)
-        if plan:
-            feed, max_stale, bucket, lkey = plan
-            plan = (feed, max_stale, self.replica.db(bucket), lkey,
-                    None if lkey.startswith(LONG_KEY_PREFIX) else RECORD.size)
         if len(self.plans) >= PLAN_CACHE:
             self.plans.clear()
         self.plans[key] = plan
@@ -118,7 +118,7 @@ class LocalGets:
                         txn = None
                 if not plan:
                     break
-                feed, max_stale, db, lkey, offset = plan
+                feed, max_stale, _, lkey, db, offset = plan
                 max_age = feed.max_age_ns
                 if feed is not fresh:
                     now = _monotonic()

@@ -17,10 +17,11 @@ import time
 
 import lmdb
 
-from .commands import glob_matcher
 from .entry import Entry, Operation
 from .errors import KvcacheError, ReplicaError
+from .keys import glob_matcher
 from .native import pick
+from .readpolicy import meta_fresh, split_address
 from .record import live_value
 from .replica import BUCKETS_KEY, META_DB, BucketMeta, Replica, decode_record, lmdb_key
 
@@ -35,6 +36,11 @@ class StaleReplica(KvcacheError):
 
 
 class LocalReader:
+    """Reads the sidecar's replica from the application's own process (the app side of the
+    socket): the same answers as GET over the socket for replicated keys, at the cost of an
+    LMDB read, and StaleReplica where the sidecar would not vouch for the replica. Read-only;
+    keys outside the replicated filters are not here (ask the sidecar)."""
+
     def __init__(self, data_dir: str, max_stale_ms: int = 5000, bucket: str | None = None) -> None:
         path = os.path.join(data_dir, "replica")
         if not os.path.exists(os.path.join(path, "data.mdb")):
@@ -124,9 +130,9 @@ class LocalReader:
     # ------------------------------------------------------------------ internals
 
     def _address(self, key: str) -> tuple[str, str]:
-        bucket, sep, name = key.partition(":")
-        if not sep:
-            bucket, name = self._require_default(), key
+        bucket, name, named = split_address(key, self.default_bucket)
+        if not named:
+            bucket = self._require_default()
         self._check_fresh(bucket)
         return bucket, name
 
@@ -145,8 +151,8 @@ class LocalReader:
         if self._replica.max_age.get(bucket, 0) != meta.max_age_ns:
             self._replica.max_age[bucket] = meta.max_age_ns  # plans carry it: make them anew
             self._plans.clear()
-        age_ms = (time.time_ns() - meta.fresh_at_ns) / 1e6
-        if not meta.synced or age_ms > self.max_stale_ms:
+        fresh, age_ms = meta_fresh(meta, self.max_stale_ms, time.time_ns())
+        if not fresh:
             raise StaleReplica(
                 f"bucket '{bucket}' replica is stale: synced={int(meta.synced)}, "
                 f"last confirmed {age_ms:.0f} ms ago (max_stale_ms={self.max_stale_ms})")

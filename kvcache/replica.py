@@ -33,6 +33,7 @@ from typing import TypeVar, overload
 import lmdb
 
 from .errors import ReplicaError
+from .keys import subject_match
 from .record import (
     LONG_KEY_PREFIX,
     MAX_LMDB_KEY,
@@ -47,7 +48,6 @@ from .record import (
     lkey_of,
     lmdb_key,
 )
-from .subjects import subject_match
 
 
 @overload

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import Final
 
 from kvcache.errors import ProtocolError
+from kvcache.keys import TOKEN_CHARS
 
 __all__ = [
     "CRLF",
@@ -267,8 +268,10 @@ class RequestReader(_BufferedReader):
 # `*2 $3 GET $<n> <key>`: 18 bytes of framing plus the digits and the key. The key pattern
 # (KV key characters and `:`, never CR or LF) cannot run past its argument; a declared length
 # that disagrees with it is caught by the caller (GET_LEN) and left to the full parser.
-_GET_ONE = re.compile(rb"\*2\r\n\$3\r\nGET\r\n(\$\d{1,4})\r\n([-/_=.:a-zA-Z0-9]{1,9999})\r\n").match
-_GET_RUN = re.compile(rb"(?:\*2\r\n\$3\r\nGET\r\n\$\d{1,4}\r\n[-/_=.:a-zA-Z0-9]{1,9999}\r\n)+").match
+# a RESP key: KV key characters, dots, and `:` for a bucket prefix (kvcache.keys)
+_KEY_BYTES = rb"[" + TOKEN_CHARS.encode() + rb".:]"
+_GET_ONE = re.compile(rb"\*2\r\n\$3\r\nGET\r\n(\$\d{1,4})\r\n(" + _KEY_BYTES + rb"{1,9999})\r\n").match
+_GET_RUN = re.compile(rb"(?:\*2\r\n\$3\r\nGET\r\n\$\d{1,4}\r\n" + _KEY_BYTES + rb"{1,9999}\r\n)+").match
 _GET_UNIT_MAX = 18 + 4 + 9999
 GET_LEN: Final = [b"$%d" % n for n in range(10_000)]
 """GET_LEN[n] is the bulk header `$<n>` (as take_gets returns them), to compare without int()."""

@@ -30,8 +30,9 @@ from .getpath import FLUSH_AT
 from .native import pick
 
 if TYPE_CHECKING:
-    from .commands import Commands, Stats
+    from .commands import Commands
     from .config import Config
+    from .stats import Stats
 
 log = logging.getLogger("kvcache.server")
 
@@ -95,9 +96,12 @@ class Connection(GETPATH.GetConnection, asyncio.Protocol):
             return
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)  # type: ignore[attr-defined]
         srv.connections.add(self)
+        srv.stats.connected_clients = len(srv.connections)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.srv.connections.discard(self)
+        srv = self.srv
+        srv.connections.discard(self)
+        srv.stats.connected_clients = len(srv.connections)
         self._closing = True
         self._disarm_stall()
         if self._busy is not None:
@@ -345,11 +349,14 @@ class RespServer:
         self.cfg = cfg
         self.commands = commands
         self.stats = stats
-        self.gets = GETPATH.LocalGets(commands.replica, self._plan)
-        for feed in commands.sc.feeds.values():  # a gated key must not ride a cached verdict
+        policy = commands.policy
+        # With the access log on, every GET must reach the command layer (to be logged): the
+        # fast path then plans nothing.
+        self.gets = GETPATH.LocalGets(policy.replica, _no_plan if commands.access.enabled else policy.plan)
+        for feed in policy.feeds.values():  # a gated key must not ride a cached verdict
             feed.on_gated = self.gets.forget_fresh
-        if not commands.access.enabled:  # with it on, every GET must reach the command layer
-            feeds = commands.sc.feeds
+        if not commands.access.enabled:
+            feeds = policy.feeds
             self.gets.set_buckets([(b.name, feeds[b.name], b.max_stale_ms, list(b.keys) == [">"])
                                    for b in cfg.buckets], cfg.default_bucket)
         self.path = os.path.abspath(cfg.socket_path)
@@ -359,14 +366,6 @@ class RespServer:
         self._inode: int | None = None
         self.closing = False
         self.write_stall_s = cfg.client_write_stall_ms / 1000
-
-    def _plan(self, key: bytes) -> tuple | bool:
-        """The GET path's planner (see kvcache.getpath) over the command layer's plans."""
-        plan = self.commands.local_plan(key)
-        if not plan:
-            return False
-        feed = plan[0]
-        return feed, plan[1], feed.bucket, plan[3]
 
     @property
     def client_count(self) -> int:
@@ -414,6 +413,10 @@ class RespServer:
                 os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def _no_plan(key: bytes) -> bool:
+    return False
 
 
 def raise_fd_limit(wanted: int) -> int:

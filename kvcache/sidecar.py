@@ -20,17 +20,19 @@ import nats.errors
 
 from . import jetstream as jsapi
 from . import native
-from .commands import Commands, Stats
+from .accesslog import AccessLog
+from .commands import Commands
 from .config import BucketConfig, Config, ensure_dirs, strip_url_auth, tls_context, url_auth
 from .errors import BucketNotFound, ConfigError, KvcacheError, UpstreamError
 from .feed import Feed
 from .natsconn import Connection
 from .natsserver import NatsServer
 from .peerset import PeerConnections, configured_peers, discovered_peers
+from .readpolicy import ReadPolicy
 from .replica import Replica
 from .router import Peer, Router
 from .server import RespServer, claim_socket_path
-from .subjects import subject_match
+from .stats import Stats
 
 log = logging.getLogger("kvcache")
 
@@ -49,6 +51,11 @@ DEMO_KEYS = 1000
 
 
 class Sidecar:
+    """The application object of `kvcache serve`: builds the parts in order (NATS, replica,
+    feeds, router, read policy, RESP server), supervises what can fail while serving (the
+    embedded nats-server, a feed's fatal error, signals) and stops them in reverse order,
+    whatever state each is in. Nothing below it holds a reference back to it."""
+
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.stats = Stats()
@@ -82,6 +89,7 @@ class Sidecar:
             self._supervisor = asyncio.ensure_future(self._supervise_embedded())
         self.nc = await self._connect(self.cfg.nats.servers)
         self.nats_url = self.nc.connected_url.geturl() if self.nc.connected_url else ""
+        self.stats.nats_url, self.stats.embedded_nats = self.nats_url, self.use_embedded
         if self.use_embedded and not self.cfg.buckets:
             await self._ensure_demo_bucket()
         self.replica = Replica(
@@ -101,7 +109,8 @@ class Sidecar:
             self.router.add(Peer("main", self.nc, feed.stream, b.name,
                                  direct=bool(feed.stream_config.get("allow_direct"))))
         await self._add_peers(timeout)
-        self.commands = Commands(self)
+        policy = ReadPolicy(self.cfg, self.replica, self.feeds, self.router)
+        self.commands = Commands(self.cfg, policy, self.stats, AccessLog.from_config(self.cfg))
         self.server = RespServer(self.cfg, self.commands, self.stats)
         await self.server.start()
         # Which implementation serves each native module: logged once serving (a mistake
@@ -453,13 +462,6 @@ class Sidecar:
         for i in range(DEMO_KEYS):
             await kv.put(f"user.{i:04d}", f'{{"id":{i},"name":"user {i}"}}'.encode())
         log.info("created demo bucket '%s' with %d keys", DEMO_BUCKET, DEMO_KEYS + 1)
-
-    # ------------------------------------------------------------------ helpers for commands
-
-    @functools.lru_cache(maxsize=65536)
-    def in_filters(self, bucket: str, key: str) -> bool:
-        """Is the key inside the bucket's replicated set (its `keys` filters)?"""
-        return any(subject_match(f, key) for f in self.cfg.bucket(bucket).keys)
 
 
 # What a permissions violation names; the publishes the feeds cannot do without (the rest are

@@ -7,8 +7,9 @@ import pytest
 from sidecar_proc import run_cli
 
 from kvcache.cli import build_parser
-from kvcache.config import load, parse_bucket_spec, valid_key_filter
+from kvcache.config import load, parse_bucket_spec
 from kvcache.errors import ConfigError
+from kvcache.keys import valid_filter as valid_key_filter
 
 FULL = """
 socket = "/tmp/kvc-test.sock"

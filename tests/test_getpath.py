@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from kvcache import getpath as twin
 from kvcache.native import native_or_none
-from kvcache.record import item, lmdb_key
+from kvcache.readpolicy import Plan
+from kvcache.record import LONG_KEY_PREFIX, RECORD, item, lmdb_key
 from kvcache.replica import BucketMeta, Replica
 from kvcache.resp import GET_LEN
 
@@ -55,11 +56,12 @@ def load(replica: Replica, bucket: str, values: dict[str, bytes]) -> None:
 
 
 class Planner:
-    """commands.local_plan's contract, for buckets `main` (default, every key) and `other`
+    """ReadPolicy.plan's contract, for buckets `main` (default, every key) and `other`
     (only keys under `only.` are replicated: the rest is remote)."""
 
-    def __init__(self, feeds: dict[str, Feed]) -> None:
+    def __init__(self, feeds: dict[str, Feed], replica: Replica) -> None:
         self.feeds = feeds
+        self.replica = replica
         self.calls = 0
 
     def __call__(self, raw: bytes):
@@ -73,7 +75,9 @@ class Planner:
             return False
         if bucket == "other" and not key.startswith("only."):
             return False
-        return self.feeds[bucket], 1000, bucket, lmdb_key(key)
+        lkey = lmdb_key(key)
+        return Plan(self.feeds[bucket], 1000, bucket, lkey, self.replica.db(bucket),
+                    None if lkey.startswith(LONG_KEY_PREFIX) else RECORD.size)
 
 
 @pytest.fixture
@@ -87,7 +91,7 @@ def env(tmp_path):
 
 
 def make(mod, replica, feeds, direct: bool = True):
-    planner = Planner(feeds)
+    planner = Planner(feeds, replica)
     gets = mod.LocalGets(replica, planner)
     if direct:
         gets.set_buckets([("main", feeds["main"], 1000, True), ("other", feeds["other"], 1000, False),

@@ -11,7 +11,7 @@ from test_pipeline_load import spark  # noqa: F401 - the session's one SparkSess
 
 from kvcache import cli
 from kvcache.accesslog import AccessLog
-from kvcache.config import valid_key_filter
+from kvcache.keys import valid_filter as valid_key_filter
 from kvcache.pipeline.cover import Filter, cover_filters, group_of
 
 # ---------------------------------------------------------------------------- the algorithm

@@ -2,16 +2,13 @@
 rules (the same token rule the sidecar's config uses for key filters)."""
 from __future__ import annotations
 
-import re
 import string
 from dataclasses import dataclass
 
-from ..config import KEY_TOKEN
 from ..errors import ConfigError
+from ..keys import KEY_RE as KEY
 
 RESERVED_PREFIX = "_kv"  # ADR-8: keys starting with _kv are for internal use
-_TOKEN = KEY_TOKEN.pattern.lstrip("^").rstrip("$")
-KEY = re.compile(rf"{_TOKEN}(?:\.{_TOKEN})*")  # tokens joined by single dots, as one regex
 KEY_RE2 = f"^(?:{KEY.pattern})$"  # the same for Arrow's match_substring_regex (RE2: $ is the end)
 
 

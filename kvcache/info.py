@@ -1,0 +1,92 @@
+"""INFO: the sidecar's state as Redis-style `# Section` / `field:value` text.
+
+Assembled here from the narrow parts that hold the numbers (the shared Stats, the read
+policy's feeds, replica and router, the access log), so that the command table only parses
+INFO's arguments. Every field is documented in docs/info.md.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING
+
+from . import __version__, native
+
+if TYPE_CHECKING:
+    from .accesslog import AccessLog
+    from .config import Config
+    from .readpolicy import ReadPolicy
+    from .stats import Stats
+
+DEFAULT_SECTIONS = frozenset({"server", "clients", "stats", "buckets", "peers"})
+# What INFO says it is, for clients that check the Redis version they talk to
+REDIS_VERSION = "7.2.0"
+
+
+class Info:
+    """Builds INFO's text on demand (nothing is computed between INFO calls)."""
+
+    def __init__(self, cfg: Config, stats: Stats, policy: ReadPolicy, access: AccessLog) -> None:
+        self.cfg = cfg
+        self.stats = stats
+        self.policy = policy
+        self.access = access
+
+    def sections(self) -> dict[str, list[tuple[str, object]]]:
+        st, cfg, policy = self.stats, self.cfg, self.policy
+        router = policy.router
+        return {
+            "server": [
+                ("kvcache_version", __version__), ("redis_version", REDIS_VERSION),
+                ("process_id", os.getpid()), ("uptime_in_seconds", int(time.time() - st.started)),
+                ("socket", cfg.socket_path), ("nats_url", st.nats_url),
+                ("embedded_nats", int(st.embedded_nats)),
+                ("native", ",".join(f"{k}={v.split()[0]}" for k, v in native.report().items())),
+                ("default_bucket", cfg.default_bucket or ""),
+            ],
+            "clients": [
+                ("connected_clients", st.connected_clients),
+                ("maxclients", cfg.max_clients),
+                ("rejected_connections", st.rejected_connections),
+                ("clients_cut_off", st.clients_cut_off),
+            ],
+            "stats": [
+                ("gets_local", st.gets_local), ("gets_remote", st.gets_remote),
+                ("gets_notfound", st.gets_notfound), ("remote_errors", st.remote_errors),
+                ("gets_stale", st.gets_stale),
+                ("total_commands_processed", st.commands),
+                ("total_connections_received", st.connections_received),
+                ("protocol_errors", st.protocol_errors),
+                ("access_log_records", self.access.records),
+            ],
+            "buckets": [(name, _fields(
+                synced=int(f.synced), keys=policy.replica.count(name), applied_seq=f.meta.applied_seq,
+                upstream_seq=max(f.upstream_seq, f.meta.applied_seq), lag_ms=f.lag_ms(),
+                resyncs=f.meta.resyncs, removed_upstream=f.removed_upstream,
+                state_polls=f.state_polls)) for name, f in policy.feeds.items()],
+            "peers": [(p.label, _fields(
+                stream=p.stream, state=p.state, ewma_us=int(p.stats.ewma_us),
+                requests=p.stats.requests, errors=p.stats.errors, hedges=p.stats.hedges))
+                for p in router.peers()],
+            "routing": router.info_rows(),
+        }
+
+    def text(self, wanted: set[str]) -> str:
+        """The sections asked for (none or `default`: the default ones; `all`/`everything`:
+        every one), as INFO's reply text."""
+        sections = self.sections()
+        show: set[str] | frozenset[str] = DEFAULT_SECTIONS if not wanted or "default" in wanted else wanted
+        if wanted & {"all", "everything"}:
+            show = set(sections)
+        lines: list[str] = []
+        for name, items in sections.items():
+            if name not in show:
+                continue
+            lines.append(f"# {name.capitalize()}")
+            lines += [f"{k}:{v}" for k, v in items]
+            lines.append("")
+        return "\r\n".join(lines)
+
+
+def _fields(**kv: object) -> str:
+    return ",".join(f"{k}={v}" for k, v in kv.items())

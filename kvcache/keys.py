@@ -1,0 +1,86 @@
+"""The KV key grammar, the subject-filter matcher and the Redis glob: one definition of each.
+
+ADR-8: a key is tokens of `[-/_=a-zA-Z0-9]` joined by single dots (no empty token, no dot at
+either end); a key filter may use `*` for one token and `>` for the rest (last). Every Python
+check of a key or a filter uses this module; the C copies (ext/resp_get.pxd, the server's GET
+path) are tested against it on generated keys (tests/test_keys.py). A RESP key may carry a
+`bucket:` prefix (kvcache.readpolicy.split_address) before the KV key checked here.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+
+TOKEN_CHARS = "-/_=a-zA-Z0-9"  # a regex character class body: ADR-8's token characters
+TOKEN = f"[{TOKEN_CHARS}]+"
+# fullmatch, never match(): `$` also matches before a trailing "\n", and a newline in a key
+# would end the NATS protocol line of the Direct Get request built from it.
+KEY_RE = re.compile(rf"{TOKEN}(?:\.{TOKEN})*")
+KEY_TOKEN_RE = re.compile(TOKEN)
+
+
+def valid_key(key: str) -> bool:
+    """Is `key` a KV key (ADR-8)?"""
+    return KEY_RE.fullmatch(key) is not None
+
+
+def valid_filter(f: str) -> bool:
+    """A NATS subject filter over KV keys: tokens, `*` for one token, `>` last."""
+    tokens = f.split(".")
+    for i, t in enumerate(tokens):
+        if t == ">":
+            if i != len(tokens) - 1:
+                return False
+        elif t != "*" and KEY_TOKEN_RE.fullmatch(t) is None:
+            return False
+    return True
+
+
+def subject_match(pattern: str, key: str) -> bool:
+    """Does `key` match the filter `pattern` (`*` one token, `>` one or more at the end)?
+    The one matcher for every place that asks whether a key falls under a filter (a bucket's
+    replicated set, a purge request's filter)."""
+    if pattern == ">":
+        return True
+    pt, kt = pattern.split("."), key.split(".")
+    for i, p in enumerate(pt):
+        if p == ">":
+            return len(kt) > i
+        if i >= len(kt) or (p != "*" and p != kt[i]):
+            return False
+    return len(pt) == len(kt)
+
+
+@functools.lru_cache(maxsize=256)
+def glob_matcher(pattern: str) -> Callable[[str], bool]:
+    """Redis glob: * ? [abc] [^a] [a-z] and backslash escapes."""
+    if pattern == "*":
+        return lambda _: True
+    out, i, n = [], 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "*":
+            out.append(".*")
+        elif c == "?":
+            out.append(".")
+        elif c == "\\" and i + 1 < n:
+            i += 1
+            out.append(re.escape(pattern[i]))
+        elif c == "[":
+            j = pattern.find("]", i + 2 if i + 1 < n and pattern[i + 1] in "^!" else i + 1)
+            if j < 0:
+                out.append(re.escape(c))
+            else:
+                body = pattern[i + 1 : j]
+                neg = body[:1] in ("^", "!")
+                if neg:
+                    body = body[1:]
+                body = body.replace("\\", "\\\\").replace("]", "\\]")
+                out.append(f"[{'^' if neg else ''}{body}]")
+                i = j
+        else:
+            out.append(re.escape(c))
+        i += 1
+    rx = re.compile("".join(out), re.DOTALL)
+    return lambda s: rx.fullmatch(s) is not None

@@ -1,0 +1,31 @@
+"""The server's shared state: counters the connections, the command layer and INFO share.
+
+One plain object, written in place on the hot path (an attribute increment, no lock: the
+server runs on one event loop), read by INFO. Its own module so that the connection code, the
+command layer and INFO depend on it and not on each other.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Stats:
+    """What the sidecar counts (INFO's `stats` and `clients` sections) and the facts about
+    the process that INFO shows beside them."""
+
+    gets_local: int = 0
+    gets_remote: int = 0
+    gets_notfound: int = 0
+    remote_errors: int = 0
+    gets_stale: int = 0  # answered from a stale replica (serve_stale) after a failed remote read
+    commands: int = 0
+    connections_received: int = 0
+    connected_clients: int = 0
+    rejected_connections: int = 0
+    protocol_errors: int = 0
+    clients_cut_off: int = 0  # read none of their queued replies for client_write_stall_ms
+    started: float = field(default_factory=time.time)
+    nats_url: str = ""  # the server the sidecar's own connection reached
+    embedded_nats: bool = False  # the sidecar runs its own nats-server
