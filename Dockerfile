@@ -1,6 +1,6 @@
 # Multi-stage: build the wheel (with its Cython extensions) where a compiler is, run it where none is.
 FROM python:3.11-slim AS build
-# liblmdb-dev: the native GET path (ext/getpath.pyx) links the system LMDB.
+# liblmdb-dev: the native GET path (ext/server_get.pyx) links the system LMDB.
 RUN apt-get update && apt-get install -y --no-install-recommends build-essential liblmdb-dev \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src

@@ -40,7 +40,7 @@ python-env:
 	  $(VENV)/bin/python -m pip install -q --upgrade pip; \
 	fi
 
-# liblmdb-dev: the server's native GET path links the system LMDB (ext/getpath.pyx). Without
+# liblmdb-dev: the server's native GET path links the system LMDB (ext/server_get.pyx). Without
 # it that one extension is not built and its pure-Python twin serves, so a failure here is
 # only a warning.
 # A C compiler and the Python headers build the native paths; without them setup.py skips

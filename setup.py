@@ -58,7 +58,7 @@ def _first_line(e: BaseException) -> str:
 
 # Extensions that link a system library, and the header that says it is installed. Without
 # it the extension is skipped (its pure-Python twin serves); `make test` installs it.
-SYSTEM_LIBS = {"ext/getpath.pyx": "lmdb.h"}  # Debian/Ubuntu: liblmdb-dev
+SYSTEM_LIBS = {"ext/server_get.pyx": "lmdb.h"}  # Debian/Ubuntu: liblmdb-dev
 
 
 def have_header(name: str) -> bool:

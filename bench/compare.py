@@ -62,7 +62,7 @@ for p in (ROOT / "tests", BENCH, ROOT):  # ROOT ends up first: this checkout's k
 import socket_bench  # noqa: E402
 import sync_bench  # noqa: E402
 from restart import publish_all  # noqa: E402
-from sidecar_proc import Sidecar  # noqa: E402
+from sidecar_proc import SidecarProcess  # noqa: E402
 from topology import Cluster, add_hub_mirror, start_leaf  # noqa: E402
 
 from kvcache import LocalReader  # noqa: E402
@@ -110,10 +110,10 @@ SIDECARS = {"hub": ("hub", False), "peer": ("hub", True), "leaf": ("leaf", False
 class ReadSetup:
     hub: NatsServer
     leaf: NatsServer
-    sidecars: dict[str, Sidecar]  # started ones, by SIDECARS name
+    sidecars: dict[str, SidecarProcess]  # started ones, by SIDECARS name
 
     @property
-    def sidecar(self) -> Sidecar:
+    def sidecar(self) -> SidecarProcess:
         """The default deployment: connected to the hub, no extra peers."""
         return self.sidecars["hub"]
 
@@ -140,7 +140,7 @@ def read_setup(work: Path, hot: int, cold: int, names: list[str], timeout: float
     """Hub, leaf with its mirror, the loaded bucket, and the sidecars `names` (see SIDECARS)."""
     hub = NatsServer(work / "hub" / "js", server_name="hub", domain="hub", leafnodes_listen_port=free_port())
     servers: list[NatsServer] = []
-    sidecars: dict[str, Sidecar] = {}
+    sidecars: dict[str, SidecarProcess] = {}
     try:
         servers.append(hub.start())
         leaf = start_leaf(work, Cluster(name="hub", domain="hub", servers=[hub]), domain="leaf")
@@ -152,7 +152,7 @@ def read_setup(work: Path, hot: int, cold: int, names: list[str], timeout: float
             where, with_peer = SIDECARS[name]
             config = work / f"kvcache-{name}.toml"
             config.write_text(bucket + (peer if with_peer else ""))
-            sc = sidecars[name] = Sidecar(work / f"sc-{name}", (hub if where == "hub" else leaf).url,
+            sc = sidecars[name] = SidecarProcess(work / f"sc-{name}", (hub if where == "hub" else leaf).url,
                                           extra=["--config", str(config), "--log-level", "warning"],
                                           env=child_env())
             sc.start(timeout=timeout)

@@ -22,7 +22,7 @@ import nats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from checkers import lag_probe, percentile, settled
-from sidecar_proc import Sidecar
+from sidecar_proc import SidecarProcess
 from topology import start_cluster, start_single
 
 BUCKET = "lag"
@@ -36,7 +36,7 @@ async def measure(urls: list[str], replicas: int, tmp: Path, rate: float, second
         js = nc.jetstream(timeout=10)
         kv = await settled(lambda: js.create_key_value(bucket=BUCKET, replicas=replicas))
         await kv.put(KEY, b"-1")
-        sc = await asyncio.to_thread(Sidecar(tmp / f"sc{replicas}", ",".join(urls), buckets=[BUCKET],
+        sc = await asyncio.to_thread(SidecarProcess(tmp / f"sc{replicas}", ",".join(urls), buckets=[BUCKET],
                                              extra=["--log-level", "warning"]).start)
         arrived: dict[int, float] = {}
         watcher = await kv.watch(KEY)

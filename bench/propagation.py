@@ -20,7 +20,7 @@ import nats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from checkers import percentile
-from sidecar_proc import Sidecar
+from sidecar_proc import SidecarProcess
 
 from kvcache import LocalReader
 from kvcache.natsserver import NatsServer
@@ -37,7 +37,7 @@ async def run(updates: int, timeout: float, tmp: Path) -> None:
         kv = await js.create_key_value(bucket="prop", direct=True)
         for i in range(100):
             await kv.put(f"k.{i}", b"initial")
-        sc = Sidecar(tmp / "sc", server.url, ["prop"], extra=["--log-level", "warning"]).start()
+        sc = SidecarProcess(tmp / "sc", server.url, ["prop"], extra=["--log-level", "warning"]).start()
         reader = LocalReader(str(sc.data_dir))
         client = sc.client()
 

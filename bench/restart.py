@@ -17,7 +17,7 @@ from pathlib import Path
 import nats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from sidecar_proc import Sidecar
+from sidecar_proc import SidecarProcess
 
 from kvcache import LocalReader
 from kvcache.natsserver import NatsServer
@@ -30,7 +30,7 @@ async def publish_all(js, items, chunk: int = 2000) -> None:
 
 async def run(keys: int, changes: int, timeout: float, tmp: Path) -> int:
     server = NatsServer(tmp / "nats").start()
-    sc = Sidecar(tmp / "sc", server.url, ["rs"], extra=["--log-level", "info"])
+    sc = SidecarProcess(tmp / "sc", server.url, ["rs"], extra=["--log-level", "info"])
     try:
         nc = await nats.connect(server.url)
         js = nc.jetstream()

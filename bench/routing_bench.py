@@ -36,7 +36,7 @@ import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from checkers import percentile
-from sidecar_proc import Sidecar
+from sidecar_proc import SidecarProcess
 from topology import ProxyHost, add_hub_mirror, nats_run, start_cluster, start_leaf
 
 from kvcache.client import AsyncClient, KvcacheError
@@ -164,7 +164,7 @@ def run(n: int, tmp: Path, delays: dict[str, float] = DELAYS) -> dict:
         urls = proxies.urls
         leaf2 = asyncio.run(peer_latency(urls["leaf2"], f"$JS.leaf2.API.DIRECT.GET.KV_{BUCKET}_leaf2",
                                          max(100, n // 10)))
-        sc = Sidecar(tmp / "sc", None, extra=["--config", str(sidecar_config(tmp / "kvcache.toml", urls)),
+        sc = SidecarProcess(tmp / "sc", None, extra=["--config", str(sidecar_config(tmp / "kvcache.toml", urls)),
                                               "--log-level", "warning"]).start()
         m = asyncio.run(interleaved(urls, sc.socket, n, proxies))
     finally:

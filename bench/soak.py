@@ -39,7 +39,7 @@ import nats.js.errors
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from checkers import SETTLING, MonotonicReads, differences, lag_probe, percentile, settled
-from sidecar_proc import Sidecar
+from sidecar_proc import SidecarProcess
 from topology import ProxyHost, start_cluster
 
 from kvcache.client import AsyncClient, KvcacheError
@@ -77,7 +77,7 @@ class Soak:
         self.rng = random.Random(7)
         self.cluster = None
         self.proxies: ProxyHost | None = None
-        self.sc: Sidecar | None = None
+        self.sc: SidecarProcess | None = None
         self.nc = None
         self.js = None
         self.kv = None
@@ -98,7 +98,7 @@ class Soak:
         self.proxies = await asyncio.to_thread(
             ProxyHost, {s.server_name: s.port for s in self.cluster.servers},
             {s.server_name: 0.0 for s in self.cluster.servers})
-        self.sc = Sidecar(self.tmp / "sc", ",".join(self.proxies.urls.values()), buckets=[BUCKET],
+        self.sc = SidecarProcess(self.tmp / "sc", ",".join(self.proxies.urls.values()), buckets=[BUCKET],
                           extra=["--heartbeat-ms", str(HEARTBEAT_MS), "--log-level", "warning"])
         await asyncio.to_thread(self.sc.start)
 

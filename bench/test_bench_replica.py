@@ -79,7 +79,7 @@ def test_replica_get(benchmark, reader):
     benchmark(run)
 
 
-def test_localreader_get(benchmark, reader):
+def test_app_reader_get(benchmark, reader):
     get = reader.get
     assert get(KEYS[0]) == b"x" * 100
 
@@ -89,7 +89,7 @@ def test_localreader_get(benchmark, reader):
     benchmark(run)
 
 
-def test_localreader_entry(benchmark, reader):
+def test_app_reader_entry(benchmark, reader):
     entry = reader.entry
 
     def run():

@@ -1,5 +1,5 @@
 # The multibulk `GET <key>` unit, matched in C: shared by the RESP reader's take_gets
-# (ext/resp.pyx) and the GET path's direct parse of a socket read (ext/getpath.pyx), so the
+# (ext/resp.pyx) and the GET path's direct parse of a socket read (ext/server_get.pyx), so the
 # two can never disagree about what a GET is. Inline only: nothing to import at run time.
 
 cdef inline bint keychar(unsigned char c) noexcept nogil:

@@ -12,6 +12,6 @@ def __getattr__(name: str):
         from . import client
         return getattr(client, name)
     if name == "LocalReader":
-        from .localreader import LocalReader
+        from .app_reader import LocalReader
         return LocalReader
     raise AttributeError(name)

@@ -12,16 +12,16 @@ import socket
 from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvcache import native
 from kvcache.entry import Entry, Operation
 from kvcache.errors import KvcacheError
-from kvcache.native import pick
 from kvcache.resp import ReplyError
 
 if TYPE_CHECKING:
     from kvcache.resp import ReplyReader as TwinReplyReader
 
 # The reply parser: the Cython extension when built, else its pure-Python twin (same API).
-ReplyReader = pick("resp", "resp").ReplyReader
+ReplyReader = native.load("resp").ReplyReader
 
 __all__ = [
     "Arg",

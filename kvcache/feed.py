@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from . import jetstream as jsapi
 from .config import BucketConfig
 from .errors import BucketNotFound, KvcacheError, ReplicaError, UpstreamError
-from .natsconn import Connection, proto
+from .natsconn import NatsConnection, proto
 from .replica import Replica
 
 log = logging.getLogger("kvcache.feed")
@@ -77,7 +77,7 @@ class PullConsumer:
     consumer exists on the stream leader, with the leader's STREAM.INFO answer.
     """
 
-    def __init__(self, nc: Connection, stream: str, prefix: str, filters: list[str], *,
+    def __init__(self, nc: NatsConnection, stream: str, prefix: str, filters: list[str], *,
                  start_seq: int | None, headers_only: bool, heartbeat_s: float,
                  on_batch: Callable[[list[Run]], bool], on_idle: Callable[[int], None],
                  after_create: Callable[[dict], Awaitable[None]] | None = None,
@@ -111,8 +111,8 @@ class PullConsumer:
         self._caught_up = False
 
     async def run(self) -> None:
-        if not isinstance(self.nc, Connection):
-            raise TypeError("the feed needs a kvcache.natsconn.Connection (for its fast lane)")
+        if not isinstance(self.nc, NatsConnection):
+            raise TypeError("the feed needs a kvcache.natsconn.NatsConnection (for its fast lane)")
         sub = await self.nc.subscribe(self._inbox)  # messages never reach its queue: the lane takes them
         self.nc.add_lane(sub._id, self.prefix, self._on_lane)
         created = False
@@ -321,7 +321,7 @@ class PullConsumer:
 class Feed:
     """Keeps one bucket's replica in step with its stream; owns its position and health."""
 
-    def __init__(self, nc: Connection, bucket: BucketConfig, replica: Replica, *,
+    def __init__(self, nc: NatsConnection, bucket: BucketConfig, replica: Replica, *,
                  heartbeat_s: float = 2.0, timeout: float = 5.0,
                  on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self.nc = nc

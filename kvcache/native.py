@@ -18,8 +18,15 @@ from types import ModuleType
 
 from .errors import KvcacheError
 
-# The extensions and their twins: name in kvcache/_native -> name in kvcache/.
-EXTENSIONS = {"resp": "resp", "natsproto": "natsproto", "getpath": "getpath", "localget": "localget"}
+# The one table of implementations: each extension in kvcache/_native (built from ext/<name>.pyx)
+# -> its pure-Python twin in kvcache/, and what it does. Modules ask `load(name)`; nothing else
+# chooses.
+EXTENSIONS = {
+    "resp": "resp",              # the server's RESP request reader and the client's reply reader
+    "natsproto": "natsproto",    # the NATS protocol reader under the feeds' and peers' connections
+    "server_get": "server_get",  # the server's GET fast path over the replica
+    "app_get": "app_get",        # LocalReader.get in an application's process
+}
 
 NO_EXTENSIONS = os.environ.get("KVCACHE_NO_EXTENSIONS", "") not in ("", "0")
 REQUIRE_EXTENSIONS = os.environ.get("KVCACHE_REQUIRE_EXTENSIONS", "") not in ("", "0")
@@ -45,6 +52,11 @@ def _load(native: str) -> tuple[ModuleType | None, str]:
         return None, f"broken: {e}"
 
 
+def load(name: str) -> ModuleType:
+    """The implementation serving `name` (a key of EXTENSIONS), chosen once and recorded."""
+    return pick(name, EXTENSIONS[name])
+
+
 def pick(native: str, twin: str) -> ModuleType:
     """`kvcache._native.<native>` when built and allowed, else `kvcache.<twin>` (recorded in
     CHOSEN; an error instead when extensions are required)."""
@@ -57,7 +69,7 @@ def pick(native: str, twin: str) -> ModuleType:
         return module
     if REQUIRE_EXTENSIONS:
         raise MissingExtension(f"kvcache._native.{native} is {why} and KVCACHE_REQUIRE_EXTENSIONS=1: "
-                               "build it (pip install -e . with a C compiler; getpath needs liblmdb-dev)")
+                               "build it (pip install -e . with a C compiler; server_get needs liblmdb-dev)")
     CHOSEN[native] = f"twin ({why})"
     return importlib.import_module(f"kvcache.{twin}")
 

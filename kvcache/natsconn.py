@@ -1,7 +1,7 @@
 """The sidecar's NATS connections: nats-py, reading the wire with kvcache's NatsReader.
 
 nats-py keeps doing what it does well (connecting, reconnecting, auth, TLS, requests, the
-JetStream API); only its regex parser is replaced. `Connection` installs a parser adapter that
+JetStream API); only its regex parser is replaced. `NatsConnection` installs a parser adapter that
 feeds the native reader (or its pure-Python twin) and hands the events to nats-py's own
 `_process_*` hooks, with headers already decoded. It also opens **fast lanes**: a subscription
 registered with `add_lane()` gets its JetStream deliveries as `Run` batches, synchronously, once
@@ -25,7 +25,7 @@ from . import native
 from .errors import ProtocolError
 from .natsproto import status_headers
 
-proto = native.pick("natsproto", "natsproto")
+proto = native.load("natsproto")
 _Msg, _HMsg, _Run = proto.Msg, proto.HMsg, proto.Run
 _Ping, _Pong, _Info, _Err = type(proto.PING), type(proto.PONG), proto.Info, proto.Err
 
@@ -42,7 +42,7 @@ def nats_headers(ev) -> dict | None:
 class _Parser:
     """Stands in for nats.protocol.parser.Parser: same `parse()` and `reset()`."""
 
-    def __init__(self, nc: Connection) -> None:
+    def __init__(self, nc: NatsConnection) -> None:
         self.nc = nc
         self.lanes: dict[int, tuple[int, LaneHandler]] = {}
         self.reset()
@@ -102,7 +102,7 @@ def _expire(fut: asyncio.Future) -> None:
         fut.set_exception(nats.errors.TimeoutError())
 
 
-class Connection(Client):
+class NatsConnection(Client):
     """A nats-py client whose wire reader is kvcache's, with fast lanes for the feed."""
 
     def __init__(self) -> None:

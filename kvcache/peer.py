@@ -25,7 +25,7 @@ from nats.aio.msg import Msg
 from . import jetstream as jsapi
 from .entry import Entry, Operation
 from .errors import ReplyBudget, UpstreamError
-from .natsconn import Connection
+from .natsconn import NatsConnection
 
 MULTI_LAST_MAX = 1024
 NO_MESSAGE = 10037
@@ -216,7 +216,7 @@ class Peer:
         if key is not None:
             subject += "." + jsapi.kv_subject(self.bucket, key)
         try:
-            if isinstance(self.nc, Connection):
+            if isinstance(self.nc, NatsConnection):
                 msg = await self.nc.fast_request(subject, payload, timeout)
             else:
                 msg = await self.nc.request(subject, payload, timeout=timeout)

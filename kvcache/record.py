@@ -13,9 +13,9 @@ read time from `created_ns` (see `deadline`): it can change, a stored copy could
 Every reader asks `live_value`/`deadline`, so an expired record is absent at once, whatever
 the sweep that removes it later has done.
 
-ext/natsproto.pyx builds records for the feed's fast lane in C, and ext/getpath.pyx and
-ext/localget.pyx read them in C; they must agree with this module (tests/test_natsproto.py,
-tests/test_getpath.py and tests/test_localreader.py check that they do).
+ext/natsproto.pyx builds records for the feed's fast lane in C, and ext/server_get.pyx and
+ext/app_get.pyx read them in C; they must agree with this module (tests/test_natsproto.py,
+tests/test_server_get.py and tests/test_app_reader.py check that they do).
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import Final
 
 from kvcache.errors import ProtocolError
-from kvcache.keys import TOKEN_CHARS
+from kvcache.keys import TOKEN_CHARS as _TOKEN_CHARS
 
 __all__ = [
     "CRLF",
@@ -269,7 +269,7 @@ class RequestReader(_BufferedReader):
 # (KV key characters and `:`, never CR or LF) cannot run past its argument; a declared length
 # that disagrees with it is caught by the caller (GET_LEN) and left to the full parser.
 # a RESP key: KV key characters, dots, and `:` for a bucket prefix (kvcache.keys)
-_KEY_BYTES = rb"[" + TOKEN_CHARS.encode() + rb".:]"
+_KEY_BYTES = rb"[" + _TOKEN_CHARS.encode() + rb".:]"
 _GET_ONE = re.compile(rb"\*2\r\n\$3\r\nGET\r\n(\$\d{1,4})\r\n(" + _KEY_BYTES + rb"{1,9999})\r\n").match
 _GET_RUN = re.compile(rb"(?:\*2\r\n\$3\r\nGET\r\n\$\d{1,4}\r\n" + _KEY_BYTES + rb"{1,9999}\r\n)+").match
 _GET_UNIT_MAX = 18 + 4 + 9999

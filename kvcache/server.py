@@ -9,7 +9,7 @@ reads nothing at all of what is queued for `client_write_stall_ms` is cut off (i
 stayed above the high-water mark without draining), as Redis's client-output-buffer-limit does,
 so it does not hold its slot and buffers for ever.
 
-Local GETs, the bulk of the traffic, skip the generic dispatch: see Connection._process.
+Local GETs, the bulk of the traffic, skip the generic dispatch: see ClientConnection._process.
 """
 from __future__ import annotations
 
@@ -24,10 +24,9 @@ import stat
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
-from . import resp
+from . import native, resp
 from .errors import KvcacheError, ProtocolError
-from .getpath import FLUSH_AT
-from .native import pick
+from .server_get import FLUSH_AT
 
 if TYPE_CHECKING:
     from .commands import Commands
@@ -38,8 +37,8 @@ log = logging.getLogger("kvcache.server")
 
 # The request parser and the GET path: Cython extensions when built, else their pure-Python
 # twins (same API).
-WIRE = pick("resp", "resp")
-GETPATH = pick("getpath", "getpath")
+WIRE = native.load("resp")
+SERVER_GET = native.load("server_get")
 
 WRITE_HIGH_WATER = 1 << 20
 TOO_MANY_CLIENTS = resp.error("ERR max number of clients reached")
@@ -48,7 +47,7 @@ SHUTTING_DOWN = resp.error("ERR kvcache is shutting down")
 FD_MARGIN = 256
 
 
-class Connection(GETPATH.GetConnection, asyncio.Protocol):
+class ClientConnection(SERVER_GET.GetConnection, asyncio.Protocol):
     """One client. The per-read hot path (data_received, and the state it reads: transport,
     reader, proto and the flags) is GetConnection's, in C when built; the rest is here."""
 
@@ -164,7 +163,7 @@ class Connection(GETPATH.GetConnection, asyncio.Protocol):
         """Answer buffered requests in order until one needs NATS, the buffer is empty, or the
         client stops reading. Replies of one batch go out in one write (or one per FLUSH_AT).
 
-        Runs of `GET` take a fast path, the GET path's `answer` (kvcache.getpath, in C when
+        Runs of `GET` take a fast path, the GET path's `answer` (kvcache.server_get, in C when
         built): cached key plans, freshness asked once per bucket, every read in one LMDB
         read transaction that closes before it returns, never held across an await. Anything else, and any GET the fast path cannot
         answer (remote, invalid, stale replica, lower-case or inline), goes through dispatch.
@@ -352,7 +351,7 @@ class RespServer:
         policy = commands.policy
         # With the access log on, every GET must reach the command layer (to be logged): the
         # fast path then plans nothing.
-        self.gets = GETPATH.LocalGets(policy.replica, _no_plan if commands.access.enabled else policy.plan)
+        self.gets = SERVER_GET.LocalGets(policy.replica, _no_plan if commands.access.enabled else policy.plan)
         for feed in policy.feeds.values():  # a gated key must not ride a cached verdict
             feed.on_gated = self.gets.forget_fresh
         if not commands.access.enabled:
@@ -360,7 +359,7 @@ class RespServer:
             self.gets.set_buckets([(b.name, feeds[b.name], b.max_stale_ms, list(b.keys) == [">"])
                                    for b in cfg.buckets], cfg.default_bucket)
         self.path = os.path.abspath(cfg.socket_path)
-        self.connections: set[Connection] = set()
+        self.connections: set[ClientConnection] = set()
         self._server: asyncio.AbstractServer | None = None
         self._ids = itertools.count(1)
         self._inode: int | None = None
@@ -378,7 +377,7 @@ class RespServer:
         old_umask = os.umask(0o177)  # no window in which the socket is more open than asked
         try:
             self._server = await loop.create_unix_server(
-                lambda: Connection(self, next(self._ids)), self.path, backlog=1024)
+                lambda: ClientConnection(self, next(self._ids)), self.path, backlog=1024)
         except OSError as e:
             raise KvcacheError(f"cannot listen on {self.path}: {e.strerror}") from None
         finally:

@@ -25,7 +25,7 @@ from .commands import Commands
 from .config import BucketConfig, Config, ensure_dirs, strip_url_auth, tls_context, url_auth
 from .errors import BucketNotFound, ConfigError, KvcacheError, UpstreamError
 from .feed import Feed
-from .natsconn import Connection
+from .natsconn import NatsConnection
 from .natsserver import NatsServer
 from .peerset import PeerConnections, configured_peers, discovered_peers
 from .readpolicy import ReadPolicy
@@ -329,7 +329,7 @@ class Sidecar:
         # and errors show, carry none.
         urls = [strip_url_auth(u) for u in servers]
         in_url = next((a for a in map(url_auth, servers) if a != (None, None)), None)
-        nc = Connection()
+        nc = NatsConnection()
         first: list[BaseException] = []  # the first connect's failures: its error line says why
         denied: dict[tuple[str, str], float] = {}
 

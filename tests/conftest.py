@@ -13,7 +13,7 @@ from pathlib import Path
 
 import nats
 import pytest
-from sidecar_proc import Sidecar
+from sidecar_proc import SidecarProcess
 from topology import Cluster, start_cluster, start_leaf, start_single
 
 from kvcache.natsserver import NatsServer
@@ -23,14 +23,14 @@ HEARTBEAT = ["--heartbeat-ms", "500"]
 
 
 @pytest.fixture
-def sidecars(tmp_path) -> Iterator[Callable[..., Sidecar]]:
+def sidecars(tmp_path) -> Iterator[Callable[..., SidecarProcess]]:
     """Make sidecar processes (`kvcache serve` on one bucket spec, short heartbeats); every
     one still running at the end is killed (by its PID)."""
-    made: list[Sidecar] = []
+    made: list[SidecarProcess] = []
 
     def make(url: str, spec: str, name: str = "sc", env: dict[str, str] | None = None,
-             data_dir: Path | None = None) -> Sidecar:
-        sc = Sidecar(data_dir or tmp_path / name, url, buckets=[spec], extra=HEARTBEAT, env=env)
+             data_dir: Path | None = None) -> SidecarProcess:
+        sc = SidecarProcess(data_dir or tmp_path / name, url, buckets=[spec], extra=HEARTBEAT, env=env)
         made.append(sc)
         return sc
 

@@ -14,7 +14,7 @@ from kvcache.client import Client, ConnectionFailed
 from kvcache.natsserver import die_with_parent
 
 
-class Sidecar:
+class SidecarProcess:
     def __init__(self, data_dir: Path, nats_url: str | None, buckets: list[str] | None = None,
                  extra: list[str] | None = None, socket: Path | None = None,
                  env: dict[str, str] | None = None) -> None:
@@ -31,7 +31,7 @@ class Sidecar:
         self.log_path = self.data_dir.parent / f"{self.data_dir.name}-sidecar.log"
         self.proc: subprocess.Popen | None = None
 
-    def start(self, wait_synced: bool = True, timeout: float = 60.0) -> Sidecar:
+    def start(self, wait_synced: bool = True, timeout: float = 60.0) -> SidecarProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
@@ -114,7 +114,7 @@ class Sidecar:
         except FileNotFoundError:
             return ""
 
-    def __enter__(self) -> Sidecar:
+    def __enter__(self) -> SidecarProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from sidecar_proc import Sidecar
+from sidecar_proc import SidecarProcess
 from topology import nats_run
 
 from kvcache.accesslog import FIELDS, AccessLog
@@ -74,8 +74,8 @@ def test_real_sidecar_logs_local_remote_and_misses(tmp_path, nats_server):
     nats_run(nats_server.url, fill)
     logdir = tmp_path / "logs"
 
-    def sidecar() -> Sidecar:  # every read logged; rotation at 4000 bytes, 2 files kept
-        return Sidecar(tmp_path / "data", nats_server.url, ["app:hot.>"],
+    def sidecar() -> SidecarProcess:  # every read logged; rotation at 4000 bytes, 2 files kept
+        return SidecarProcess(tmp_path / "data", nats_server.url, ["app:hot.>"],
                        extra=["--access-log-rate", "1", "--access-log-dir", str(logdir),
                               "--access-log-max-bytes", "4000", "--access-log-files", "2"])
 
@@ -124,7 +124,7 @@ def test_real_sidecar_logs_local_remote_and_misses(tmp_path, nats_server):
 
 def test_sidecar_without_rate_writes_no_log(tmp_path, nats_server):
     nats_run(nats_server.url, lambda js: js.create_key_value(bucket="quiet"))
-    sc = Sidecar(tmp_path / "data", nats_server.url, ["quiet"])
+    sc = SidecarProcess(tmp_path / "data", nats_server.url, ["quiet"])
     with sc:
         sc.start()
         assert redis.Redis(unix_socket_path=sc.socket).get("missing") is None

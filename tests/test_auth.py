@@ -21,7 +21,7 @@ import nats
 import nkeys
 import pytest
 from natsauth import Operator, have_openssl, make_pki, new_key, public, seed
-from sidecar_proc import Sidecar, run_cli
+from sidecar_proc import SidecarProcess, run_cli
 
 from kvcache.client import ResponseError
 from kvcache.natsserver import NatsServer
@@ -156,7 +156,7 @@ def test_auth_method(method: str, tmp_path: Path, request) -> None:
     try:
         asyncio.run(make_bucket(server.url, sec.admin))
         url = server.url.replace("nats://", "nats://" + sec.url_auth)
-        sc = Sidecar(tmp_path / "sc", url, buckets=[f"{BUCKET}:a"], extra=HEARTBEAT + sec.flags)
+        sc = SidecarProcess(tmp_path / "sc", url, buckets=[f"{BUCKET}:a"], extra=HEARTBEAT + sec.flags)
         with sc:
             sc.start(timeout=20)
             row["connects"] = "yes"
@@ -201,7 +201,7 @@ def test_least_privilege(tmp_path: Path) -> None:
     admin = {"user": "admin", "password": "adminpw"}
     try:
         asyncio.run(make_bucket(server.url, admin))
-        sc = Sidecar(tmp_path / "sc", server.url, buckets=[f"{BUCKET}:a,b.>"],
+        sc = SidecarProcess(tmp_path / "sc", server.url, buckets=[f"{BUCKET}:a,b.>"],
                      extra=HEARTBEAT + ["--user", "kv", "--password", "kvpw"])
         with sc:
             sc.start(timeout=20)

@@ -13,7 +13,7 @@ from checkers import (
     new_bucket,
     replica_state,
 )
-from sidecar_proc import Sidecar
+from sidecar_proc import SidecarProcess
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,7 +60,7 @@ async def test_checkers_on_a_live_sidecar(nats_server, tmp_path) -> None:
         kv = await js.create_key_value(bucket=b)
         for i in range(20):
             await kv.put(f"k.{i}", b"%d" % i)
-        sc = Sidecar(tmp_path / "sc", nats_server.url, buckets=[b]).start()
+        sc = SidecarProcess(tmp_path / "sc", nats_server.url, buckets=[b]).start()
         async with MonotonicReads(sc.socket, [f"k.{i}" for i in range(20)]) as reads:
             lag = await lag_probe(js, b, sc.socket, rate=200, seconds=1)
         assert lag.writes == 200 and lag.unseen == 0 and len(lag.samples) == 200 and not lag.failed_writes

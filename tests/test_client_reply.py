@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from sidecar_proc import Sidecar
+from sidecar_proc import SidecarProcess
 from test_commands import _put_all
 from topology import nats_run
 
@@ -74,7 +74,7 @@ def bucket_url(nats_server_module) -> str:
 def sidecar_sock(request, bucket_url, tmp_path_factory) -> Iterator[str]:
     """A sidecar replicating `in.>` of bucket rm (its default bucket): `out.*` are remote."""
     env = {"KVCACHE_NO_EXTENSIONS": "1" if request.param == "twins" else "0"}
-    sc = Sidecar(tmp_path_factory.mktemp(request.param) / "sc", bucket_url, ["rm:in.>"], env=env)
+    sc = SidecarProcess(tmp_path_factory.mktemp(request.param) / "sc", bucket_url, ["rm:in.>"], env=env)
     with sc:
         sc.start()
         yield sc.socket

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from sidecar_proc import Sidecar
+from sidecar_proc import SidecarProcess
 from topology import nats_run
 
 from kvcache.client import Client, ResponseError
@@ -80,7 +80,7 @@ def env(nats_server_module, tmp_path_factory) -> Iterator[dict]:
         assert not info.config.allow_direct
 
     nats_run(url, setup)
-    sc = Sidecar(tmp_path_factory.mktemp("cmd") / "sc", url,
+    sc = SidecarProcess(tmp_path_factory.mktemp("cmd") / "sc", url,
                  ["main:in.>", "second", "nodirect:in.>", "many:in.>"])
     with sc:
         sc.start()
@@ -474,7 +474,7 @@ def test_mget_nodirect_bucket(r):
 def test_mget_reply_budget(env, tmp_path):
     """An MGET whose values exceed max_reply_bytes is refused while it is gathered (local
     values and remote ones alike) with a clear error; smaller ones and the connection are fine."""
-    sc = Sidecar(tmp_path / "sc", env["url"], ["main:in.>", "many:in.>"],
+    sc = SidecarProcess(tmp_path / "sc", env["url"], ["main:in.>", "many:in.>"],
                  extra=["--max-reply-bytes", str(len(BIG) + 4000)])
     with sc:
         sc.start()
@@ -623,7 +623,7 @@ def test_info(env, r, kc):
     assert info["default_bucket"] == "main"
     # which implementation serves each native module, as the sidecar chose it at start
     expected = "twin" if os.environ.get("KVCACHE_NO_EXTENSIONS") == "1" else None
-    assert set(info["native"]) == {"resp", "natsproto", "getpath", "localget"}
+    assert set(info["native"]) == {"resp", "natsproto", "server_get", "app_get"}
     assert all(v in ("native", "twin") and (expected is None or v == expected) for v in info["native"].values())
     buckets = r.info("buckets")
     assert set(buckets) == {"main", "second", "nodirect", "many"}

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import redis
-from sidecar_proc import Sidecar, run_cli
+from sidecar_proc import SidecarProcess, run_cli
 
 
 def pid_alive(pid: int) -> bool:
@@ -20,7 +20,7 @@ def pid_alive(pid: int) -> bool:
         return f.read().split(") ", 1)[1][0] != "Z"
 
 
-def embedded_pid(sc: Sidecar) -> int:
+def embedded_pid(sc: SidecarProcess) -> int:
     with sc.client() as c:
         info = c.info("server")["server"]
     assert info["embedded_nats"] == 1
@@ -40,7 +40,7 @@ def embedded_pid(sc: Sidecar) -> int:
 
 @pytest.fixture
 def demo(tmp_path):
-    sc = Sidecar(tmp_path / "data", None).start()
+    sc = SidecarProcess(tmp_path / "data", None).start()
     yield sc
     sc.kill()
 

@@ -34,7 +34,7 @@ from checkers import (
     wait_synced,
 )
 from nats.js.api import KeyValueConfig
-from sidecar_proc import Sidecar
+from sidecar_proc import SidecarProcess
 from topology import DelayProxy
 
 from kvcache.replica import FORMAT_KEY, META_DB
@@ -82,7 +82,7 @@ class Writer:
             await asyncio.sleep(0.002)
 
 
-async def run_fault(name: str, sc: Sidecar, kv, bucket: str, fault: Callable[[], Awaitable[float]],
+async def run_fault(name: str, sc: SidecarProcess, kv, bucket: str, fault: Callable[[], Awaitable[float]],
                     *, keys: list[str] = READ_KEYS, write: bool = True, timeout: float = 60.0,
                     reads_may_fail: bool = False) -> MonotonicReads:
     """Reads (and writes, if `write`) through `fault()`, which injects the fault and returns
@@ -131,7 +131,7 @@ async def run_fault(name: str, sc: Sidecar, kv, bucket: str, fault: Callable[[],
     return reads
 
 
-def restart_after(sc: Sidecar, while_down: Callable[[], Awaitable[None]] | None = None,
+def restart_after(sc: SidecarProcess, while_down: Callable[[], Awaitable[None]] | None = None,
                   graceful: bool = False) -> Callable[[], Awaitable[float]]:
     """A fault: kill -9 the sidecar (or SIGTERM it), run `while_down`, start it again."""
     async def fault() -> float:

@@ -21,14 +21,14 @@ from checkers import (
     wait_synced,
 )
 from nats.js.api import KeyValueConfig
-from sidecar_proc import Sidecar
+from sidecar_proc import SidecarProcess
 from topology import start_single
 
 from kvcache import LocalReader
 from kvcache import jetstream as jsapi
 from kvcache.errors import UpstreamError
 from kvcache.feed import PullConsumer
-from kvcache.natsconn import Connection
+from kvcache.natsconn import NatsConnection
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,11 +36,11 @@ pytestmark = pytest.mark.timeout(120)
 
 # ----------------------------------------------------------------------------- helpers
 
-def log_since(sc: Sidecar, offset: int) -> str:
+def log_since(sc: SidecarProcess, offset: int) -> str:
     return sc.log_path.read_bytes()[offset:].decode(errors="replace")
 
 
-def log_size(sc: Sidecar) -> int:
+def log_size(sc: SidecarProcess) -> int:
     return sc.log_path.stat().st_size if sc.log_path.exists() else 0
 
 
@@ -476,7 +476,7 @@ async def test_consumers_are_made_on_the_stream_leader(nats_cluster):
     consumers made in a row on an R3 stream must be on the leader, where the server alone
     would put each elsewhere 2 times in 3."""
     b = new_bucket()
-    nc = Connection()
+    nc = NatsConnection()
     await nc.connect(servers=nats_cluster.urls, connect_timeout=5)
     try:
         kv = await settled(lambda: nc.jetstream(timeout=10).create_key_value(bucket=b, replicas=3))
@@ -532,7 +532,7 @@ async def test_interrupted_initial_sync_starts_over(nats_server_module, nc, side
     await converged(sc, kv, b)
 
 
-async def fill_up(kv, sc: Sidecar, b: str) -> int:
+async def fill_up(kv, sc: SidecarProcess, b: str) -> int:
     """Write more than SMALL_MAP holds, then a small key; wait until the feed has failed to
     write a few times. Returns the small key's revision."""
     for i in range(6):  # 5.4 MB: more than the 4 MiB the map may grow to
@@ -630,7 +630,7 @@ async def test_a_leaderless_stream_ends_consumer_placement_at_once(nats_cluster)
         await setup.close()
     victim = nats_cluster.server(leader)
     victim.kill()
-    nc = Connection()
+    nc = NatsConnection()
     try:
         await nc.connect(servers=[s.url for s in nats_cluster.servers if s is not victim], connect_timeout=5)
 

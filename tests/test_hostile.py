@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sidecar_proc import Sidecar
+from sidecar_proc import SidecarProcess
 from test_server import BIG, connect, info, key, rss_kb, seed_bucket
 from topology import wait_until
 
@@ -63,11 +63,11 @@ def url(nats_server_module) -> str:
 
 
 @pytest.fixture(scope="module")
-def sc(url, tmp_path_factory) -> Iterator[Sidecar]:
+def sc(url, tmp_path_factory) -> Iterator[SidecarProcess]:
     """One sidecar for the module, replicating single-token keys (`out.*` are remote reads),
     started under a soft open-files limit of 1024 (a common default) to check that it raises
     its own toward max_clients; this process gets its limit back at once."""
-    s = Sidecar(tmp_path_factory.mktemp("hostile") / "sc", url, ["key:*"],
+    s = SidecarProcess(tmp_path_factory.mktemp("hostile") / "sc", url, ["key:*"],
                 env={"KVCACHE_CLIENT_WRITE_STALL_MS": str(STALL_MS)})
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with s:
@@ -172,7 +172,7 @@ class Bystander:
         return res
 
 
-def check_alive(sc: Sidecar) -> None:
+def check_alive(sc: SidecarProcess) -> None:
     assert sc.proc.poll() is None, sc.log()
     with Client(sc.socket) as c:
         assert c.get(key(5)) == value(5)

@@ -16,7 +16,7 @@ import time
 
 import nats
 import pytest
-from sidecar_proc import Sidecar, run_cli
+from sidecar_proc import SidecarProcess, run_cli
 from test_embedded import embedded_pid, pid_alive
 from topology import start_single
 
@@ -52,7 +52,7 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
-def assert_clean_exit(sc: Sidecar, code: int | None) -> None:
+def assert_clean_exit(sc: SidecarProcess, code: int | None) -> None:
     log = sc.log()
     assert code == 0, log
     assert "Traceback" not in log and "RuntimeError" not in log, log
@@ -60,7 +60,7 @@ def assert_clean_exit(sc: Sidecar, code: int | None) -> None:
     assert not os.path.exists(sc.socket), log
 
 
-def send_and_wait(sc: Sidecar, sig: int, timeout: float = 30.0) -> int:
+def send_and_wait(sc: SidecarProcess, sig: int, timeout: float = 30.0) -> int:
     assert sc.proc is not None
     pid = sc.proc.pid
     sc.proc.send_signal(sig)
@@ -78,7 +78,7 @@ def test_stop_while_nats_is_down_or_hung(tmp_path, outage, sig, round_):
     server = start_single(tmp_path)
     try:
         make_bucket(server.url)
-        with Sidecar(tmp_path / "sc", server.url, buckets=["cfg"], extra=HEARTBEAT) as sc:
+        with SidecarProcess(tmp_path / "sc", server.url, buckets=["cfg"], extra=HEARTBEAT) as sc:
             sc.start()
             if outage == "stopped":
                 server.stop()
@@ -108,7 +108,7 @@ def test_signal_during_start_exits_cleanly(tmp_path):
     try:
         make_bucket(server.url)
         server.pause()
-        sc = Sidecar(tmp_path / "sc", server.url, buckets=["cfg"],
+        sc = SidecarProcess(tmp_path / "sc", server.url, buckets=["cfg"],
                      extra=HEARTBEAT + ["--connect-timeout-s", "30"])
         sc.data_dir.mkdir(parents=True)
         with sc:
@@ -126,7 +126,7 @@ def test_signal_during_start_exits_cleanly(tmp_path):
 
 def test_stop_with_the_embedded_server_hung(tmp_path):
     """The embedded nats-server SIGSTOPped: SIGTERM still ends everything, the server too."""
-    with Sidecar(tmp_path / "data", None) as sc:
+    with SidecarProcess(tmp_path / "data", None) as sc:
         sc.start()
         nats_pid = embedded_pid(sc)
         os.kill(nats_pid, signal.SIGSTOP)
@@ -137,7 +137,7 @@ def test_stop_with_the_embedded_server_hung(tmp_path):
 # ---------------------------------------------------------------------- one sidecar per data dir
 
 def test_second_sidecar_on_the_same_data_dir_is_refused(tmp_path):
-    with Sidecar(tmp_path / "data", None) as first:
+    with SidecarProcess(tmp_path / "data", None) as first:
         first.start()
         before = sorted(os.listdir(first.data_dir))
         nats_pid = embedded_pid(first)
@@ -157,13 +157,13 @@ def test_second_sidecar_on_the_same_data_dir_is_refused(tmp_path):
         assert first.stop() == 0
     # released on exit: the lock file stays, and does not block
     assert (tmp_path / "data" / "kvcache.lock").exists()
-    with Sidecar(tmp_path / "data", None) as again:
+    with SidecarProcess(tmp_path / "data", None) as again:
         again.start()
         assert again.stop() == 0
 
 
 def test_lock_of_a_killed_sidecar_does_not_block(tmp_path):
-    with Sidecar(tmp_path / "data", None) as sc:
+    with SidecarProcess(tmp_path / "data", None) as sc:
         sc.start()
         sc.kill()  # SIGKILL: no cleanup at all; the kernel drops the flock
         sc.start()
@@ -174,11 +174,11 @@ def test_lock_of_a_killed_sidecar_does_not_block(tmp_path):
 
 # ---------------------------------------------------------------------- embedded server supervised
 
-def wait_new_pid(sc: Sidecar, old: int) -> int:
+def wait_new_pid(sc: SidecarProcess, old: int) -> int:
     return sc.wait_for(lambda: _pid_or_none(sc, old), timeout=30, what="embedded nats-server restarted")
 
 
-def _pid_or_none(sc: Sidecar, old: int) -> int | None:
+def _pid_or_none(sc: SidecarProcess, old: int) -> int | None:
     try:
         pid = embedded_pid(sc)
     except AssertionError:
@@ -187,7 +187,7 @@ def _pid_or_none(sc: Sidecar, old: int) -> int | None:
 
 
 def test_killed_embedded_server_is_restarted_and_reads_recover(tmp_path):
-    with Sidecar(tmp_path / "data", None) as sc:
+    with SidecarProcess(tmp_path / "data", None) as sc:
         sc.start()
         with sc.client() as c:
             url = c.info("server")["server"]["nats_url"]
@@ -224,7 +224,7 @@ def test_killed_embedded_server_is_restarted_and_reads_recover(tmp_path):
 def test_embedded_server_that_cannot_start_again_ends_the_sidecar(tmp_path):
     """Its port taken after a crash: every restart fails, and after EMBEDDED_MAX_FAILURES the
     sidecar exits 1 with one clear error line."""
-    with Sidecar(tmp_path / "data", None) as sc:
+    with SidecarProcess(tmp_path / "data", None) as sc:
         sc.start()
         with sc.client() as c:
             port = int(str(c.info("server")["server"]["nats_url"]).rsplit(":", 1)[1])

@@ -10,7 +10,7 @@ import sys
 
 import nats
 import pytest
-from sidecar_proc import Sidecar, run_cli
+from sidecar_proc import SidecarProcess, run_cli
 
 
 def one_line_error(result: subprocess.CompletedProcess, code: int, *fragments: str) -> str:
@@ -192,7 +192,7 @@ def one_bucket_sidecar(tmp_path, nats_server):
         finally:
             await nc.close()
     asyncio.run(make())
-    with Sidecar(tmp_path / "sc", nats_server.url, buckets=["configured"]) as sc:
+    with SidecarProcess(tmp_path / "sc", nats_server.url, buckets=["configured"]) as sc:
         sc.start()
         yield sc
 

@@ -1,6 +1,6 @@
-"""kvcache.natsconn.Connection: nats-py with kvcache's wire reader, against a real server.
+"""kvcache.natsconn.NatsConnection: nats-py with kvcache's wire reader, against a real server.
 
-What nats-py's own client sees and what Connection sees must be the same messages; the fast
+What nats-py's own client sees and what NatsConnection sees must be the same messages; the fast
 lane must turn a real consumer's deliveries into the replica items kvcache.record builds.
 """
 from __future__ import annotations
@@ -12,16 +12,16 @@ import nats
 import pytest
 
 from kvcache import native
-from kvcache.natsconn import Connection
+from kvcache.natsconn import NatsConnection
 from kvcache.record import item
 
-NATIVE_OR_TWIN = "native" if native.is_native(native.pick("natsproto", "natsproto")) else "twin"
+NATIVE_OR_TWIN = "native" if native.is_native(native.load("natsproto")) else "twin"
 
 
 @pytest.fixture
 async def pair(nats_server_module):
-    """(our Connection, a plain nats-py client) on the same server."""
-    ours = Connection()
+    """(our NatsConnection, a plain nats-py client) on the same server."""
+    ours = NatsConnection()
     await ours.connect(nats_server_module.url, connect_timeout=5, allow_reconnect=False)
     theirs = await nats.connect(nats_server_module.url, connect_timeout=5, allow_reconnect=False)
     try:
@@ -137,7 +137,7 @@ async def test_fast_lane_gets_runs_of_replica_items(pair):
 
 
 def test_reader_in_use_is_the_one_native_py_picks():
-    nc = Connection()
+    nc = NatsConnection()
     assert type(nc._ps.reader).__module__.endswith(
         "_native.natsproto" if NATIVE_OR_TWIN == "native" else "kvcache.natsproto")
 

@@ -74,8 +74,8 @@ def test_vector(mod, name, wire, expected, error):
 
 
 def test_native_is_what_native_py_picks():
-    from kvcache.native import is_native, pick
-    mod = pick("natsproto", "natsproto")
+    from kvcache.native import is_native, load
+    mod = load("natsproto")
     assert is_native(mod) == (native is not None and mod is native)
 
 

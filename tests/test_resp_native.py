@@ -45,7 +45,7 @@ def run_replies(mod, chunks: list[bytes]) -> tuple[list, bool]:
 
 
 def server_loop(mod, chunks: list[bytes], limits: dict | None = None) -> tuple[list, str | None, int]:
-    """What Connection._process does with a reader: take_gets runs first, each GET accepted
+    """What ClientConnection._process does with a reader: take_gets runs first, each GET accepted
     only when its declared length matches its key (else rewound to it, or past it when it is a
     GET the server answers through dispatch), then next_command. Every command in order."""
     reader = mod.RequestReader(**(limits or {}))

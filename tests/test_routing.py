@@ -1,6 +1,6 @@
 """kvcache.router.Router against real nats-servers, with latency put in by DelayProxy.
 
-Each peer is its own kvcache Connection through its own proxy to the same server (or to one
+Each peer is its own kvcache NatsConnection through its own proxy to the same server (or to one
 member of a cluster), so the peers differ only in what the proxy does to them: a delay, a
 freeze (a stall), or being gone. Assertions are about choices and counts, never about times.
 """
@@ -16,11 +16,11 @@ import nats
 import pytest
 import redis
 from nats.js.api import StreamConfig, StreamSource
-from sidecar_proc import Sidecar, write_config
+from sidecar_proc import SidecarProcess, write_config
 from topology import DelayProxy, add_hub_mirror, nats_run, wait_until
 
 from kvcache import jetstream as jsapi
-from kvcache.natsconn import Connection
+from kvcache.natsconn import NatsConnection
 from kvcache.natsserver import NatsServer
 from kvcache.router import Peer, Policy, Router
 
@@ -47,7 +47,7 @@ def server(nats_server_module) -> str:
     return nats_server_module.url
 
 
-async def close_quietly(nc: Connection) -> None:
+async def close_quietly(nc: NatsConnection) -> None:
     """nats-py's close() can raise on a connection whose server is gone."""
     try:
         await nc.close()
@@ -58,13 +58,13 @@ async def close_quietly(nc: Connection) -> None:
 @asynccontextmanager
 async def peers_via(url: str, delays: list[float], bucket: str = "rr",
                     streams: list[str] | None = None) -> AsyncIterator[tuple[list[DelayProxy], list[Peer]]]:
-    """One proxy, Connection and Peer per delay; peer names p0, p1, ..."""
+    """One proxy, NatsConnection and Peer per delay; peer names p0, p1, ..."""
     async with AsyncExitStack() as stack:
         proxies, peers = [], []
         for i, d in enumerate(delays):
             px = DelayProxy(port_of(url), delay=d).start()
             stack.callback(px.stop)
-            nc = Connection()
+            nc = NatsConnection()
             await nc.connect(servers=[px.url], connect_timeout=5, max_reconnect_attempts=-1,
                              reconnect_time_wait=0.2)
             stack.push_async_callback(close_quietly, nc)
@@ -243,7 +243,7 @@ async def test_sigstopped_cluster_member_is_hedged_around(cluster_bucket, router
     async with AsyncExitStack() as stack:
         peers = []
         for i, s in enumerate(nats_cluster.servers):
-            nc = Connection()
+            nc = NatsConnection()
             await nc.connect(servers=[s.url], connect_timeout=5, max_reconnect_attempts=-1,
                              reconnect_time_wait=0.2, ping_interval=600)
             stack.push_async_callback(close_quietly, nc)
@@ -305,7 +305,7 @@ def proxied_sidecar(hub_and_mirrors, tmp_path):
                "leaf2": DelayProxy(port_of(leaves["leaf2"].url), 0.020).start()}
     cfg = sidecar_config(tmp_path / "kvcache.toml", proxies["hub"].url,
                          [(n, proxies[n].url) for n in ("leaf1", "leaf2")])
-    sc = Sidecar(tmp_path / "sc", None, extra=["--config", cfg])
+    sc = SidecarProcess(tmp_path / "sc", None, extra=["--config", cfg])
     try:
         sc.start()
         yield sc, proxies, redis.Redis(unix_socket_path=sc.socket, protocol=3)
@@ -376,7 +376,7 @@ def test_sidecar_discovers_mirrors_from_alternates(hub_and_mirrors, tmp_path):
         return [a["name"] for a in upstream.get("alternates", [])]
     assert "KV_rs_hubm" in nats_run(cluster.urls[0], hub_mirror)
     cfg = sidecar_config(tmp_path / "kvcache.toml", cluster.urls[0], [], discover_peers=True)
-    with Sidecar(tmp_path / "sc", None, extra=["--config", cfg]) as sc:
+    with SidecarProcess(tmp_path / "sc", None, extra=["--config", cfg]) as sc:
         sc.start()
         r = redis.Redis(unix_socket_path=sc.socket, protocol=3)
         peers = r.info("peers")
@@ -418,7 +418,7 @@ async def test_revisions_never_go_back_across_peers_of_different_lag(lagging_mir
     async with AsyncExitStack() as stack:
         conns = []
         for url in (leaf.url, hub0.url):
-            nc = Connection()
+            nc = NatsConnection()
             await nc.connect(servers=[url], connect_timeout=5)
             stack.push_async_callback(close_quietly, nc)
             conns.append(nc)
@@ -482,9 +482,9 @@ async def test_a_lagging_answer_is_read_again_from_a_caught_up_mirror(two_mirror
     async with AsyncExitStack() as stack:
         hub_px = DelayProxy(port_of(hub0.url)).start()
         stack.callback(hub_px.stop)
-        conns: dict[str, Connection] = {}
+        conns: dict[str, NatsConnection] = {}
         for name, url in (("lag", lag_leaf.url), ("leaf1", leaf1.url), ("hub", hub_px.url)):
-            nc = conns[name] = Connection()
+            nc = conns[name] = NatsConnection()
             await nc.connect(servers=[url], connect_timeout=5)
             stack.push_async_callback(close_quietly, nc)
         writer = await nats.connect(hub0.url)

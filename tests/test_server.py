@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from sidecar_proc import Sidecar, run_cli
+from sidecar_proc import SidecarProcess, run_cli
 from test_commands import _put_all, read_until
 from topology import nats_run, wait_until
 
@@ -55,9 +55,9 @@ def url(nats_server_module) -> str:
 
 
 @pytest.fixture(scope="module")
-def sc(url, tmp_path_factory) -> Iterator[Sidecar]:
+def sc(url, tmp_path_factory) -> Iterator[SidecarProcess]:
     # Replicates single-token keys only, so `out.remote` is a remote read.
-    s = Sidecar(tmp_path_factory.mktemp("srv") / "sc", url, ["key:*"])
+    s = SidecarProcess(tmp_path_factory.mktemp("srv") / "sc", url, ["key:*"])
     with s:
         s.start()
         yield s
@@ -67,10 +67,10 @@ def sc(url, tmp_path_factory) -> Iterator[Sidecar]:
 @pytest.fixture
 def own_sidecar(url, tmp_path) -> Iterator:
     """Start extra sidecars on the module's nats-server; all stopped at the end."""
-    started: list[Sidecar] = []
+    started: list[SidecarProcess] = []
 
-    def start(*extra: str, socket_path: Path | None = None, **kw) -> Sidecar:
-        s = Sidecar(tmp_path / f"sc{len(started)}", url, ["key"], extra=list(extra),
+    def start(*extra: str, socket_path: Path | None = None, **kw) -> SidecarProcess:
+        s = SidecarProcess(tmp_path / f"sc{len(started)}", url, ["key"], extra=list(extra),
                     socket=socket_path, **kw)
         started.append(s)
         return s.start()
@@ -467,7 +467,7 @@ def test_sigterm_with_request_in_flight(tmp_path):
             await kv.put("in.a", b"local")
             await kv.put("out.a", b"remote")
         nats_run(ns.url, setup)
-        s = Sidecar(tmp_path / "sc", ns.url, ["key:in.>"],
+        s = SidecarProcess(tmp_path / "sc", ns.url, ["key:in.>"],
                     env={"KVCACHE_NATS_REQUEST_TIMEOUT_MS": "60000"})
         with s:
             s.start()

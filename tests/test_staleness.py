@@ -18,7 +18,7 @@ from contextlib import AsyncExitStack
 import nats
 import pytest
 from checkers import until
-from sidecar_proc import Sidecar
+from sidecar_proc import SidecarProcess
 from topology import DelayProxy
 
 from kvcache.client import AsyncClient, ResponseError
@@ -46,7 +46,7 @@ def _config(path, main: str, peer: str) -> str:
 
 
 class Setup:
-    def __init__(self, sc: Sidecar, main: DelayProxy, peer: DelayProxy, js, client: AsyncClient):
+    def __init__(self, sc: SidecarProcess, main: DelayProxy, peer: DelayProxy, js, client: AsyncClient):
         self.sc, self.main, self.peer, self.js, self.c = sc, main, peer, js, client
         self.revs: dict[str, int] = {}
 
@@ -81,7 +81,7 @@ async def setup(nats_server, tmp_path) -> AsyncIterator[Setup]:
         stack.callback(main.stop)
         peer = DelayProxy(port).start()
         stack.callback(peer.stop)
-        sc = Sidecar(tmp_path / "sc", None,
+        sc = SidecarProcess(tmp_path / "sc", None,
                      extra=["--config", _config(tmp_path / "kvcache.toml", main.url, peer.url)])
         stack.callback(sc.kill)
         sc.start()

@@ -28,7 +28,7 @@ from typing import Any
 
 import nats.errors
 
-from ..natsconn import Connection
+from ..natsconn import NatsConnection
 from .keys import KEY_RE2, RESERVED_PREFIX, key_problem
 
 # nats-py annotates reconnect_time_wait as int but sleeps whatever it is given: a short first
@@ -155,7 +155,7 @@ class PartitionWriter:
     def __init__(self, opts: WriteOptions) -> None:
         self.opts = opts
         self.result = PartitionResult()
-        self.nc: Connection | None = None
+        self.nc: NatsConnection | None = None
         self._subject = f"$KV.{opts.bucket}.".encode()
         self._inbox = ""
         self._inbox_b = b""
@@ -250,7 +250,7 @@ class PartitionWriter:
         deadline = time.monotonic() + self.opts.connect_timeout_s
         delay = 0.1
         while True:
-            nc = Connection()
+            nc = NatsConnection()
             try:
                 await nc.connect(
                     servers=list(self.opts.servers), name="kvcache-load", connect_timeout=2,

@@ -1,6 +1,6 @@
 """The server's per-request GET path: a run of pipelined GETs answered from the replica.
 
-Pure-Python twin of ext/getpath.pyx (same API, same replies). The server hands over what
+Pure-Python twin of ext/server_get.pyx (same API, same replies). The server hands over what
 `RequestReader.take_gets()` cut from a client's buffer; `serve()` answers GETs in order, in
 one LMDB read transaction, until one cannot be answered locally (a key that is invalid, remote
 or in a replica that is not fresh enough: the generic path answers that one) or the replies
@@ -12,7 +12,7 @@ reach the byte budget (the server writes them out first, then calls again).
 
 `GetConnection` is the part of the server's connection that runs on every socket read: its
 `data_received` answers GET-only reads with one `answer` call and hands anything else to the
-subclass's `_process` (kvcache.server.Connection). In C it is one call from uvloop to the reply.
+subclass's `_process` (kvcache.server.ClientConnection). In C it is one call from uvloop to the reply.
 
 `answer` is the server's whole per-read step for GET-only traffic: feed the bytes to the
 request reader, then cut and serve GET runs until the buffer is empty (more=False), or
@@ -155,7 +155,7 @@ class LocalGets:
 
 
 class GetConnection:
-    """Per-connection state of the hot path; kvcache.server.Connection adds the rest."""
+    """Per-connection state of the hot path; kvcache.server.ClientConnection adds the rest."""
 
     __slots__ = (
         "_busy",
@@ -211,4 +211,4 @@ class GetConnection:
         stats.gets_notfound += notfound
 
     def _process(self) -> None:
-        raise NotImplementedError  # the generic request loop: kvcache.server.Connection
+        raise NotImplementedError  # the generic request loop: kvcache.server.ClientConnection

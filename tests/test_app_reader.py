@@ -6,11 +6,11 @@ import time
 
 import nats
 import pytest
-from sidecar_proc import Sidecar
+from sidecar_proc import SidecarProcess
 
 from kvcache import LocalReader
+from kvcache.app_reader import StaleReplica
 from kvcache.errors import ReplicaError
-from kvcache.localreader import StaleReplica
 from kvcache.native import native_or_none
 
 LONG_KEY = "long." + "k" * 600
@@ -32,7 +32,7 @@ async def fill(url: str) -> None:
 @pytest.fixture(scope="module")
 def sidecar(tmp_path_factory, nats_server_module):
     asyncio.run(fill(nats_server_module.url))
-    sc = Sidecar(tmp_path_factory.mktemp("lr") / "sc", nats_server_module.url, ["lr", "lr2"],
+    sc = SidecarProcess(tmp_path_factory.mktemp("lr") / "sc", nats_server_module.url, ["lr", "lr2"],
                  extra=["--heartbeat-ms", "200"]).start()
     yield sc
     sc.kill()
@@ -89,7 +89,7 @@ def test_missing_replica_is_a_clear_error(tmp_path):
 
 def test_stale_after_the_sidecar_stops(tmp_path, nats_server):
     asyncio.run(fill(nats_server.url))
-    sc = Sidecar(tmp_path / "sc", nats_server.url, ["lr"], extra=["--heartbeat-ms", "200"]).start()
+    sc = SidecarProcess(tmp_path / "sc", nats_server.url, ["lr"], extra=["--heartbeat-ms", "200"]).start()
     reader = LocalReader(str(sc.data_dir), max_stale_ms=1000)
     assert reader.get("a.1") is not None
     assert sc.stop() == 0
@@ -104,10 +104,10 @@ def test_stale_after_the_sidecar_stops(tmp_path, nats_server):
 
 def test_fast_path_twins_agree(sidecar):
     """LocalGet (native and twin) on the same reader: same values, same fallbacks."""
-    from kvcache import localget as twin_mod
-    native_mod = native_or_none("localget")
+    from kvcache import app_get as twin_mod
+    native_mod = native_or_none("app_get")
     if native_mod is None:
-        pytest.skip("kvcache._native.localget not built")
+        pytest.skip("kvcache._native.app_get not built")
     keys = [f"a.{i}" for i in range(0, 200, 13)] + [LONG_KEY, "lr2:x", "missing", "lr2:missing"]
     with LocalReader(sidecar.data_dir, max_stale_ms=60_000) as r:
         slow_calls: list[str] = []
@@ -137,8 +137,8 @@ def test_expired_records_are_absent(tmp_path, nats_server_module):
     """A key put with a Nats-TTL is absent to LocalReader once its deadline has passed (the
     LocalGet fast path, native and twin, `entry`, `keys`), with no sweep having run yet for
     the native/twin comparison; `never` and keys without a TTL stay."""
-    from kvcache import localget as twin_mod
-    native_mod = native_or_none("localget")
+    from kvcache import app_get as twin_mod
+    native_mod = native_or_none("app_get")
 
     async def fill_ttl() -> None:
         nc = await nats.connect(nats_server_module.url)
@@ -155,7 +155,7 @@ def test_expired_records_are_absent(tmp_path, nats_server_module):
             await nc.close()
 
     asyncio.run(fill_ttl())
-    sc = Sidecar(tmp_path / "sc", nats_server_module.url, ["lrttl"], extra=["--heartbeat-ms", "200"]).start()
+    sc = SidecarProcess(tmp_path / "sc", nats_server_module.url, ["lrttl"], extra=["--heartbeat-ms", "200"]).start()
     try:
         keys = ["plain", "short", LONG_KEY, "never", "long-lived"]
         with LocalReader(str(sc.data_dir), max_stale_ms=60_000) as r:

@@ -1,4 +1,4 @@
-"""LocalReader.get's hot path (pure-Python twin of ext/localget.pyx; same behaviour).
+"""LocalReader.get's hot path (pure-Python twin of ext/app_get.pyx; same behaviour).
 
     get = LocalGet(plans, fresh_until, env.begin, slow)
     value = get(key)

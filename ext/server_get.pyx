@@ -1,5 +1,5 @@
 # distutils: libraries = lmdb
-"""The server's per-request GET path in C: same API and replies as kvcache/getpath.py.
+"""The server's per-request GET path in C: same API and replies as kvcache/server_get.py.
 
 Per GET: a plan looked up in a dict (the key's bytes come from take_gets), `mdb_get` on a
 read transaction of our own, and the bulk reply copied straight from the memory map into one
@@ -29,7 +29,7 @@ from resp_get cimport match_get
 import os
 
 from kvcache.errors import ReplicaError
-from kvcache.getpath import FLUSH_AT, FRESH_VERDICT_S, PLAN_CACHE
+from kvcache.server_get import FLUSH_AT, FRESH_VERDICT_S, PLAN_CACHE
 from kvcache.record import RECORD
 from kvcache.replica import MAX_DBS
 from kvcache.resp import GET_LEN
@@ -201,7 +201,7 @@ cdef class LocalGets:
         self._closed = True
 
     def forget_fresh(self):
-        """See kvcache.getpath.LocalGets.forget_fresh: every bucket asks its feed again."""
+        """See kvcache.server_get.LocalGets.forget_fresh: every bucket asks its feed again."""
         for b in self._buckets.values():
             (<_Bucket>b).fresh_until_ns = 0
 
@@ -312,7 +312,7 @@ cdef class LocalGets:
         return 0
 
     def answer(self, reader, data, int proto, Py_ssize_t budget):
-        """See kvcache.getpath.LocalGets.answer. When the reader holds nothing, the GETs at
+        """See kvcache.server_get.LocalGets.answer. When the reader holds nothing, the GETs at
         the front of `data` are served from `data` itself and only the rest is fed."""
         cdef list parts = []
         cdef Py_ssize_t size = 0, answered = 0, notfound = 0, n, nf, used, dn
@@ -458,7 +458,7 @@ cdef class LocalGets:
         return 1
 
     def serve(self, list lengths, list keys, int proto, Py_ssize_t budget):
-        """See kvcache.getpath.LocalGets.serve."""
+        """See kvcache.server_get.LocalGets.serve."""
         cdef Py_ssize_t i, n = PyList_GET_SIZE(keys), klen
         cdef Py_ssize_t answered = 0
         cdef object key, declared
@@ -522,7 +522,7 @@ cdef Py_ssize_t _FLUSH_AT = FLUSH_AT
 
 
 cdef class GetConnection:
-    """See kvcache.getpath.GetConnection: the same attributes and data_received, in C."""
+    """See kvcache.server_get.GetConnection: the same attributes and data_received, in C."""
     cdef public LocalGets gets
     cdef public object stats, transport, reader, _busy
     cdef public int proto
@@ -561,4 +561,4 @@ cdef class GetConnection:
         stats.gets_notfound += notfound
 
     def _process(self):
-        raise NotImplementedError  # the generic request loop: kvcache.server.Connection
+        raise NotImplementedError  # the generic request loop: kvcache.server.ClientConnection

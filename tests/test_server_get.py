@@ -14,19 +14,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcache import getpath as twin
+from kvcache import server_get as twin
 from kvcache.native import native_or_none
 from kvcache.readpolicy import Plan
 from kvcache.record import LONG_KEY_PREFIX, RECORD, item, lmdb_key
 from kvcache.replica import BucketMeta, Replica
 from kvcache.resp import GET_LEN
 
-native = native_or_none("getpath")  # None: not built (an error with KVCACHE_REQUIRE_EXTENSIONS=1)
+native = native_or_none("server_get")  # None: not built (an error with KVCACHE_REQUIRE_EXTENSIONS=1)
 
 IMPLS = [
     pytest.param(twin, id="python"),
     pytest.param(native, id="native",
-                 marks=pytest.mark.skipif(native is None, reason="kvcache._native.getpath not built")),
+                 marks=pytest.mark.skipif(native is None, reason="kvcache._native.server_get not built")),
 ]
 MiB = 1 << 20
 LONG = "long." + "k" * 600
@@ -231,7 +231,7 @@ def test_follows_writes_map_growth_and_new_databases(mod, env):
     assert answered == len(keys) and out == expected([big[k] for k in keys])
 
 
-@pytest.mark.skipif(native is None, reason="kvcache._native.getpath not built")
+@pytest.mark.skipif(native is None, reason="kvcache._native.server_get not built")
 def test_native_refuses_other_threads(env):
     replica, feeds = env
     gets, _ = make(native, replica, feeds)
@@ -254,7 +254,7 @@ _keys = st.sampled_from(list(VALUES) + ["missing", "main:a", "main:missing", "ot
                                         LONG + "x", "main:" + LONG])
 
 
-@pytest.mark.skipif(native is None, reason="kvcache._native.getpath not built")
+@pytest.mark.skipif(native is None, reason="kvcache._native.server_get not built")
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(_keys, min_size=1, max_size=20), st.sampled_from([2, 3]), st.integers(1, 40_000),
        st.booleans(), st.booleans())

@@ -17,15 +17,15 @@ import time
 
 import lmdb
 
+from . import native
 from .entry import Entry, Operation
 from .errors import KvcacheError, ReplicaError
 from .keys import glob_matcher
-from .native import pick
 from .readpolicy import meta_fresh, split_address
 from .record import live_value
 from .replica import BUCKETS_KEY, META_DB, BucketMeta, Replica, decode_record, lmdb_key
 
-_LOCALGET = pick("localget", "localget")
+_APP_GET = native.load("app_get")
 
 FRESHNESS_TTL_S = 0.05
 PLAN_CACHE = 100_000
@@ -58,7 +58,7 @@ class LocalReader:
         self._fresh_until: dict[str, float] = {}
         self._plans: dict[str, tuple] = {}  # key -> (bucket, db, lmdb key, value offset or 0)
         # The hot path: reads with a plan and a fresh bucket, else calls the method below.
-        self.get = _LOCALGET.LocalGet(self._plans, self._fresh_until, self.env.begin,
+        self.get = _APP_GET.LocalGet(self._plans, self._fresh_until, self.env.begin,
                                       self._get_checked)
 
     def buckets(self) -> list[str]:
