@@ -20,7 +20,7 @@ export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
 endif
 
-.PHONY: demo test install install-test python-env native-deps system-deps bench clean
+.PHONY: demo test quick lint typecheck debug install install-test python-env native-deps system-deps bench clean
 
 APT = if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq $(1) >/dev/null; \
       else sudo apt-get update -qq && sudo apt-get install -y -qq $(1) >/dev/null; fi
@@ -72,10 +72,28 @@ demo: install
 	$(PYTHON) -m kvcache serve --data-dir ./kvcache-data
 
 test: system-deps install-test
-	$(PYTHON) -m ruff check kvcache tests bench
+	$(MAKE) --no-print-directory lint typecheck
 	$(PYTHON) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 	# the socket path once more on the pure-Python twins of the native readers
 	KVCACHE_NO_EXTENSIONS=1 $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_server.py tests/test_commands.py tests/test_client.py tests/test_hostile.py
 
+# The habits `make test` runs first, on their own: ruff (rules in pyproject.toml), mypy on kvcache/.
+lint:
+	$(PYTHON) -m ruff check kvcache tests bench setup.py
+
+typecheck:
+	$(PYTHON) -m mypy kvcache
+
+# The tests that start no server (nats-server, redis-server, a sidecar, Spark): seconds, not minutes.
+quick:
+	$(PYTHON) -m pytest -q -p no:cacheprovider -m quick $(PYTEST_ARGS)
+
+# The Cython extensions rebuilt for gdb/valgrind: -O0 -g3, bounds and wraparound checks on,
+# annotated HTML next to each .pyx (ext/*.html). `make install` (or this with DEBUG=0) rebuilds
+# the optimized ones.
+debug:
+	KVCACHE_DEBUG_BUILD=1 $(PYTHON) setup.py build_ext --inplace --force
+
 clean:
-	rm -rf build dist *.egg-info kvcache-data ext/*.c kvcache/*.so $(VENV)
+	rm -rf build dist *.egg-info kvcache-data ext/*.c ext/*.html kvcache/_native/*.so $(VENV)
+	find . -name __pycache__ -type d -prune -not -path "./.git/*" -exec rm -rf {} +

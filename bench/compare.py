@@ -62,8 +62,8 @@ for p in (ROOT / "tests", BENCH, ROOT):  # ROOT ends up first: this checkout's k
 import socket_bench  # noqa: E402
 import sync_bench  # noqa: E402
 from restart import publish_all  # noqa: E402
-from sidecar_proc import SidecarProcess  # noqa: E402
-from topology import Cluster, add_hub_mirror, start_leaf  # noqa: E402
+from support.sidecar_proc import SidecarProcess  # noqa: E402
+from support.topology import Cluster, add_hub_mirror, start_leaf  # noqa: E402
 
 from kvcache import LocalReader  # noqa: E402
 from kvcache.client import Client  # noqa: E402

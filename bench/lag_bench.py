@@ -21,9 +21,9 @@ from pathlib import Path
 import nats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from checkers import lag_probe, percentile, settled
-from sidecar_proc import SidecarProcess
-from topology import start_cluster, start_single
+from support.checkers import lag_probe, percentile, settled
+from support.sidecar_proc import SidecarProcess
+from support.topology import start_cluster, start_single
 
 BUCKET = "lag"
 KEY = "lag.probe"

@@ -19,8 +19,8 @@ from pathlib import Path
 import nats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from checkers import percentile
-from sidecar_proc import SidecarProcess
+from support.checkers import percentile
+from support.sidecar_proc import SidecarProcess
 
 from kvcache import LocalReader
 from kvcache.natsserver import NatsServer

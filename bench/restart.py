@@ -17,7 +17,7 @@ from pathlib import Path
 import nats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from sidecar_proc import SidecarProcess
+from support.sidecar_proc import SidecarProcess
 
 from kvcache import LocalReader
 from kvcache.natsserver import NatsServer

@@ -35,9 +35,9 @@ import redis
 import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from checkers import percentile
-from sidecar_proc import SidecarProcess
-from topology import ProxyHost, add_hub_mirror, nats_run, start_cluster, start_leaf
+from support.checkers import percentile
+from support.sidecar_proc import SidecarProcess
+from support.topology import ProxyHost, add_hub_mirror, nats_run, start_cluster, start_leaf
 
 from kvcache.client import AsyncClient, KvcacheError
 

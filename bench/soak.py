@@ -38,9 +38,9 @@ import nats.errors
 import nats.js.errors
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from checkers import SETTLING, MonotonicReads, differences, lag_probe, percentile, settled
-from sidecar_proc import SidecarProcess
-from topology import ProxyHost, start_cluster
+from support.checkers import SETTLING, MonotonicReads, differences, lag_probe, percentile, settled
+from support.sidecar_proc import SidecarProcess
+from support.topology import ProxyHost, start_cluster
 
 from kvcache.client import AsyncClient, KvcacheError
 

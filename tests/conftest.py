@@ -1,4 +1,4 @@
-"""Fixtures that start real nats-server processes (see DESIGN.md, "Tests run against real servers").
+"""Fixtures that start real nats-server processes (see docs/architecture.md, "Tests").
 
 The fixtures are synchronous (starting a process needs no event loop), so module-scoped ones
 work with function-scoped asyncio tests. Teardown stops each server by its own PID, also
@@ -7,25 +7,52 @@ when the test failed.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import nats
 import pytest
-from sidecar_proc import SidecarProcess
-from topology import Cluster, start_cluster, start_leaf, start_single
+from support.sidecar_proc import SidecarProcess
+from support.topology import Cluster, start_cluster, start_leaf, start_single
 
 from kvcache.natsserver import NatsServer
 
 # Feeds notice a lost consumer after 3 heartbeats: short ones keep fault tests quick.
 HEARTBEAT = ["--heartbeat-ms", "500"]
 
+# The fixtures that start servers. A test using none of them, in a module that does not say
+# `pytestmark = pytest.mark.servers` (it starts them itself), is in the quick tier
+# (`make quick`, `-m quick`); the tier is checked: a quick test that starts a process fails.
+SERVER_FIXTURES = frozenset({"nats_server", "nats_server_module", "nats_cluster", "leaf_servers",
+                             "nc", "sidecars", "spark", "redis_path"})
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.get_closest_marker("servers") is None and \
+                not SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.quick)
+
+
+@pytest.fixture(autouse=True)
+def _quick_starts_no_process(request, monkeypatch):
+    """A test in the quick tier must not start a process (a server, a sidecar, Spark)."""
+    if request.node.get_closest_marker("quick") is not None:
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"{request.node.nodeid} is in the quick tier (no servers) but "
+                                 f"starts a process: {args[0] if args else kwargs.get('args')!r}; "
+                                 "mark its module `pytestmark = pytest.mark.servers`")
+        monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    yield
+
 
 @pytest.fixture
 def sidecars(tmp_path) -> Iterator[Callable[..., SidecarProcess]]:
     """Make sidecar processes (`kvcache serve` on one bucket spec, short heartbeats); every
-    one still running at the end is killed (by its PID)."""
+    one still running at the end is killed (by its PID), and a traceback in any one's log
+    fails the test (SidecarProcess.check_log)."""
     made: list[SidecarProcess] = []
 
     def make(url: str, spec: str, name: str = "sc", env: dict[str, str] | None = None,
@@ -36,7 +63,9 @@ def sidecars(tmp_path) -> Iterator[Callable[..., SidecarProcess]]:
 
     yield make
     for sc in made:
-        sc.kill()
+        sc.kill(check=False)
+    for sc in made:  # then the logs: a traceback in any of them fails the test
+        sc.check_log()
 
 
 @pytest.fixture
@@ -100,6 +129,18 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if path := os.environ.get("KVCACHE_FAULT_TABLE"):
         with open(path, "w") as f:
             f.write(table)
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[object]:
+    """The test session's one SparkSession: local[2], small shuffles, no UI."""
+    from kvcache.pipeline import spark as sparkio
+
+    session, owned = sparkio.session("local[2]", "kvcache-tests")
+    session.conf.set("spark.sql.shuffle.partitions", "4")
+    yield session
+    if owned:
+        session.stop()
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import redis
-from sidecar_proc import SidecarProcess
-from topology import nats_run
+from support.sidecar_proc import SidecarProcess
+from support.topology import nats_run
 
 from kvcache.accesslog import FIELDS, AccessLog
 from kvcache.config import load as load_config

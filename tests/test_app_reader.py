@@ -6,7 +6,7 @@ import time
 
 import nats
 import pytest
-from sidecar_proc import SidecarProcess
+from support.sidecar_proc import SidecarProcess
 
 from kvcache import LocalReader
 from kvcache.app_reader import StaleReplica

@@ -20,11 +20,13 @@ from pathlib import Path
 import nats
 import nkeys
 import pytest
-from natsauth import Operator, have_openssl, make_pki, new_key, public, seed
-from sidecar_proc import SidecarProcess, run_cli
+from support.natsauth import Operator, have_openssl, make_pki, new_key, public, seed
+from support.sidecar_proc import SidecarProcess, run_cli
 
 from kvcache.client import ResponseError
 from kvcache.natsserver import NatsServer
+
+pytestmark = pytest.mark.servers  # each test starts its own servers or sidecar process
 
 BUCKET = "b"
 HEARTBEAT = ["--heartbeat-ms", "500", "--request-timeout-ms", "1000"]

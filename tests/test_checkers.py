@@ -4,7 +4,7 @@ from __future__ import annotations
 import hiredis
 import nats
 import pytest
-from checkers import (
+from support.checkers import (
     Differences,
     MixedReads,
     MonotonicReads,
@@ -13,7 +13,7 @@ from checkers import (
     new_bucket,
     replica_state,
 )
-from sidecar_proc import SidecarProcess
+from support.sidecar_proc import SidecarProcess
 
 pytestmark = pytest.mark.timeout(120)
 

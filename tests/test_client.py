@@ -159,6 +159,7 @@ def test_keys_pages_through_scan(client: Client, r: redis.Redis) -> None:
     assert client.keys("none*") == []
 
 
+@pytest.mark.servers  # starts a process
 def test_keys_falls_back_to_keys_command(tmp_path_factory: pytest.TempPathFactory) -> None:
     proc, path = _start_redis(tmp_path_factory.mktemp("noscan"), "--rename-command", "SCAN", "")
     try:

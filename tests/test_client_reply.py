@@ -17,9 +17,9 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from sidecar_proc import SidecarProcess
-from test_commands import _put_all
-from topology import nats_run
+from support.kvdata import _put_all
+from support.sidecar_proc import SidecarProcess
+from support.topology import nats_run
 
 from kvcache.client import encode_command as encode
 from kvcache.natsserver import die_with_parent

@@ -13,7 +13,6 @@ Layout (one nats-server and one sidecar for the module):
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import time
@@ -21,8 +20,9 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from sidecar_proc import SidecarProcess
-from topology import nats_run
+from support.kvdata import _put_all, read_until
+from support.sidecar_proc import SidecarProcess
+from support.topology import nats_run
 
 from kvcache.client import Client, ResponseError
 from kvcache.client import encode_command as encode
@@ -46,10 +46,6 @@ def put(url: str, bucket: str, key: str, value: bytes) -> int:
     return nats_run(url, fn)
 
 
-async def _put_all(kv, items: dict[str, bytes]) -> None:
-    pairs = list(items.items())
-    for i in range(0, len(pairs), 200):
-        await asyncio.gather(*(kv.put(k, v) for k, v in pairs[i:i + 200]))
 
 
 @pytest.fixture(scope="module")
@@ -120,15 +116,6 @@ def raw(sock_path: str, data: bytes, until: bytes | None = None, timeout: float 
         s.close()
 
 
-def read_until(s: socket.socket, until: bytes | None) -> bytes:
-    """Read until `until` is in what was read, or EOF when `until` is None."""
-    got = b""
-    while until is None or until not in got:
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        got += chunk
-    return got
 
 
 # --------------------------------------------------------------------------- connection

@@ -4,7 +4,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-from sidecar_proc import run_cli
+from support.sidecar_proc import run_cli
 
 from kvcache.cli import build_parser
 from kvcache.config import load, parse_bucket_spec
@@ -165,10 +165,12 @@ def assert_one_line_error(result, fragment: str, code: int):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.servers  # starts a process
 def test_cli_bad_flag():
     assert_one_line_error(run_cli("serve", "--no-such-flag"), "unrecognized arguments", 2)
 
 
+@pytest.mark.servers  # starts a process
 def test_cli_bad_config_file(tmp_path):
     assert_one_line_error(run_cli("serve", "--config", write(tmp_path, "[[bucket]]\nname='x y'")),
                           "invalid bucket name", 2)
@@ -176,6 +178,7 @@ def test_cli_bad_config_file(tmp_path):
                           "config file not found", 2)
 
 
+@pytest.mark.servers  # starts a process
 def test_cli_unreachable_nats(tmp_path):
     from kvcache.natsserver import free_port
     url = f"nats://127.0.0.1:{free_port()}"
@@ -189,6 +192,7 @@ def test_cli_missing_bucket(tmp_path, nats_server):
     assert_one_line_error(result, "bucket 'absent' does not exist", 1)
 
 
+@pytest.mark.servers  # starts a process
 def test_cli_get_without_sidecar(tmp_path):
     result = run_cli("get", "k", "--socket", str(tmp_path / "none.sock"))
     assert_one_line_error(result, "kvcache at", 1)

@@ -21,7 +21,8 @@ import lmdb
 import nats
 import nats.errors
 import pytest
-from checkers import (
+from nats.js.api import KeyValueConfig
+from support.checkers import (
     SETTLING,
     MonotonicReads,
     bucket_info,
@@ -33,9 +34,8 @@ from checkers import (
     until,
     wait_synced,
 )
-from nats.js.api import KeyValueConfig
-from sidecar_proc import SidecarProcess
-from topology import DelayProxy
+from support.sidecar_proc import SidecarProcess
+from support.topology import DelayProxy
 
 from kvcache.replica import FORMAT_KEY, META_DB
 

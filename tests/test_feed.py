@@ -10,7 +10,8 @@ import os
 import nats
 import nats.js.errors
 import pytest
-from checkers import (
+from nats.js.api import KeyValueConfig
+from support.checkers import (
     bucket_info,
     converged,
     new_bucket,
@@ -20,9 +21,8 @@ from checkers import (
     upstream_state,
     wait_synced,
 )
-from nats.js.api import KeyValueConfig
-from sidecar_proc import SidecarProcess
-from topology import start_single
+from support.sidecar_proc import SidecarProcess
+from support.topology import start_single
 
 from kvcache import LocalReader
 from kvcache import jetstream as jsapi

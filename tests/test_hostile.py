@@ -36,9 +36,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sidecar_proc import SidecarProcess
-from test_server import BIG, connect, info, key, rss_kb, seed_bucket
-from topology import wait_until
+from support.kvdata import BIG, connect, info, key, rss_kb, seed_bucket
+from support.poll import wait_until
+from support.sidecar_proc import SidecarProcess
 
 from kvcache import resp
 from kvcache.client import Client, encode_command

@@ -16,9 +16,11 @@ import time
 
 import nats
 import pytest
-from sidecar_proc import SidecarProcess, run_cli
-from test_embedded import embedded_pid, pid_alive
-from topology import start_single
+from support.procs import embedded_pid, pid_alive
+from support.sidecar_proc import SidecarProcess, run_cli
+from support.topology import start_single
+
+pytestmark = pytest.mark.servers  # each test starts its own servers or sidecar process
 
 REPEAT = int(os.environ.get("KVCACHE_LIFECYCLE_REPEAT", "1"))
 HEARTBEAT = ["--heartbeat-ms", "500"]

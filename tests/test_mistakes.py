@@ -10,7 +10,9 @@ import sys
 
 import nats
 import pytest
-from sidecar_proc import SidecarProcess, run_cli
+from support.sidecar_proc import SidecarProcess, run_cli
+
+pytestmark = pytest.mark.servers  # each test starts its own servers or sidecar process
 
 
 def one_line_error(result: subprocess.CompletedProcess, code: int, *fragments: str) -> str:

@@ -15,7 +15,15 @@ import asyncio
 
 import nats
 import pytest
-from checkers import CounterWriter, MixedReads, kill_stream_leader, new_bucket, settled, until, wait_synced
+from support.checkers import (
+    CounterWriter,
+    MixedReads,
+    kill_stream_leader,
+    new_bucket,
+    settled,
+    until,
+    wait_synced,
+)
 
 pytestmark = pytest.mark.timeout(300)
 

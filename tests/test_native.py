@@ -34,6 +34,7 @@ def test_not_built_is_told_apart_and_required_is_an_error(monkeypatch):
         native.native_or_none("nosuch")
 
 
+@pytest.mark.servers  # starts a process
 def test_forced_twins_are_reported_as_such():
     env = {**os.environ, "KVCACHE_NO_EXTENSIONS": "1", "KVCACHE_REQUIRE_EXTENSIONS": "1"}
     out = subprocess.run([sys.executable, "-c", "from kvcache import native; print(native.report())"],

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client as _NatsClient
 from nats.protocol.parser import Parser as _NatsParser
-from nats_vectors import ACK, ACK_LONG, VECTORS, hmsg_frame, msg_frame
+from support.nats_vectors import ACK, ACK_LONG, VECTORS, hmsg_frame, msg_frame
 
 from kvcache import natsproto as twin
 from kvcache.entry import Operation

@@ -6,8 +6,8 @@ import csv
 from pathlib import Path
 
 import pyarrow.parquet as pq
-from sidecar_proc import run_cli
-from test_pipeline_load import spark  # noqa: F401 - the session's one SparkSession
+import pytest
+from support.sidecar_proc import run_cli
 
 from kvcache import cli
 from kvcache.accesslog import AccessLog
@@ -88,7 +88,7 @@ def read_csv(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def test_hotkeys_on_synthetic_logs(spark, tmp_path, capsys):  # noqa: F811
+def test_hotkeys_on_synthetic_logs(spark, tmp_path, capsys):
     dirs = write_logs(tmp_path / "logs")
     assert len(list((tmp_path / "logs" / "a").glob("access.log*"))) > 1  # rotated files count too
     out_dir = tmp_path / "report"
@@ -126,6 +126,7 @@ def test_hotkeys_on_synthetic_logs(spark, tmp_path, capsys):  # noqa: F811
     assert [r["filter"] for r in table if r["bucket"] == "cfg"] == ["user.eu.>", "user.us.>", "session.>", "motd"]
 
 
+@pytest.mark.servers  # starts a process
 def test_hotkeys_bad_input_exits_2(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()

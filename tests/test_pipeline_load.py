@@ -13,30 +13,17 @@ import re
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import nats
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from sidecar_proc import run_cli
-from topology import wait_until
+from support.poll import wait_until
+from support.sidecar_proc import run_cli
 
 from kvcache import cli
 from kvcache import jetstream as jsapi
-
-
-@pytest.fixture(scope="session")
-def spark() -> Iterator[object]:
-    """The test session's one SparkSession: local[2], small shuffles, no UI."""
-    from kvcache.pipeline import spark as sparkio
-
-    session, owned = sparkio.session("local[2]", "kvcache-tests")
-    session.conf.set("spark.sql.shuffle.partitions", "4")
-    yield session
-    if owned:
-        session.stop()
 
 
 def load(capsys, *args: str) -> tuple[int, str, str]:
@@ -251,6 +238,7 @@ def test_usage_and_input_errors_exit_2_with_one_line(tmp_path, nats_server):
         assert "Traceback" not in p.stderr
 
 
+@pytest.mark.servers  # starts a process
 def test_unreachable_nats_exits_1_before_spark(tmp_path):
     from kvcache.natsserver import free_port
 

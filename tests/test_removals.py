@@ -12,8 +12,9 @@ import time
 
 import pytest
 import redis
-from checkers import bucket_info, new_bucket, percentile, until, wait_synced
 from nats.js.api import DiscardPolicy
+from support.checkers import bucket_info, new_bucket, percentile, wait_synced
+from support.poll import until
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -209,6 +209,7 @@ def test_meta_round_trip_and_unknown_fields(replica):
     assert BucketMeta.decode(b'{"applied_seq":7,"from_the_future":1}').applied_seq == 7
 
 
+@pytest.mark.servers  # starts a process
 def test_format_version_mismatch_wipes_the_replica(tmp_path):
     path = str(tmp_path / "replica")
     r = Replica(path, map_size=4 * MiB)
@@ -257,6 +258,7 @@ def _zeroed_pages(data: str) -> None:
         f.write(bytes(size // 2))
 
 
+@pytest.mark.servers  # starts a process
 @pytest.mark.parametrize("damage", [_truncate, _bad_header, _zeroed_pages])
 def test_damaged_replica_is_deleted_and_recreated(tmp_path, damage, caplog):
     """Without the check, a truncated file was a SIGBUS at the first read, a bad header
@@ -277,6 +279,7 @@ def test_damaged_replica_is_deleted_and_recreated(tmp_path, damage, caplog):
     assert "is damaged" in caplog.text
 
 
+@pytest.mark.servers  # starts a process
 def test_intact_replica_is_kept(tmp_path, caplog):
     path = str(tmp_path / "replica")
     r = Replica(path, map_size=16 * MiB)
@@ -290,6 +293,7 @@ def test_intact_replica_is_kept(tmp_path, caplog):
     assert "is damaged" not in caplog.text
 
 
+@pytest.mark.servers  # starts a process
 def test_an_error_that_is_not_damage_keeps_the_files(tmp_path):
     """Only proof of damage costs the replica: an environment LMDB cannot open for another
     reason (here data.mdb is a directory) is reported, and nothing is deleted."""

@@ -14,8 +14,7 @@ import tracemalloc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_resp import (
-    INLINE_MAX,
+from support.resp_vectors import (
     LIMIT_VECTORS,
     REPLY_VECTORS,
     REQUEST_VECTORS,
@@ -24,12 +23,13 @@ from test_resp import (
     run_hiredis,
     splits,
 )
-from test_resp import run_replies as _run_replies
-from test_resp import run_requests as _run_requests
+from support.resp_vectors import run_replies as _run_replies
+from support.resp_vectors import run_requests as _run_requests
 
 from kvcache import resp as twin
 from kvcache.errors import ProtocolError
 from kvcache.native import native_or_none
+from kvcache.resp import INLINE_MAX
 
 native = native_or_none("resp")  # an error, not a skip, with KVCACHE_REQUIRE_EXTENSIONS=1
 if native is None:

@@ -12,7 +12,7 @@ import json
 
 import nats
 import pytest
-from topology import nats_run
+from support.topology import nats_run
 
 from kvcache.entry import Operation
 from kvcache.errors import UpstreamError

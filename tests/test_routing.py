@@ -16,8 +16,9 @@ import nats
 import pytest
 import redis
 from nats.js.api import StreamConfig, StreamSource
-from sidecar_proc import SidecarProcess, write_config
-from topology import DelayProxy, add_hub_mirror, nats_run, wait_until
+from support.poll import wait_until
+from support.sidecar_proc import SidecarProcess, write_config
+from support.topology import DelayProxy, add_hub_mirror, nats_run
 
 from kvcache import jetstream as jsapi
 from kvcache.natsconn import NatsConnection

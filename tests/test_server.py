@@ -20,33 +20,21 @@ from pathlib import Path
 
 import pytest
 import redis
-from sidecar_proc import SidecarProcess, run_cli
-from test_commands import _put_all, read_until
-from topology import nats_run, wait_until
+from support.kvdata import connect, info, key, read_until, rss_kb, seed_bucket
+from support.poll import wait_until
+from support.sidecar_proc import SidecarProcess, run_cli
+from support.topology import nats_run
 
 from kvcache.client import Client, encode_command
 
 NKEYS = 200
 VALUE = b"v" * 100
-BIG = b"B" * (512 * 1024)
 REDIS_CLI = "/usr/bin/redis-cli"
 REDIS_BENCHMARK = "/usr/bin/redis-benchmark"
 
 
-def key(i: int) -> str:
-    return f"{i:012d}"  # what redis-benchmark -r generates after `key:`
 
 
-def seed_bucket(url: str, values: dict[str, bytes]) -> str:
-    """Bucket `key` (Direct Get on) holding `values`, plus `out.remote` (outside the sidecars'
-    single-token filter: a remote read) and `big` (512 KiB); returns `url`."""
-    async def setup(js):
-        kv = await js.create_key_value(bucket="key", direct=True)
-        await _put_all(kv, values)
-        await kv.put("out.remote", b"remote value")
-        await kv.put("big", BIG)
-    nats_run(url, setup)
-    return url
 
 
 @pytest.fixture(scope="module")
@@ -81,16 +69,8 @@ def own_sidecar(url, tmp_path) -> Iterator:
             s.stop()
 
 
-def info(sock: str, section: str = "stats") -> dict:
-    with Client(sock) as c:
-        return c.info(section)[section]
 
 
-def connect(sock: str, timeout: float = 10) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX)
-    s.settimeout(timeout)
-    s.connect(sock)
-    return s
 
 
 def roundtrip(sock: str, data: bytes, until: bytes | None = None) -> bytes:
@@ -102,12 +82,6 @@ def roundtrip(sock: str, data: bytes, until: bytes | None = None) -> bytes:
         s.close()
 
 
-def rss_kb(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise RuntimeError("no VmRSS")
 
 
 # --------------------------------------------------------------------------- the socket file
@@ -456,10 +430,11 @@ def test_half_close_still_gets_replies(sc):
 # --------------------------------------------------------------------------- shutdown
 
 
+@pytest.mark.servers  # starts a process
 def test_sigterm_with_request_in_flight(tmp_path):
     """SIGTERM while a remote read waits on NATS: the reply still goes out, then the sidecar
     exits 0 and removes its socket. NATS is frozen (SIGSTOP) to hold the read in flight."""
-    from topology import start_single
+    from support.topology import start_single
     ns = start_single(tmp_path / "n")
     try:
         async def setup(js):

@@ -17,9 +17,9 @@ from contextlib import AsyncExitStack
 
 import nats
 import pytest
-from checkers import until
-from sidecar_proc import SidecarProcess
-from topology import DelayProxy
+from support.poll import until
+from support.sidecar_proc import SidecarProcess
+from support.topology import DelayProxy
 
 from kvcache.client import AsyncClient, ResponseError
 

@@ -12,14 +12,15 @@ import nats.js.errors
 import pytest
 from nats.aio.client import Client as NATS
 from nats.js.api import ExternalStream, StreamConfig, StreamSource
-from topology import Cluster
+from support.topology import Cluster
 
 from kvcache.errors import KvcacheError
 from kvcache.natsserver import NatsServer, find_binary, free_port
 
 T = TypeVar("T")
 
-pytestmark = pytest.mark.timeout(90)
+# each test starts its own servers
+pytestmark = [pytest.mark.timeout(90), pytest.mark.servers]
 
 
 @asynccontextmanager

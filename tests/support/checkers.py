@@ -8,11 +8,10 @@ the sidecar works inside, so a checker cannot agree with a bug by sharing its co
 from __future__ import annotations
 
 import asyncio
-import inspect
 import random
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,33 +23,12 @@ import nats.js.errors
 
 from kvcache import LocalReader
 from kvcache.client import AsyncClient, KvcacheError
+from support.poll import until
 
 State = dict[str, tuple[bytes, int]]   # key -> (value, revision) of every live key
 
 
 # ----------------------------------------------------------------------------- waiting
-
-async def until(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condition",
-                interval: float = 0.05) -> Any:
-    """Poll `pred` (sync or async) until it returns something truthy; fail at the deadline."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    err: BaseException | None = None
-    while True:
-        try:
-            last = pred()
-            if inspect.isawaitable(last):
-                last = await last
-            if last:
-                return last
-            err = None
-        except Exception as e:
-            err = e
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}; "
-                                 f"last value {last!r}, last error {err!r}")
-        await asyncio.sleep(interval)
-
 
 # What JetStream answers while a clustered stream is being created or elects a new leader.
 SETTLING = (nats.errors.NoRespondersError, nats.errors.TimeoutError,

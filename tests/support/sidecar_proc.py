@@ -7,17 +7,31 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from kvcache.client import Client, ConnectionFailed
+from kvcache.client import Client
 from kvcache.natsserver import die_with_parent
+from support.poll import WaitTimeout, wait_until
+
+
+class SidecarExited(AssertionError):
+    """The sidecar process ended while a test waited for it to serve."""
+
+
+TRACEBACK = "Traceback (most recent call last)"
 
 
 class SidecarProcess:
+    """`kvcache serve` as a child process of the test, logging to a file beside its data
+    directory; stopped by its own PID. Every way a test ends it (stop, kill, the context
+    manager, the `sidecars` fixture) checks its log: a Python traceback there fails the test,
+    since the sidecar must answer every mistake with one line (`expect_traceback=True` for a
+    test that provokes one on purpose)."""
+
     def __init__(self, data_dir: Path, nats_url: str | None, buckets: list[str] | None = None,
                  extra: list[str] | None = None, socket: Path | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, expect_traceback: bool = False) -> None:
+        self.expect_traceback = expect_traceback
         self.data_dir = Path(data_dir)
         self.socket = str(socket or self.data_dir / "kvcache.sock")
         self.args = [sys.executable, "-m", "kvcache", "serve", "--data-dir", str(self.data_dir),
@@ -46,17 +60,17 @@ class SidecarProcess:
         return Client(self.socket, timeout=timeout)
 
     def wait_serving(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def serving() -> bool:
             if self.proc and self.proc.poll() is not None:
-                raise RuntimeError(f"sidecar exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                with self.client(timeout=2) as c:
-                    if c.ping():
-                        return
-            except ConnectionFailed:
-                time.sleep(0.05)
-        raise TimeoutError(f"sidecar not serving after {timeout}s:\n{self.log()}")
+                raise SidecarExited(f"sidecar exited with {self.proc.returncode}:\n{self.log()}")
+            with self.client(timeout=2) as c:
+                return c.ping()
+        try:
+            wait_until(serving, timeout, "the sidecar to serve", detail=self.log)
+        except WaitTimeout as e:
+            if isinstance(e.__context__, SidecarExited) or (self.proc and self.proc.poll() is not None):
+                raise SidecarExited(f"sidecar exited with {self.proc.returncode}:\n{self.log()}") from None
+            raise
 
     def buckets(self) -> dict[str, dict]:
         with self.client() as c:
@@ -64,25 +78,18 @@ class SidecarProcess:
 
     def wait_synced(self, timeout: float = 60.0, bucket: str | None = None) -> dict[str, dict]:
         """Until every bucket (or the one named) reports synced=1 and lag_ms=0."""
-        deadline = time.monotonic() + timeout
-        state: dict = {}
-        while time.monotonic() < deadline:
+        def synced() -> dict[str, dict] | None:
             state = self.buckets()
             rows = [state[bucket]] if bucket and bucket in state else list(state.values())
             if rows and all(r["synced"] == 1 and r["lag_ms"] == 0 for r in rows) and (
                     not bucket or bucket in state):
                 return state
-            time.sleep(0.05)
-        raise TimeoutError(f"sidecar not synced after {timeout}s: {state}\n{self.log()}")
+            return None
+        return wait_until(synced, timeout, f"{bucket or 'every bucket'} synced with no lag",
+                          detail=self.log)
 
     def wait_for(self, pred, timeout: float = 20.0, what: str = "condition"):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = pred()
-            if value:
-                return value
-            time.sleep(0.05)
-        raise TimeoutError(f"{what} not reached after {timeout}s\n{self.log()}")
+        return wait_until(pred, timeout, what, detail=self.log)
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM and wait: the graceful path. Returns the exit code."""
@@ -98,15 +105,31 @@ class SidecarProcess:
                 raise RuntimeError(f"sidecar ignored SIGTERM for {timeout}s:\n{self.log()}")
         code = self.proc.returncode
         self._log.close()
+        self.check_log()
         return code
 
-    def kill(self) -> None:
+    def kill(self, check: bool = True) -> None:
         """SIGKILL: the crash path."""
         if self.proc and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
         if self.proc:
             self._log.close()
+            if check:
+                self.check_log()
+
+    def check_log(self) -> None:
+        """Fail on a Python traceback anywhere in the sidecar's log (unless expected)."""
+        if self.expect_traceback:
+            return
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return
+        at = text.find(TRACEBACK)
+        if at >= 0:
+            raise AssertionError(f"the sidecar logged a traceback ({self.log_path}):\n"
+                                 f"{text[max(0, at - 2000):at + 4000]}")
 
     def log(self) -> str:
         try:
@@ -117,9 +140,9 @@ class SidecarProcess:
     def __enter__(self) -> SidecarProcess:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.kill()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if self.proc:
+            self.kill(check=exc_type is None)  # a failing test's own error comes first
 
 
 def run_cli(*args: str, timeout: float = 60.0, env: dict[str, str] | None = None

@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,25 +15,11 @@ import nats
 from nats.js.api import ExternalStream, StreamConfig, StreamSource
 
 from kvcache.natsserver import ClusterConfig, NatsServer, free_port
+from support.poll import until, wait_until
 
 HOST = "127.0.0.1"
 
 
-def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> object:
-    """Poll `predicate` until it returns something truthy; fail with `what` at the deadline."""
-    deadline = time.monotonic() + timeout
-    last_exc: BaseException | None = None
-    while True:
-        try:
-            result = predicate()
-            if result:
-                return result
-        except Exception as exc:
-            last_exc = exc
-        if time.monotonic() >= deadline:
-            detail = f" (last error: {last_exc!r})" if last_exc else ""
-            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}{detail}")
-        time.sleep(interval)
 
 
 def start_single(tmp_path: Path, name: str = "single", domain: str | None = None) -> NatsServer:
@@ -156,11 +140,9 @@ async def add_hub_mirror(js, name: str, source: str, upto: int = 0, timeout: flo
     await js.add_stream(StreamConfig(
         name=name, mirror_direct=True, allow_direct=True,
         mirror=StreamSource(name=source, external=ExternalStream(api="$JS.hub.API")), **config))
-    deadline = time.monotonic() + timeout
-    while (await js.stream_info(name)).state.last_seq < upto:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"mirror {name} did not reach sequence {upto} in {timeout:.0f}s")
-        await asyncio.sleep(0.05)
+    async def reached() -> bool:
+        return (await js.stream_info(name)).state.last_seq >= upto
+    await until(reached, timeout, f"mirror {name} to reach sequence {upto}")
 
 
 def nats_run(url: str, fn):

@@ -1,0 +1,65 @@
+"""Data and socket helpers shared by the sidecar tests: putting keys, reading raw replies, seeding buckets."""
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from kvcache.client import Client
+from support.topology import nats_run
+
+
+async def _put_all(kv, items: dict[str, bytes]) -> None:
+    pairs = list(items.items())
+    for i in range(0, len(pairs), 200):
+        await asyncio.gather(*(kv.put(k, v) for k, v in pairs[i:i + 200]))
+
+
+def read_until(s: socket.socket, until: bytes | None) -> bytes:
+    """Read until `until` is in what was read, or EOF when `until` is None."""
+    got = b""
+    while until is None or until not in got:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    return got
+
+
+
+BIG = b"B" * (512 * 1024)
+
+
+def key(i: int) -> str:
+    return f"{i:012d}"  # what redis-benchmark -r generates after `key:`
+
+
+def seed_bucket(url: str, values: dict[str, bytes]) -> str:
+    """Bucket `key` (Direct Get on) holding `values`, plus `out.remote` (outside the sidecars'
+    single-token filter: a remote read) and `big` (512 KiB); returns `url`."""
+    async def setup(js):
+        kv = await js.create_key_value(bucket="key", direct=True)
+        await _put_all(kv, values)
+        await kv.put("out.remote", b"remote value")
+        await kv.put("big", BIG)
+    nats_run(url, setup)
+    return url
+
+
+def info(sock: str, section: str = "stats") -> dict:
+    with Client(sock) as c:
+        return c.info(section)[section]
+
+
+def connect(sock: str, timeout: float = 10) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(timeout)
+    s.connect(sock)
+    return s
+
+
+def rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
