@@ -1,6 +1,6 @@
 """Configuration: TOML file, then `KVCACHE_*` environment, then flags; later sources win.
 
-Every key of the TOML layout in DESIGN.md is reachable from all three sources, so a container
+Every key of the TOML layout (docs/configuration.md) is reachable from all three sources, so a container
 can be configured with environment variables alone and a developer with flags alone.
 Validation happens here, once, so the rest of the code can trust what it gets.
 """

@@ -1,4 +1,4 @@
-"""Latency-aware routing of fallback reads across a bucket's peers (DESIGN.md, Routing).
+"""Latency-aware routing of fallback reads across a bucket's peers (docs/architecture.md, Routing).
 
 NATS picks a Direct Get responder at random inside a cluster, so choosing the fast one is ours
 to do. A read goes to the better of two peers by cost (power of two choices; the two candidates

@@ -6,6 +6,7 @@ when the test failed.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import nats
 import pytest
+import uvloop
 from support.sidecar_proc import SidecarProcess
 from support.topology import Cluster, start_cluster, start_leaf, start_single
 
@@ -27,6 +29,20 @@ HEARTBEAT = ["--heartbeat-ms", "500"]
 # (`make quick`, `-m quick`); the tier is checked: a quick test that starts a process fails.
 SERVER_FIXTURES = frozenset({"nats_server", "nats_server_module", "nats_cluster", "leaf_servers",
                              "nc", "sidecars", "spark", "redis_path"})
+
+
+# Modules whose async tests run kvcache's own asyncio code in the test's event loop (NATS
+# connection, feed, router, async client): each such test runs on the default loop and on
+# uvloop, which the sidecar uses. The other async tests only drive processes.
+IN_PROCESS_ASYNC = frozenset({"test_natsconn", "test_feed", "test_router", "test_client"})
+LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+def pytest_asyncio_loop_factories(config, item):
+    """pytest-asyncio's hook: the loops an async test runs on (ids `[asyncio]`, `[uvloop]`)."""
+    if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in IN_PROCESS_ASYNC:
+        return LOOPS
+    return None
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -1,4 +1,4 @@
-"""Every command of DESIGN.md's table against a real sidecar process fed by a real nats-server.
+"""Every command of docs/commands.md against a real sidecar process fed by a real nats-server.
 
 Clients: redis-py (RESP2 and RESP3, with hiredis) as the third-party client, kvcache.Client as
 ours, and a raw socket where the wire bytes matter. Data is written with nats-py.

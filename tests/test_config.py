@@ -199,7 +199,7 @@ def test_cli_get_without_sidecar(tmp_path):
 
 
 def test_every_config_key_has_a_flag() -> None:
-    """DESIGN.md: every key is also settable by flag. Flags reach the same fields as TOML."""
+    """docs/configuration.md: every key is also settable by flag. Flags reach the same fields as TOML."""
     from kvcache import config
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     dests = {a.dest for a in serve._actions}

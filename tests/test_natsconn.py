@@ -10,6 +10,7 @@ import json
 
 import nats
 import pytest
+from support.checkers import new_bucket
 
 from kvcache import native
 from kvcache.natsconn import NatsConnection
@@ -68,7 +69,8 @@ async def test_same_messages_as_natspy(pair):
 async def test_requests_statuses_and_jetstream(pair):
     ours, _ = pair
     js = ours.jetstream()
-    kv = await js.create_key_value(bucket="natsconn", history=3, direct=True)
+    b = new_bucket()
+    kv = await js.create_key_value(bucket=b, history=3, direct=True)
     rev = await kv.put("a.b", b"hello")
     entry = await kv.get("a.b")  # a Direct Get, answered with headers
     assert (entry.value, entry.revision) == (b"hello", rev)
@@ -76,7 +78,7 @@ async def test_requests_statuses_and_jetstream(pair):
     with pytest.raises(nats.js.errors.KeyNotFoundError):
         await kv.get("a.b")
     # A 404 Direct Get reply is a status-only header block: nats-py's headers, our parsing.
-    reply = await ours.request("$JS.API.DIRECT.GET.KV_natsconn.$KV.natsconn.missing", b"", timeout=5)
+    reply = await ours.request(f"$JS.API.DIRECT.GET.KV_{b}.$KV.{b}.missing", b"", timeout=5)
     assert reply.headers["Status"] == "404"
     assert reply.headers["Description"] == "Message Not Found"
     info = json.loads((await ours.request("$JS.API.INFO", b"", timeout=5)).data)
@@ -87,7 +89,8 @@ async def test_requests_statuses_and_jetstream(pair):
 async def test_fast_lane_gets_runs_of_replica_items(pair):
     ours, theirs = pair
     js = theirs.jetstream()
-    kv = await js.create_key_value(bucket="lane", history=1)
+    b = new_bucket()  # unique: the test runs once per event loop on one server
+    kv = await js.create_key_value(bucket=b, history=1)
     want = {}
     for i in range(300):
         want[f"k.{i:03d}"] = (f"v{i}".encode(), await kv.put(f"k.{i:03d}", f"v{i}".encode()))
@@ -96,11 +99,11 @@ async def test_fast_lane_gets_runs_of_replica_items(pair):
     batches: list[list] = []
     inbox = ours.new_inbox()
     sub = await ours.subscribe(inbox)
-    ours.add_lane(sub._id, "$KV.lane.", batches.append)
-    cfg = {"stream_name": "KV_lane", "config": {
+    ours.add_lane(sub._id, f"$KV.{b}.", batches.append)
+    cfg = {"stream_name": f"KV_{b}", "config": {
         "deliver_subject": inbox, "ack_policy": "none", "deliver_policy": "all", "mem_storage": True,
         "idle_heartbeat": 200_000_000}}
-    await ours.request("$JS.API.CONSUMER.CREATE.KV_lane", json.dumps(cfg).encode(), timeout=5)
+    await ours.request(f"$JS.API.CONSUMER.CREATE.KV_{b}", json.dumps(cfg).encode(), timeout=5)
 
     async def all_delivered():
         while sum(len(ev.items) for b in batches for ev in b if type(ev).__name__ == "Run") < 300:
@@ -131,7 +134,7 @@ async def test_fast_lane_gets_runs_of_replica_items(pair):
     msg = await sub.next_msg(timeout=5)  # without the lane, nats-py's queue gets it again
     while (msg.headers or {}).get("Status") == "100":  # an idle heartbeat may come first
         msg = await sub.next_msg(timeout=5)
-    assert msg.subject == "$KV.lane.after" and msg.data == b"x"
+    assert msg.subject == f"$KV.{b}.after" and msg.data == b"x"
     assert len(batches) == n
     await sub.unsubscribe()
 
@@ -146,10 +149,11 @@ async def test_fast_request_answers_like_natspy_request(pair):
     """Found, not found, no responders and a timeout: the same Msg or error as request()."""
     ours, _ = pair
     js = ours.jetstream()
-    kv = await js.create_key_value(bucket="fastreq", direct=True)
+    b = new_bucket()
+    kv = await js.create_key_value(bucket=b, direct=True)
     rev = await kv.put("a", b"value a")
-    found = "$JS.API.DIRECT.GET.KV_fastreq.$KV.fastreq.a"
-    missing = "$JS.API.DIRECT.GET.KV_fastreq.$KV.fastreq.nope"
+    found = f"$JS.API.DIRECT.GET.KV_{b}.$KV.{b}.a"
+    missing = f"$JS.API.DIRECT.GET.KV_{b}.$KV.{b}.nope"
     for _ in range(3):  # the first call sets the inbox up and may go through request()
         for subject in (found, missing):
             a = await ours.fast_request(subject, b"", 5)
@@ -169,6 +173,6 @@ async def test_fast_request_answers_like_natspy_request(pair):
     keys = [f"k{i}" for i in range(50)]
     for k in keys:
         await kv.put(k, k.encode())
-    replies = await asyncio.gather(*(ours.fast_request(f"$JS.API.DIRECT.GET.KV_fastreq.$KV.fastreq.{k}", b"", 5)
+    replies = await asyncio.gather(*(ours.fast_request(f"$JS.API.DIRECT.GET.KV_{b}.$KV.{b}.{k}", b"", 5)
                                      for k in keys))
     assert [r.data for r in replies] == [k.encode() for k in keys]
