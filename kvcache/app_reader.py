@@ -58,8 +58,8 @@ class LocalReader:
         self._fresh_until: dict[str, float] = {}
         self._plans: dict[str, tuple] = {}  # key -> (bucket, db, lmdb key, value offset or 0)
         # The hot path: reads with a plan and a fresh bucket, else calls the method below.
-        self.get = _APP_GET.LocalGet(self._plans, self._fresh_until, self.env.begin,
-                                      self._get_checked)
+        self.get = _APP_GET.LocalGet(  # type: ignore[method-assign]  # per instance, on purpose
+            self._plans, self._fresh_until, self.env.begin, self._get_checked)
 
     def buckets(self) -> list[str]:
         """Configured buckets in the sidecar's order (the first is the default)."""

@@ -126,7 +126,7 @@ def _entry_from_reply(bucket: str, key: str, reply: object) -> Entry | None:
     return Entry(
         bucket=bucket,
         key=key,
-        value=None if value is None else bytes(value),  # type: ignore[arg-type]
+        value=None if value is None else bytes(value),
         revision=int(_text(revision)),
         created=int(_text(created)),
         operation=Operation.from_header(_text(operation)),
@@ -193,7 +193,7 @@ def _keys(pattern: str) -> _Op[list[str]]:
     except ResponseError:
         pass
     reply = yield ("KEYS", pattern)
-    return list(dict.fromkeys(map(_text, reply)))  # type: ignore[call-overload]
+    return list(dict.fromkeys(map(_text, reply)))
 
 
 def _info(section: str | None) -> _Op[dict[str, dict[str, object]]]:

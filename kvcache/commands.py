@@ -10,7 +10,7 @@ import functools
 import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol, Union
+from typing import Any, Protocol, Union
 
 from . import __version__, resp
 from .accesslog import AccessLog
@@ -362,6 +362,7 @@ class Commands:
             await self._gated_many(values, misses, gated, budget, t0, command)
         for bucket, wanted in misses.items():
             bc = self.cfg.bucket(bucket)
+            assert bc is not None  # misses are grouped by buckets resolve() found
             keys = list(dict.fromkeys(k for _, k in wanted))
             self.stats.gets_remote += len(keys)
             source = "remote"
@@ -715,9 +716,9 @@ def _client_attr(value: bytes, what: str) -> bytes:
     return value
 
 
-def _options(args: list[bytes], spec: dict[bytes, type]) -> dict[bytes, object]:
+def _options(args: list[bytes], spec: dict[bytes, type]) -> dict[bytes, Any]:
     """`NAME value` pairs, case-insensitive names, typed values; anything else is a syntax error."""
-    out: dict[bytes, object] = {}
+    out: dict[bytes, Any] = {}
     if len(args) % 2:
         raise CommandError("ERR syntax error")
     for i in range(0, len(args), 2):
@@ -728,11 +729,12 @@ def _options(args: list[bytes], spec: dict[bytes, type]) -> dict[bytes, object]:
         raw = args[i + 1]
         if t is int:
             try:
-                out[name] = int(raw)
+                number = int(raw)
             except ValueError:
                 raise CommandError("ERR value is not an integer or out of range") from None
-            if out[name] < 0:
+            if number < 0:
                 raise CommandError("ERR value is out of range, must be positive")
+            out[name] = number
         elif t is str:
             out[name] = raw.decode(errors="replace")
         else:

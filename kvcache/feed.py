@@ -29,6 +29,7 @@ import random
 import secrets
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from . import jetstream as jsapi
 from .config import BucketConfig
@@ -60,7 +61,10 @@ class ConsumerLost(KvcacheError):
     """The consumer can no longer be trusted to deliver in order: recreate it."""
 
 
-Run = proto.Run  # consecutive deliveries as replica items; see kvcache.natsproto.Run
+if TYPE_CHECKING:  # the twin's class stands for both in annotations (same fields)
+    from .natsproto import Run
+else:
+    Run = proto.Run  # consecutive deliveries as replica items; see kvcache.natsproto.Run
 
 
 def _consumer_name() -> str:
@@ -170,7 +174,7 @@ class PullConsumer:
         While the stream has no leader no try can land on it, and an election takes seconds:
         that ends the loop at once (ConsumerLost), and the feed's backoff and replan (which
         waits for a leader) take over, rather than PLACEMENT_TRIES creations back to back."""
-        why = ""
+        why: str | None = ""
         for attempt in range(PLACEMENT_TRIES):
             if attempt:
                 self.placement_retries += 1

@@ -70,9 +70,10 @@ class _Parser:
                 batches.setdefault(ev.sid, []).append(ev)
             elif t is _HMsg:
                 await nc._process_msg(ev.sid, ev.subject.encode(), ev.reply.encode(), ev.payload,
-                                      nats_headers(ev))
+                                      nats_headers(ev))  # type: ignore[arg-type]  # decoded: see _process_headers
             elif t is _Msg:
-                await nc._process_msg(ev.sid, ev.subject.encode(), ev.reply.encode(), ev.payload, None)
+                await nc._process_msg(ev.sid, ev.subject.encode(), ev.reply.encode(), ev.payload,
+                                      None)  # type: ignore[arg-type]  # no headers: see _process_headers
             elif t is _Ping:
                 await nc._process_ping()
             elif t is _Pong:
@@ -107,7 +108,8 @@ class NatsConnection(Client):
 
     def __init__(self) -> None:
         super().__init__()
-        self._ps = _Parser(self)  # type: ignore[assignment]
+        self._parser = _Parser(self)
+        self._ps = self._parser  # type: ignore[assignment]  # nats-py reads through _ps
         self._fast_inbox: bytes | None = None
         self._fast_lock = asyncio.Lock()
         self._fast_tokens = itertools.count(1)
@@ -173,9 +175,9 @@ class NatsConnection(Client):
         """Deliver the JetStream messages of subscription `sid` to `handler` in Run batches;
         keys are the subjects without `prefix`."""
         n = len(prefix.encode())
-        self._ps.lanes[sid] = (n, handler)
-        self._ps.reader.add_lane(sid, n)
+        self._parser.lanes[sid] = (n, handler)
+        self._parser.reader.add_lane(sid, n)
 
     def remove_lane(self, sid: int) -> None:
-        self._ps.lanes.pop(sid, None)
-        self._ps.reader.remove_lane(sid)
+        self._parser.lanes.pop(sid, None)
+        self._parser.reader.remove_lane(sid)

@@ -15,7 +15,7 @@ the addressing (`split_address`) and the freshness rule for a replica read from 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from .entry import Entry, Operation
 from .errors import CommandError, KvcacheError, ReplyBudget, UpstreamError
@@ -48,7 +48,7 @@ class Plan(NamedTuple):
     max_stale_ms: int
     bucket: str
     lkey: bytes
-    db: object
+    db: Any  # the bucket's LMDB database handle
     offset: int | None
 
 
@@ -79,7 +79,7 @@ class ReadPolicy:
         self.replica = replica
         self.feeds = feeds
         self.router = router
-        self._plans: dict[bytes, Plan | bool] = {}
+        self._plans: dict[bytes, Plan | Literal[False]] = {}
         self.in_filters = functools.lru_cache(maxsize=65536)(self._in_filters)
 
     # ------------------------------------------------------------------ addressing
@@ -114,7 +114,7 @@ class ReadPolicy:
         bc = self.cfg.bucket(bucket)
         return bc is not None and any(subject_match(f, key) for f in bc.keys)
 
-    def plan(self, raw: bytes) -> Plan | bool:
+    def plan(self, raw: bytes) -> Plan | Literal[False]:
         """How the replica reads `raw`, cached per raw key; False when the key is invalid or
         outside the filters (the generic path answers it: an error or a fallback read).
         Freshness is not part of the plan: the caller asks it (once per batch)."""
@@ -180,8 +180,10 @@ class ReadPolicy:
         """For a batch read while some key is gated (Feed.behind): (bucket, key, the sequence
         the replica must reach first, 0 when its raw record `rec` may answer now)."""
         bc, key = self.resolve(raw)
-        live = rec is not None and not self.replica.expired(bc.name, rec)
-        return bc.name, key, feed.behind(key, RECORD.unpack_from(rec)[0] if live else None)
+        revision = None
+        if rec is not None and not self.replica.expired(bc.name, rec):
+            revision = RECORD.unpack_from(rec)[0]
+        return bc.name, key, feed.behind(key, revision)
 
     # ------------------------------------------------------------------ answers from NATS
 

@@ -24,7 +24,7 @@ import asyncio
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +51,7 @@ class Policy:
     refresh_s: float = 0.25         # probe a healthy peer not measured for this long
 
 
-Fetch = Callable[[Peer], Awaitable]
+Fetch = Callable[[Peer], Coroutine[Any, Any, Any]]
 FLOORS_MAX = 65536
 
 
@@ -211,8 +211,9 @@ class Router:
         form); the first failure ends it, keeping what was read (the leader is out of reach:
         the next key would only wait out the same timeout)."""
         for key in keys:
-            into[key], _ = await self._route(
-                leaders, lambda p, key=key: p.get(key, self.timeout, leader=True), hedge=False)
+            def fetch(p: Peer, key: str = key) -> Coroutine[Any, Any, Entry | None]:
+                return p.get(key, self.timeout, leader=True)
+            into[key], _ = await self._route(leaders, fetch, hedge=False)
 
     def _bucket_peers(self, bucket: str, strong: bool) -> list[Peer]:
         ps = self._peers.get(bucket)
@@ -317,7 +318,7 @@ class Router:
 
         def launch(p: Peer, hedged: bool) -> None:
             tried.append(p)
-            t = loop.create_task(fetch(p))
+            t: asyncio.Task[Any] = loop.create_task(fetch(p))
             t.add_done_callback(rouse)
             running[t] = (p, hedged, time.perf_counter())
 

@@ -22,7 +22,7 @@ import resource
 import socket
 import stat
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from . import native, resp
 from .errors import KvcacheError, ProtocolError
@@ -47,7 +47,13 @@ SHUTTING_DOWN = resp.error("ERR kvcache is shutting down")
 FD_MARGIN = 256
 
 
-class ClientConnection(SERVER_GET.GetConnection, asyncio.Protocol):
+if TYPE_CHECKING:  # the twin's class stands for both: same attributes, same methods
+    from .server_get import GetConnection as _GetConnection
+else:
+    _GetConnection = SERVER_GET.GetConnection
+
+
+class ClientConnection(_GetConnection, asyncio.Protocol):
     """One client. The per-read hot path (data_received, and the state it reads: transport,
     reader, proto and the flags) is GetConnection's, in C when built; the rest is here."""
 
@@ -235,7 +241,7 @@ class ClientConnection(SERVER_GET.GetConnection, asyncio.Protocol):
                 self.transport.pause_reading()
                 # the command itself is the task (not a wrapper awaiting it), so cancelling it
                 # on connection_lost, even before it started, closes the coroutine
-                busy = self._busy = asyncio.ensure_future(reply)
+                busy = self._busy = asyncio.ensure_future(cast("Awaitable[bytes]", reply))
                 busy.add_done_callback(self._finished)
                 return
             if out:

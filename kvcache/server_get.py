@@ -26,9 +26,10 @@ asked at most once per feed per call, and a yes is believed for FRESH_VERDICT_S.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, cast
 
 from .record import RECORD, live_value
 from .replica import Replica
@@ -36,6 +37,8 @@ from .resp import GET_LEN, NIL2, NIL3
 
 if TYPE_CHECKING:
     from .readpolicy import Plan
+    from .resp import RequestReader
+    from .stats import Stats
 
 PLAN_CACHE = 65536
 FLUSH_AT = 256 * 1024  # write out what a batch has answered once it is this big
@@ -47,14 +50,14 @@ BULK_HEADER = [b"$%d\r\n" % n for n in range(10_000)]
 
 _monotonic = time.monotonic
 
-Planner = Callable[[bytes], "Plan | bool"]
+Planner = Callable[[bytes], "Plan | Literal[False]"]
 
 
 class LocalGets:
     def __init__(self, replica: Replica, planner: Planner) -> None:
         self.replica = replica
         self.planner = planner
-        self.plans: dict[bytes, Plan | bool] = {}
+        self.plans: dict[bytes, Plan | Literal[False]] = {}
         self._fresh_until: dict[object, float] = {}  # feed -> monotonic time
 
     def forget_fresh(self) -> None:
@@ -70,7 +73,7 @@ class LocalGets:
         answers, less work); here the planner answers everything, so only its cache resets."""
         self.plans.clear()
 
-    def _plan(self, key: bytes) -> Plan | bool:
+    def _plan(self, key: bytes) -> Plan | Literal[False]:
         plan = self.planner(key)
         if len(self.plans) >= PLAN_CACHE:
             self.plans.clear()
@@ -171,13 +174,13 @@ class GetConnection:
         "transport",
     )
 
-    def __init__(self, gets: LocalGets, stats, reader) -> None:
+    def __init__(self, gets: LocalGets, stats: Stats, reader: RequestReader) -> None:
         self.gets = gets
-        self.stats = stats            # commands.Stats: commands, gets_local, gets_notfound
+        self.stats = stats            # the server's Stats: commands, gets_local, gets_notfound
         self.reader = reader
-        self.transport = None
+        self.transport: asyncio.Transport = cast("asyncio.Transport", None)  # connection_made sets it
         self.proto = 2
-        self._busy = None
+        self._busy: asyncio.Future[bytes] | None = None
         self._closing = False         # no more requests: QUIT, protocol error, connection lost
         self._paused_writing = False  # the client is not reading: neither do we
         self._eof = False             # the client half-closed: answer what it sent, then close

@@ -60,7 +60,7 @@ class Sidecar:
         self.cfg = cfg
         self.stats = Stats()
         self.embedded: NatsServer | None = None
-        self.nc: nats.NATS | None = None
+        self.nc: NatsConnection | None = None
         self.replica: Replica | None = None
         self.feeds: dict[str, Feed] = {}
         self.router = Router(cfg.nats.request_timeout_ms / 1000)
@@ -87,18 +87,18 @@ class Sidecar:
         if self.use_embedded:
             await self._start_embedded()
             self._supervisor = asyncio.ensure_future(self._supervise_embedded())
-        self.nc = await self._connect(self.cfg.nats.servers)
+        nc = self.nc = await self._connect(self.cfg.nats.servers)
         self.nats_url = self.nc.connected_url.geturl() if self.nc.connected_url else ""
         self.stats.nats_url, self.stats.embedded_nats = self.nats_url, self.use_embedded
         if self.use_embedded and not self.cfg.buckets:
-            await self._ensure_demo_bucket()
+            await self._ensure_demo_bucket(nc)
         self.replica = Replica(
             os.path.join(self.cfg.data_dir, "replica"),
             map_size=self.cfg.map_size_mb << 20, max_map_size=self.cfg.max_map_size_mb << 20)
         self.replica.set_buckets([b.name for b in self.cfg.buckets])
         timeout = self.cfg.nats.request_timeout_ms / 1000
         for b in self.cfg.buckets:
-            feed = Feed(self.nc, b, self.replica, heartbeat_s=self.cfg.heartbeat_ms / 1000,
+            feed = Feed(nc, b, self.replica, heartbeat_s=self.cfg.heartbeat_ms / 1000,
                         timeout=timeout, on_fatal=self._fatal)
             feed.on_renumbered = functools.partial(self.router.floors.forget, b.name)
             try:
@@ -139,8 +139,9 @@ class Sidecar:
                 if not stopping.done():
                     stopping.cancel()
             if interrupted:
-                if not starting.cancelled() and starting.exception() is not None:
-                    log.info("start abandoned: %s", _describe(starting.exception()))
+                error = None if starting.cancelled() else starting.exception()
+                if error is not None:
+                    log.info("start abandoned: %s", _describe(error))
             else:
                 starting.result()  # a failed start: its one-line error reaches the CLI
             await self._stopping.wait()
@@ -322,7 +323,7 @@ class Sidecar:
         for p in self.router.peers():
             log.info("peer %s: stream %s%s", p.label, p.stream, f" in domain {p.domain}" if p.domain else "")
 
-    async def _connect(self, servers: list[str], peer: bool = False) -> nats.NATS:
+    async def _connect(self, servers: list[str], peer: bool = False) -> NatsConnection:
         n = self.cfg.nats
         # Credentials in a URL go to nats-py as options (config.validate_nats_auth made sure
         # no other auth option is set then): the URLs the connection keeps, which INFO, logs
@@ -442,20 +443,21 @@ class Sidecar:
             feed.connection_lost()
 
     async def _on_reconnect(self) -> None:
-        log.info("reconnected to NATS at %s", self.nc.connected_url.geturl() if self.nc else "?")
+        url = self.nc.connected_url if self.nc else None
+        log.info("reconnected to NATS at %s", url.geturl() if url else "?")
         for feed in self.feeds.values():
             feed.connection_lost()  # recreate consumers now rather than after the watchdog
 
-    async def _ensure_demo_bucket(self) -> None:
+    async def _ensure_demo_bucket(self, nc: NatsConnection) -> None:
         """First run on the embedded server: a bucket with sample keys so reads work at once."""
         self.cfg.buckets = [BucketConfig(name=DEMO_BUCKET)]
         timeout = self.cfg.nats.request_timeout_ms / 1000
         try:
-            await jsapi.stream_info(self.nc, jsapi.kv_stream(DEMO_BUCKET), timeout)
+            await jsapi.stream_info(nc, jsapi.kv_stream(DEMO_BUCKET), timeout)
             return
         except BucketNotFound:
             pass
-        js = self.nc.jetstream(timeout=timeout)
+        js = nc.jetstream(timeout=timeout)
         kv = await js.create_key_value(bucket=DEMO_BUCKET, history=5, direct=True,
                                        description="kvcache demo bucket")
         await kv.put("greeting", b"hello from kvcache")

@@ -149,11 +149,11 @@ async def test_fast_request_answers_like_natspy_request(pair):
     """Found, not found, no responders and a timeout: the same Msg or error as request()."""
     ours, _ = pair
     js = ours.jetstream()
-    b = new_bucket()
-    kv = await js.create_key_value(bucket=b, direct=True)
+    bucket = new_bucket()
+    kv = await js.create_key_value(bucket=bucket, direct=True)
     rev = await kv.put("a", b"value a")
-    found = f"$JS.API.DIRECT.GET.KV_{b}.$KV.{b}.a"
-    missing = f"$JS.API.DIRECT.GET.KV_{b}.$KV.{b}.nope"
+    found = f"$JS.API.DIRECT.GET.KV_{bucket}.$KV.{bucket}.a"
+    missing = f"$JS.API.DIRECT.GET.KV_{bucket}.$KV.{bucket}.nope"
     for _ in range(3):  # the first call sets the inbox up and may go through request()
         for subject in (found, missing):
             a = await ours.fast_request(subject, b"", 5)
@@ -173,6 +173,6 @@ async def test_fast_request_answers_like_natspy_request(pair):
     keys = [f"k{i}" for i in range(50)]
     for k in keys:
         await kv.put(k, k.encode())
-    replies = await asyncio.gather(*(ours.fast_request(f"$JS.API.DIRECT.GET.KV_{b}.$KV.{b}.{k}", b"", 5)
+    replies = await asyncio.gather(*(ours.fast_request(f"$JS.API.DIRECT.GET.KV_{bucket}.$KV.{bucket}.{k}", b"", 5)
                                      for k in keys))
     assert [r.data for r in replies] == [k.encode() for k in keys]
