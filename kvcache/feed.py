@@ -1,329 +1,53 @@
 """The feed: keeps one bucket's replica equal to its stream.
 
-It manages its own consumer instead of nats-py's `watch()`: a push watch with nats-py's default
-pending limits drops messages as a slow consumer on big buckets and never recovers. Here the
-consumer is pull-based (ephemeral, AckNone, in memory), the same shape as nats.go's ordered
-consumer, so the server never sends more than we asked for: nothing can be dropped, and
-memory stays bounded by one pull window.
+It manages its own consumer (kvcache.consumer) instead of nats-py's `watch()`: a push watch
+with nats-py's default pending limits drops messages as a slow consumer on big buckets and
+never recovers. Here the consumer is pull-based, so nothing can be dropped and memory stays
+bounded by one pull window.
 
-Deliveries arrive through the connection's fast lane (kvcache.natsconn): everything one socket
-read brought, already decoded in C into replica items, is applied in one LMDB transaction
-together with the last applied stream sequence; no Python object per message but the item. A consumer-sequence gap, a
-silent heartbeat, a deleted consumer or a reconnect recreates the consumer from the last
-applied sequence + 1.
+This module holds the sync itself: planning a start (resume from the stored sequence, or a
+full resync when the stream no longer holds it, was recreated or rewound), applying each
+socket read's deliveries in one LMDB transaction together with the last applied stream
+sequence, freshness (`fresh_within`, `lag_ms`) and the floors that keep reads from going back
+(`handed_out`, `behind`). The passes that keep the replica equal when no message says so
+(expiry, removals, reconcile) are in kvcache.sweeps.
 
 Two facts about the server shape the bookkeeping here:
 - `last_per_subject` delivers the initial set in subject order, not stream order, so while a
   full sync runs the highest sequence seen says nothing about which keys are still to come. An
   interrupted full sync therefore starts over; only a finished one yields a resumable position.
 - A pull request can end in several ways (408 expired, 409 "Batch Completed", 409 "Message
-  Size Exceeds MaxBytes", ...); only the ones listed in REQUEST_ENDED are harmless.
+  Size Exceeds MaxBytes", ...); only the ones listed in consumer.REQUEST_ENDED are harmless.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import random
-import secrets
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from . import jetstream as jsapi
 from .config import BucketConfig
-from .errors import BucketNotFound, KvcacheError, ReplicaError, UpstreamError
-from .natsconn import NatsConnection, proto
+from .consumer import ConsumerLost, PullConsumer, Run
+from .errors import BucketNotFound, ReplicaError, UpstreamError
+from .natsconn import NatsConnection
 from .replica import Replica
+from .sweeps import Maintenance
 
 log = logging.getLogger("kvcache.feed")
 
-PULL_BATCH = 8192
-PULL_MAX_BYTES = 16 * 1024 * 1024
-PULL_EXPIRES_S = 30.0
-EXPIRY_PAGE = 2_000     # records looked at per turn of the event loop (~3 ms) by removal passes
-SWEEP_MAX_S = 1.0       # the expiry index is looked at least this often (reads hide expired records anyway)
-WATCH_MIN_S, WATCH_MAX_S = 0.25, 5.0  # bounds of the stream state poll's period (max_stale_ms / 4)
-HINT_CHECKS_S = (0.1, 1.0)  # after a purge request is seen: look again this long after it
-PLACEMENT_TRIES = 32    # consumers made to get one on the stream leader (R3: all miss with p = 2e-6)
-RECONCILE_TRIES = 3
 # Keys remembered as handed out from NATS ahead of the replica (Feed.ahead); past this many,
 # every key waits for the replica instead (slower, still right) rather than one being forgotten.
 AHEAD_MAX = 100_000
 META_TOUCH_INTERVAL_NS = 1_000_000_000
 
-# 409 descriptions that end one pull request and nothing more: pull again.
-REQUEST_ENDED = ("Batch Completed", "Exceeds MaxBytes", "Exceeded MaxWaiting")
 
-
-class ConsumerLost(KvcacheError):
-    """The consumer can no longer be trusted to deliver in order: recreate it."""
-
-
-if TYPE_CHECKING:  # the twin's class stands for both in annotations (same fields)
-    from .natsproto import Run
-else:
-    Run = proto.Run  # consecutive deliveries as replica items; see kvcache.natsproto.Run
-
-
-def _consumer_name() -> str:
-    return "kvcache_" + secrets.token_hex(8)
-
-
-class PullConsumer:
-    """One ephemeral pull consumer over a KV stream, delivering in order or failing loudly.
-
-    `on_batch(runs)` runs synchronously for everything a socket read brought (gap-free Runs, in
-    order) and returns True to finish; `on_idle(last_stream_seq)` runs when the server reports, while we are
-    caught up, that it has nothing more (0 when unknown). An exception raised by either ends
-    the consumer and propagates out of `run()`. `after_create(stream_info)` runs once the
-    consumer exists on the stream leader, with the leader's STREAM.INFO answer.
-    """
-
-    def __init__(self, nc: NatsConnection, stream: str, prefix: str, filters: list[str], *,
-                 start_seq: int | None, headers_only: bool, heartbeat_s: float,
-                 on_batch: Callable[[list[Run]], bool], on_idle: Callable[[int], None],
-                 after_create: Callable[[dict], Awaitable[None]] | None = None,
-                 api: str = "$JS.API", timeout: float = 5.0) -> None:
-        self.nc = nc
-        self.stream = stream
-        self.prefix = prefix
-        self.filters = filters
-        self.start_seq = start_seq
-        self.headers_only = headers_only
-        self.heartbeat_s = heartbeat_s
-        self.on_batch = on_batch
-        self.on_idle = on_idle
-        self.after_create = after_create
-        self.api = api
-        self.timeout = timeout
-        self.name = _consumer_name()
-        self.placement_retries = 0
-        self.initial_pending = 0
-        self.delivered = 0
-        self._inbox = nc.new_inbox()
-        self._wake = asyncio.Event()
-        self._failure: str | None = None
-        self._error: BaseException | None = None
-        self._done = False
-        self._pending_msgs = 0
-        # One request must fit the largest message the server accepts, or it would never arrive.
-        self._max_bytes = max(PULL_MAX_BYTES, 2 * (nc.max_payload or 0))
-        self._next_cseq = 1
-        self._last_activity = time.monotonic()
-        self._caught_up = False
-
-    async def run(self) -> None:
-        if not isinstance(self.nc, NatsConnection):
-            raise TypeError("the feed needs a kvcache.natsconn.NatsConnection (for its fast lane)")
-        sub = await self.nc.subscribe(self._inbox)  # messages never reach its queue: the lane takes them
-        self.nc.add_lane(sub._id, self.prefix, self._on_lane)
-        created = False
-        try:
-            info, stream_info = await self._create_placed()
-            created = True
-            if self.after_create is not None:
-                await self.after_create(stream_info)
-            self._last_activity = time.monotonic()
-            self.initial_pending = info.get("num_pending", 0)
-            if self.initial_pending == 0:
-                self._caught_up = True
-                self.on_idle(0)
-            await self._pull()
-            while not self._done:
-                try:
-                    await asyncio.wait_for(self._wake.wait(), self.heartbeat_s)
-                except TimeoutError:
-                    pass
-                self._wake.clear()
-                if self._error is not None:
-                    raise self._error
-                if self._failure:
-                    raise ConsumerLost(self._failure)
-                if time.monotonic() - self._last_activity > 3 * self.heartbeat_s:
-                    raise ConsumerLost(f"no heartbeat for {3 * self.heartbeat_s:.1f}s")
-                if not self._done and self._pending_msgs <= PULL_BATCH // 2:
-                    await self._pull()
-        finally:
-            self._done = True
-            self.nc.remove_lane(sub._id)
-            try:
-                await sub.unsubscribe()
-            except Exception:  # the connection may be gone; the server drops the interest anyway
-                pass
-            if created:
-                asyncio.ensure_future(self._delete_quietly())
-
-    def fail(self, reason: str) -> None:
-        self._failure = self._failure or reason
-        self._wake.set()
-
-    def finish(self) -> None:
-        self._done = True
-        self._wake.set()
-
-    async def _create_placed(self) -> tuple[dict, dict]:
-        """Create the consumer on the stream leader: the consumer info and the leader's
-        STREAM.INFO. A consumer on another replica reads that replica's store (see
-        jsapi.misplaced); a feed reading one that lags after a restart would call an old state
-        caught up, and reads would go back in time (seen in tests/test_faults.py with all
-        servers restarted: revision 110 read from a peer, then 70 from the replica). So a
-        misplaced consumer is deleted and made again (a few ms each): each try lands on the
-        leader with chance 1/replicas; after PLACEMENT_TRIES the feed backs off and tries later.
-        While the stream has no leader no try can land on it, and an election takes seconds:
-        that ends the loop at once (ConsumerLost), and the feed's backoff and replan (which
-        waits for a leader) take over, rather than PLACEMENT_TRIES creations back to back."""
-        why: str | None = ""
-        for attempt in range(PLACEMENT_TRIES):
-            if attempt:
-                self.placement_retries += 1
-                self.name = _consumer_name()
-            info = await self._create()
-            try:
-                stream_info = await jsapi.stream_info(self.nc, self.stream, self.timeout, self.api,
-                                                      need_leader=True)
-                why = jsapi.misplaced(info, stream_info)
-            except jsapi.NoLeader as e:
-                await self._delete_quietly()
-                raise ConsumerLost(f"no consumer on the stream leader: {e}") from None
-            except BaseException:
-                asyncio.ensure_future(self._delete_quietly())
-                raise
-            if why is None:
-                if attempt:
-                    log.info("%s: consumer on the stream leader after %d misplaced ones", self.stream, attempt)
-                return info, stream_info
-            await self._delete_quietly()
-        raise ConsumerLost(f"no consumer on the stream leader in {PLACEMENT_TRIES} tries: {why}")
-
-    async def _create(self) -> dict:
-        cfg: dict = {
-            "name": self.name,
-            "ack_policy": "none",
-            "replay_policy": "instant",
-            "mem_storage": True,
-            "num_replicas": 1,
-            "inactive_threshold": int(max(60.0, 10 * self.heartbeat_s) * 1e9),
-            "headers_only": self.headers_only,
-        }
-        if self.start_seq is None:
-            cfg["deliver_policy"] = "last_per_subject"
-        else:
-            cfg["deliver_policy"] = "by_start_sequence"
-            cfg["opt_start_seq"] = self.start_seq
-        if len(self.filters) == 1:
-            cfg["filter_subject"] = self.filters[0]
-        else:
-            cfg["filter_subjects"] = self.filters
-        return await jsapi.api_request(
-            self.nc, f"{self.api}.CONSUMER.CREATE.{self.stream}.{self.name}",
-            {"stream_name": self.stream, "config": cfg, "action": "create"}, self.timeout,
-        )
-
-    async def _delete_quietly(self) -> None:
-        try:
-            await jsapi.api_request(
-                self.nc, f"{self.api}.CONSUMER.DELETE.{self.stream}.{self.name}", None, 1.0)
-        except Exception:  # inactive_threshold reaps it anyway
-            pass
-
-    async def _pull(self) -> None:
-        """Top the window up to PULL_BATCH messages; each request's bytes are capped too, so
-        at most two requests' worth (a few tens of MiB) is ever buffered."""
-        want = PULL_BATCH - self._pending_msgs
-        if want <= 0:
-            return
-        req = {
-            "batch": want,
-            "max_bytes": self._max_bytes,
-            "expires": int(PULL_EXPIRES_S * 1e9),
-            "idle_heartbeat": int(self.heartbeat_s * 1e9),
-        }
-        self._pending_msgs += want
-        await self.nc.publish(
-            f"{self.api}.CONSUMER.MSG.NEXT.{self.stream}.{self.name}",
-            json.dumps(req).encode(), reply=self._inbox,
-        )
-
-    # -------------------------------------------------------------- delivery path
-
-    def _on_lane(self, batch: list) -> None:
-        """Everything one socket read brought for this consumer: Runs and statuses, in order."""
-        if self._done or self._failure or self._error:
-            return
-        self._last_activity = time.monotonic()
-        runs: list[Run] = []
-        for ev in batch:
-            if type(ev) is Run:
-                if ev.first_cseq != self._next_cseq:
-                    self._failure = f"consumer sequence gap: expected {self._next_cseq}, got {ev.first_cseq}"
-                    break
-                self._next_cseq = ev.last_cseq + 1
-                runs.append(ev)
-                continue
-            # A status speaks about everything before it: apply that first.
-            if runs:
-                self._deliver(runs)
-                runs = []
-            if self._done or self._error:
-                break
-            self._status(ev)
-            if self._failure or self._error:
-                break
-        if runs and not self._error:
-            self._deliver(runs)
-        self._last_activity = time.monotonic()  # a long write is not the server's silence
-        if self._failure or self._error or self._done or self._pending_msgs <= PULL_BATCH // 2:
-            self._wake.set()
-
-    def _deliver(self, runs: list[Run]) -> None:
-        n = sum(len(r.items) for r in runs)
-        self._pending_msgs -= n
-        self.delivered += n
-        self._caught_up = runs[-1].last_pending == 0
-        try:
-            if self.on_batch(runs):
-                self._done = True
-        except BaseException as e:
-            self._error = e
-
-    def _status(self, ev) -> None:
-        """A message on our inbox that is not a delivery: an HMsg with a status, mostly."""
-        hdrs = getattr(ev, "headers", None) or {}
-        status = getattr(ev, "status", 0)
-        desc = getattr(ev, "description", "")
-        if status == 100:
-            # Idle heartbeat: it names the last consumer sequence the server sent. If that is
-            # ahead of what we received, deliveries were lost on the way.
-            last_c = int(hdrs.get("Nats-Last-Consumer", 0) or 0)
-            if last_c >= self._next_cseq:
-                self._failure = (f"heartbeat reports consumer sequence {last_c}, "
-                                 f"received only up to {self._next_cseq - 1}")
-                return
-            if self._caught_up and last_c == self._next_cseq - 1:
-                try:
-                    self.on_idle(int(hdrs.get("Nats-Last-Stream", 0) or 0))
-                except BaseException as e:
-                    self._error = e
-            return
-        if status in (404, 408) or (status == 409 and any(d in desc for d in REQUEST_ENDED)):
-            # The pull request ended; what it did not deliver is no longer owed to us.
-            pending = hdrs.get("Nats-Pending-Messages")
-            if pending is not None:
-                self._pending_msgs -= int(pending or 0)
-            else:
-                self._pending_msgs = 0  # cannot tell: assume nothing is owed and ask again
-            self._pending_msgs = max(self._pending_msgs, 0)
-            return
-        if status in (409, 400, 503):
-            self._failure = f"consumer ended: {status} {desc}".strip()
-            return
-        log.debug("ignoring status %s %s on %s", status, desc, self.stream)
-
-
-class Feed:
-    """Keeps one bucket's replica in step with its stream; owns its position and health."""
+class Feed(Maintenance):
+    """Keeps one bucket's replica in step with its stream; owns its position and health, and
+    answers what the read policy asks: synced?, fresh within a bound?, may this record
+    answer this key?"""
 
     def __init__(self, nc: NatsConnection, bucket: BucketConfig, replica: Replica, *,
                  heartbeat_s: float = 2.0, timeout: float = 5.0,
@@ -474,17 +198,6 @@ class Feed:
             self._hint_tasks.add(t)
             t.add_done_callback(self._hint_tasks.discard)
 
-    async def _refile(self) -> None:
-        after: bytes | None = None
-        while True:
-            try:
-                after = self.replica.refile(self.bucket, after, EXPIRY_PAGE)
-            except ReplicaError as e:
-                log.warning("bucket %s: filing records by their new deadline failed: %s", self.bucket, e)
-                return
-            if after is None:
-                return
-            await asyncio.sleep(0)
 
     def _task_done(self, task: asyncio.Task) -> None:
         """The loop retries every failure it knows; if it ends anyway, that is a bug, and a
@@ -767,217 +480,10 @@ class Feed:
             self._reconcile_task = asyncio.get_running_loop().create_task(
                 self._reconcile(), name=f"reconcile:{self.bucket}")
 
-    def _sweep(self, keep: set[bytes], max_revision: int | None = None,
-               within: list[str] | None = None) -> int:
-        """Delete replica keys absent from `keep` (and not newer than max_revision; only keys
-        matching one of the `within` patterns, when given: those are looked up, or listed
-        from their literal prefix on, never the whole replica)."""
-        if within is None:
-            candidates = self.replica.iter_keys(self.bucket)
-        else:
-            candidates = (item for pattern in within for item in self.replica.iter_matching(self.bucket, pattern))
-        stale = [lk for lk, _ in candidates if lk not in keep]
-        if max_revision is not None:
-            stale = [lk for lk in stale if self.replica.revision(self.bucket, lk) <= max_revision]
-        return self.replica.delete_lkeys(self.bucket, stale) if stale else 0
 
     # -------------------------------------------------------------- removals with no message
 
-    async def _sweep_loop(self) -> None:
-        """Remove records whose deadline passed (a Nats-TTL of their own, or the bucket's
-        max_age), reading only the expiry index's due entries. Reads hide such records at
-        once (record.deadline), so this is about space and key counts: it runs when the
-        earliest deadline comes, at least every SWEEP_MAX_S."""
-        while True:
-            due = self.replica.next_due(self.bucket)
-            wait = SWEEP_MAX_S if due is None else (due - time.time_ns()) / 1e9
-            await asyncio.sleep(min(SWEEP_MAX_S, max(wait, 0.0)) + 0.001)
-            try:
-                more = True
-                while more:
-                    removed, more = self.replica.sweep_expired(self.bucket, time.time_ns(), EXPIRY_PAGE)
-                    self.removed_upstream += removed
-                    if more:
-                        await asyncio.sleep(0)  # a page at a time: reads go on meanwhile
-            except ReplicaError as e:  # the next turn tries again
-                log.warning("bucket %s: expiry sweep failed: %s", self.bucket, e)
-
-    def _watch_period(self) -> float:
-        return min(WATCH_MAX_S, max(WATCH_MIN_S, self.cfg.max_stale_ms / 4000))
-
-    async def _watch_loop(self) -> None:
-        """Watch the stream's state (one STREAM.INFO every max_stale_ms / 4, 0.25 s to 5 s)
-        for removals that leave no message the feed could follow: a whole-stream purge and
-        the stream's limits (max_msgs, max_bytes, max_age) remove from the front, so the
-        first sequence moves past keys whose newest revision is gone; a max_age change moves
-        every deadline. One-subject purges and message deletes are seen as requests
-        (_on_removal_request). Only while caught up: before that the feed itself plans."""
-        while True:
-            await asyncio.sleep(self._watch_period())
-            if not self.caught_up or self._full or not self.meta.synced:
-                continue
-            try:
-                await self.check_state()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # the next period tries again; the data is still served
-                log.warning("bucket %s: stream state check failed: %s", self.bucket, e)
-
-    async def check_state(self, force: bool = False) -> int:
-        """Look at the stream once and drop what it no longer holds; records removed.
-        `force`: after a purge request, look for keys below the first sequence even where
-        max_age alone would explain its moving."""
-        self.state_polls += 1
-        info = await self._stream_info()
-        config = info.get("config", {})
-        max_age = int(config.get("max_age", 0) or 0)
-        msg_ttl = bool(config.get("allow_msg_ttl"))
-        if max_age != self.max_age_ns or (msg_ttl and not self._deadlines):
-            log.info("bucket %s: max_age is now %ds%s", self.bucket, max_age // 1_000_000_000,
-                     ", with per-message TTLs" if msg_ttl else "")
-            self._set_deadlines(max_age, msg_ttl)
-            self.replica.put_meta(self.bucket, self.meta)
-        state = info.get("state", {})
-        first, last = state.get("first_seq", 0), state.get("last_seq", 0)
-        removed = 0
-        if first > self.first_seq:
-            if not (force or _front_removal_possible(config) or first > last):
-                # max_age moves it: every record below it has passed its deadline, which
-                # reads apply by themselves and the sweep follows; a pass is not needed.
-                self.first_seq = first
-            # Wait for what the snapshot holds: a key's newer revision may still be on its way,
-            # and dropping the old one meanwhile would answer "not found" for a key that exists.
-            elif await self.wait_applied(last, self.timeout):
-                removed = await self._drop_below(first, last)
-                self.first_seq = first
-        if removed:
-            self.removed_upstream += removed
-            log.info("bucket %s: %d keys with no message left in the stream removed", self.bucket, removed)
-        return removed
-
-    async def _drop_below(self, first: int, last: int) -> int:
-        """Remove keys whose newest revision is below the stream's first sequence: they have
-        no message left. Everything when the stream is empty (a purge): one drop. Otherwise
-        a pass over the records, a page at a time; each page is read and deleted without an
-        await in between, so no newer revision can land between the two."""
-        if first > last and self.meta.applied_seq <= last:
-            n = self.replica.count(self.bucket)
-            if n:
-                self.replica.clear_bucket(self.bucket)
-            return n
-        removed = 0
-        after: bytes | None = None
-        while True:
-            if self._full:
-                break
-            gone, after = self.replica.older_than(self.bucket, first, after, EXPIRY_PAGE)
-            if gone:
-                removed += self.replica.delete_lkeys(self.bucket, gone)
-            if after is None:
-                break
-            await asyncio.sleep(0)
-        return removed
-
-    async def _on_removal_request(self, msg) -> None:
-        """A STREAM.PURGE or STREAM.MSG.DELETE request for our stream went by: such removals
-        leave no message. Look again once the server has had time to carry it out: the
-        stream's state for a purge of everything, the purged keys (or, for a deleted message,
-        every key) with a headers-only pass."""
-        try:
-            req = json.loads(msg.data or b"{}")
-        except ValueError:
-            req = {}
-        subject = req.get("filter", "") if msg.subject.startswith("$JS.API.STREAM.PURGE.") else ""
-        if subject and not subject.startswith(self.prefix):
-            return
-        t = asyncio.get_running_loop().create_task(self._after_removal(subject), name=f"purge:{self.bucket}")
-        self._hint_tasks.add(t)
-        t.add_done_callback(self._hint_tasks.discard)
-
-    async def _after_removal(self, subject: str) -> None:
-        waited = 0.0
-        for at in HINT_CHECKS_S:
-            await asyncio.sleep(at - waited)
-            waited = at
-            if self._full or not self.meta.synced:
-                return
-            try:
-                await self.check_state(force=True)  # counts and logs what it removes itself
-                removed = await self._reconcile_once([subject] if subject else None) or 0
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                log.warning("bucket %s: check after a purge request failed: %s", self.bucket, e)
-                continue
-            if removed:
-                self.removed_upstream += removed
-                log.info("bucket %s: %d keys removed by a purge or message delete", self.bucket, removed)
 
     # -------------------------------------------------------------- reconcile
 
-    async def _reconcile(self) -> None:
-        """After a resume, find keys that vanished while we were down (purged delete markers,
-        TTL expiry, stream purge) with a headers-only last-per-subject pass, and drop them.
-        A failed pass (NATS busy electing leaders after a restart) is tried again a little
-        later; after RECONCILE_TRIES the next start tries again, and the data is served meanwhile."""
-        for attempt in range(1, RECONCILE_TRIES + 1):
-            try:
-                removed = await self._reconcile_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                log.warning("bucket %s: reconcile pass failed (try %d of %d): %s",
-                            self.bucket, attempt, RECONCILE_TRIES, e)
-                if attempt < RECONCILE_TRIES:
-                    await asyncio.sleep(attempt * self.heartbeat_s)
-                continue
-            if removed is None:  # a full resync started meanwhile and sweeps by itself
-                return
-            if removed:
-                log.info("bucket %s: reconcile removed %d keys that vanished upstream", self.bucket, removed)
-            else:
-                log.info("bucket %s: reconcile found nothing to remove", self.bucket)
-            return
 
-    async def _reconcile_once(self, only: list[str] | None = None) -> int | None:
-        """One headers-only pass: keys of the replica absent from the stream go. `only`:
-        subjects narrowing the pass (a purge's filter); only replica keys they match go."""
-        info = await self._stream_info()
-        snapshot = info.get("state", {}).get("last_seq", 0)
-        live: set[bytes] = set()
-        consumer: PullConsumer | None = None
-
-        def collect(runs: list[Run]) -> bool:
-            for r in runs:
-                for lk, rec in r.items:
-                    if rec is not None:
-                        live.add(lk)
-                    else:
-                        live.discard(lk)
-            return runs[-1].last_pending == 0
-
-        def idle(_last: int) -> None:
-            if consumer is not None:
-                consumer.finish()
-
-        consumer = PullConsumer(
-            self.nc, self.stream, self.prefix, only or self.filters, start_seq=None,
-            headers_only=True, heartbeat_s=self.heartbeat_s,
-            on_batch=collect, on_idle=idle, timeout=self.timeout,
-        )
-        await consumer.run()
-        if self._full:
-            return None
-        within = [f[len(self.prefix):] for f in only] if only else None
-        return self._sweep(live, max_revision=snapshot, within=within)
-
-
-def _front_removal_possible(config: dict) -> bool:
-    """Can the stream drop messages from its front other than by max_age (for which reads
-    and the expiry sweep need no pass over the replica)? Without max_age, anything that moves
-    the first sequence is such a removal; with it, only message or byte limits under the
-    `old` discard policy (a KV bucket's default policy, `new`, refuses puts instead)."""
-    if not config.get("max_age"):
-        return True
-    return config.get("discard", "old") == "old" and (
-        (config.get("max_msgs", -1) or -1) > 0 or (config.get("max_bytes", -1) or -1) > 0)

@@ -36,13 +36,14 @@ SERVER_FIXTURES = frozenset({"nats_server", "nats_server_module", "nats_cluster"
 # uvloop, which the sidecar uses. The other async tests only drive processes.
 IN_PROCESS_ASYNC = frozenset({"test_natsconn", "test_feed", "test_router", "test_client"})
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+DEFAULT_LOOP = {"asyncio": asyncio.new_event_loop}
 
 
 def pytest_asyncio_loop_factories(config, item):
     """pytest-asyncio's hook: the loops an async test runs on (ids `[asyncio]`, `[uvloop]`)."""
     if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in IN_PROCESS_ASYNC:
         return LOOPS
-    return None
+    return DEFAULT_LOOP
 
 
 def pytest_collection_modifyitems(config, items) -> None:
