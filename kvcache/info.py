@@ -65,7 +65,7 @@ class Info:
                 resyncs=f.meta.resyncs, removed_upstream=f.removed_upstream,
                 state_polls=f.state_polls)) for name, f in policy.feeds.items()],
             "peers": [(p.label, _fields(
-                stream=p.stream, state=p.state, ewma_us=int(p.stats.ewma_us),
+                stream=p.stream, state=router.state(p), ewma_us=int(p.stats.ewma_us),
                 requests=p.stats.requests, errors=p.stats.errors, hedges=p.stats.hedges))
                 for p in router.peers()],
             "routing": router.info_rows(),

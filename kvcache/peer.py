@@ -4,7 +4,8 @@ Single keys use the subject-appended form `$JS.API.DIRECT.GET.<stream>.<subject>
 use `multi_last` batches (at most 1024 subjects a request, pinned to one snapshot with
 `up_to_seq`). Streams without `allow_direct` have no Direct Get responders, so such a peer uses
 the leader API `$JS.API.STREAM.MSG.GET`, which is also what `CONSISTENCY strong` reads use
-(read-after-write). A peer also keeps the figures the router chooses by (kvcache.router).
+(read-after-write). A peer also measures its requests, the figures the router chooses by
+(kvcache.router).
 """
 from __future__ import annotations
 
@@ -88,8 +89,13 @@ class PeerStats:
         return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
 
 
-@dataclass
+@dataclass(eq=False)  # a peer is itself: the router keys its view of each peer by identity
 class Peer:
+    """One read target and its requests: a NATS connection and a stream holding a bucket's
+    keys (the bucket's own, a replica's, a mirror's). It measures its requests (latency,
+    in flight, errors: PeerStats); whether it is chosen, ejected or probed is the router's
+    business (kvcache.router.PeerHealth)."""
+
     name: str
     nc: NATS
     stream: str
@@ -97,25 +103,12 @@ class Peer:
     domain: str | None = None
     direct: bool = True
     stats: PeerStats = field(default_factory=PeerStats)
-    # Routing state, owned by the Router: consecutive failures, ejection and probe schedule.
-    failures: int = 0
-    ejected: bool = False
-    backoff: float = 0.0
-    next_probe: float = 0.0
-    probing: bool = False
     # perf_counter() at which a request overtaken by a hedge (and cancelled) was sent; until
     # the peer answers again it counts as still unanswered, so a stalled peer keeps getting
     # costlier although its requests were cancelled. 0 = none.
     unanswered_since: float = 0.0
     _started: dict = field(default_factory=dict)   # request id -> perf_counter() at start
     _ids: Iterator[int] = field(default_factory=itertools.count)
-
-    @property
-    def state(self) -> str:
-        """`ejected` by the router, `down` while its connection is lost, else `up`."""
-        if self.ejected:
-            return "ejected"
-        return "up" if self.nc.is_connected else "down"
 
     @property
     def inflight(self) -> int:

@@ -55,6 +55,18 @@ Fetch = Callable[[Peer], Coroutine[Any, Any, Any]]
 FLOORS_MAX = 65536
 
 
+@dataclass
+class PeerHealth:
+    """The router's view of one peer, which it alone changes: consecutive failures, whether
+    it is ejected, and when to probe it back (exponential backoff)."""
+
+    failures: int = 0
+    ejected: bool = False
+    backoff: float = 0.0
+    next_probe: float = 0.0
+    probing: bool = False
+
+
 class Floors:
     """The highest revision read so far per key (the most recent FLOORS_MAX keys), so that
     reads of a key never go back in time when peers of different lag answer them."""
@@ -93,6 +105,7 @@ class Router:
         self.timeout = timeout
         self.policy = policy or Policy()
         self._peers: dict[str, list[Peer]] = {}
+        self.health: dict[Peer, PeerHealth] = {}  # the router's view of each peer
         self._rng = rng or random.Random()
         self._tokens = self.policy.hedge_burst
         self._background: set[asyncio.Task] = set()
@@ -103,6 +116,13 @@ class Router:
 
     def add(self, peer: Peer) -> None:
         self._peers.setdefault(peer.bucket, []).append(peer)
+        self.health[peer] = PeerHealth()
+
+    def state(self, peer: Peer) -> str:
+        """`ejected` by the router, `down` while its connection is lost, else `up`."""
+        if self.health[peer].ejected:
+            return "ejected"
+        return "up" if peer.nc.is_connected else "down"
 
     def peers(self) -> Iterable[Peer]:
         for ps in self._peers.values():
@@ -172,7 +192,7 @@ class Router:
         def place(p: Peer | None) -> tuple[int, float]:
             if p is None:   # the leader
                 return 1, 0.0
-            healthy = not p.ejected and not p.unanswered_since and p.nc.is_connected
+            healthy = not self.health[p].ejected and not p.unanswered_since and p.nc.is_connected
             return 0 if healthy else 2, p.cost(now)
         order = sorted([*(p for p in peers if p is not stale), None], key=place)
         leaders = [p for p in peers if p.upstream]
@@ -240,14 +260,14 @@ class Router:
         b = self._draw([p for p in pool if p is not a], costs)
         return a if costs[id(a)] <= costs[id(b)] else b
 
-    @staticmethod
-    def _pool(peers: list[Peer], exclude: Iterable[Peer]) -> list[Peer]:
+    def _pool(self, peers: list[Peer], exclude: Iterable[Peer]) -> list[Peer]:
         """The peers not excluded that are up and not suspect (overtaken by a hedge, not heard
         from since: it is being probed); else those not ejected; else all of them."""
         excluded = set(map(id, exclude))
         pool = [p for p in peers if id(p) not in excluded]
-        healthy = [p for p in pool if not p.ejected and not p.unanswered_since and p.nc.is_connected]
-        return healthy or [p for p in pool if not p.ejected] or pool
+        health = self.health
+        healthy = [p for p in pool if not health[p].ejected and not p.unanswered_since and p.nc.is_connected]
+        return healthy or [p for p in pool if not health[p].ejected] or pool
 
     def _draw(self, pool: list[Peer], costs: dict[int, float]) -> Peer:
         weights = [1.0 / costs[id(p)] ** 2 for p in pool]
@@ -269,7 +289,7 @@ class Router:
             if pol.hedge_patience and alt is not None and alt.stats.ewma_us > primary.stats.percentile(0.99):
                 delay = max(delay, alt.stats.ewma_us)
         else:
-            delay = min((p.stats.percentile(q) for p in peers if p.stats.samples and not p.ejected),
+            delay = min((p.stats.percentile(q) for p in peers if p.stats.samples and not self.health[p].ejected),
                         default=pol.hedge_default_s * 1e6)
         return max(pol.hedge_min_s, delay / 1e6)
 
@@ -375,11 +395,11 @@ class Router:
     # ------------------------------------------------------------------ health
 
     def _succeeded(self, p: Peer) -> None:
-        p.failures = 0
+        self.health[p].failures = 0
 
     def _failed(self, p: Peer) -> None:
-        p.failures += 1
-        if p.failures >= self.policy.eject_after and not p.ejected:
+        self.health[p].failures += 1
+        if self.health[p].failures >= self.policy.eject_after and not self.health[p].ejected:
             self._eject(p)
 
     def _lost(self, p: Peer, started: float) -> None:
@@ -390,10 +410,10 @@ class Router:
         self._failed(p)
 
     def _eject(self, p: Peer) -> None:
-        p.ejected = True
+        self.health[p].ejected = True
         p.stats.ejections += 1
-        p.backoff = self.policy.probe_backoff_s
-        p.next_probe = time.monotonic() + p.backoff
+        self.health[p].backoff = self.policy.probe_backoff_s
+        self.health[p].next_probe = time.monotonic() + self.health[p].backoff
 
     def _schedule_probes(self, peers: list[Peer], key: str) -> None:
         """Probe (in the background, reading the same key) every ejected peer due for a retry
@@ -401,16 +421,16 @@ class Router:
         now = time.monotonic()
         refresh = len(peers) > 1   # a lone peer's estimate chooses nothing
         for p in peers:
-            if p.probing or not (p.ejected or refresh):
+            if self.health[p].probing or not (self.health[p].ejected or refresh):
                 continue
-            if p.ejected:
-                due = p.next_probe
+            if self.health[p].ejected:
+                due = self.health[p].next_probe
             elif p.unanswered_since:
                 due = 0.0  # suspect: find out now whether it answers at all
             else:
                 due = p.stats.last_sample + self.policy.refresh_s
-            if (p.ejected or p.stats.last_sample) and now >= due and not p.inflight:
-                p.probing = True
+            if (self.health[p].ejected or p.stats.last_sample) and now >= due and not p.inflight:
+                self.health[p].probing = True
                 t = asyncio.get_running_loop().create_task(self._probe(p, key))
                 self._background.add(t)
                 t.add_done_callback(self._background.discard)
@@ -420,15 +440,15 @@ class Router:
         try:
             await p.get(key, self.timeout)
         except UpstreamError:
-            if p.ejected:
-                p.backoff = min(self.policy.probe_backoff_max_s, p.backoff * 2)
-                p.next_probe = time.monotonic() + p.backoff
+            if self.health[p].ejected:
+                self.health[p].backoff = min(self.policy.probe_backoff_max_s, self.health[p].backoff * 2)
+                self.health[p].next_probe = time.monotonic() + self.health[p].backoff
             else:
                 self._failed(p)
         else:
-            p.failures = 0
-            if p.ejected:
-                p.ejected = False
+            self.health[p].failures = 0
+            if self.health[p].ejected:
+                self.health[p].ejected = False
                 p.stats.restart()
         finally:
-            p.probing = False
+            self.health[p].probing = False

@@ -26,8 +26,8 @@ from support.topology import start_single
 
 from kvcache import LocalReader
 from kvcache import jetstream as jsapi
-from kvcache.errors import UpstreamError
 from kvcache.consumer import PullConsumer
+from kvcache.errors import UpstreamError
 from kvcache.natsconn import NatsConnection
 
 pytestmark = pytest.mark.timeout(120)
