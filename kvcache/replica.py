@@ -169,6 +169,9 @@ class Replica:
         with self.env.begin(db=self._meta) as txn:
             fmt = txn.get(FORMAT_KEY)
         if fmt is not None and fmt != str(FORMAT_VERSION).encode():
+            log.warning("replica at %s is in format %s, this kvcache writes %d: dropping it, it "
+                        "will be rebuilt from NATS", self.path, fmt.decode(errors="replace"),
+                        FORMAT_VERSION)
             self.wipe()
         self._write("format", lambda txn: txn.put(FORMAT_KEY, str(FORMAT_VERSION).encode(), db=self._meta))
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import enum
 import random
-import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -108,16 +107,18 @@ def test_limits_are_configurable(mod):
 
 @pytest.mark.parametrize("mod", IMPLS)
 def test_big_payload_in_many_reads_is_linear(mod):
-    """A 16 MiB payload fed in 4 KiB reads: the control line is parsed once and the tail
-    grows by appending, so this takes milliseconds, not the seconds a rescan would."""
+    """A 16 MiB payload fed in 4 KiB reads: nothing comes out until the frame is whole, and
+    the reader holds exactly what it was fed (the tail grows by appending: no copy of what
+    was parsed, no rescan). How long it takes is bench/test_bench_natsproto.py's business."""
     payload = bytes(range(256)) * (16 * 4096)
     wire = msg_frame("big", 1, "", payload) + b"PING\r\n"
     reader = mod.NatsReader()
     events = []
-    t0 = time.perf_counter()
+    end = len(wire) - len(b"PING\r\n")
     for i in range(0, len(wire), 4096):
         events += reader.feed(wire[i:i + 4096])
-    assert time.perf_counter() - t0 < 5
+        if i + 4096 < end:
+            assert events == [] and reader.buffered() == i + 4096, i
     assert events == [Msg(1, "big", "", payload), twin.PING] and reader.buffered() == 0
 
 
@@ -296,7 +297,6 @@ def fuzz_one(mod, data: bytes, cuts: list[int]):
         reader.add_lane(sid, 4)
     events: list = []
     err = None
-    t0 = time.perf_counter()
     try:
         for chunk in chunks:
             events += reader.feed(chunk)
@@ -305,7 +305,6 @@ def fuzz_one(mod, data: bytes, cuts: list[int]):
     except ProtocolError as exc:
         err = str(exc)
         events += exc.events
-    assert time.perf_counter() - t0 < 1.0
     return typed(events), err
 
 
