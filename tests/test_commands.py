@@ -815,3 +815,33 @@ def test_get_protocol_switch_mid_pipeline(env):
     assert got.startswith(b"$-1\r\n%7\r\n")
     assert b"_\r\n$2\r\nv1\r\n*14\r\n" in got
     assert got.endswith(b"$-1\r\n+PONG\r\n")
+
+
+# --------------------------------------------------------------------------- contract details
+
+
+def test_kv_get_minrev_reached_is_answered_locally(env, r):
+    """MINREV of a revision the replica holds: the replica answers (source local); of a key
+    outside the filters: the leader, at once."""
+    rev = put(env["url"], "main", "in.minrev", b"m1")
+    env["sc"].wait_for(lambda: env["sc"].buckets()["main"]["applied_seq"] >= rev, what="applied")
+    before = stats(env)
+    value, got_rev, _, op, source = kv_get(r, "in.minrev", "MINREV", rev)
+    assert (value, got_rev, op, source) == (b"m1", rev, b"PUT", b"local")
+    after = stats(env)
+    assert (after["gets_local"] - before["gets_local"], after["gets_remote"] - before["gets_remote"]) == (1, 0)
+    rev = put(env["url"], "main", "out.minrev", b"o1")
+    assert kv_get(r, "out.minrev", "MINREV", rev)[::4] == [b"o1", b"leader"]
+
+
+def test_kvcache_get_entry_prints_the_entry(env):
+    from support.sidecar_proc import run_cli
+    rev = put(env["url"], "main", "in.cli", b"c1")
+    env["sc"].wait_for(lambda: env["sc"].buckets()["main"]["applied_seq"] >= rev, what="applied")
+    out = run_cli("get", "--entry", "in.cli", "--socket", env["sock"])
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(": ", 1) for line in out.stdout.strip().splitlines())
+    assert lines["value"] == "b'c1'" and lines["revision"] == str(rev)
+    assert lines["operation"] == "PUT" and lines["source"] == "local" and int(lines["created"]) > 0
+    out = run_cli("get", "--entry", "in.nosuch", "--socket", env["sock"])
+    assert (out.returncode, out.stdout.strip()) == (1, "(nil)")

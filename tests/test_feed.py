@@ -29,6 +29,7 @@ from kvcache import jetstream as jsapi
 from kvcache.consumer import PullConsumer
 from kvcache.errors import UpstreamError
 from kvcache.natsconn import NatsConnection
+from kvcache.replica import Replica
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -329,6 +330,38 @@ async def test_full_resync_when_bucket_recreated_while_down(nats_server_module, 
     assert row["resyncs"] == 1
     assert row["applied_seq"] == 2
     assert "full resync: stream was recreated" in log_since(sc, offset)
+
+
+async def test_full_resync_when_the_stream_is_behind_the_replica(nats_server_module, nc, sidecars):
+    """The same stream (same creation time) whose last sequence is below what the replica
+    applied, as after a stream restored from an older backup: the replica cannot be trusted
+    to hold only what the stream holds, so it is synced again from scratch. Made here by
+    moving the replica's position ahead while the sidecar is down."""
+    js = nc.jetstream()
+    b = new_bucket()
+    kv = await js.create_key_value(bucket=b)
+    for key in ("a", "b", "c"):
+        await kv.put(key, b"v " + key.encode())
+    sc = sidecars(nats_server_module.url, b).start(wait_synced=False)
+    await wait_synced(sc, b, keys=3)
+    sc.stop()
+    replica = Replica(str(sc.data_dir / "replica"))
+    try:
+        meta = replica.meta(b)
+        assert meta.applied_seq == 3
+        meta.applied_seq = 1000  # the stream "went back" from 1000 to 3
+        replica.put_meta(b, meta)
+    finally:
+        replica.close()
+    await kv.delete("a")
+
+    offset = log_size(sc)
+    sc.start(wait_synced=False)
+    want = await converged(sc, kv, b)
+    assert set(want) == {"b", "c"}
+    row = await wait_synced(sc, b, keys=2)
+    assert row["resyncs"] == 1 and row["applied_seq"] == 4
+    assert "full resync: stream sequence went backwards (4 < 1000)" in log_since(sc, offset)
 
 
 async def test_bucket_deleted_and_recreated_while_running(nats_server_module, nc, sidecars):

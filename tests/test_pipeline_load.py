@@ -128,6 +128,31 @@ def test_format_flag_overrides_the_extension(spark, nats_server, tmp_path, capsy
     assert contents(nats_server.url, "plain")[0] == {"plain.1": b"one", "plain.2": b"two"}
 
 
+def test_bucket_and_run_flags(spark, nats_server, tmp_path, capsys):
+    """--ttl and --replicas shape the new bucket, --partitions the write, --summary-json
+    writes the summary; --infer-schema types CSV columns; --multiline reads JSON documents
+    that span lines."""
+    path = tmp_path / "n.csv"
+    path.write_text("k,n\nnum.1,007\nnum.2,10\n")
+    summary = tmp_path / "summary.json"
+    code, out, err = load(capsys, str(path), "--nats", nats_server.url, "--bucket", "nums",
+                          "--key", "k", "--json", "n", "--infer-schema", "--ttl", "60",
+                          "--replicas", "1", "--partitions", "3", "--summary-json", str(summary))
+    assert code == 0, out + err
+    data, info = contents(nats_server.url, "nums")
+    assert {k: json.loads(v) for k, v in data.items()} == {"num.1": {"n": 7}, "num.2": {"n": 10}}
+    assert info["config"]["max_age"] == 60 * 10**9 and info["config"]["num_replicas"] == 1
+    written = json.loads(summary.read_text())
+    assert (written["bucket"], written["rows"], written["written"], written["partitions"]) == ("nums", 2, 2, 3)
+
+    doc = tmp_path / "docs.json"
+    doc.write_text('[\n {"k": "doc.1",\n  "v": "one"},\n {"k": "doc.2", "v": "two"}\n]\n')
+    code, out, err = load(capsys, str(doc), "--nats", nats_server.url, "--bucket", "docs",
+                          "--key", "k", "--value", "v", "--multiline")
+    assert code == 0, out + err
+    assert contents(nats_server.url, "docs")[0] == {"doc.1": b"one", "doc.2": b"two"}
+
+
 # ---------------------------------------------------------------------------- invalid keys
 
 

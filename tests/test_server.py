@@ -530,3 +530,14 @@ def test_sigterm_with_a_client_that_never_reads(own_sidecar):
     finally:
         c.close()
     assert not os.path.exists(s.socket)
+
+
+def test_max_args_bounds_one_request(own_sidecar):
+    """`--max-args 3`: a request of three arguments is served, one of four is refused with
+    Redis's protocol error and the connection closed (its framing cannot be trusted)."""
+    s = own_sidecar("--max-args", "3")
+    got = roundtrip(s.socket, encode_command(["MGET", key(1), key(2)]), VALUE + b"\r\n" + b"$100\r\n")
+    assert got.startswith(b"*2\r\n$100\r\n" + VALUE), got[:40]
+    assert roundtrip(s.socket, encode_command(["MGET", key(1), key(2), key(3)])) == \
+        b"-ERR Protocol error: too many arguments\r\n"
+    assert info(s.socket)["protocol_errors"] == 1

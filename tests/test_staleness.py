@@ -34,11 +34,11 @@ def _toml(**kv) -> str:
     return "\n".join(f"{k} = {json.dumps(v)}" for k, v in kv.items())
 
 
-def _config(path, main: str, peer: str) -> str:
+def _config(path, main: str, peer: str, off_max_stale_ms: int = MAX_STALE_MS) -> str:
     text = _toml(heartbeat_ms=HEARTBEAT_MS, serve_stale=True)
     text += "\n[nats]\n" + _toml(servers=[main], request_timeout_ms=REQUEST_TIMEOUT_MS)
     text += "\n[[bucket]]\n" + _toml(name="on", max_stale_ms=MAX_STALE_MS)
-    text += "\n[[bucket]]\n" + _toml(name="off", max_stale_ms=MAX_STALE_MS, serve_stale=False)
+    text += "\n[[bucket]]\n" + _toml(name="off", max_stale_ms=off_max_stale_ms, serve_stale=False)
     for b in ("on", "off"):
         text += "\n[[peer]]\n" + _toml(name=f"peer-{b}", servers=[peer], stream=f"KV_{b}")
     path.write_text(text + "\n")
@@ -66,8 +66,10 @@ class Setup:
         await until(behind, 30, "replicas stale")
 
 
-@pytest.fixture
-async def setup(nats_server, tmp_path) -> AsyncIterator[Setup]:
+@pytest.fixture(params=[MAX_STALE_MS])
+async def setup(nats_server, tmp_path, request) -> AsyncIterator[Setup]:
+    """A sidecar whose feed connection and peer go through proxies the test can freeze.
+    Buckets `on` (serve_stale) and `off` (not); `off`'s max_stale_ms is the parameter."""
     port = nats_server.port
     async with AsyncExitStack() as stack:
         nc = await nats.connect(nats_server.url)
@@ -82,7 +84,8 @@ async def setup(nats_server, tmp_path) -> AsyncIterator[Setup]:
         peer = DelayProxy(port).start()
         stack.callback(peer.stop)
         sc = SidecarProcess(tmp_path / "sc", None,
-                     extra=["--config", _config(tmp_path / "kvcache.toml", main.url, peer.url)])
+                     extra=["--config", _config(tmp_path / "kvcache.toml", main.url, peer.url,
+                                                request.param)])
         stack.callback(sc.kill)
         sc.start()
         client = AsyncClient(sc.socket, timeout=30)
@@ -182,3 +185,39 @@ async def test_reads_are_local_again_after_the_feed_is_restored(setup: Setup):
     assert after["gets_local"] - before["gets_local"] == 4
     assert after["gets_remote"] == before["gets_remote"]
     assert after["gets_stale"] == before["gets_stale"]
+
+
+async def test_maxstale_moves_a_read_and_never_back(setup: Setup):
+    """KV.GET's MAXSTALE replaces the bucket's bound for one read: a wider bound reads the
+    replica the bucket's own bound would not; once a newer revision was read from a peer, the
+    wider bound no longer takes the key back to the replica's older one."""
+    s, c = setup, setup.c
+    s.main.freeze()
+    await s.put("on", "a", b"a2")
+    await s.stale()
+    wide = await c.entry("on:a", max_stale_ms=3_600_000)
+    assert wide is not None and (wide.value, wide.source) == (b"a1", "local")
+    narrow = await c.entry("on:a")
+    assert narrow is not None and (narrow.value, narrow.source) == (b"a2", "peer-on")
+    again = await c.entry("on:a", max_stale_ms=3_600_000)
+    assert again is not None and (again.value, again.revision) == (b"a2", s.revs["on:a"])
+    assert again.source != "local"
+
+
+@pytest.mark.parametrize("setup", [600_000], indirect=True, ids=["off-bound-10min"])
+async def test_the_get_fast_path_keeps_each_buckets_bound(setup: Setup):
+    """Plain GET (the server's fast path) judges each bucket by its own max_stale_ms: with the
+    feed cut off past 300 ms, bucket `on` (300 ms) reads from the peer while `off` (10 min)
+    still answers from its replica."""
+    s, c = setup, setup.c
+    s.main.freeze()
+    await s.put("on", "a", b"a2")
+    await s.put("off", "a", b"a2")
+    await s.stale()
+    before = await s.stats()
+    assert await c.get("off:a") == b"a1"      # its replica, within its own bound
+    mid = await s.stats()
+    assert (mid["gets_local"] - before["gets_local"], mid["gets_remote"] - before["gets_remote"]) == (1, 0)
+    assert await c.get("on:a") == b"a2"       # past its bound: the peer
+    after = await s.stats()
+    assert (after["gets_local"] - mid["gets_local"], after["gets_remote"] - mid["gets_remote"]) == (0, 1)
