@@ -2,7 +2,8 @@
 
 Every extension has a pure-Python twin in kvcache/, so a machine without a compiler still
 installs a working (slower) kvcache: OptionalBuildExt skips, and names, every extension that
-fails to compile (KVCACHE_REQUIRE_EXTENSIONS=1 makes that an error instead). KVCACHE_DEBUG_BUILD=1 builds with assertions, bounds
+fails to compile (KVCACHE_REQUIRE_EXTENSIONS=1 makes that an error instead).
+KVCACHE_DEBUG_BUILD=1 (`make debug`) builds with assertions, bounds
 checks and -O0 -g for gdb/valgrind; the default is an optimized build.
 """
 import glob

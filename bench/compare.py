@@ -316,7 +316,7 @@ def run_locust(rs: ReadSetup, out: Path, args: argparse.Namespace) -> tuple[str,
             f"locust {locust_cpu / wall:.0%} of one core, the sidecar {sidecar_cpu / wall:.0%}; "
             "response times are measured in locust, so they include its own scheduling. "
             "Sidecar INFO over the run: " + ", ".join(f"{k} +{v:,}" for k, v in delta.items()) + "." + hot_cpu)
-    return "\n".join(lines + ["", note]), rows
+    return "\n".join([*lines, "", note]), rows
 
 
 def _children_cpu() -> float:
@@ -357,7 +357,7 @@ def chart(figures: dict[str, Any], path: Path) -> None:
 
     panels = [k for k in SECTIONS if k in figures]
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.6 * len(panels)), squeeze=False)
-    for ax, name in zip(axes[:, 0], panels):
+    for ax, name in zip(axes[:, 0], panels, strict=True):
         data = figures[name]
         if name == "get":
             variants = [v for v, _ in socket_bench.VARIANTS]
@@ -367,7 +367,7 @@ def chart(figures: dict[str, Any], path: Path) -> None:
                 bars = ax.bar([x + off for x in xs], vals, 0.4, label=target, color=color)
                 ax.bar_label(bars, [f"{v / 1000:,.0f}k" for v in vals], fontsize=8)
             ratios = [data[f"kvcache {v}"]["rps"] / data[f"redis {v}"]["rps"] for v in variants]
-            ax.set_xticks(list(xs), [f"{v}\nkvcache/redis {r:.2f}" for v, r in zip(variants, ratios)])
+            ax.set_xticks(list(xs), [f"{v}\nkvcache/redis {r:.2f}" for v, r in zip(variants, ratios, strict=True)])
             ax.set_xlabel("redis-benchmark -t get")
             ax.set_yscale("log")
             ax.set_ylabel("GET requests/s (log)")

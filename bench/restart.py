@@ -75,7 +75,8 @@ async def run(keys: int, changes: int, timeout: float, tmp: Path) -> int:
         print(f"| resumed from stored sequence (log) | {resumed} |")
         print(f"| full resyncs (INFO resyncs) | {after['resyncs']} |")
         print(f"| keys after restart / expected | {after['keys']} / {expected_keys} |")
-        print(f"| changed keys wrong or missing | {wrong} of {len(updated) + len(created) + len(deleted) + len(purged)} |")
+        changed = len(updated) + len(created) + len(deleted) + len(purged)
+        print(f"| changed keys wrong or missing | {wrong} of {changed} |")
         ok = resumed and after["resyncs"] == 0 and wrong == 0 and after["keys"] == expected_keys
         print(f"\n{'PASS' if ok else 'FAIL'}")
         return 0 if ok else 1

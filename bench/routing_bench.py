@@ -124,13 +124,13 @@ async def interleaved(urls: dict[str, str], socket: str, n: int, proxies: ProxyH
                 if phase == "stall" and i == n // 3:
                     info["freeze"] = (await r.info("routing"), await r.info("peers"))
                     proxies.do("freeze", "leaf1")
-                ops = [(f"{phase} {name}", lambda name=name: ncs[name].request(
+                ops = [(f"{phase} {name}", lambda name=name, key=key: ncs[name].request(
                     f"{subject[name]}.$KV.{BUCKET}.{key}", b"", timeout=5))
                     for name in ("leaf1", "hub") if not (frozen and name == "leaf1")]
-                ops += [(f"{phase} kv.get", lambda: kv.get(key)),
-                        (f"{phase} sidecar" + (" frozen" if frozen else ""), lambda: kc.get(key)),
+                ops += [(f"{phase} kv.get", lambda key=key: kv.get(key)),
+                        (f"{phase} sidecar" + (" frozen" if frozen else ""), lambda key=key: kc.get(key)),
                         (f"{phase} sidecar local", lambda: kc.get("local.0")),
-                        (f"{phase} redis-py", lambda: r.get(key)),
+                        (f"{phase} redis-py", lambda key=key: r.get(key)),
                         (f"{phase} redis-py local", lambda: r.get("local.0"))]
                 # In a new order each time: whichever read follows the slow (10+ ms) ones
                 # finds processes and CPUs gone idle and pays for waking them (~0.5 ms here);
@@ -264,7 +264,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvroute-") as d:
         ms_ = [float(x) / 1000 for x in args.delays.split(",")]
-        res = run(args.requests, Path(d), dict(zip(("leaf1", "hub", "leaf2"), ms_)))
+        res = run(args.requests, Path(d), dict(zip(("leaf1", "hub", "leaf2"), ms_, strict=True)))
     report(res)
     if args.json:
         Path(args.json).write_text(json.dumps(

@@ -221,7 +221,7 @@ class Soak:
         try:
             stop = asyncio.Event()
             writing = asyncio.create_task(self.writer(stop))
-            reads = MonotonicReads(self.sc.socket, self.keys[:500] + ["soak.marker"], clients=2, pause_s=0.001)
+            reads = MonotonicReads(self.sc.socket, [*self.keys[:500], "soak.marker"], clients=2, pause_s=0.001)
             reads.start()
             t_end = time.monotonic() + seconds
             n = 0

@@ -210,7 +210,7 @@ def profile(pid: int, sock: str, requests: int, seconds: int, out: Path) -> None
     except subprocess.TimeoutExpired:
         spy.kill()
         spy.wait()
-        raise RuntimeError("py-spy did not finish")
+        raise RuntimeError("py-spy did not finish") from None
     if not raw.exists():
         raise RuntimeError(f"py-spy wrote nothing: {spy.stderr.read().decode(errors='replace')}")
     own: collections.Counter[str] = collections.Counter()
@@ -264,7 +264,7 @@ class GetBench:
                 us = statistics.median(self.cpu[(target, name)])
                 lines.append(f"| {target} | {name} | {r['rps']:,.0f} | {r['p50_latency_ms']:.3f} | "
                              f"{r['p99_latency_ms']:.3f} | {ratio} | {us:.2f} |")
-        return "\n".join(lines + ["", self.summary])
+        return "\n".join([*lines, "", self.summary])
 
 
 def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 3,

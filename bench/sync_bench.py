@@ -358,7 +358,7 @@ class SyncRun:
             ratios = [f"{self.n / r.seconds / ref:.2f}x" if done and ref else "-" for _, ref in refs]
             lines.append(f"| {r.method} | {r.keys:,} | {secs} | {rate} | {' | '.join(ratios)} |")
         notes = [f"- {r.method}: {r.note}" for r in self.results if r.note]
-        return "\n".join(lines + [""] + notes)
+        return "\n".join([*lines, "", *notes])
 
 
 async def run(work: Path, n: int, value_size: int = 100, chunk: int = 5000, timeout: float = 300,

@@ -125,7 +125,7 @@ def test_reader(benchmark, frames, who):
 
 
 def test_same_answers():
-    for frames, chunks in CHUNKS.items():
+    for _frames, chunks in CHUNKS.items():
         r = native.NatsReader()
         ours = [e for c in chunks for e in r.feed(c)]
         t = twin.NatsReader()

@@ -10,7 +10,7 @@ import functools
 import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, Union
+from typing import Any, Protocol
 
 from . import __version__, resp
 from .accesslog import AccessLog
@@ -27,7 +27,7 @@ from .stats import Stats
 
 __all__ = ["CommandError", "Commands", "Session"]
 
-Reply = Union[bytes, Awaitable[bytes]]
+Reply = bytes | Awaitable[bytes]
 
 READONLY = resp.error("READONLY kvcache is a read replica")
 WRITE_COMMANDS = frozenset(b"""
@@ -138,7 +138,8 @@ def arity(n: int, exact: bool = True):
         @functools.wraps(fn)
         def checked(self, conn, args):
             if (len(args) != n) if exact else (len(args) < n):
-                raise CommandError(f"ERR wrong number of arguments for '{args[0].decode(errors='replace').lower()}' command")
+                name = args[0].decode(errors="replace").lower()
+                raise CommandError(f"ERR wrong number of arguments for '{name}' command")
             return fn(self, conn, args)
         return checked
     return wrap
@@ -349,7 +350,8 @@ class Commands:
     def exists(self, conn: Session, args: list[bytes]) -> Reply:
         t0 = self._t0()
         values, misses, gated = self._lookup(args[1:], t0, "EXISTS")
-        count = lambda: resp.integer(sum(v is not None for v in values))
+        def count():
+            return resp.integer(sum(v is not None for v in values))
         return self._remote_many(values, misses, count, t0, "EXISTS", gated=gated) if misses else count()
 
     async def _remote_many(self, values: list[bytes | None], misses: dict[str, list[tuple[int, str]]],

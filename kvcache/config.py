@@ -502,7 +502,8 @@ def check_creds_file(path: str) -> None:
         raise ConfigError(f"creds file {path}: its user JWT is malformed")
     seed = _block_line(data, b"BEGIN USER NKEY SEED")
     if seed is None:
-        raise ConfigError(f"creds file {path}: no user nkey seed in it (expected a -----BEGIN USER NKEY SEED----- block)")
+        raise ConfigError(f"creds file {path}: no user nkey seed in it "
+                          "(expected a -----BEGIN USER NKEY SEED----- block)")
     why = _user_seed(seed.strip())
     if why:
         raise ConfigError(f"creds file {path}: its seed is {why}")

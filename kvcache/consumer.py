@@ -15,8 +15,8 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
 from . import jetstream as jsapi
 from .errors import KvcacheError
@@ -40,6 +40,17 @@ if TYPE_CHECKING:  # the twin's class stands for both in annotations (same field
     from .natsproto import Run
 else:
     Run = proto.Run  # consecutive deliveries as replica items; see kvcache.natsproto.Run
+
+
+# Clean-ups left to run after their consumer is done with (deleting it on the server): held
+# here so they are not garbage-collected half-way (asyncio keeps only weak references).
+_BACKGROUND: set[asyncio.Future] = set()
+
+
+def _in_background(coro: Coroutine[Any, Any, None]) -> None:
+    task = asyncio.ensure_future(coro)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
 
 
 def _consumer_name() -> str:
@@ -128,7 +139,7 @@ class PullConsumer:
             except Exception:  # the connection may be gone; the server drops the interest anyway
                 pass
             if created:
-                asyncio.ensure_future(self._delete_quietly())
+                _in_background(self._delete_quietly())
 
     def fail(self, reason: str) -> None:
         self._failure = self._failure or reason
@@ -163,7 +174,7 @@ class PullConsumer:
                 await self._delete_quietly()
                 raise ConsumerLost(f"no consumer on the stream leader: {e}") from None
             except BaseException:
-                asyncio.ensure_future(self._delete_quietly())
+                _in_background(self._delete_quietly())
                 raise
             if why is None:
                 if attempt:

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 
-class Operation(str, Enum):
+class Operation(StrEnum):
     PUT = "PUT"
     DEL = "DEL"
     PURGE = "PURGE"
@@ -45,4 +45,5 @@ class Entry:
     created: int  # ns since the epoch
     delta: int = 0
     operation: Operation = Operation.PUT
-    source: str = "local"  # local, a peer's name, "leader", or "stale" (the replica, past max_stale_ms, no peer reachable)
+    # local, a peer's name, "leader", or "stale" (the replica, past max_stale_ms, no peer reachable)
+    source: str = "local"

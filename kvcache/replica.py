@@ -583,7 +583,7 @@ path = sys.argv[1]
 damage = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError,
           lmdb.PageNotFoundError, lmdb.IncompatibleError, lmdb.BadValsizeError)
 try:
-    env = lmdb.open(path, readonly=True, lock=False, max_dbs=%d, create=False)
+    env = lmdb.open(path, readonly=True, lock=False, max_dbs=MAX_DBS_HERE, create=False)
     need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
     size = os.path.getsize(os.path.join(path, "data.mdb"))
     if size < need:
@@ -602,7 +602,7 @@ except damage as e:
 except Exception as e:
     print(e)
     sys.exit(4)
-""" % MAX_DBS
+""".replace("MAX_DBS_HERE", str(MAX_DBS))
 
 
 def _damage(path: str) -> str | None:

@@ -483,10 +483,10 @@ def _finish(t: int, items: list) -> object:
     if t == _PERCENT:
         it = iter(items)
         try:
-            return dict(zip(it, it))  # of duplicate keys the last wins, as in redis-py
+            return dict(zip(it, it, strict=True))  # of duplicate keys the last wins, as in redis-py
         except TypeError:  # an aggregate as a key: legal RESP3, unhashable in Python
             it = iter(items)
-            return {_hashable(k): v for k, v in zip(it, it)}
+            return {_hashable(k): v for k, v in zip(it, it, strict=True)}
     if t == _PIPE:
         return _SKIP
     return items

@@ -171,7 +171,8 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
 
         Runs of `GET` take a fast path, the GET path's `answer` (kvcache.server_get, in C when
         built): cached key plans, freshness asked once per bucket, every read in one LMDB
-        read transaction that closes before it returns, never held across an await. Anything else, and any GET the fast path cannot
+        read transaction that closes before it returns, never held across an await. Anything else,
+        and any GET the fast path cannot
         answer (remote, invalid, stale replica, lower-case or inline), goes through dispatch.
         So does every command while CLIENT REPLY OFF or SKIP is in force (`_muted`): replies
         are then dropped per command (see _reply_mode_step), which a run could not count."""

@@ -110,7 +110,7 @@ class LocalGets:
         size = answered = notfound = 0
         fresh = txn = None
         try:
-            for declared, key in zip(lengths, keys):
+            for declared, key in zip(lengths, keys, strict=True):
                 if declared != GET_LEN[len(key)]:
                     break  # a length the full parser must judge
                 plan = plans.get(key)

@@ -22,7 +22,7 @@ def read_records(directory: Path) -> list[dict[str, str]]:
     out = []
     for f in files:
         for line in f.read_text().splitlines():
-            out.append(dict(zip(FIELDS, line.split("\t"))))
+            out.append(dict(zip(FIELDS, line.split("\t"), strict=True)))
     return out
 
 

@@ -183,7 +183,7 @@ def test_auth_method(method: str, tmp_path: Path, request) -> None:
             assert sc.stop() == 0
         log = sc.log()
         assert log.count("NATS permission denied") == (1 if sec.denies_strong else 0), log
-        for secret in sec.secrets + ["adminpw"]:
+        for secret in [*sec.secrets, "adminpw"]:
             assert secret not in log and secret not in info, f"secret in the log or INFO:\n{log}\n{info}"
         assert "Traceback" not in log and "eof_received" not in log, log
     finally:
@@ -204,7 +204,7 @@ def test_least_privilege(tmp_path: Path) -> None:
     try:
         asyncio.run(make_bucket(server.url, admin))
         sc = SidecarProcess(tmp_path / "sc", server.url, buckets=[f"{BUCKET}:a,b.>"],
-                     extra=HEARTBEAT + ["--user", "kv", "--password", "kvpw"])
+                     extra=[*HEARTBEAT, "--user", "kv", "--password", "kvpw"])
         with sc:
             sc.start(timeout=20)
 

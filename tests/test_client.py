@@ -184,7 +184,7 @@ def test_reconnects_after_broken_connection(client: Client, r: redis.Redis) -> N
 
 
 def test_unreachable_socket(tmp_path: Path) -> None:
-    with pytest.raises(ConnectionFailed, match="missing.sock"):
+    with pytest.raises(ConnectionFailed, match=r"missing.sock"):
         Client(str(tmp_path / "missing.sock")).get("a")
 
 

@@ -135,7 +135,7 @@ def test_hello(env, r):
     proto = r.connection_pool.connection_kwargs.get("protocol", 2)
     for version in (2, 3):
         reply = r.execute_command("HELLO", version)
-        info = reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2]))
+        info = reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2], strict=True))
         assert info[b"server"] == b"kvcache"
         assert info[b"proto"] == version
         assert info[b"mode"] == b"standalone"
@@ -166,7 +166,7 @@ def test_client_subcommands(r):
     assert r.client_setinfo("LIB-NAME", "tests") is True
     assert r.client_setinfo("LIB-VER", "1.0") is True
     assert isinstance(r.client_id(), int)
-    with pytest.raises(redis.ResponseError, match="unknown subcommand 'NOSUCH'. Try CLIENT HELP"):
+    with pytest.raises(redis.ResponseError, match=r"unknown subcommand 'NOSUCH'. Try CLIENT HELP"):
         r.execute_command("CLIENT", "NOSUCH")
 
 
@@ -214,7 +214,7 @@ def test_client_no_evict_no_touch(env, sub):
     with Client(env["sock"]) as c:
         assert c.execute("CLIENT", sub, "on") == b"OK"
         assert c.execute("CLIENT", sub, "OFF") == b"OK"
-        with pytest.raises(ResponseError, match="^ERR syntax error$"):
+        with pytest.raises(ResponseError, match=r"^ERR syntax error$"):
             c.execute("CLIENT", sub, "maybe")
         with pytest.raises(ResponseError, match=f"wrong number of arguments for 'client.{sub.lower()}'"):
             c.execute("CLIENT", sub)
@@ -232,7 +232,7 @@ def test_client_tracking_refused(env, r):
         r.execute_command("CLIENT", "CACHING", "YES")
     assert r.execute_command("CLIENT", "TRACKING", "OFF") in (True, b"OK")
     assert r.execute_command("CLIENT", "GETREDIR") == -1
-    with pytest.raises(redis.ResponseError, match="^syntax error$"):
+    with pytest.raises(redis.ResponseError, match=r"^syntax error$"):
         r.execute_command("CLIENT", "TRACKING", "maybe")
     assert r.ping()
     # the wire shapes of Redis 7 with tracking off (RESP3: flags is a set)
@@ -289,7 +289,7 @@ def test_auth(env):
             assert str(e.value) == err, cmd
         assert c.execute("AUTH", "default", "anything") == b"OK"
         hello = c.execute("HELLO", "2", "AUTH", "default", "anything", "SETNAME", "n1")
-        assert dict(zip(hello[::2], hello[1::2]))[b"proto"] == 2
+        assert dict(zip(hello[::2], hello[1::2], strict=True))[b"proto"] == 2
         assert c.execute("CLIENT", "GETNAME") == b"n1"
         assert c.execute("COMMAND", "INFO", "auth")[0][:2] == [b"auth", -2]
     # a refused HELLO switched nothing: the next reply is still RESP2
@@ -317,7 +317,7 @@ def test_command_docs(env):
         docs = c.execute("COMMAND", "DOCS", "get", "nosuch", "kv.get")
         every = c.execute("COMMAND", "DOCS")
     assert docs[::2] == [b"get", b"kv.get"]
-    get = dict(zip(docs[1][::2], docs[1][1::2]))
+    get = dict(zip(docs[1][::2], docs[1][1::2], strict=True))
     assert get[b"summary"] == b"Get the value of a key" and get[b"group"] == b"string"
     assert len(every) // 2 == len(set(every[::2])) >= 17
     got = raw(env["sock"], encode(["HELLO", "3"]) + encode(["COMMAND", "DOCS", "ping"]),
@@ -333,9 +333,9 @@ def test_select(r):
     with pytest.raises(redis.ResponseError, match="DB index is out of range"):
         r.execute_command("SELECT", -1)
     for bad in ("x", "00", "+1", " 1", "99999999999999999999"):
-        with pytest.raises(redis.ResponseError, match="^value is not an integer or out of range$"):
+        with pytest.raises(redis.ResponseError, match=r"^value is not an integer or out of range$"):
             r.execute_command("SELECT", bad)
-    with pytest.raises(redis.ResponseError, match="^value is out of range, value must between"):
+    with pytest.raises(redis.ResponseError, match=r"^value is out of range, value must between"):
         r.execute_command("SELECT", 99999999999)
 
 
@@ -346,7 +346,7 @@ def test_config_get(env, r):
     assert not r.config_get("nosuch")
     with pytest.raises(redis.ResponseError, match="CONFIG GET only"):
         r.execute_command("CONFIG", "SET", "save", "")
-    with pytest.raises(redis.ResponseError, match="wrong number of arguments for 'config.get'"):
+    with pytest.raises(redis.ResponseError, match=r"wrong number of arguments for 'config.get'"):
         r.execute_command("CONFIG", "GET")
     # a setting matched by several patterns is listed once (RESP3: a map has unique keys)
     got = raw(env["sock"], encode(["CONFIG", "GET", "save", "s*", "databases"]),
@@ -467,11 +467,11 @@ def test_mget_reply_budget(env, tmp_path):
         sc.start()
         c = redis.Redis(unix_socket_path=sc.socket, socket_timeout=30)
         assert c.mget(["in.big", "in.k1"]) == [BIG, b"v1"]
-        with pytest.raises(redis.ResponseError, match="reply too large.*max_reply_bytes"):
+        with pytest.raises(redis.ResponseError, match=r"reply too large.*max_reply_bytes"):
             c.mget(["in.big", "in.big"])                               # local values
         remote = [f"many:r.{i:04d}" for i in range(MANY)]              # ~6 KB of remote values
         with pytest.raises(redis.ResponseError, match="reply too large"):
-            c.mget(["in.big"] + remote)
+            c.mget(["in.big", *remote])
         assert c.mget(remote[:100]) == [b"m%d" % i for i in range(100)]
         assert c.ping() and c.info("stats")["remote_errors"] == 0
         c.close()
@@ -515,7 +515,7 @@ def test_scan_iter_over_many_keys(r, kc):
     got = list(r.scan_iter(match="in.scan.*"))     # redis-py's default COUNT (10)
     assert set(got) == want
     assert set(r.scan_iter(match="second:*", count=1)) == {b"second:s.a", b"second:s.b"}
-    assert set(kc.keys("in.scan.00*")) == {"in.scan.%04d" % i for i in range(100)}
+    assert set(kc.keys("in.scan.00*")) == {f"in.scan.{i:04d}" for i in range(100)}
     everything = list(r.scan_iter(count=500))
     assert len(everything) == len(set(everything)) and set(everything) >= set(KNOWN_LOCAL)
     assert set(everything) == set(r.keys("*"))
@@ -555,7 +555,7 @@ def test_kv_get_local_shape(env, r):
 
 
 def test_kv_get_remote_source_is_a_peer(env, r):
-    value, rev, created, op, source = kv_get(r, "out.r1")
+    value, _rev, _created, op, source = kv_get(r, "out.r1")
     assert (value, op) == (b"remote1", b"PUT")
     peers = r.info("peers")
     assert source.decode() in peers
@@ -614,7 +614,7 @@ def test_info(env, r, kc):
     assert all(v in ("native", "twin") and (expected is None or v == expected) for v in info["native"].values())
     buckets = r.info("buckets")
     assert set(buckets) == {"main", "second", "nodirect", "many"}
-    for name, row in buckets.items():
+    for _name, row in buckets.items():
         assert set(row) == {"synced", "keys", "applied_seq", "upstream_seq", "lag_ms", "resyncs",
                             "removed_upstream", "state_polls"}
         assert row["synced"] == 1 and row["resyncs"] == 0
@@ -668,7 +668,7 @@ def test_unknown_and_arity(r, kc):
         r.execute_command("NOSUCH", "a")
     for cmd in [("GET",), ("GET", "a", "b"), ("MGET",), ("KV.GET",), ("KEYS",), ("ECHO",),
                 ("SELECT",), ("SCAN",), ("CONFIG",), ("CLIENT",)]:
-        with pytest.raises(redis.ResponseError, match="wrong number of arguments|syntax"):
+        with pytest.raises(redis.ResponseError, match=r"wrong number of arguments|syntax"):
             r.execute_command(*cmd)
         assert r.get("in.k1") == b"v1"
     with pytest.raises(ResponseError, match="unknown command"):
@@ -687,7 +687,7 @@ def test_pipeline_1000_gets(r):
 def test_pipeline_mixed_with_remote_and_errors(r):
     """Replies stay in request order when local, remote and error replies interleave."""
     with r.pipeline(transaction=False) as p:
-        for i in range(50):
+        for _ in range(50):
             p.get("in.k1")
             p.get("out.r1")
             p.execute_command("KV.GET", "out.r2")

@@ -238,11 +238,11 @@ def test_serve_help_names_every_default_and_variable():
         args = serve.parse_args(argv)
         overrides = {k: v for k, v in vars(args).items() if k != "config"}
 
-        def outcome(**kw):
+        def outcome(var=var, dest=action.dest, **kw):
             try:
                 return load(None, **kw)
             except ConfigError as e:
-                return str(e).replace(var, "X").replace(action.dest.removeprefix("nats_"), "X")
+                return str(e).replace(var, "X").replace(dest.removeprefix("nats_"), "X")
         from_flag = outcome(env={}, overrides=overrides)
         from_env = outcome(env={var: env_value})
         assert from_flag == from_env, (action.dest, from_flag, from_env)

@@ -196,7 +196,7 @@ async def cluster_bucket(js, sidecars, nats_cluster):
     b = new_bucket()
     kv = await settled(lambda: js.create_key_value(bucket=b, replicas=3, history=64))
     for k in READ_KEYS:
-        await settled(lambda: kv.put(k, b"v0"))
+        await settled(lambda k=k: kv.put(k, b"v0"))
     sc = sidecars(",".join(nats_cluster.urls), b).start(wait_synced=False)
     await wait_synced(sc, b, keys=len(READ_KEYS))
     return b, kv, sc

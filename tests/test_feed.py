@@ -132,7 +132,8 @@ async def test_key_filters(nats_server_module, nc, sidecars):
     assert first == last + 1
     offset = log_size(sc)
     sc.start(wait_synced=False)
-    await until(lambda: sorted(replica_state(sc.data_dir, b)) == ["a.1", "a.2", "a.x.y", "b.1", "b.9"], what="resumed filtered replica")
+    await until(lambda: sorted(replica_state(sc.data_dir, b)) == ["a.1", "a.2", "a.x.y", "b.1", "b.9"],
+                what="resumed filtered replica")
     row = await wait_synced(sc, b)
     assert row["resyncs"] == 0
     assert f"resuming after sequence {last}" in log_since(sc, offset)
@@ -480,7 +481,7 @@ async def test_stream_leader_failover(nats_cluster, sidecars):
         js = conn.jetstream(timeout=10)
         kv = await js.create_key_value(bucket=b, replicas=3, history=2)
         for i in range(100):
-            await settled(lambda: kv.put(f"k.{i:03d}", b"before"))
+            await settled(lambda i=i: kv.put(f"k.{i:03d}", b"before"))
         sc = sidecars(",".join(nats_cluster.urls), b).start(wait_synced=False)
         await wait_synced(sc, b, keys=100)
 
@@ -490,7 +491,7 @@ async def test_stream_leader_failover(nats_cluster, sidecars):
 
         await settled(lambda: kv.put("after", b"failover"))  # a new stream leader accepts writes
         for i in range(0, 100, 10):
-            await settled(lambda: kv.put(f"k.{i:03d}", b"after failover"))
+            await settled(lambda i=i: kv.put(f"k.{i:03d}", b"after failover"))
         await settled(lambda: kv.delete("k.001"))
         want = await converged(sc, kv, b, timeout=60)
         assert want["after"][0] == b"failover" and "k.001" not in want
@@ -518,16 +519,17 @@ async def test_consumers_are_made_on_the_stream_leader(nats_cluster):
         hosts: list[tuple[str, str]] = []
         retries = 0
         for _ in range(12):
-            consumer: PullConsumer
+            made: list[PullConsumer] = []  # this round's consumer, for its own callbacks
 
-            async def after_create(stream_info: dict) -> None:
-                info = await jsapi.api_request(nc, f"$JS.API.CONSUMER.INFO.{stream}.{consumer.name}", None, 5)
+            async def after_create(stream_info: dict, made=made) -> None:
+                info = await jsapi.api_request(nc, f"$JS.API.CONSUMER.INFO.{stream}.{made[0].name}", None, 5)
                 hosts.append((jsapi.stream_leader(info), jsapi.stream_leader(stream_info)))
 
             consumer = PullConsumer(
                 nc, stream, f"$KV.{b}.", [f"$KV.{b}.>"], start_seq=None, headers_only=True,
                 heartbeat_s=1.0, on_batch=lambda runs: runs[-1].last_pending == 0,
-                on_idle=lambda _seq: consumer.finish(), after_create=after_create)
+                on_idle=lambda _seq, made=made: made[0].finish(), after_create=after_create)
+            made.append(consumer)
             await asyncio.wait_for(consumer.run(), 60)
             retries += consumer.placement_retries
         assert len(hosts) == 12 and all(host == leader != "" for host, leader in hosts), hosts
@@ -628,7 +630,7 @@ async def test_big_bucket_syncs_without_loss(nats_server_module, nc, sidecars):
     for start in range(0, n, chunk):
         keys = [f"user.{i:06d}" for i in range(start, min(start + chunk, n))]
         acks = await asyncio.gather(*(js.publish(f"$KV.{b}.{k}", f"value-{k}".encode()) for k in keys))
-        revisions.update((k, a.seq) for k, a in zip(keys, acks))
+        revisions.update((k, a.seq) for k, a in zip(keys, acks, strict=True))
     assert len(set(revisions.values())) == n
 
     sc = sidecars(nats_server_module.url, b).start(wait_synced=False)

@@ -273,7 +273,7 @@ def split(rnd: random.Random, data: bytes) -> list[bytes]:
     if len(data) < 2 or rnd.random() < 0.3:
         return [data]
     cuts = sorted(rnd.sample(range(1, len(data)), min(len(data) - 1, rnd.randint(1, 6))))
-    return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+    return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
 
 
 def check_stream(reply: bytes, expected: bytes | None, sent: bytes) -> None:

@@ -111,7 +111,7 @@ def test_signal_during_start_exits_cleanly(tmp_path):
         make_bucket(server.url)
         server.pause()
         sc = SidecarProcess(tmp_path / "sc", server.url, buckets=["cfg"],
-                     extra=HEARTBEAT + ["--connect-timeout-s", "30"])
+                     extra=[*HEARTBEAT, "--connect-timeout-s", "30"])
         sc.data_dir.mkdir(parents=True)
         with sc:
             sc._log = open(sc.log_path, "ab")

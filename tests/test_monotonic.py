@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(300)
 
 REPLICATED = [f"k.{i}" for i in range(4)]
 OUTSIDE = "x.0"           # not in the sidecar's filters (`<bucket>:k.>`)
-KEYS = REPLICATED + [OUTSIDE]
+KEYS = [*REPLICATED, OUTSIDE]
 WRITE_RATE = 2000.0
 READS = 100_000
 

@@ -6,6 +6,7 @@ lane must turn a real consumer's deliveries into the replica items kvcache.recor
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 
 import nats
@@ -53,8 +54,8 @@ async def collect(nc, subject: str, n: int) -> tuple[object, list]:
 async def test_same_messages_as_natspy(pair):
     ours, theirs = pair
     n = 200
-    (s1, d1), mine = await collect(ours, "cmp.>", n)
-    (s2, d2), ref = await collect(theirs, "cmp.>", n)
+    (_s1, d1), mine = await collect(ours, "cmp.>", n)
+    (_s2, d2), ref = await collect(theirs, "cmp.>", n)
     await ours.flush()
     await theirs.flush()
     for i in range(n):
@@ -111,10 +112,10 @@ async def test_fast_lane_gets_runs_of_replica_items(pair):
     await asyncio.wait_for(all_delivered(), 10)
 
     runs = [ev for b in batches for ev in b if type(ev).__name__ == "Run"]
-    assert [type(r).__module__ for r in runs][0].endswith("natsproto")
+    assert next(type(r).__module__ for r in runs).endswith("natsproto")
     items = [it for r in runs for it in r.items]
     assert runs[0].first_cseq == 1 and runs[-1].last_cseq == 300
-    assert all(a.last_cseq + 1 == b.first_cseq for a, b in zip(runs, runs[1:]))
+    assert all(a.last_cseq + 1 == b.first_cseq for a, b in itertools.pairwise(runs))
     # every put is exactly the record kvcache.record builds; the delete is (key, None)
     by_key = {lk: rec for lk, rec in items}
     assert by_key[b"k.007"] is None

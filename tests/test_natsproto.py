@@ -234,7 +234,8 @@ _subject = st.lists(_tok, min_size=1, max_size=5).map(".".join)
 _name = st.text("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_", min_size=1,
                 max_size=20).filter(lambda n: n not in ("Status", "Description"))
 _value = st.text(st.characters(blacklist_characters="\n", blacklist_categories=("Cs",)), max_size=40)
-_desc = st.text("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ", min_size=1, max_size=30).map(str.strip).filter(bool)
+_desc = st.text("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ", min_size=1,
+                max_size=30).map(str.strip).filter(bool)
 
 
 @st.composite
@@ -261,7 +262,7 @@ def frames(draw) -> bytes:
 def test_differential_against_natspy(mod, stream, rnd):
     wire = b"".join(stream)
     cuts = sorted(rnd.sample(range(1, len(wire)), min(3, len(wire) - 1)))
-    chunks = [wire[a:b] for a, b in zip([0] + cuts, cuts + [len(wire)])]
+    chunks = [wire[a:b] for a, b in zip([0, *cuts], [*cuts, len(wire)], strict=True)]
     theirs = [natspy_view(m) for m in natspy_parse(chunks)]
     ours, err = run(mod, chunks)
     assert err is None
@@ -291,7 +292,7 @@ def mutate(rnd: random.Random, data: bytes) -> bytes:
 
 
 def fuzz_one(mod, data: bytes, cuts: list[int]):
-    chunks = [data[a:b] for a, b in zip([0] + cuts, cuts + [len(data)])]
+    chunks = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
     reader = mod.NatsReader(**LIMITS)
     for sid in range(16):   # the seeds' sids: their deliveries go through the fast lane too
         reader.add_lane(sid, 4)
@@ -383,7 +384,7 @@ def merged(events: list) -> list:
                 out[-1] = ("Run", e.sid, prev[2], e.last_cseq, max(prev[4], e.top_sseq), e.last_ts,
                            e.last_pending, prev[7] + e.items, prev[8] + e.deletes)
             else:
-                out.append(("Run",) + e.fields())
+                out.append(("Run", *e.fields()))
         else:
             out.append((type(e).__name__, tuple(e)))
     return out
@@ -532,7 +533,7 @@ def lane_reference(wire: bytes) -> list:
 @given(lane_stream(), st.randoms(use_true_random=False))
 def test_lane_matches_the_ordinary_path(mod, wire, rnd):
     cuts = sorted(rnd.sample(range(1, len(wire)), min(3, len(wire) - 1)))
-    chunks = [wire[a:b] for a, b in zip([0] + cuts, cuts + [len(wire)])]
+    chunks = [wire[a:b] for a, b in zip([0, *cuts], [*cuts, len(wire)], strict=True)]
     assert merged(lane_run(mod, chunks)) == lane_reference(wire)
 
 

@@ -63,7 +63,7 @@ def summary_of(out: str) -> dict[str, int]:
                   r"\(([\d,]+) retries, ([\d,]+) disconnects\)", out)
     assert m, out
     names = ("read", "written", "invalid", "failed", "retries", "disconnects")
-    return dict(zip(names, (int(g.replace(",", "")) for g in m.groups())))
+    return dict(zip(names, (int(g.replace(",", "")) for g in m.groups()), strict=True))
 
 
 # ---------------------------------------------------------------------------- formats
@@ -162,7 +162,7 @@ def test_invalid_keys_are_counted_with_examples_and_fail_the_run(spark, nats_ser
     pq.write_table(pa.table({"key": pa.array(keys, pa.string()),
                              "v": pa.array([f"v{i}" for i in range(len(keys))])}), path)
     args = [str(path), "--nats", nats_server.url, "--bucket", "mixed", "--key", "key", "--value", "v"]
-    code, out, err = load(capsys, *args)
+    code, out, _err = load(capsys, *args)
     assert code == 1
     assert summary_of(out) == {"read": 9, "written": 3, "invalid": 6, "failed": 0, "retries": 0,
                                 "disconnects": 0}

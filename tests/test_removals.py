@@ -65,7 +65,7 @@ async def test_per_message_ttl_is_not_served_past_its_deadline(nats_server_modul
     while len(first_nil) < len(keys) and time.monotonic() < deadline:
         sent = time.time_ns()
         values = r.mget(names)
-        for k, v in zip(keys, values):
+        for k, v in zip(keys, values, strict=True):
             if v is None:
                 first_nil.setdefault(k, time.time_ns() - due[k])
             elif sent >= due[k]:
@@ -122,8 +122,8 @@ async def until_gone(r: redis.Redis, names: list[str], t0: float, timeout: float
 
 
 async def test_purges_while_running_stop_being_served(nats_server_module, nc, sidecars):
-    """A one-subject purge, a stream shrunk by its limits and a whole-stream purge, each while the sidecar runs: the keys go (within
-    max_stale_ms, 5 s here), the others stay, no resync."""
+    """A one-subject purge, a stream shrunk by its limits and a whole-stream purge, each while
+    the sidecar runs: the keys go (within max_stale_ms, 5 s here), the others stay, no resync."""
     js = nc.jetstream()
     b = new_bucket()
     kv = await js.create_key_value(bucket=b)

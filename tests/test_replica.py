@@ -154,7 +154,7 @@ def test_map_grows_when_full(tmp_path):
         assert r.map_size() == MiB
         value = os.urandom(256 * 1024)
         seq = 0
-        for batch in range(10):  # 80 x 256 KiB = 20 MiB
+        for _batch in range(10):  # 80 x 256 KiB = 20 MiB
             ops = []
             for _ in range(8):
                 seq += 1

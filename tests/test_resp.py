@@ -60,7 +60,7 @@ def test_request_vectors(name: str, wire: bytes, commands: list, err: str | None
 def test_limits(name: str, wire: bytes, limits: dict, err: str | None) -> None:
     ways = splits(wire) if len(wire) < 1000 else [[wire], [wire[:INLINE_MAX], wire[INLINE_MAX:]]]
     for chunks in ways:
-        commands, got = run_requests(chunks, **limits)
+        _commands, got = run_requests(chunks, **limits)
         assert got == err
 
 
@@ -211,7 +211,7 @@ def test_encoders() -> None:
 def test_generated_replies_match_hiredis(replies: list[bytes], data: st.DataObject) -> None:
     wire = b"".join(replies)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(wire)), max_size=6)))
-    chunks = [wire[a:b] for a, b in zip([0, *cuts], [*cuts, len(wire)])]
+    chunks = [wire[a:b] for a, b in zip([0, *cuts], [*cuts, len(wire)], strict=True)]
     got, failed = run_replies(chunks)
     expected, hi_failed = run_hiredis([wire])
     assert not failed and not hi_failed
@@ -225,5 +225,5 @@ def test_generated_replies_match_hiredis(replies: list[bytes], data: st.DataObje
 def test_generated_requests_roundtrip(commands: list[list[bytes]], data: st.DataObject) -> None:
     wire = b"".join(resp.array([resp.bulk(a) for a in cmd]) for cmd in commands)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(wire)), max_size=6)))
-    chunks = [wire[a:b] for a, b in zip([0, *cuts], [*cuts, len(wire)])]
+    chunks = [wire[a:b] for a, b in zip([0, *cuts], [*cuts, len(wire)], strict=True)]
     assert run_requests(chunks) == (commands, None)

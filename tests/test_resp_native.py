@@ -56,7 +56,7 @@ def server_loop(mod, chunks: list[bytes], limits: dict | None = None) -> tuple[l
                 run = reader.take_gets()
                 if run is not None:
                     lengths, keys, start = run
-                    for i, (declared, key) in enumerate(zip(lengths, keys)):
+                    for i, (declared, key) in enumerate(zip(lengths, keys, strict=True)):
                         if declared != twin.GET_LEN[len(key)]:
                             reader.rewind_gets(start, lengths, keys, i)
                             break
@@ -203,7 +203,7 @@ def test_large_reply_in_small_chunks() -> None:
 
 def _chunks(wire: bytes, data: st.DataObject) -> list[bytes]:
     cuts = sorted(data.draw(st.lists(st.integers(0, len(wire)), max_size=6)))
-    return [wire[a:b] for a, b in zip([0, *cuts], [*cuts, len(wire)])]
+    return [wire[a:b] for a, b in zip([0, *cuts], [*cuts, len(wire)], strict=True)]
 
 
 @settings(max_examples=200, deadline=None)
@@ -316,7 +316,7 @@ def test_fuzz_random_and_mutated_bytes() -> None:
             else:
                 data = rng.randbytes(rng.randint(0, 64))
             _fuzz_one(data, rng)  # a hang is pytest-timeout's to catch, not a time limit's
-        current, peak = tracemalloc.get_traced_memory()
+        _current, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert peak < 16 * 1024 * 1024, peak  # bounded: nothing sized by a declared length

@@ -28,7 +28,7 @@ async def _put_all(kv, items: dict[str, bytes]) -> dict[str, int]:
     revs: dict[str, int] = {}
     for i in range(0, len(pairs), 200):
         chunk = pairs[i:i + 200]
-        for (k, _), rev in zip(chunk, await asyncio.gather(*(kv.put(k, v) for k, v in chunk))):
+        for (k, _), rev in zip(chunk, await asyncio.gather(*(kv.put(k, v) for k, v in chunk)), strict=True):
             revs[k] = rev
     return revs
 

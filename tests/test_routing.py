@@ -126,7 +126,7 @@ async def test_reads_go_to_the_fastest_peer_and_move_when_latencies_change(serve
         for _ in range(60):                       # the slow peer's estimate is refreshed by
             before = requests(peers)              # probes (refresh_s), then it takes over
             await read_n(r, 50)
-            windows.append([a - b for a, b in zip(requests(peers), before)])
+            windows.append([a - b for a, b in zip(requests(peers), before, strict=True)])
             if windows[-1][0] > 3 * (windows[-1][1] + windows[-1][2]):
                 break
         assert windows[-1][0] > 3 * (windows[-1][1] + windows[-1][2]), windows
@@ -248,7 +248,7 @@ async def test_sigstopped_cluster_member_is_hedged_around(cluster_bucket, router
     nats_cluster = cluster_bucket
     async with AsyncExitStack() as stack:
         peers = []
-        for i, s in enumerate(nats_cluster.servers):
+        for _i, s in enumerate(nats_cluster.servers):
             nc = NatsConnection()
             await nc.connect(servers=[s.url], connect_timeout=5, max_reconnect_attempts=-1,
                              reconnect_time_wait=0.2, ping_interval=600)
@@ -323,7 +323,7 @@ def proxied_sidecar(hub_and_mirrors, tmp_path):
 
 def test_sidecar_reads_from_the_fastest_mirror_and_strong_reads_from_the_leader(
         proxied_sidecar, hub_and_mirrors):
-    sc, _, r = proxied_sidecar
+    _sc, _, r = proxied_sidecar
     for _ in range(100):
         assert r.get("far.k") == b"far"
     peers = r.info("peers")
@@ -345,7 +345,7 @@ def test_sidecar_reads_from_the_fastest_mirror_and_strong_reads_from_the_leader(
 
 
 def test_sidecar_survives_a_stalled_mirror(proxied_sidecar):
-    sc, proxies, r = proxied_sidecar
+    _sc, proxies, r = proxied_sidecar
     for _ in range(30):
         assert r.get("far.k") is not None
     proxies["leaf1"].freeze()

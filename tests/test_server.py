@@ -157,7 +157,7 @@ def test_max_clients(own_sidecar):
     # redis-py writes HELLO before it reads, so it sees the message or, when the server has
     # already closed (as Redis itself does after saying why), a broken pipe
     with pytest.raises(redis.ConnectionError,
-                       match="max number of clients reached|Broken pipe|Connection reset"):
+                       match=r"max number of clients reached|Broken pipe|Connection reset"):
         redis.Redis(unix_socket_path=s.socket).ping()
     for c in held:                                  # the five still work
         c.sendall(b"GET 000000000002\r\n")

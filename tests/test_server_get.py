@@ -114,7 +114,7 @@ def expected(values: list[bytes | None], proto: int = 2) -> bytes:
 def test_answers_in_order_with_misses(mod, env, direct):
     replica, feeds = env
     gets, _ = make(mod, replica, feeds, direct)
-    keys = list(VALUES) + ["missing", "main:a", "other:only.here", "other:only.gone", "later:x"]
+    keys = [*list(VALUES), "missing", "main:a", "other:only.here", "other:only.gone", "later:x"]
     for proto in (2, 3):
         out, answered, notfound = gets.serve(*request(keys), proto, 1 << 30)
         want = [VALUES[k] for k in VALUES] + [None, b"1", b"o", None, None]
@@ -249,9 +249,9 @@ def test_native_refuses_other_threads(env):
     assert errors and "thread" in str(errors[0])
 
 
-_keys = st.sampled_from(list(VALUES) + ["missing", "main:a", "main:missing", "other:a", "other:only.here",
-                                        "other:only.x", "later:x", "nope:a", ".bad", "x..y", "a.", "a:b:c",
-                                        LONG + "x", "main:" + LONG])
+_keys = st.sampled_from([*list(VALUES), "missing", "main:a", "main:missing", "other:a", "other:only.here",
+                         "other:only.x", "later:x", "nope:a", ".bad", "x..y", "a.", "a:b:c", LONG + "x",
+                         "main:" + LONG])
 
 
 @pytest.mark.skipif(native is None, reason="kvcache._native.server_get not built")
@@ -292,7 +292,7 @@ def test_answer_feeds_cuts_and_hands_over_the_rest(mod, reader_kind, env):
     # split in two at every boundary: what was answered plus what is left is always the same
     for cut in range(1, len(data)):
         reader = wire_mod.RequestReader()
-        out1, n1, nf1, more1 = gets.answer(reader, data[:cut], 2, 1 << 30)
+        out1, n1, nf1, _more1 = gets.answer(reader, data[:cut], 2, 1 << 30)
         out2, n2, nf2, more2 = gets.answer(reader, data[cut:], 2, 1 << 30)
         assert out1 + out2 == expected([b"1", None])
         assert (n1 + n2, nf1 + nf2, more2) == (2, 1, True)
@@ -304,7 +304,7 @@ def test_answer_feeds_cuts_and_hands_over_the_rest(mod, reader_kind, env):
     assert gets.answer(reader, resp_get("a") * 3, 3, 1 << 30) == (expected([b"1"] * 3, 3), 3, 0, False)
     # the budget stops it with more to do
     reader = wire_mod.RequestReader()
-    out, n, _, more = gets.answer(reader, resp_get("nine") + resp_get("a"), 2, 100)
+    _out, n, _, more = gets.answer(reader, resp_get("nine") + resp_get("a"), 2, 100)
     assert (n, more) == (1, True)
 
 
@@ -347,7 +347,7 @@ def test_answer_twins_agree_on_any_split(env, units, rnd, budget):
     replica, feeds = env
     wire = b"".join(units)
     cuts = sorted(rnd.sample(range(1, len(wire)), min(3, len(wire) - 1))) if len(wire) > 1 else []
-    chunks = [wire[a:b] for a, b in zip([0] + cuts, cuts + [len(wire)])]
+    chunks = [wire[a:b] for a, b in zip([0, *cuts], [*cuts, len(wire)], strict=True)]
 
     def flat(seen):  # replies concatenated, commands in order: how the client sees it
         out, cmds = b"", []

@@ -147,7 +147,7 @@ async def test_no_peer_reachable_serve_stale_decides(setup: Setup):
     # ... but never older than what was read already, nor for a read that asked for the leader
     with pytest.raises(ResponseError, match="a newer revision of the key was already read"):
         await c.get("on:c")
-    with pytest.raises(ResponseError, match="^ERR upstream read failed"):
+    with pytest.raises(ResponseError, match=r"^ERR upstream read failed"):
         await c.entry("on:b", consistency="strong")
 
     after = await s.stats()

@@ -135,7 +135,7 @@ async def test_cluster_r3_bucket_survives_leader_kill(nats_cluster: Cluster) -> 
             async with connect(other.url) as nc:
                 js = nc.jetstream(timeout=2)
 
-                async def new_leader() -> str | None:
+                async def new_leader(js=js) -> str | None:
                     leader = (await js.stream_info("KV_ha")).cluster.leader
                     return leader if leader and leader != old_leader else None
 
@@ -144,9 +144,10 @@ async def test_cluster_r3_bucket_survives_leader_kill(nats_cluster: Cluster) -> 
                 kv = await js.key_value("ha")
                 assert (await kv.get("k")).value == b"v1"
                 # The new leader accepts writes too.
-                await eventually(lambda: kv.put("after", other.server_name.encode()), 10, "put after failover")
+                await eventually(lambda kv=kv, other=other: kv.put("after", other.server_name.encode()), 10,
+                                 "put after failover")
 
-                async def after_visible():
+                async def after_visible(kv=kv, other=other):
                     # a Direct Get may be answered by a replica that has not applied the put yet
                     return (await kv.get("after")).value == other.server_name.encode()
                 await eventually(after_visible, 10, "the put visible to Direct Get")

@@ -39,7 +39,7 @@ def cover_filters(groups: dict[str, tuple[float, int]], cover: float) -> list[Fi
     target = cover * total - 1e-9 * total
     chosen: set[str] = set()
     acc = 0.0
-    for g, (reads, keys) in sorted(groups.items(), key=lambda kv: (-kv[1][0], kv[1][1], kv[0])):
+    for g, (reads, _keys) in sorted(groups.items(), key=lambda kv: (-kv[1][0], kv[1][1], kv[0])):
         if acc >= target:
             break
         chosen.add(g)

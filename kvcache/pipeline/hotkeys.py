@@ -157,7 +157,7 @@ def analyse(logs: DataFrame, top: int, cover: float) -> Report:
               "remote_ratio": round(r["remote"] / r["reads"], 4), "miss_ratio": round(r["miss"] / r["reads"], 4)}
              for r in top_rows],
         peers=[{"source": r["source"], "sampled": r["sampled"],
-                **{f"p{int(q * 100)}_us": int(v) for q, v in zip(PERCENTILES, r["p"])},
+                **{f"p{int(q * 100)}_us": int(v) for q, v in zip(PERCENTILES, r["p"], strict=True)},
                 "mean_us": round(r["mean"], 1)} for r in peers],
         filters={b: cover_filters(gs, cover) for b, gs in sorted(by_bucket.items())},
         bucket_reads=bucket_reads, cover=cover, curves=curves)
@@ -181,7 +181,8 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
     cols = list(rows[0])
     cells = [[_fmt(r[c]) for c in cols] for r in rows]
     width = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    line = lambda vals: "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(vals, width)))
+    def line(vals):
+        return "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(vals, width, strict=True)))
     return [line(cols), line(["-" * w for w in width])] + [line(r) for r in cells]
 
 

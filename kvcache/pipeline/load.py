@@ -96,7 +96,8 @@ class Summary:
 
     def lines(self) -> list[str]:
         out = [f"kvcache load: {self.rows:,} rows read, {self.written:,} written, {self.invalid:,} invalid, "
-               f"{self.failed:,} failed ({self.retried:,} retries, {self.disconnects:,} disconnects) into bucket '{self.bucket}' in "
+               f"{self.failed:,} failed ({self.retried:,} retries, {self.disconnects:,} disconnects) "
+               f"into bucket '{self.bucket}' in "
                f"{self.seconds:.1f}s: {self.rows_per_s:,.0f} rows/s over {self.partitions} partitions"]
         if self.invalid_examples:
             out.append(f"invalid rows (first {len(self.invalid_examples)}): " + "; ".join(self.invalid_examples))

@@ -414,7 +414,7 @@ class MixedReads:
                     parser.feed(data)
                     while (reply := parser.gets()) is not False:
                         replies.append(reply)
-                for (kind, keys, _), reply in zip(cmds, replies):
+                for (kind, keys, _), reply in zip(cmds, replies, strict=True):
                     self._check(kind, keys, reply, floor)
         finally:
             writer.close()
@@ -438,7 +438,7 @@ class MixedReads:
             values = [reply[0] if reply else None]
             if reply and reply[1] > self.rev.get(keys[0], 0):
                 self.rev[keys[0]] = reply[1]
-        for key, value in zip(keys, values):
+        for key, value in zip(keys, values, strict=True):
             self.values += 1
             if value is None:
                 self.missing += 1
@@ -465,7 +465,7 @@ LAG_POLL_S = 0.0002   # a polite poll: a busy one would take the CPU the sidecar
 
 def percentile(samples: list[float], p: float) -> float:
     s = sorted(samples)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] if s else float("nan")
+    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))] if s else float("nan")
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""RESP wire vectors and runners shared by the twin's tests (test_resp) and the native parser's (test_resp_native): every vector runs on both, split at every byte boundary."""
+"""RESP wire vectors and runners shared by the twin's tests (test_resp) and the native
+parser's (test_resp_native): every vector runs on both, split at every byte boundary."""
 from __future__ import annotations
 
 import math

@@ -102,7 +102,7 @@ class SidecarProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-                raise RuntimeError(f"sidecar ignored SIGTERM for {timeout}s:\n{self.log()}")
+                raise RuntimeError(f"sidecar ignored SIGTERM for {timeout}s:\n{self.log()}") from None
         code = self.proc.returncode
         self._log.close()
         self.check_log()
