@@ -59,15 +59,15 @@ ROOT = BENCH.parent
 for p in (ROOT / "tests", BENCH, ROOT):  # ROOT ends up first: this checkout's kvcache
     sys.path.insert(0, str(p))
 
-import socket_bench  # noqa: E402
-import sync_bench  # noqa: E402
-from restart import publish_all  # noqa: E402
-from support.sidecar_proc import SidecarProcess  # noqa: E402
-from support.topology import Cluster, add_hub_mirror, start_leaf  # noqa: E402
+import socket_bench
+import sync_bench
+from restart import publish_all
+from support.sidecar_proc import SidecarProcess
+from support.topology import Cluster, add_hub_mirror, start_leaf
 
-from kvcache import LocalReader  # noqa: E402
-from kvcache.client import Client  # noqa: E402
-from kvcache.natsserver import NatsServer, free_port  # noqa: E402
+from kvcache import LocalReader
+from kvcache.client import Client
+from kvcache.natsserver import NatsServer, free_port
 
 SECTIONS = ("get", "latency", "sync", "locust")
 READ_BUCKET = "read"

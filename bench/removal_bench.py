@@ -40,10 +40,10 @@ from nats.js.api import DiscardPolicy
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from socket_bench import cpu_seconds, exit_on_sigterm, stop, wait_until, work_dir  # noqa: E402
-from sync_bench import BUCKET, load  # noqa: E402
+from socket_bench import cpu_seconds, exit_on_sigterm, stop, wait_until, work_dir
+from sync_bench import BUCKET, load
 
-from kvcache.natsserver import NatsServer, die_with_parent  # noqa: E402
+from kvcache.natsserver import NatsServer, die_with_parent
 
 SEC = 1_000_000_000
 STREAM = f"KV_{BUCKET}"

@@ -49,8 +49,8 @@ import nats
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvcache.client import Client, ConnectionFailed  # noqa: E402
-from kvcache.natsserver import NatsServer, die_with_parent  # noqa: E402
+from kvcache.client import Client, ConnectionFailed
+from kvcache.natsserver import NatsServer, die_with_parent
 
 BUCKET = "key"
 NKEYS = 10_000

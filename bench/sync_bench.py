@@ -50,10 +50,10 @@ import nats.errors
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from socket_bench import exit_on_sigterm  # noqa: E402
+from socket_bench import exit_on_sigterm
 
-from kvcache.client import Client, ConnectionFailed  # noqa: E402
-from kvcache.natsserver import NatsServer, die_with_parent  # noqa: E402
+from kvcache.client import Client, ConnectionFailed
+from kvcache.natsserver import NatsServer, die_with_parent
 
 BUCKET = "bench"
 

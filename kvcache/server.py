@@ -90,16 +90,17 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
     # ------------------------------------------------------------------ asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # a stream socket's transport: asyncio types the callback with the base class
+        self.transport = stream = cast(asyncio.Transport, transport)
         srv = self.srv
         srv.stats.connections_received += 1
         if len(srv.connections) >= srv.cfg.max_clients or srv.closing:
             srv.stats.rejected_connections += 1
             self._closing = True
-            transport.write(SHUTTING_DOWN if srv.closing else TOO_MANY_CLIENTS)  # type: ignore[attr-defined]
-            transport.close()
+            stream.write(SHUTTING_DOWN if srv.closing else TOO_MANY_CLIENTS)
+            stream.close()
             return
-        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)  # type: ignore[attr-defined]
+        stream.set_write_buffer_limits(high=WRITE_HIGH_WATER)
         srv.connections.add(self)
         srv.stats.connected_clients = len(srv.connections)
 

@@ -17,52 +17,57 @@ class WaitTimeout(AssertionError):
     """A condition did not hold within its timeout."""
 
 
-def _timeout(what: str, timeout: float, last: Any, err: BaseException | None,
-             detail: Callable[[], str] | None) -> WaitTimeout:
-    text = f"timed out after {timeout:g}s waiting for {what}; last value {last!r}"
-    if err is not None:
-        text += f", last error {err!r}"
-    if detail is not None:
-        text += "\n" + detail()
-    return WaitTimeout(text)
+class _Poll:
+    """One wait's bookkeeping, shared by the sync and async pollers: the deadline, and the
+    last value or error seen, for the failure message."""
+
+    def __init__(self, timeout: float, what: str, detail: Callable[[], str] | None) -> None:
+        self.deadline = time.monotonic() + timeout
+        self.timeout, self.what, self.detail = timeout, what, detail
+        self.last: Any = None
+        self.err: BaseException | None = None
+
+    def saw(self, value: Any = None, err: BaseException | None = None) -> bool:
+        """Record an attempt; True when it succeeded. Raises WaitTimeout past the deadline."""
+        self.last, self.err = value, err
+        if err is None and value:
+            return True
+        if time.monotonic() >= self.deadline:
+            text = f"timed out after {self.timeout:g}s waiting for {self.what}; last value {self.last!r}"
+            if self.err is not None:
+                text += f", last error {self.err!r}"
+            if self.detail is not None:
+                text += "\n" + self.detail()
+            raise WaitTimeout(text)
+        return False
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str,
                interval: float = INTERVAL_S, detail: Callable[[], str] | None = None) -> Any:
     """Poll `predicate` until it returns something truthy (that value is returned); an
     exception it raises counts as "not yet". WaitTimeout at the deadline."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    err: BaseException | None = None
+    poll = _Poll(timeout, what, detail)
     while True:
         try:
-            last = predicate()
-            if last:
-                return last
-            err = None
+            value, err = predicate(), None
         except Exception as e:
-            err = e
-        if time.monotonic() >= deadline:
-            raise _timeout(what, timeout, last, err, detail)
+            value, err = None, e
+        if poll.saw(value, err):
+            return value
         time.sleep(interval)
 
 
 async def until(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition",
                 interval: float = INTERVAL_S, detail: Callable[[], str] | None = None) -> Any:
     """wait_until for a coroutine: `predicate` may be sync or async."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    err: BaseException | None = None
+    poll = _Poll(timeout, what, detail)
     while True:
         try:
-            last = predicate()
-            if inspect.isawaitable(last):
-                last = await last
-            if last:
-                return last
-            err = None
+            value, err = predicate(), None
+            if inspect.isawaitable(value):
+                value = await value
         except Exception as e:
-            err = e
-        if time.monotonic() >= deadline:
-            raise _timeout(what, timeout, last, err, detail)
+            value, err = None, e
+        if poll.saw(value, err):
+            return value
         await asyncio.sleep(interval)
