@@ -3,7 +3,7 @@
 # two can never disagree about what a GET is. Inline only: nothing to import at run time.
 
 cdef inline bint keychar(unsigned char c) noexcept nogil:
-    """take_gets' key characters: [-/_=.:a-zA-Z0-9]"""
+    """take_gets' key characters: kvcache.keys.TOKEN_CHARS, `.` and `:` (tests/test_keys.py)"""
     return (48 <= c <= 58 or 65 <= c <= 90 or 97 <= c <= 122 or c == 45 or c == 47
             or c == 95 or c == 61 or c == 46)
 

@@ -90,7 +90,7 @@ cdef class _Plan:
 
 
 cdef inline bint _kv_key(const unsigned char* k, Py_ssize_t n) noexcept nogil:
-    """commands.KEY_RE in C: dot-separated tokens of [-/_=a-zA-Z0-9]; at most 511 bytes
+    """kvcache.keys.KEY_RE in C (tests/test_keys.py holds them equal): dot-separated tokens of [-/_=a-zA-Z0-9]; at most 511 bytes
     (a longer key is stored under a digest: the planner handles it)."""
     cdef Py_ssize_t i
     cdef unsigned char c
