@@ -20,6 +20,9 @@ _monotonic = time.monotonic
 
 
 class LocalGet:
+    """LocalReader.get's hot path (twin of ext/app_get.pyx): a cached plan and a fresh bucket
+    answer with one LMDB read; anything else goes back to LocalReader._get_checked."""
+
     __slots__ = ("begin", "fresh_until", "plans", "slow")
 
     def __init__(self, plans: dict, fresh_until: dict, begin: Callable, slow: Callable) -> None:

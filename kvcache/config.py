@@ -26,6 +26,8 @@ MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the terminating NUL
 
 @dataclass
 class NatsConfig:
+    """The `[nats]` table: servers and how to authenticate to them (docs/configuration.md)."""
+
     servers: list[str] = field(default_factory=list)
     creds: str | None = None
     nkey: str | None = None  # path to an nkey seed file
@@ -41,6 +43,8 @@ class NatsConfig:
 
 @dataclass
 class BucketConfig:
+    """One `[[bucket]]`: a KV bucket to replicate, which keys, and how stale it may be served."""
+
     name: str
     keys: list[str] = field(default_factory=lambda: [">"])
     max_stale_ms: int = 5000
@@ -51,6 +55,8 @@ class BucketConfig:
 
 @dataclass
 class PeerConfig:
+    """One `[[peer]]`: another place (connection, stream, domain) fallback reads may go to."""
+
     name: str
     servers: list[str]
     stream: str
@@ -59,6 +65,8 @@ class PeerConfig:
 
 @dataclass
 class Config:
+    """The sidecar's whole configuration, validated once by `load` (TOML, environment, flags)."""
+
     data_dir: str = "./kvcache-data"
     socket: str | None = None  # default: <data_dir>/kvcache.sock
     socket_mode: int = 0o660

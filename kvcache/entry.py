@@ -6,6 +6,8 @@ from enum import StrEnum
 
 
 class Operation(StrEnum):
+    """A KV entry's last operation, as ADR-8 names them (the `KV-Operation` header)."""
+
     PUT = "PUT"
     DEL = "DEL"
     PURGE = "PURGE"
@@ -38,6 +40,8 @@ class Operation(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Entry:
+    """A key's entry as ADR-8 describes it, plus where kvcache read it from (`source`)."""
+
     bucket: str
     key: str
     value: bytes | None

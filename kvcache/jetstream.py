@@ -47,6 +47,8 @@ async def api_request(nc: NATS, subject: str, payload: dict[str, Any] | None,
 
 
 class ApiError(UpstreamError):
+    """A JetStream API request answered with an error (its code and description kept)."""
+
     def __init__(self, code: int, err_code: int, description: str) -> None:
         super().__init__(f"{description} (code {code}, err_code {err_code})")
         self.code = code

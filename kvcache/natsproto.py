@@ -73,6 +73,8 @@ MAX_PAYLOAD = 64 * 1024 * 1024
 
 
 class Msg(NamedTuple):
+    """A MSG frame (no headers)."""
+
     sid: int
     subject: str
     reply: str
@@ -80,6 +82,8 @@ class Msg(NamedTuple):
 
 
 class HMsg(NamedTuple):
+    """An HMSG frame: headers (and the inline status of a status message) and payload."""
+
     sid: int
     subject: str
     reply: str
@@ -91,22 +95,32 @@ class HMsg(NamedTuple):
 
 
 class Ping(NamedTuple):
+    """A PING from the server (answered with PONG)."""
+
     pass
 
 
 class Pong(NamedTuple):
+    """A PONG from the server."""
+
     pass
 
 
 class Ok(NamedTuple):
+    """+OK (verbose mode)."""
+
     pass
 
 
 class Err(NamedTuple):
+    """-ERR from the server, with its message."""
+
     text: str
 
 
 class Info(NamedTuple):
+    """An INFO frame: the server's JSON description of itself."""
+
     info: dict
 
 
@@ -145,6 +159,8 @@ class Run:
 
 
 class AckMeta(NamedTuple):
+    """What a JetStream delivery's reply subject says: stream, consumer, sequences, time, pending."""
+
     stream: str
     consumer: str
     delivered: int

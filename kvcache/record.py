@@ -35,6 +35,8 @@ NEVER = 0xFFFF_FFFF_FFFF_FFFF  # expires_ns of `Nats-TTL: never`: exempt from ma
 
 @dataclass(slots=True)
 class Record:
+    """A replica record decoded: the key, its value, revision (stream sequence) and creation time."""
+
     key: str
     value: bytes
     revision: int

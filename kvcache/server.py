@@ -352,6 +352,10 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
 
 
 class RespServer:
+    """The Unix-socket listener: accepts client connections (ClientConnection) up to
+    max_clients, shares the GET fast path and the command table among them, and stops
+    gracefully (requests in flight finish, the socket file is removed)."""
+
     def __init__(self, cfg: Config, commands: Commands, stats: Stats) -> None:
         self.cfg = cfg
         self.commands = commands

@@ -54,6 +54,9 @@ Planner = Callable[[bytes], "Plan | Literal[False]"]
 
 
 class LocalGets:
+    """The server's GET fast path over the replica (twin of ext/server_get.pyx): answers runs
+    of pipelined GETs from plans (kvcache.readpolicy.Plan) in one read transaction."""
+
     def __init__(self, replica: Replica, planner: Planner) -> None:
         self.replica = replica
         self.planner = planner

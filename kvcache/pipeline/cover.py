@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Filter:
+    """A key filter `kvcache hotkeys` proposes, with the reads and keys it covers."""
+
     filter: str
     reads: float
     keys: int
