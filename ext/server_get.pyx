@@ -186,7 +186,7 @@ cdef class LocalGets:
         path = os.fsencode(replica.path)
         cdef int rc = mdb_env_create(&self._env)
         if rc == 0:
-            rc = mdb_env_set_maxdbs(self._env, MAX_DBS)
+            rc = mdb_env_set_maxdbs(self._env, max(MAX_DBS, getattr(replica, "max_dbs", MAX_DBS)))
         if rc == 0:
             rc = mdb_env_open(self._env, path, MDB_RDONLY | MDB_NOLOCK | MDB_NORDAHEAD, 0o600)
         if rc != 0:

@@ -67,7 +67,17 @@ FORMAT_VERSION = 2  # 2: records carry their Nats-TTL expiry; expiry index per b
 META_DB = b"__meta__"
 FORMAT_KEY = b"__format__"
 BUCKETS_KEY = b"__buckets__"  # configured bucket names, default first (for LocalReader)
-MAX_DBS = 256  # two per bucket (records, expiry index) and the meta database
+# Named databases: two per bucket (records, expiry index) and the meta database. An environment
+# handle must be opened with room for every database it opens; room costs memory in every
+# transaction (LMDB sizes a transaction's tables by it), so the writer takes what its buckets
+# need (dbs_for), never less than MAX_DBS, and readers keep MAX_DBS (they open only what
+# they read).
+MAX_DBS = 256
+
+
+def dbs_for(buckets: int, existing: int = 0) -> int:
+    """Room for `buckets` buckets (and `existing` databases already in the file), with margin."""
+    return max(MAX_DBS, 2 * buckets + 16, existing + 16)
 DUE = struct.Struct(">Q")  # the expiry index's key prefix: big-endian, so LMDB orders by time
 
 
@@ -99,8 +109,9 @@ class Replica:
     """Owner of the LMDB environment. One writer (the sidecar); any number of readers."""
 
     def __init__(self, path: str, map_size: int = 1 << 30, max_map_size: int = 1 << 40,
-                 readonly: bool = False) -> None:
+                 readonly: bool = False, buckets: int = 0) -> None:
         self.path = path
+        self.max_dbs = MAX_DBS if readonly else dbs_for(buckets)
         self.readonly = readonly
         self.max_map_size = max_map_size
         # Every named database is opened once per process: a second open of the same name in
@@ -121,8 +132,18 @@ class Replica:
             self._check_format()
 
     def _open_env(self, map_size: int) -> lmdb.Environment:
+        env = self._open_env_with(map_size)
+        with env.begin() as txn:  # the main database lists the named ones
+            existing = sum(1 for _ in txn.cursor().iternext(keys=True, values=False))
+        if dbs_for(0, existing) > self.max_dbs:  # a file from a configuration with more buckets
+            env.close()
+            self.max_dbs = dbs_for(0, existing)
+            env = self._open_env_with(map_size)
+        return env
+
+    def _open_env_with(self, map_size: int) -> lmdb.Environment:
         return lmdb.open(
-            self.path, map_size=map_size, max_dbs=MAX_DBS,
+            self.path, map_size=map_size, max_dbs=self.max_dbs,
             # Durability comes from NATS: after an OS crash we resume from an older
             # applied sequence, which is still consistent because data and position
             # share each transaction. Process crashes lose nothing either way.
@@ -583,7 +604,11 @@ path = sys.argv[1]
 damage = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError,
           lmdb.PageNotFoundError, lmdb.IncompatibleError, lmdb.BadValsizeError)
 try:
-    env = lmdb.open(path, readonly=True, lock=False, max_dbs=MAX_DBS_HERE, create=False)
+    env = lmdb.open(path, readonly=True, lock=False, create=False)
+    with env.begin() as txn:
+        count = sum(1 for _ in txn.cursor().iternext(keys=True, values=False))
+    env.close()
+    env = lmdb.open(path, readonly=True, lock=False, max_dbs=count + 1, create=False)
     need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
     size = os.path.getsize(os.path.join(path, "data.mdb"))
     if size < need:
@@ -602,7 +627,7 @@ except damage as e:
 except Exception as e:
     print(e)
     sys.exit(4)
-""".replace("MAX_DBS_HERE", str(MAX_DBS))
+"""
 
 
 def _damage(path: str) -> str | None:

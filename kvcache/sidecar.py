@@ -94,7 +94,8 @@ class Sidecar:
             await self._ensure_demo_bucket(nc)
         self.replica = Replica(
             os.path.join(self.cfg.data_dir, "replica"),
-            map_size=self.cfg.map_size_mb << 20, max_map_size=self.cfg.max_map_size_mb << 20)
+            map_size=self.cfg.map_size_mb << 20, max_map_size=self.cfg.max_map_size_mb << 20,
+            buckets=len(self.cfg.buckets))
         self.replica.set_buckets([b.name for b in self.cfg.buckets])
         timeout = self.cfg.nats.request_timeout_ms / 1000
         for b in self.cfg.buckets:
