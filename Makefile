@@ -20,7 +20,7 @@ export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
 endif
 
-.PHONY: demo test quick lint typecheck debug install install-test python-env native-deps system-deps bench clean
+.PHONY: demo test quick lint typecheck debug install install-test python-env native-deps system-deps clean
 
 APT = if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq $(1) >/dev/null; \
       else sudo apt-get update -qq && sudo apt-get install -y -qq $(1) >/dev/null; fi

@@ -73,6 +73,9 @@ def extensions():
     for src in sorted(glob.glob("ext/*.pyx")):
         header = SYSTEM_LIBS.get(src)
         if header and not have_header(header):
+            if REQUIRE_NATIVE:  # fail the build now, not the sidecar's start later
+                sys.exit(f"kvcache: ERROR: {header} not found and KVCACHE_REQUIRE_EXTENSIONS=1: cannot build "
+                         f"{src} (Debian: apt-get install liblmdb-dev; or set KVCACHE_INCLUDE)")
             print(f"kvcache: {header} not found, not building {src} (its pure-Python twin is used)")
             continue
         sources.append(src)
