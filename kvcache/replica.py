@@ -70,8 +70,7 @@ BUCKETS_KEY = b"__buckets__"  # configured bucket names, default first (for Loca
 # Named databases: two per bucket (records, expiry index) and the meta database. An environment
 # handle must be opened with room for every database it opens; room costs memory in every
 # transaction (LMDB sizes a transaction's tables by it), so the writer takes what its buckets
-# need (dbs_for), never less than MAX_DBS, and readers keep MAX_DBS (they open only what
-# they read).
+# need (dbs_for), never less than MAX_DBS; readers take room for what the file holds.
 MAX_DBS = 256
 
 
@@ -578,7 +577,11 @@ def _shared_readonly_env(path: str) -> lmdb.Environment:
     key = os.path.realpath(path)
     entry = _READONLY_ENVS.get(key)
     if entry is None:
-        env = lmdb.open(path, max_dbs=MAX_DBS, readonly=True, create=False, lock=True,
+        env = lmdb.open(path, readonly=True, create=False, lock=True, readahead=False, max_readers=1024)
+        with env.begin() as txn:  # room to open every database the file holds, as the writer has
+            existing = sum(1 for _ in txn.cursor().iternext(keys=True, values=False))
+        env.close()
+        env = lmdb.open(path, max_dbs=dbs_for(0, existing), readonly=True, create=False, lock=True,
                         readahead=False, max_readers=1024)
         entry = _READONLY_ENVS[key] = [env, 0]
     entry[1] += 1

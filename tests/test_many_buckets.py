@@ -1,6 +1,6 @@
-"""Many buckets in one sidecar: per-tenant buckets are a common NATS pattern. 150 buckets
-need 301 LMDB databases, past the 256 the replica used to be opened with (MDB_DBS_FULL and a
-traceback at start)."""
+"""Many buckets in one sidecar: per-tenant buckets are a common NATS pattern. 300 buckets
+need 601 LMDB databases, past the 256 the replica used to be opened with (MDB_DBS_FULL and a
+traceback at start, or in a LocalReader reading them all)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +9,9 @@ import nats
 import pytest
 from support.sidecar_proc import SidecarProcess
 
-BUCKETS = 150
+from kvcache import LocalReader
+
+BUCKETS = 300  # 601 databases
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -26,7 +28,7 @@ async def _make_buckets(url: str) -> None:
         await nc.close()
 
 
-def test_150_buckets_start_and_serve(nats_server, tmp_path):
+def test_300_buckets_start_and_serve(nats_server, tmp_path):
     asyncio.run(_make_buckets(nats_server.url))
     buckets = [f"tenant{j:03d}" for j in range(BUCKETS)]
     sc = SidecarProcess(tmp_path / "sc", nats_server.url, buckets=buckets)
@@ -37,10 +39,12 @@ def test_150_buckets_start_and_serve(nats_server, tmp_path):
         with sc.client() as c:
             assert c.mget([f"tenant{j:03d}:k" for j in range(BUCKETS)]) == [b"v%d" % j for j in range(BUCKETS)]
             assert c.info("stats")["stats"]["gets_remote"] == 0  # every one from its replica
+        with LocalReader(str(sc.data_dir), max_stale_ms=60_000) as reader:  # the app side, every bucket
+            assert [reader.get(f"tenant{j:03d}:k") for j in range(BUCKETS)] == [b"v%d" % j for j in range(BUCKETS)]
         assert sc.stop() == 0
     # and again on the replica it made: every bucket resumes
     with sc:
         sc.start(timeout=180)
-        assert sc.client().get("tenant149:k") == b"v149"
+        assert sc.client().get("tenant299:k") == b"v299"
         assert all(r["resyncs"] == 0 for r in sc.buckets().values())
         assert sc.stop() == 0
