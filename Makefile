@@ -40,15 +40,11 @@ python-env:
 	  $(VENV)/bin/python -m pip install -q --upgrade pip; \
 	fi
 
-# liblmdb-dev: the server's native GET path links the system LMDB (ext/server_get.pyx). Without
-# it that one extension is not built and its pure-Python twin serves, so a failure here is
+# A C compiler and the Python headers build the native paths (LMDB, for the GET path, is
+# compiled in from the `lmdb` sdist: no system library); without them setup.py skips the
+# extensions (their pure-Python twins serve, and the sidecar says so), so a failure here is
 # only a warning.
-# A C compiler and the Python headers build the native paths; without them setup.py skips
-# the extensions (their pure-Python twins serve), so a failure here is only a warning too.
 native-deps:
-	@if [ ! -e /usr/include/lmdb.h ] && command -v apt-get >/dev/null; then \
-	  $(call APT,liblmdb-dev) || echo "warning: liblmdb-dev not installed; the GET path runs in Python"; \
-	fi
 	@if { ! command -v cc >/dev/null || ! $(HOST_PYTHON) -c 'import os, sys, sysconfig; \
 	      sys.exit(not os.path.exists(os.path.join(sysconfig.get_path("include"), "Python.h")))'; } \
 	    && command -v apt-get >/dev/null; then \

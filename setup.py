@@ -8,7 +8,11 @@ checks and -O0 -g for gdb/valgrind; the default is an optimized build.
 """
 import glob
 import os
+import shutil
+import subprocess
 import sys
+import tarfile
+import tempfile
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -40,7 +44,7 @@ class OptionalBuildExt(build_ext):
                      "kvcache: their pure-Python twins will be used (same behaviour, slower):"]
             lines += [f"kvcache:   {name}: {why}" for name, why in self.skipped]
             lines += ["kvcache: install a C compiler and the Python headers (Debian: apt-get install "
-                      "gcc python3-dev liblmdb-dev) and reinstall to build them.", bar]
+                      "gcc python3-dev) and reinstall to build them.", bar]
             print("\n".join(lines), file=sys.stderr, flush=True)
 
     def build_extension(self, ext: Extension) -> None:
@@ -57,30 +61,65 @@ def _first_line(e: BaseException) -> str:
     return text if len(text) <= 200 else text[:90] + " ... " + text[-100:]
 
 
-# Extensions that link a system library, and the header that says it is installed. Without
-# it the extension is skipped (its pure-Python twin serves); `make test` installs it.
-SYSTEM_LIBS = {"ext/server_get.pyx": "lmdb.h"}  # Debian/Ubuntu: liblmdb-dev
+# LMDB for the server's GET extension (ext/server_get.pyx), compiled into it from the source of
+# the `lmdb` package on the package index: the same C library py-lmdb (the writer) bundles, so
+# a plain `pip install` needs no system package to build or to run. It is fetched once into
+# build/ with the pip that runs this build (its index, proxy and certificate settings apply);
+# KVCACHE_LMDB_SRC=<dir with mdb.c, midl.c, lmdb.h> gives the sources instead (offline builds).
+LMDB_EXTENSION = "ext/server_get.pyx"
+LMDB_SDIST = "lmdb>=1.4"
+LMDB_FILES = ("mdb.c", "midl.c", "lmdb.h", "midl.h")
+LMDB_CACHE = os.path.join("build", "lmdb-src")
 
 
-def have_header(name: str) -> bool:
-    dirs = [os.environ.get("KVCACHE_INCLUDE", ""), "/usr/include", "/usr/local/include",
-            "/opt/homebrew/include"]
-    return any(d and os.path.exists(os.path.join(d, name)) for d in dirs)
+def lmdb_source() -> tuple[str | None, str]:
+    """The directory holding LMDB's C sources, or None and why there is none."""
+    given = os.environ.get("KVCACHE_LMDB_SRC")
+    if given:
+        missing = [f for f in LMDB_FILES if not os.path.exists(os.path.join(given, f))]
+        return (None, f"KVCACHE_LMDB_SRC={given} lacks {', '.join(missing)}") if missing else (given, "")
+    if all(os.path.exists(os.path.join(LMDB_CACHE, f)) for f in LMDB_FILES):
+        return LMDB_CACHE, ""
+    print(f"kvcache: fetching LMDB's C sources from the package index ({LMDB_SDIST}, sdist)", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        got = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", "lmdb",
+             "--dest", tmp, LMDB_SDIST],
+            capture_output=True, text=True)
+        archives = glob.glob(os.path.join(tmp, "lmdb-*.tar.gz"))
+        if got.returncode != 0 or not archives:
+            why = (got.stderr.strip().splitlines() or ["no sdist downloaded"])[-1]
+            return None, f"could not download the {LMDB_SDIST} sdist: {why}"
+        os.makedirs(LMDB_CACHE, exist_ok=True)
+        with tarfile.open(archives[0]) as tar:
+            for member in tar.getmembers():
+                parts = member.name.split("/")
+                if len(parts) == 3 and parts[1] == "lib" and parts[2] in LMDB_FILES and member.isfile():
+                    with tar.extractfile(member) as src, open(os.path.join(LMDB_CACHE, parts[2]), "wb") as dst:
+                        shutil.copyfileobj(src, dst)
+    missing = [f for f in LMDB_FILES if not os.path.exists(os.path.join(LMDB_CACHE, f))]
+    if missing:
+        return None, f"the {LMDB_SDIST} sdist has no lib/{missing[0]}"
+    return LMDB_CACHE, ""
+
+
+def lmdb_extension(src: str, cflags: list[str]) -> Extension | None:
+    """server_get with LMDB compiled in; None (and why, printed) when LMDB's sources cannot be had."""
+    where, why = lmdb_source()
+    if where is None:
+        if REQUIRE_NATIVE:  # fail the build now, not the sidecar's start later
+            sys.exit(f"kvcache: ERROR: {why}; KVCACHE_REQUIRE_EXTENSIONS=1 and {src} needs LMDB's sources "
+                     "(set KVCACHE_LMDB_SRC to a directory holding mdb.c, midl.c, lmdb.h, midl.h)")
+        print(f"kvcache: WARNING: {why}: not building {src} (its pure-Python twin is used)", file=sys.stderr)
+        return None
+    # LMDB's symbols stay inside this extension (hidden), so they never meet another LMDB
+    # loaded in the same process.
+    return Extension("kvcache._native.server_get",
+                     [src, os.path.join(where, "mdb.c"), os.path.join(where, "midl.c")],
+                     include_dirs=[where], extra_compile_args=[*cflags, "-fvisibility=hidden"])
 
 
 def extensions():
-    sources = []
-    for src in sorted(glob.glob("ext/*.pyx")):
-        header = SYSTEM_LIBS.get(src)
-        if header and not have_header(header):
-            if REQUIRE_NATIVE:  # fail the build now, not the sidecar's start later
-                sys.exit(f"kvcache: ERROR: {header} not found and KVCACHE_REQUIRE_EXTENSIONS=1: cannot build "
-                         f"{src} (Debian: apt-get install liblmdb-dev; or set KVCACHE_INCLUDE)")
-            print(f"kvcache: {header} not found, not building {src} (its pure-Python twin is used)")
-            continue
-        sources.append(src)
-    if not sources:
-        return []
     from Cython.Build import cythonize
 
     directives = {
@@ -93,11 +132,15 @@ def extensions():
         "cdivision": not DEBUG,
     }
     cflags = ["-O0", "-g3"] if DEBUG else ["-O3"]
-    exts = [
-        Extension(f"kvcache._native.{os.path.splitext(os.path.basename(src))[0]}", [src],
-                  extra_compile_args=cflags)
-        for src in sources
-    ]
+    exts = []
+    for src in sorted(glob.glob("ext/*.pyx")):
+        if src == LMDB_EXTENSION:
+            ext = lmdb_extension(src, cflags)
+            if ext is not None:
+                exts.append(ext)
+            continue
+        exts.append(Extension(f"kvcache._native.{os.path.splitext(os.path.basename(src))[0]}", [src],
+                              extra_compile_args=cflags))
     return cythonize(exts, compiler_directives=directives, annotate=DEBUG, include_path=["ext"],
                      force=DEBUG, quiet=True)
 

@@ -21,8 +21,14 @@ bounded.
   5. with --profile, records the sidecar with `py-spy record` under the `-P 16` load and
      prints the functions with the most samples (own time and inclusive).
 
+--scale is the run at a realistic size: a 1,000,000-key bucket of 100-byte values (in both
+servers), read over a 10,000-key hot set (`-r 10000`) and over every key (`-r 1000000`) at
+`-c 50 -P 16` and `-c 50`, and each server's full/hot ratio beside the kvcache/redis one: a
+cost that grows with the number of distinct keys read shows there, not in the 10k-key run.
+
     python bench/socket_bench.py
     python bench/socket_bench.py --requests 200000 --profile
+    python bench/socket_bench.py --scale              # 1M keys, 100-byte values, -r 10k and 1M
 """
 from __future__ import annotations
 
@@ -53,11 +59,13 @@ from kvcache.client import Client, ConnectionFailed
 from kvcache.natsserver import NatsServer, die_with_parent
 
 BUCKET = "key"
-NKEYS = 10_000
+NKEYS = 10_000   # the default bucket: redis-benchmark -r 10000's whole key space
+SCALE_KEYS = 1_000_000
 REDIS_SERVER = "/usr/bin/redis-server"
 REDIS_BENCHMARK = "/usr/bin/redis-benchmark"
 VARIANTS = [("-c 50", ["-c", "50"]), ("-c 50 -P 16", ["-c", "50", "-P", "16"]),
             ("-c 1", ["-c", "1"])]
+SCALE_VARIANTS = [("-c 50 -P 16", ["-c", "50", "-P", "16"]), ("-c 50", ["-c", "50"])]
 
 
 def key(i: int) -> str:
@@ -112,22 +120,23 @@ def stop(proc: subprocess.Popen | None, timeout: float = 15) -> int | None:
 
 # ----------------------------------------------------------------------------- setup
 
-async def load_bucket(url: str, value: bytes) -> None:
+async def load_bucket(url: str, value: bytes, keys: int = NKEYS) -> None:
+    """`keys` keys in bucket BUCKET: JetStream publishes, 500 acknowledgements in flight."""
     nc = await nats.connect(url, connect_timeout=5, allow_reconnect=False)
     try:
         js = nc.jetstream(timeout=30)
         await js.create_key_value(bucket=BUCKET, direct=True)
-        for start in range(0, NKEYS, 500):
+        for start in range(0, keys, 500):
             await asyncio.gather(*(js.publish(f"$KV.{BUCKET}.{key(i)}", value)
-                                   for i in range(start, min(start + 500, NKEYS))))
+                                   for i in range(start, min(start + 500, keys))))
         info = await js.stream_info(f"KV_{BUCKET}")
-        if info.state.messages != NKEYS:
-            raise RuntimeError(f"stream holds {info.state.messages} messages, expected {NKEYS}")
+        if info.state.messages != keys:
+            raise RuntimeError(f"stream holds {info.state.messages} messages, expected {keys}")
     finally:
         await nc.close()
 
 
-def start_sidecar(work: Path, url: str) -> tuple[subprocess.Popen, str]:
+def start_sidecar(work: Path, url: str, keys: int = NKEYS) -> tuple[subprocess.Popen, str]:
     sock = str(work / "kvcache.sock")
     log = open(work / "sidecar.log", "ab")
     proc = subprocess.Popen(
@@ -142,16 +151,16 @@ def start_sidecar(work: Path, url: str) -> tuple[subprocess.Popen, str]:
             raise RuntimeError(f"sidecar exited with {proc.returncode}; see {work}/sidecar.log")
         with Client(sock, timeout=2) as c:
             row = c.info("buckets")["buckets"].get(BUCKET, {})
-            return row.get("synced") == 1 and row.get("keys") == NKEYS
+            return row.get("synced") == 1 and row.get("keys") == keys
     try:
-        wait_until(synced, 120, "kvcache synced")
+        wait_until(synced, 120 + keys / 10_000, "kvcache synced")
     except BaseException:
         stop(proc)
         raise
     return proc, sock
 
 
-def start_redis(work: Path, value: bytes) -> tuple[subprocess.Popen, str]:
+def start_redis(work: Path, value: bytes, keys: int = NKEYS) -> tuple[subprocess.Popen, str]:
     import redis
     sock = str(work / "redis.sock")
     proc = subprocess.Popen(
@@ -161,11 +170,12 @@ def start_redis(work: Path, value: bytes) -> tuple[subprocess.Popen, str]:
     try:
         r = redis.Redis(unix_socket_path=sock)
         wait_until(lambda: os.path.exists(sock) and r.ping(), 20, "redis-server up")
-        with r.pipeline(transaction=False) as p:
-            for i in range(NKEYS):
-                p.set(f"key:{key(i)}", value)
-            p.execute()
-        if r.dbsize() != NKEYS:
+        for start in range(0, keys, 10_000):
+            with r.pipeline(transaction=False) as p:
+                for i in range(start, min(start + 10_000, keys)):
+                    p.set(f"key:{key(i)}", value)
+                p.execute()
+        if r.dbsize() != keys:
             raise RuntimeError("redis-server did not take every key")
         r.close()
     except BaseException:
@@ -183,8 +193,8 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def benchmark(sock: str, requests: int, args: list[str], timeout: float) -> dict[str, float]:
-    cmd = [REDIS_BENCHMARK, "-s", sock, "-t", "get", "-r", str(NKEYS), "-n", str(requests),
+def benchmark(sock: str, requests: int, args: list[str], timeout: float, reads_over: int = NKEYS) -> dict[str, float]:
+    cmd = [REDIS_BENCHMARK, "-s", sock, "-t", "get", "-r", str(reads_over), "-n", str(requests),
            "--csv", *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
@@ -195,7 +205,7 @@ def benchmark(sock: str, requests: int, args: list[str], timeout: float) -> dict
     return {k: float(v) for k, v in rows[0].items() if k != "test"}
 
 
-def profile(pid: int, sock: str, requests: int, seconds: int, out: Path) -> None:
+def profile(pid: int, sock: str, requests: int, seconds: int, out: Path, reads_over: int = NKEYS) -> None:
     """py-spy under the -P 16 load; prints the hottest functions by own and total samples."""
     raw = out / "pyspy.txt"
     spy = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(seconds),
@@ -204,7 +214,7 @@ def profile(pid: int, sock: str, requests: int, seconds: int, out: Path) -> None
     time.sleep(1)  # py-spy attaches
     deadline = time.monotonic() + seconds + 60
     while spy.poll() is None and time.monotonic() < deadline:
-        benchmark(sock, requests, ["-c", "50", "-P", "16"], timeout=seconds + 60)
+        benchmark(sock, requests, ["-c", "50", "-P", "16"], timeout=seconds + 60, reads_over=reads_over)
     try:
         spy.wait(max(1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
@@ -239,64 +249,88 @@ def profile(pid: int, sock: str, requests: int, seconds: int, out: Path) -> None
 @dataclass
 class GetBench:
     """One run's figures: the best run per (target, variant), server CPU per request, and what
-    kvcache's INFO said about it."""
+    kvcache's INFO said about it. A variant is redis-benchmark's arguments, prefixed with
+    `-r N` when the run reads over more than one key space (--scale)."""
 
     requests: int
     value_size: int
     repeat: int
+    keys: int = NKEYS
+    reads_over: list[int] = field(default_factory=lambda: [NKEYS])
+    variants: list[tuple[str, list[str]]] = field(default_factory=lambda: list(VARIANTS))
     results: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
     cpu: dict[tuple[str, str], list[float]] = field(default_factory=lambda: collections.defaultdict(list))
     problems: list[str] = field(default_factory=list)
     summary: str = ""
 
+    def label(self, reads_over: int, variant: str) -> str:
+        return variant if len(self.reads_over) == 1 else f"-r {reads_over} {variant}"
+
     def ratio(self, variant: str) -> float:
         return self.results[("kvcache", variant)]["rps"] / self.results[("redis", variant)]["rps"]
 
     def table(self) -> str:
-        lines = [f"redis-benchmark -t get -r {NKEYS} -n {self.requests}, {self.value_size}-byte values, "
-                 f"{os.cpu_count()} CPUs, best of {self.repeat} runs", "",
-                 "| target | variant | requests/s | p50 ms | p99 ms | kvcache/redis | server CPU us/req |",
-                 "|---|---|---:|---:|---:|---:|---:|"]
-        for name, _ in VARIANTS:
-            for target in ("redis", "kvcache"):
-                r = self.results[(target, name)]
-                ratio = f"{self.ratio(name):.2f}" if target == "kvcache" else ""
-                us = statistics.median(self.cpu[(target, name)])
-                lines.append(f"| {target} | {name} | {r['rps']:,.0f} | {r['p50_latency_ms']:.3f} | "
-                             f"{r['p99_latency_ms']:.3f} | {ratio} | {us:.2f} |")
+        over = ", ".join(f"-r {r}" for r in self.reads_over)
+        lines = [f"redis-benchmark -t get {over} -n {self.requests}, a {self.keys:,}-key bucket, "
+                 f"{self.value_size}-byte values, {os.cpu_count()} CPUs, best of {self.repeat} runs", "",
+                 "| target | reads over | variant | requests/s | p50 ms | p99 ms | kvcache/redis | "
+                 "full/hot | server CPU us/req |",
+                 "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+        hot = min(self.reads_over)
+        for r in self.reads_over:
+            for name, _ in self.variants:
+                label = self.label(r, name)
+                for target in ("redis", "kvcache"):
+                    res = self.results[(target, label)]
+                    ratio = f"{self.ratio(label):.2f}" if target == "kvcache" else ""
+                    kept = ("" if r == hot else
+                            f"{res['rps'] / self.results[(target, self.label(hot, name))]['rps']:.2f}")
+                    us = statistics.median(self.cpu[(target, label)])
+                    lines.append(f"| {target} | {r:,} | {name} | {res['rps']:,.0f} | {res['p50_latency_ms']:.3f} | "
+                                 f"{res['p99_latency_ms']:.3f} | {ratio} | {kept} | {us:.2f} |")
+        if len(self.reads_over) > 1:
+            lines += ["", f"full/hot: the share of its own hot-set (`-r {hot}`) throughput a server keeps "
+                      "when the same load reads over every key."]
         return "\n".join([*lines, "", self.summary])
 
 
 def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 3,
-        timeout: float = 600, profile_seconds: int | None = None) -> GetBench:
-    """Start nats-server, kvcache and redis-server under `work`, run every variant `repeat`
-    times against both (alternating), stop everything (by PID) and return the figures."""
+        timeout: float = 600, profile_seconds: int | None = None, keys: int = NKEYS,
+        reads_over: list[int] | None = None,
+        variants: list[tuple[str, list[str]]] | None = None) -> GetBench:
+    """Start nats-server, kvcache and redis-server under `work` with `keys` keys, run every
+    variant over every key space `repeat` times against both (alternating), stop everything (by
+    PID) and return the figures."""
     work.mkdir(parents=True, exist_ok=True)
     value = b"x" * value_size
-    bench = GetBench(requests, value_size, repeat)
+    bench = GetBench(requests, value_size, repeat, keys, reads_over or [keys], variants or list(VARIANTS))
     nats_srv = None
     sidecar = redis_proc = None
     try:
         nats_srv = NatsServer(work / "nats" / "js", host="127.0.0.1", server_name="bench").start()
-        asyncio.run(load_bucket(nats_srv.url, value))
-        sidecar, kv_sock = start_sidecar(work, nats_srv.url)
-        redis_proc, redis_sock = start_redis(work, value)
+        t0 = time.monotonic()
+        asyncio.run(load_bucket(nats_srv.url, value, keys))
+        print(f"  bucket loaded: {keys:,} keys in {time.monotonic() - t0:.1f}s", file=sys.stderr)
+        sidecar, kv_sock = start_sidecar(work, nats_srv.url, keys)
+        redis_proc, redis_sock = start_redis(work, value, keys)
         with Client(kv_sock) as c:
-            assert c.get(f"key:{key(1)}") == value and c.get(key(9999)) == value
+            assert c.get(f"key:{key(1)}") == value and c.get(key(keys - 1)) == value
             before = c.info("stats")["stats"]
 
         pids = {"redis": redis_proc.pid, "kvcache": sidecar.pid}
-        for name, extra in VARIANTS:
-            for _ in range(repeat):
-                for target, sock in (("redis", redis_sock), ("kvcache", kv_sock)):
-                    c0 = cpu_seconds(pids[target])
-                    r = benchmark(sock, requests, extra, timeout)
-                    bench.cpu[(target, name)].append((cpu_seconds(pids[target]) - c0) / requests * 1e6)
-                    best = bench.results.get((target, name))
-                    if best is None or r["rps"] > best["rps"]:
-                        bench.results[(target, name)] = r
-                    print(f"  {target:8s} {name:12s} {r['rps']:>12,.0f} req/s "
-                          f"{bench.cpu[(target, name)][-1]:6.2f} CPU us/req", file=sys.stderr)
+        for r in bench.reads_over:
+            for name, extra in bench.variants:
+                label = bench.label(r, name)
+                for _ in range(repeat):
+                    for target, sock in (("redis", redis_sock), ("kvcache", kv_sock)):
+                        c0 = cpu_seconds(pids[target])
+                        res = benchmark(sock, requests, extra, timeout, r)
+                        bench.cpu[(target, label)].append((cpu_seconds(pids[target]) - c0) / requests * 1e6)
+                        best = bench.results.get((target, label))
+                        if best is None or res["rps"] > best["rps"]:
+                            bench.results[(target, label)] = res
+                        print(f"  {target:8s} {label:22s} {res['rps']:>12,.0f} req/s "
+                              f"{bench.cpu[(target, label)][-1]:6.2f} CPU us/req", file=sys.stderr)
 
         with Client(kv_sock) as c:
             after = c.info("stats")["stats"]
@@ -304,7 +338,7 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
         for f in ("protocol_errors", "remote_errors", "gets_remote", "gets_notfound"):
             if after[f] != before[f]:
                 bench.problems.append(f"{f} went {before[f]} -> {after[f]}")
-        expected = requests * len(VARIANTS) * repeat
+        expected = requests * len(bench.variants) * len(bench.reads_over) * repeat
         if gets < expected:
             bench.problems.append(f"only {gets} local GETs for {expected} requests")
         bench.summary = (
@@ -313,7 +347,7 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
             + (f"; PROBLEMS: {'; '.join(bench.problems)}" if bench.problems else " (all checks passed)"))
 
         if profile_seconds:
-            profile(sidecar.pid, kv_sock, requests, profile_seconds, work)
+            profile(sidecar.pid, kv_sock, requests, profile_seconds, work, max(bench.reads_over))
         return bench
     finally:
         code = stop(sidecar)
@@ -333,11 +367,24 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
     ap.add_argument("--timeout", type=float, default=600, help="per redis-benchmark run")
     ap.add_argument("--repeat", type=int, default=3, help="runs per target and variant")
+    ap.add_argument("--keys", type=int, default=None, help=f"keys in the bucket (default {NKEYS:,}; --scale: "
+                    f"{SCALE_KEYS:,})")
+    ap.add_argument("--reads-over", default=None,
+                    help="comma-separated -r values (default: the bucket's size; --scale: 10000 and the size)")
+    ap.add_argument("--scale", action="store_true",
+                    help=f"{SCALE_KEYS:,} keys of 100 bytes, -r 10000 and -r {SCALE_KEYS}, -P 16 and -P 1")
     args = ap.parse_args()
+    keys = args.keys or (SCALE_KEYS if args.scale else NKEYS)
+    if args.reads_over:
+        reads_over = [int(r) for r in args.reads_over.split(",")]
+    else:
+        reads_over = sorted({min(NKEYS, keys), keys}) if args.scale else [keys]
+    value_size = 100 if args.scale and args.value_size == 3 else args.value_size
     exit_on_sigterm()
     with work_dir("kvcache-socket-bench-", lambda: args.keep) as work:
-        bench = run(work, args.requests, args.value_size, args.repeat, args.timeout,
-                    args.profile_seconds if args.profile else None)
+        bench = run(work, args.requests, value_size, args.repeat, args.timeout,
+                    args.profile_seconds if args.profile else None, keys, reads_over,
+                    SCALE_VARIANTS if args.scale else None)
         print("\n" + bench.table())
         args.keep = args.keep or bool(bench.problems)
         return 1 if bench.problems else 0

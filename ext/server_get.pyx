@@ -1,4 +1,3 @@
-# distutils: libraries = lmdb
 """The server's per-request GET path in C: same API and replies as kvcache/server_get.py.
 
 Per GET: a plan looked up in a dict (the key's bytes come from take_gets), `mdb_get` on a
@@ -6,7 +5,9 @@ read transaction of our own, and the bulk reply copied straight from the memory 
 output buffer. No Python object is made per GET beyond the key take_gets already made.
 
 The transaction comes from a second LMDB environment on the replica's files, opened
-MDB_RDONLY | MDB_NOLOCK against the system liblmdb. That is sound only because of how the
+MDB_RDONLY | MDB_NOLOCK with the LMDB compiled into this extension (setup.py takes its source
+from the `lmdb` package on the index: the library py-lmdb bundles, so no system package is
+needed to build or run it; its symbols are hidden). That is sound only because of how the
 sidecar uses it, and `serve` checks the first condition on every call:
 - it runs on the thread that owns the writer (the event loop: the feed writes there too), and
   its transaction never outlives one `serve` call, so no write commits while it is open and
@@ -63,6 +64,7 @@ cdef extern from "lmdb.h" nogil:
     int mdb_dbi_open(MDB_txn* txn, const char* name, unsigned int flags, MDB_dbi* dbi)
     int mdb_get(MDB_txn* txn, MDB_dbi dbi, MDB_val* key, MDB_val* data)
     char* mdb_strerror(int err)
+    char* mdb_version(int* major, int* minor, int* patch)
 
 cdef extern from "<pthread.h>" nogil:
     ctypedef unsigned long pthread_t
@@ -70,6 +72,8 @@ cdef extern from "<pthread.h>" nogil:
 
 cdef list _GET_LEN = GET_LEN
 cdef object _PLAN_CACHE = PLAN_CACHE
+# The LMDB compiled into this extension, as it names itself ("LMDB 0.9.x: (date)").
+LMDB_VERSION = mdb_version(NULL, NULL, NULL).decode()
 
 
 cdef class _Bucket:

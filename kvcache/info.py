@@ -42,6 +42,7 @@ class Info:
                 ("socket", cfg.socket_path), ("nats_url", st.nats_url),
                 ("embedded_nats", int(st.embedded_nats)),
                 ("native", ",".join(f"{k}={v.split()[0]}" for k, v in native.report().items())),
+                ("native_lmdb", native.lmdb_version()),
                 ("default_bucket", cfg.default_bucket or ""),
             ],
             "clients": [

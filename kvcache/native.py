@@ -69,7 +69,7 @@ def pick(native: str, twin: str) -> ModuleType:
         return module
     if REQUIRE_EXTENSIONS:
         raise MissingExtension(f"kvcache._native.{native} is {why} and KVCACHE_REQUIRE_EXTENSIONS=1: "
-                               "build it (pip install -e . with a C compiler; server_get needs liblmdb-dev)")
+                               "build it (pip install -e . with a C compiler and the Python headers)")
     CHOSEN[native] = f"twin ({why})"
     return importlib.import_module(f"kvcache.{twin}")
 
@@ -89,6 +89,15 @@ def report() -> dict[str, str]:
         if native not in CHOSEN:
             pick(native, twin)
     return {native: CHOSEN[native] for native in EXTENSIONS}
+
+
+def lmdb_version() -> str:
+    """The LMDB compiled into the native GET path ("0.9.36"), or "" when its twin serves (which
+    reads through py-lmdb's)."""
+    if report()["server_get"] != "native":
+        return ""
+    full = importlib.import_module("kvcache._native.server_get").LMDB_VERSION  # "LMDB 0.9.36: (date)"
+    return full.split()[1].rstrip(":")
 
 
 def all_native() -> bool:
