@@ -26,6 +26,8 @@ from cpython.ref cimport PyObject
 from libc.string cimport memchr, memcmp, memcpy
 
 from resp_get cimport match_get
+from lmdb_walk cimport (GROUP, WALK_FALLBACK, WALK_FOUND, WalkKey, WalkMap, walk_all,
+                        walk_map_base, walk_start)
 
 import os
 
@@ -63,6 +65,14 @@ cdef extern from "lmdb.h" nogil:
     void mdb_txn_abort(MDB_txn* txn)
     int mdb_dbi_open(MDB_txn* txn, const char* name, unsigned int flags, MDB_dbi* dbi)
     int mdb_get(MDB_txn* txn, MDB_dbi dbi, MDB_val* key, MDB_val* data)
+    ctypedef struct MDB_envinfo:
+        void* me_mapaddr
+        size_t me_mapsize
+        size_t me_last_pgno
+    ctypedef struct MDB_stat:
+        unsigned int ms_psize
+    int mdb_env_info(MDB_env* env, MDB_envinfo* info)
+    int mdb_env_stat(MDB_env* env, MDB_stat* stat)
     char* mdb_strerror(int err)
     char* mdb_version(int* major, int* minor, int* patch)
 
@@ -86,6 +96,11 @@ cdef class _Bucket:
     cdef MDB_dbi dbi
     cdef bint has_dbi
     cdef bint all_keys     # replicates every key: a valid key needs no filter check
+    cdef bytes db_name     # its database's name in the replica
+    # its B+tree's root in the current transaction (lmdb_walk), looked up once per transaction
+    cdef size_t root
+    cdef unsigned long long root_txn
+    cdef bint walkable     # a plain database lmdb_walk can search (else mdb_get)
 
 
 cdef class _Plan:
@@ -172,6 +187,16 @@ cdef class LocalGets:
     cdef unsigned long long _real  # wall clock for expiry, read once a call when needed
     cdef object _fresh
     cdef Py_ssize_t _notfound
+    # GETs waiting for their search (see lmdb_walk): the keys, their buckets (borrowed: every
+    # _Bucket stays in _buckets), and the plans whose lkey they point into
+    cdef WalkKey _keys[GROUP]
+    cdef PyObject* _key_bucket[GROUP]
+    cdef int _nkeys
+    cdef list _held
+    cdef WalkMap _map
+    cdef unsigned long long _txns   # transactions begun: a bucket's root is good for one
+    cdef MDB_dbi _main
+    cdef public unsigned long long walked, fallbacks  # GETs searched by lmdb_walk / by mdb_get
     cdef const char* _nil
     cdef Py_ssize_t _nil_len
 
@@ -186,6 +211,7 @@ cdef class LocalGets:
         self._buckets = {}
         self._direct = []
         self._default = None
+        self._held = []
         self._thread = pthread_self()
         path = os.fsencode(replica.path)
         cdef int rc = mdb_env_create(&self._env)
@@ -193,6 +219,12 @@ cdef class LocalGets:
             rc = mdb_env_set_maxdbs(self._env, max(MAX_DBS, getattr(replica, "max_dbs", MAX_DBS)))
         if rc == 0:
             rc = mdb_env_open(self._env, path, MDB_RDONLY | MDB_NOLOCK | MDB_NORDAHEAD, 0o600)
+        if rc != 0:
+            raise ReplicaError(f"cannot open the replica for the GET path: {mdb_strerror(rc).decode()}")
+        cdef MDB_txn* t = NULL
+        self._begin(&t)
+        rc = mdb_dbi_open(t, NULL, 0, &self._main)  # the main database: names -> MDB_db records
+        mdb_txn_abort(t)
         if rc != 0:
             raise ReplicaError(f"cannot open the replica for the GET path: {mdb_strerror(rc).decode()}")
 
@@ -277,6 +309,40 @@ cdef class LocalGets:
         if rc != 0:
             txn[0] = NULL
             raise ReplicaError(f"replica read failed: {mdb_strerror(rc).decode()}")
+        cdef MDB_envinfo info
+        cdef MDB_stat st
+        mdb_env_info(self._env, &info)  # the map and the last page of this snapshot (nothing
+        mdb_env_stat(self._env, &st)    # commits while it is open: see the module docstring)
+        self._map.base = NULL  # found with the first root (walk_map_base)
+        self._map.size = info.me_mapsize
+        self._map.last_pgno = info.me_last_pgno
+        self._map.psize = st.ms_psize
+        self._txns += 1
+        return 0
+
+    cdef int _find_root(self, _Bucket b) except -1:
+        """The bucket's B+tree root in this transaction, from its MDB_db record in the main
+        database (48 bytes: md_flags at 4, md_root at 40); a database lmdb_walk does not
+        read (flags set, an unexpected record) is left to mdb_get."""
+        cdef MDB_val k, v
+        cdef int rc
+        cdef const unsigned char* rec
+        b.root_txn = self._txns
+        b.walkable = False
+        if not b.has_dbi:  # not created yet: every key is a miss (the fallback says so)
+            return 0
+        if b.db_name is None:
+            b.db_name = self.replica.db_name(b.name)
+        k.mv_size = PyBytes_GET_SIZE(b.db_name)
+        k.mv_data = PyBytes_AS_STRING(b.db_name)
+        rc = mdb_get(self._txn, self._main, &k, &v)
+        if rc == 0 and v.mv_size == 48:
+            rec = <const unsigned char*>v.mv_data
+            if self._map.base == NULL:
+                self._map.base = walk_map_base(rec, self._map.psize)
+            if rec[4] == 0 and rec[5] == 0 and self._map.base != NULL:
+                b.root = <size_t>_u64le(rec + 40)
+                b.walkable = True
         return 0
 
     cdef object _plan(self, bytes key):
@@ -380,23 +446,21 @@ cdef class LocalGets:
             mdb_txn_abort(self._txn)
             self._txn = NULL
         self._fresh = None
+        self._nkeys = 0
+        self._held.clear()
 
-    cdef int _one(self, const unsigned char* kp, Py_ssize_t klen, object key) except -1:
-        """Answer GET `kp` into the output buffer: 1, or 0 when the generic path must answer
-        it. `key` is its bytes object, or None (made here if the planner needs it)."""
-        cdef Py_ssize_t off, vlen, hlen
+    cdef int _take(self, const unsigned char* kp, Py_ssize_t klen, object key) except -1:
+        """Take GET `kp` into the group searched next (_answer_group): 1, or 0 when the
+        generic path must answer it. `key` is its bytes object, or None (made here if the
+        planner needs it)."""
+        cdef Py_ssize_t off
         cdef PyObject* found
         cdef _Bucket b
-        cdef MDB_val k, v
-        cdef int rc
-        cdef char head[24]
-        cdef const unsigned char* rec
-        cdef unsigned int rk  # the record's flags + key length
-        cdef unsigned long long due
+        cdef WalkKey* w = &self._keys[self._nkeys]
         b = self._direct_bucket(kp, klen, &off) if self._direct else None
         if b is not None and _kv_key(kp + off, klen - off):
-            k.mv_size = klen - off
-            k.mv_data = <void*>(kp + off)
+            w.key = kp + off
+            w.klen = klen - off
         else:
             if key is None:
                 key = PyBytes_FromStringAndSize(<const char*>kp, klen)
@@ -405,8 +469,9 @@ cdef class LocalGets:
             if plan is False:
                 return 0
             b = (<_Plan>plan).bucket
-            k.mv_size = PyBytes_GET_SIZE((<_Plan>plan).lkey)
-            k.mv_data = PyBytes_AS_STRING((<_Plan>plan).lkey)
+            self._held.append(plan)  # its lkey, which w points into, outlives the group
+            w.key = <const unsigned char*>PyBytes_AS_STRING((<_Plan>plan).lkey)
+            w.klen = PyBytes_GET_SIZE((<_Plan>plan).lkey)
         if b.feed is not self._fresh:
             if self._now == 0:
                 self._now = _now_ns()
@@ -421,9 +486,60 @@ cdef class LocalGets:
                 mdb_txn_abort(self._txn)  # valid in it (and a map resize needs none open)
                 self._txn = NULL
             self._open_dbi(b)
+        self._key_bucket[self._nkeys] = <PyObject*>b
+        self._nkeys += 1
+        return 1
+
+    cdef int _answer_group(self, Py_ssize_t budget) except -1:
+        """Search the taken GETs together (lmdb_walk) and write their replies in order, up to
+        the one that takes the output to `budget`; returns how many were answered (the rest
+        are dropped: the caller leaves them for the next call, as if never taken)."""
+        cdef int i, n = self._nkeys, done = 0
+        cdef _Bucket b
+        cdef WalkKey* w
+        if n == 0:
+            return 0
         if self._txn == NULL:
             self._begin(&self._txn)
-        rc = mdb_get(self._txn, b.dbi, &k, &v) if b.has_dbi else MDB_NOTFOUND
+        for i in range(n):
+            b = <_Bucket>self._key_bucket[i]
+            w = &self._keys[i]
+            if b.root_txn != self._txns:
+                self._find_root(b)
+            if b.walkable:
+                w.root = b.root
+                walk_start(&self._map, w)
+            else:
+                w.state = WALK_FALLBACK
+        walk_all(&self._map, self._keys, n)
+        for i in range(n):
+            self._reply(&self._keys[i], <_Bucket>self._key_bucket[i])
+            done += 1
+            if self._len >= budget:
+                break
+        self._nkeys = 0
+        self._held.clear()
+        return done
+
+    cdef int _reply(self, WalkKey* w, _Bucket b) except -1:
+        """The reply to one searched GET, into the output buffer."""
+        cdef Py_ssize_t off, vlen, hlen
+        cdef MDB_val k, v
+        cdef int rc
+        cdef char head[24]
+        cdef const unsigned char* rec
+        cdef unsigned int rk  # the record's flags + key length
+        cdef unsigned long long due
+        if w.state == WALK_FALLBACK:
+            self.fallbacks += 1
+            k.mv_size = w.klen
+            k.mv_data = <void*>w.key
+            rc = mdb_get(self._txn, b.dbi, &k, &v) if b.has_dbi else MDB_NOTFOUND
+        else:
+            self.walked += 1
+            rc = 0 if w.state == WALK_FOUND else MDB_NOTFOUND
+            v.mv_data = <void*>w.data
+            v.mv_size = w.dsize
         if rc == 0:
             rec = <const unsigned char*>v.mv_data
             if v.mv_size < 20:
@@ -465,6 +581,7 @@ cdef class LocalGets:
         """See kvcache.server_get.LocalGets.serve."""
         cdef Py_ssize_t i, n = PyList_GET_SIZE(keys), klen
         cdef Py_ssize_t answered = 0
+        cdef int taken
         cdef object key, declared
         self._start(proto)
         try:
@@ -475,11 +592,15 @@ cdef class LocalGets:
                 if declared is not <object>PyList_GET_ITEM(_GET_LEN, klen) and \
                         declared != <object>PyList_GET_ITEM(_GET_LEN, klen):
                     break  # a length the full parser must judge
-                if not self._one(<const unsigned char*>PyBytes_AS_STRING(key), klen, key):
+                if not self._take(<const unsigned char*>PyBytes_AS_STRING(key), klen, key):
                     break
-                answered += 1
-                if self._len >= budget:
-                    break
+                if self._nkeys == GROUP:
+                    answered += self._answer_group(budget)
+                    if self._len >= budget:
+                        break
+            taken = self._nkeys
+            if taken:
+                answered += self._answer_group(budget)
         finally:
             self._finish()
         return PyBytes_FromStringAndSize(<char*>self._out, self._len), answered, self._notfound
@@ -491,16 +612,26 @@ cdef class LocalGets:
         Stops where take_gets + serve would stop: at anything else, at a length the full
         parser must judge, at a GET the generic path must answer, or at the budget."""
         cdef Py_ssize_t pos = 0, unit_end, d0, nd, declared, k0, kn
+        cdef Py_ssize_t ends[GROUP]  # where each taken GET's unit ends
+        cdef int done, taken
         while pos < n:
             unit_end = match_get(p, pos, n, &d0, &nd, &declared, &k0, &kn)
             if unit_end < 0 or declared != kn or (nd > 1 and p[d0] == 48):
                 break
-            if not self._one(p + k0, kn, None):
+            if not self._take(p + k0, kn, None):
                 break
-            answered[0] += 1
+            ends[self._nkeys - 1] = unit_end
             pos = unit_end
-            if self._len >= budget:
-                break
+            if self._nkeys == GROUP:
+                done = self._answer_group(budget)
+                answered[0] += done
+                if self._len >= budget:
+                    return ends[done - 1]
+        taken = self._nkeys
+        if taken:
+            done = self._answer_group(budget)
+            answered[0] += done
+            return ends[done - 1]
         return pos
 
 cdef Py_ssize_t _bulk_header(char* out, Py_ssize_t n) noexcept nogil:
@@ -566,3 +697,85 @@ cdef class GetConnection:
 
     def _process(self):
         raise NotImplementedError  # the generic request loop: kvcache.server.ClientConnection
+
+
+def search(path, bytes db_name, list keys, unsigned int max_dbs=MAX_DBS):
+    """Each key's value in database `db_name` of the LMDB environment at `path`, found the way
+    the GET path finds it (lmdb_walk, GROUP keys at a time, mdb_get where it falls back):
+    `(values, fallbacks)`, a value being bytes or None. For the differential tests of
+    lmdb_walk against mdb_get (tests/test_lmdb_walk.py). Opens and closes an environment of
+    its own: not while this process has the same files open in another."""
+    cdef MDB_env* env = NULL
+    cdef MDB_txn* txn = NULL
+    cdef MDB_dbi main, dbi
+    cdef MDB_val k, v
+    cdef MDB_envinfo info
+    cdef MDB_stat st
+    cdef WalkMap m
+    cdef WalkKey group[GROUP]
+    cdef Py_ssize_t i, j, n, start
+    cdef size_t root = <size_t>-1
+    cdef bint walkable = False
+    cdef int rc = mdb_env_create(&env)
+    out = []
+    fallbacks = 0
+    try:
+        if rc == 0:
+            rc = mdb_env_set_maxdbs(env, max_dbs)
+        if rc == 0:
+            rc = mdb_env_open(env, os.fsencode(path), MDB_RDONLY | MDB_NOLOCK | MDB_NORDAHEAD, 0o600)
+        if rc == 0:
+            rc = mdb_txn_begin(env, NULL, MDB_RDONLY, &txn)
+        if rc == 0:
+            rc = mdb_dbi_open(txn, NULL, 0, &main)
+        if rc == 0:
+            rc = mdb_dbi_open(txn, PyBytes_AS_STRING(db_name), 0, &dbi)
+        if rc != 0:
+            raise ReplicaError(mdb_strerror(rc).decode())
+        mdb_env_info(env, &info)
+        mdb_env_stat(env, &st)
+        m.base = NULL
+        m.size = info.me_mapsize
+        m.last_pgno = info.me_last_pgno
+        m.psize = st.ms_psize
+        k.mv_size = PyBytes_GET_SIZE(db_name)
+        k.mv_data = PyBytes_AS_STRING(db_name)
+        if mdb_get(txn, main, &k, &v) == 0 and v.mv_size == 48:
+            m.base = walk_map_base(<const unsigned char*>v.mv_data, m.psize)
+            if (<const unsigned char*>v.mv_data)[4] == 0 and (<const unsigned char*>v.mv_data)[5] == 0 \
+                    and m.base != NULL:
+                root = <size_t>_u64le(<const unsigned char*>v.mv_data + 40)
+                walkable = True
+        for start in range(0, len(keys), GROUP):
+            n = min(GROUP, len(keys) - start)
+            for j in range(n):
+                key = <bytes>keys[start + j]
+                group[j].key = <const unsigned char*>PyBytes_AS_STRING(key)
+                group[j].klen = PyBytes_GET_SIZE(key)
+                group[j].root = root
+                if walkable:
+                    walk_start(&m, &group[j])
+                else:
+                    group[j].state = WALK_FALLBACK
+            walk_all(&m, group, <int>n)
+            for j in range(n):
+                if group[j].state == WALK_FALLBACK:
+                    fallbacks += 1
+                    k.mv_size = group[j].klen
+                    k.mv_data = <void*>group[j].key
+                    rc = mdb_get(txn, dbi, &k, &v)
+                    if rc == 0:
+                        out.append(PyBytes_FromStringAndSize(<const char*>v.mv_data, v.mv_size))
+                    elif rc == MDB_NOTFOUND:
+                        out.append(None)
+                    else:
+                        raise ReplicaError(mdb_strerror(rc).decode())
+                elif group[j].state == WALK_FOUND:
+                    out.append(PyBytes_FromStringAndSize(<const char*>group[j].data, group[j].dsize))
+                else:
+                    out.append(None)
+        return out, fallbacks
+    finally:
+        if txn != NULL:
+            mdb_txn_abort(txn)
+        mdb_env_close(env)
