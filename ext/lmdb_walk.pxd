@@ -25,6 +25,8 @@ cdef extern from *:
 
 cdef enum:
     GROUP = 32              # keys searched together (a pipelined socket read's GETs)
+    SPREAD = 5              # probes prefetched ahead on a page: all of a 31-key page
+    SPREAD_UNDER = 4        # ... when fewer keys than this are searched together
     WALK_FOUND = 0
     WALK_NOTFOUND = 1
     WALK_FALLBACK = 2       # ask mdb_get
@@ -47,6 +49,7 @@ cdef struct WalkMap:
     size_t size                 # its length
     size_t psize                # page size
     size_t last_pgno            # the snapshot's last page
+    int spread                  # probes prefetched ahead on each page (walk_all sets it)
 
 cdef struct WalkKey:
     const unsigned char* key
@@ -119,6 +122,19 @@ cdef inline const unsigned char* _node(const WalkMap* m, WalkKey* w, int i) noex
     return w.page + off
 
 
+cdef inline void _prefetch_probes(const unsigned char* page, int low, int high, int levels) noexcept nogil:
+    """Prefetch the nodes a binary search of [low, high] reads in its first `levels` probes,
+    whichever way it goes: with few keys searched at once there are no other keys' misses to
+    overlap with, so a page's probes are made to overlap with each other instead."""
+    cdef int mid
+    while low <= high and levels > 0:
+        mid = (low + high) >> 1
+        KV_PREFETCH(page + _u16(page + _PAGEHDR + 2 * mid))
+        levels -= 1
+        _prefetch_probes(page, low, mid - 1, levels)
+        low = mid + 1
+
+
 cdef inline void _aim(WalkKey* w) noexcept nogil:
     """Next probe: prefetch the node it will read."""
     w.mid = (w.low + w.high) >> 1
@@ -181,6 +197,8 @@ cdef inline void walk_step(const WalkMap* m, WalkKey* w) noexcept nogil:
             return
         w.state = _PROBE
         if w.low <= w.high:
+            if m.spread:
+                _prefetch_probes(w.page, w.low, w.high, m.spread)
             _aim(w)
             return
         if not w.branch:
@@ -228,9 +246,12 @@ cdef inline void walk_step(const WalkMap* m, WalkKey* w) noexcept nogil:
     w.state = _SEEK
 
 
-cdef inline void walk_all(const WalkMap* m, WalkKey* keys, int n) noexcept nogil:
-    """Run every key's search to its answer, one step of each in turn."""
+cdef inline void walk_all(WalkMap* m, WalkKey* keys, int n) noexcept nogil:
+    """Run every key's search to its answer, one step of each in turn. A key searched alone
+    (a connection's single GET) prefetches the first SPREAD probes of each page at once;
+    among many, the other keys' steps overlap its misses and one probe ahead is enough."""
     cdef int i, busy = 1
+    m.spread = SPREAD if n <= SPREAD_UNDER else 0
     while busy:
         busy = 0
         for i in range(n):

@@ -384,27 +384,37 @@ cdef class LocalGets:
     def answer(self, reader, data, int proto, Py_ssize_t budget):
         """See kvcache.server_get.LocalGets.answer. When the reader holds nothing, the GETs at
         the front of `data` are served from `data` itself and only the rest is fed."""
+        cdef Py_ssize_t answered = 0, notfound = 0
+        cdef bint more = False
+        out = self._answer(reader, data, proto, budget, &answered, &notfound, &more)
+        return out, answered, notfound, more
+
+    cdef bytes _answer(self, reader, data, int proto, Py_ssize_t budget, Py_ssize_t* answered,
+                       Py_ssize_t* notfound, bint* more):
+        """answer() for GetConnection, without its tuple: the replies, the rest through the
+        pointers."""
         cdef list parts = []
-        cdef Py_ssize_t size = 0, answered = 0, notfound = 0, n, nf, used, dn
+        cdef Py_ssize_t size = 0, n, nf, used, dn
         cdef list lengths, keys
         if type(data) is bytes and reader.idle():
             dn = PyBytes_GET_SIZE(data)
             self._start(proto)
             try:
                 used = self._serve_wire(<const unsigned char*>PyBytes_AS_STRING(data), dn, proto,
-                                        budget, &answered)
+                                        budget, answered)
             finally:
                 self._finish()
-            notfound = self._notfound
+            notfound[0] = self._notfound
             if self._len:
                 parts.append(PyBytes_FromStringAndSize(<char*>self._out, self._len))
                 size = self._len
             if used == dn:
-                return (parts[0] if parts else b""), answered, notfound, False
+                return parts[0] if parts else b""
             reader.feed(data if used == 0 else
                         PyBytes_FromStringAndSize(PyBytes_AS_STRING(data) + used, dn - used))
             if size >= budget:
-                return parts[0], answered, notfound, True
+                more[0] = True
+                return parts[0]
         else:
             reader.feed(data)
         while True:
@@ -415,15 +425,16 @@ cdef class LocalGets:
             replies, n, nf = self.serve(lengths, keys, proto, budget - size)
             parts.append(replies)
             size += PyBytes_GET_SIZE(replies)
-            answered += n
-            notfound += nf
+            answered[0] += n
+            notfound[0] += nf
             if n < PyList_GET_SIZE(keys):
                 reader.rewind_gets(start, lengths, keys, n)
-                return (parts[0] if len(parts) == 1 else b"".join(parts)), answered, notfound, True
+                more[0] = True
+                return parts[0] if len(parts) == 1 else b"".join(parts)
             if size >= budget:
                 break
-        out = b"" if not parts else (parts[0] if len(parts) == 1 else b"".join(parts))
-        return out, answered, notfound, reader.buffered > 0
+        more[0] = reader.buffered > 0
+        return b"" if not parts else (parts[0] if len(parts) == 1 else b"".join(parts))
 
     # ---------------------------------------------------------------- one call's state
 
@@ -657,9 +668,11 @@ cdef Py_ssize_t _FLUSH_AT = FLUSH_AT
 
 
 cdef class GetConnection:
-    """See kvcache.server_get.GetConnection: the same attributes and data_received, in C."""
+    """See kvcache.server_get.GetConnection: the same attributes and data_received, in C.
+    `transport.write` is looked up once, when the transport is set."""
     cdef public LocalGets gets
-    cdef public object stats, transport, reader, _busy
+    cdef public object stats, reader, _busy
+    cdef object _transport, _write
     cdef public int proto
     cdef public bint _closing, _paused_writing, _eof, _draining, _muted
 
@@ -671,7 +684,18 @@ cdef class GetConnection:
         self.proto = 2
         self._busy = None
 
+    @property
+    def transport(self):
+        return self._transport
+
+    @transport.setter
+    def transport(self, transport):
+        self._transport = transport
+        self._write = None if transport is None else transport.write
+
     def data_received(self, data):
+        cdef Py_ssize_t local = 0, notfound = 0
+        cdef bint more = False
         if self._closing:
             return
         if self._busy is not None or self._paused_writing or self._draining:
@@ -681,19 +705,22 @@ cdef class GetConnection:
             self.reader.feed(data)
             self._process()
             return
-        replies, local, notfound, more = self.gets.answer(self.reader, data, self.proto, _FLUSH_AT)
+        replies = self.gets._answer(self.reader, data, self.proto, _FLUSH_AT, &local, &notfound, &more)
         if local:
-            self._count(local, notfound)
+            self._add(local, notfound)
         if replies:
-            self.transport.write(replies)
+            self._write(replies)
         if more:
             self._process()
 
-    def _count(self, local, notfound):
+    cdef void _add(self, Py_ssize_t local, Py_ssize_t notfound) except *:
         stats = self.stats
         stats.commands += local
         stats.gets_local += local
         stats.gets_notfound += notfound
+
+    def _count(self, local, notfound):
+        self._add(local, notfound)
 
     def _process(self):
         raise NotImplementedError  # the generic request loop: kvcache.server.ClientConnection
