@@ -20,23 +20,28 @@ something other than an answerable GET is next or the budget is reached (more=Tr
 server's generic loop takes over from there).
 
 `planner(key)` says how to read a raw key locally: a kvcache.readpolicy.Plan, or False when
-the generic path must answer it. Plans are cached here (a bounded dict), so
-the planner runs once per distinct key; freshness (`feed.fresh_enough(max_stale_ms)`) is
-asked at most once per feed per call, and a yes is believed for FRESH_VERDICT_S.
+the generic path must answer it. A valid key of a bucket that replicates every key (see
+set_buckets) needs no planner: its plan is worked out from the key itself, with no per-key
+state, so reading over a million keys costs what reading over ten thousand does. Other keys'
+plans are cached (a bounded dict, for filtered buckets and keys the generic path answers);
+freshness (`feed.fresh_enough(max_stale_ms)`) is asked at most once per feed per call, and a
+yes is believed for FRESH_VERDICT_S.
 """
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal, cast
 
-from .record import RECORD, live_value
+from .keys import TOKEN_CHARS
+from .readpolicy import Plan
+from .record import MAX_LMDB_KEY, RECORD, live_value
 from .replica import Replica
 from .resp import GET_LEN, NIL2, NIL3
 
 if TYPE_CHECKING:
-    from .readpolicy import Plan
     from .resp import RequestReader
     from .stats import Stats
 
@@ -51,6 +56,9 @@ BULK_HEADER = [b"$%d\r\n" % n for n in range(10_000)]
 _monotonic = time.monotonic
 
 Planner = Callable[[bytes], "Plan | Literal[False]"]
+# kvcache.keys.KEY_RE over bytes, at most MAX_LMDB_KEY long (a longer key is stored under a
+# digest: the planner handles it); the C twin is server_get.pyx's _kv_key
+_DIRECT_KEY = re.compile(rb"[%s]+(?:\.[%s]+)*" % (TOKEN_CHARS.encode(), TOKEN_CHARS.encode()))
 
 
 class LocalGets:
@@ -62,6 +70,10 @@ class LocalGets:
         self.planner = planner
         self.plans: dict[bytes, Plan | Literal[False]] = {}
         self._fresh_until: dict[object, float] = {}  # feed -> monotonic time
+        # set_buckets: `name` -> (feed, max_stale_ms, name, database) of buckets that replicate
+        # every key
+        self._direct: dict[bytes, tuple] = {}
+        self._default: tuple | None = None
 
     def forget_fresh(self) -> None:
         """Drop every cached "fresh enough" verdict: the next GET of each feed asks again. A
@@ -71,10 +83,28 @@ class LocalGets:
         self._fresh_until.clear()
 
     def set_buckets(self, buckets: list[tuple], default: str | None) -> None:
-        """`[(name, feed, max_stale_ms, replicates_every_key)]` and the default bucket. The
-        native GET path reads valid keys of such buckets without asking the planner (same
-        answers, less work); here the planner answers everything, so only its cache resets."""
+        """`[(name, feed, max_stale_ms, replicates_every_key)]` and the default bucket's name
+        (None: no default). A valid key of a bucket that replicates every key is then read
+        without asking the planner: the same plan the planner would make, worked out from the
+        key. Call it only when the planner would plan such keys (not with the access log on,
+        where every GET must reach the command layer)."""
+        self._direct = {name.encode(): (feed, max_stale, name, self.replica.db(name))
+                        for name, feed, max_stale, every in buckets if every}
+        self._default = self._direct.get(default.encode()) if default is not None else None
         self.plans.clear()
+
+    def _direct_plan(self, key: bytes) -> Plan | None:
+        """The plan of a valid key of a bucket that replicates every key; None otherwise."""
+        bucket, sep, name = key.partition(b":")
+        target = self._direct.get(bucket) if sep else self._default
+        if target is None or target[3] is None:  # (no database yet: the planner's to judge)
+            return None
+        if not sep:
+            name = key
+        if len(name) > MAX_LMDB_KEY or _DIRECT_KEY.fullmatch(name) is None:
+            return None
+        feed, max_stale, bucket_name, db = target
+        return Plan(feed, max_stale, bucket_name, name, db, RECORD.size)
 
     def _plan(self, key: bytes) -> Plan | Literal[False]:
         plan = self.planner(key)
@@ -116,7 +146,9 @@ class LocalGets:
             for declared, key in zip(lengths, keys, strict=True):
                 if declared != GET_LEN[len(key)]:
                     break  # a length the full parser must judge
-                plan = plans.get(key)
+                plan = self._direct_plan(key) if self._direct else None
+                if plan is None:
+                    plan = plans.get(key)
                 if plan is None:
                     plan = self._plan(key)
                     if txn is not None:  # the plan may have created its database: a
