@@ -21,6 +21,9 @@ bounded.
   5. with --profile, records the sidecar with `py-spy record` under the `-P 16` load and
      prints the functions with the most samples (own time and inclusive).
 
+--floor adds a third target: bench/floor_server.py, a uvloop Protocol that answers each GET
+with a fixed reply and looks nothing up: the least any server on uvloop spends per request.
+
 --scale is the run at a realistic size: a 1,000,000-key bucket of 100-byte values (in both
 servers), read over a 10,000-key hot set (`-r 10000`) and over every key (`-r 1000000`) at
 `-c 50 -P 16` and `-c 50`, and each server's full/hot ratio beside the kvcache/redis one: a
@@ -29,6 +32,7 @@ cost that grows with the number of distinct keys read shows there, not in the 10
     python bench/socket_bench.py
     python bench/socket_bench.py --requests 200000 --profile
     python bench/socket_bench.py --scale              # 1M keys, 100-byte values, -r 10k and 1M
+    python bench/socket_bench.py --scale --floor      # and the uvloop floor beside them
 """
 from __future__ import annotations
 
@@ -160,6 +164,18 @@ def start_sidecar(work: Path, url: str, keys: int = NKEYS) -> tuple[subprocess.P
     return proc, sock
 
 
+def start_floor(work: Path, value_size: int) -> tuple[subprocess.Popen, str]:
+    sock = str(work / "floor.sock")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "floor_server.py"), sock, str(value_size)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+    try:
+        wait_until(lambda: os.path.exists(sock), 20, "floor server up")
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, sock
+
+
 def start_redis(work: Path, value: bytes, keys: int = NKEYS) -> tuple[subprocess.Popen, str]:
     import redis
     sock = str(work / "redis.sock")
@@ -262,6 +278,7 @@ class GetBench:
     cpu: dict[tuple[str, str], list[float]] = field(default_factory=lambda: collections.defaultdict(list))
     problems: list[str] = field(default_factory=list)
     summary: str = ""
+    targets: tuple[str, ...] = ("redis", "kvcache")
 
     def label(self, reads_over: int, variant: str) -> str:
         return variant if len(self.reads_over) == 1 else f"-r {reads_over} {variant}"
@@ -280,7 +297,7 @@ class GetBench:
         for r in self.reads_over:
             for name, _ in self.variants:
                 label = self.label(r, name)
-                for target in ("redis", "kvcache"):
+                for target in self.targets:
                     res = self.results[(target, label)]
                     ratio = f"{self.ratio(label):.2f}" if target == "kvcache" else ""
                     kept = ("" if r == hot else
@@ -288,6 +305,9 @@ class GetBench:
                     us = statistics.median(self.cpu[(target, label)])
                     lines.append(f"| {target} | {r:,} | {name} | {res['rps']:,.0f} | {res['p50_latency_ms']:.3f} | "
                                  f"{res['p99_latency_ms']:.3f} | {ratio} | {kept} | {us:.2f} |")
+        if "floor" in self.targets:
+            lines += ["", "floor: bench/floor_server.py, a uvloop Protocol answering each GET with a fixed "
+                      "reply (no lookup): the least a server on uvloop spends per request."]
         if len(self.reads_over) > 1:
             lines += ["", f"full/hot: the share of its own hot-set (`-r {hot}`) throughput a server keeps "
                       "when the same load reads over every key."]
@@ -297,7 +317,7 @@ class GetBench:
 def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 3,
         timeout: float = 600, profile_seconds: int | None = None, keys: int = NKEYS,
         reads_over: list[int] | None = None,
-        variants: list[tuple[str, list[str]]] | None = None) -> GetBench:
+        variants: list[tuple[str, list[str]]] | None = None, floor: bool = False) -> GetBench:
     """Start nats-server, kvcache and redis-server under `work` with `keys` keys, run every
     variant over every key space `repeat` times against both (alternating), stop everything (by
     PID) and return the figures."""
@@ -305,7 +325,9 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
     value = b"x" * value_size
     bench = GetBench(requests, value_size, repeat, keys, reads_over or [keys], variants or list(VARIANTS))
     nats_srv = None
-    sidecar = redis_proc = None
+    sidecar = redis_proc = floor_proc = None
+    if floor:
+        bench.targets = ("redis", "kvcache", "floor")
     try:
         nats_srv = NatsServer(work / "nats" / "js", host="127.0.0.1", server_name="bench").start()
         t0 = time.monotonic()
@@ -313,16 +335,21 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
         print(f"  bucket loaded: {keys:,} keys in {time.monotonic() - t0:.1f}s", file=sys.stderr)
         sidecar, kv_sock = start_sidecar(work, nats_srv.url, keys)
         redis_proc, redis_sock = start_redis(work, value, keys)
+        socks = {"redis": redis_sock, "kvcache": kv_sock}
+        pids = {"redis": redis_proc.pid, "kvcache": sidecar.pid}
+        if floor:
+            floor_proc, socks["floor"] = start_floor(work, value_size)
+            pids["floor"] = floor_proc.pid
         with Client(kv_sock) as c:
             assert c.get(f"key:{key(1)}") == value and c.get(key(keys - 1)) == value
             before = c.info("stats")["stats"]
 
-        pids = {"redis": redis_proc.pid, "kvcache": sidecar.pid}
         for r in bench.reads_over:
             for name, extra in bench.variants:
                 label = bench.label(r, name)
                 for _ in range(repeat):
-                    for target, sock in (("redis", redis_sock), ("kvcache", kv_sock)):
+                    for target in bench.targets:
+                        sock = socks[target]
                         c0 = cpu_seconds(pids[target])
                         res = benchmark(sock, requests, extra, timeout, r)
                         bench.cpu[(target, label)].append((cpu_seconds(pids[target]) - c0) / requests * 1e6)
@@ -354,6 +381,7 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
         if code not in (None, 0):
             bench.problems.append(f"sidecar exited with {code}; log in {work}/sidecar.log")
         stop(redis_proc)
+        stop(floor_proc)
         if nats_srv:
             nats_srv.stop()
 
@@ -371,6 +399,7 @@ def main() -> int:
                     f"{SCALE_KEYS:,})")
     ap.add_argument("--reads-over", default=None,
                     help="comma-separated -r values (default: the bucket's size; --scale: 10000 and the size)")
+    ap.add_argument("--floor", action="store_true", help="measure bench/floor_server.py beside them")
     ap.add_argument("--scale", action="store_true",
                     help=f"{SCALE_KEYS:,} keys of 100 bytes, -r 10000 and -r {SCALE_KEYS}, -P 16 and -P 1")
     args = ap.parse_args()
@@ -384,7 +413,7 @@ def main() -> int:
     with work_dir("kvcache-socket-bench-", lambda: args.keep) as work:
         bench = run(work, args.requests, value_size, args.repeat, args.timeout,
                     args.profile_seconds if args.profile else None, keys, reads_over,
-                    SCALE_VARIANTS if args.scale else None)
+                    SCALE_VARIANTS if args.scale else None, args.floor)
         print("\n" + bench.table())
         args.keep = args.keep or bool(bench.problems)
         return 1 if bench.problems else 0

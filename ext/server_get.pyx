@@ -63,6 +63,9 @@ cdef extern from "lmdb.h" nogil:
     int mdb_txn_begin(MDB_env* env, MDB_txn* parent, unsigned int flags, MDB_txn** txn)
     int mdb_txn_commit(MDB_txn* txn)
     void mdb_txn_abort(MDB_txn* txn)
+    void mdb_txn_reset(MDB_txn* txn)
+    int mdb_txn_renew(MDB_txn* txn)
+    size_t mdb_txn_id(MDB_txn* txn)
     int mdb_dbi_open(MDB_txn* txn, const char* name, unsigned int flags, MDB_dbi* dbi)
     int mdb_get(MDB_txn* txn, MDB_dbi dbi, MDB_val* key, MDB_val* data)
     ctypedef struct MDB_envinfo:
@@ -182,7 +185,9 @@ cdef class LocalGets:
     cdef Py_ssize_t _cap, _len
     cdef bint _closed
     # one call's state (see _start/_finish)
-    cdef MDB_txn* _txn
+    cdef MDB_txn* _txn     # a call's read transaction: _reader, renewed, or NULL
+    cdef MDB_txn* _reader  # kept between calls, reset (no snapshot held) and renewed by each
+    cdef size_t _map_txnid # the snapshot _map was read for (0: read it again)
     cdef long long _now
     cdef unsigned long long _real  # wall clock for expiry, read once a call when needed
     cdef object _fresh
@@ -203,6 +208,7 @@ cdef class LocalGets:
     def __cinit__(self):
         self._env = NULL
         self._txn = NULL
+        self._reader = NULL
 
     def __init__(self, replica, planner):
         self.replica = replica
@@ -303,22 +309,52 @@ cdef class LocalGets:
     cdef int _begin(self, MDB_txn** txn) except -1:
         cdef int rc = mdb_txn_begin(self._env, NULL, MDB_RDONLY, txn)
         if rc == MDB_MAP_RESIZED:  # the writer grew the map: adopt its size
+            if self._reader != NULL:
+                mdb_txn_abort(self._reader)
+                self._reader = NULL
             rc = mdb_env_set_mapsize(self._env, 0)
+            self._map_txnid = 0
             if rc == 0:
                 rc = mdb_txn_begin(self._env, NULL, MDB_RDONLY, txn)
         if rc != 0:
             txn[0] = NULL
             raise ReplicaError(f"replica read failed: {mdb_strerror(rc).decode()}")
+        return 0
+
+    cdef int _read(self) except -1:
+        """Open the call's read transaction: _reader renewed (no allocation, as LMDB advises
+        for frequent reads), begun anew when there is none or the map was resized. The map's
+        geometry and the buckets' roots are read again only when the snapshot has moved."""
+        cdef int rc
         cdef MDB_envinfo info
         cdef MDB_stat st
-        mdb_env_info(self._env, &info)  # the map and the last page of this snapshot (nothing
-        mdb_env_stat(self._env, &st)    # commits while it is open: see the module docstring)
-        self._map.base = NULL  # found with the first root (walk_map_base)
-        self._map.size = info.me_mapsize
-        self._map.last_pgno = info.me_last_pgno
-        self._map.psize = st.ms_psize
-        self._txns += 1
+        cdef size_t txnid
+        if self._reader != NULL:
+            rc = mdb_txn_renew(self._reader)
+            if rc != 0:
+                mdb_txn_abort(self._reader)
+                self._reader = NULL
+                if rc != MDB_MAP_RESIZED:
+                    raise ReplicaError(f"replica read failed: {mdb_strerror(rc).decode()}")
+        if self._reader == NULL:
+            self._begin(&self._reader)
+        self._txn = self._reader
+        txnid = mdb_txn_id(self._txn)
+        if txnid != self._map_txnid:
+            mdb_env_info(self._env, &info)  # the map and the last page of this snapshot
+            mdb_env_stat(self._env, &st)    # (nothing commits while it is open: see above)
+            self._map.base = NULL  # found with the first root (walk_map_base)
+            self._map.size = info.me_mapsize
+            self._map.last_pgno = info.me_last_pgno
+            self._map.psize = st.ms_psize
+            self._map_txnid = txnid
+            self._txns += 1  # every bucket's root is looked up again
         return 0
+
+    cdef void _release(self) noexcept:
+        if self._txn != NULL:
+            mdb_txn_reset(self._txn)
+            self._txn = NULL
 
     cdef int _find_root(self, _Bucket b) except -1:
         """The bucket's B+tree root in this transaction, from its MDB_db record in the main
@@ -453,9 +489,7 @@ cdef class LocalGets:
         return 0
 
     cdef void _finish(self) noexcept:
-        if self._txn != NULL:
-            mdb_txn_abort(self._txn)
-            self._txn = NULL
+        self._release()
         self._fresh = None
         self._nkeys = 0
         self._held.clear()
@@ -493,9 +527,7 @@ cdef class LocalGets:
                 b.max_age_ns = b.feed.max_age_ns
             self._fresh = b.feed
         if not b.has_dbi:
-            if self._txn != NULL:  # a handle opened after a transaction began is not
-                mdb_txn_abort(self._txn)  # valid in it (and a map resize needs none open)
-                self._txn = NULL
+            self._release()  # a handle opened after a transaction began is not valid in it
             self._open_dbi(b)
         self._key_bucket[self._nkeys] = <PyObject*>b
         self._nkeys += 1
@@ -511,7 +543,7 @@ cdef class LocalGets:
         if n == 0:
             return 0
         if self._txn == NULL:
-            self._begin(&self._txn)
+            self._read()
         for i in range(n):
             b = <_Bucket>self._key_bucket[i]
             w = &self._keys[i]

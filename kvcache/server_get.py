@@ -146,7 +146,7 @@ class LocalGets:
             for declared, key in zip(lengths, keys, strict=True):
                 if declared != GET_LEN[len(key)]:
                     break  # a length the full parser must judge
-                plan = self._direct_plan(key) if self._direct else None
+                plan: Plan | Literal[False] | None = self._direct_plan(key) if self._direct else None
                 if plan is None:
                     plan = plans.get(key)
                 if plan is None:

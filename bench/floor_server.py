@@ -1,0 +1,52 @@
+"""The floor under any server on uvloop: a Protocol that answers every GET of a socket read
+with the same bulk reply, looking nothing up.
+
+What it costs per request (uvloop's read callback into Python, one bytes object in, one
+write out, the system calls) is the least a Python server on uvloop can spend; socket_bench
+--floor measures it beside kvcache and redis-server, so that a gap between kvcache and
+redis-server can be told apart into what kvcache does and what the event loop costs.
+
+    python bench/floor_server.py SOCKET VALUE_SIZE
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+import uvloop
+
+GET_UNIT = b"*2\r\n$3\r\nGET\r\n"
+
+
+class Floor(asyncio.Protocol):
+    def __init__(self, reply: bytes) -> None:
+        self.reply = reply
+        self.replies = [reply * n for n in range(65)]
+        self.write = None
+
+    def connection_made(self, transport) -> None:
+        self.write = transport.write
+
+    def data_received(self, data: bytes) -> None:
+        n = data.count(GET_UNIT)
+        if n == 0:  # redis-benchmark's CONFIG GET at start: an empty array will do
+            self.write(b"*0\r\n")
+        else:
+            self.write(self.replies[n] if n <= 64 else self.reply * n)
+
+
+async def serve(path: str, value_size: int) -> None:
+    reply = b"$%d\r\n%s\r\n" % (value_size, b"x" * value_size)
+    loop = asyncio.get_running_loop()
+    server = await loop.create_unix_server(lambda: Floor(reply), path)
+    stop = loop.create_future()
+    loop.add_signal_handler(signal.SIGTERM, stop.set_result, None)
+    async with server:
+        await stop
+    os.unlink(path)
+
+
+if __name__ == "__main__":
+    uvloop.run(serve(sys.argv[1], int(sys.argv[2])))
