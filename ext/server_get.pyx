@@ -23,12 +23,14 @@ from cpython.dict cimport PyDict_GetItem
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.mem cimport PyMem_Free, PyMem_Realloc
 from cpython.ref cimport PyObject
+from cpython.pyport cimport PY_SSIZE_T_MAX
 from libc.string cimport memchr, memcmp, memcpy
 
 from resp_get cimport match_get
 from lmdb_walk cimport (GROUP, WALK_FALLBACK, WALK_FOUND, WalkKey, WalkMap, walk_all,
                         walk_map_base, walk_start)
 
+import logging
 import os
 
 from kvcache.errors import ReplicaError
@@ -38,6 +40,8 @@ from kvcache.replica import MAX_DBS
 from kvcache.resp import GET_LEN
 
 assert RECORD.format == "<QQI" and RECORD.size == 20, "record layout changed: update serve()"
+
+log = logging.getLogger("kvcache.server")
 
 cdef extern from "lmdb.h" nogil:
     ctypedef struct MDB_env:
@@ -202,6 +206,14 @@ cdef class LocalGets:
     cdef unsigned long long _txns   # transactions begun: a bucket's root is good for one
     cdef MDB_dbi _main
     cdef public unsigned long long walked, fallbacks  # GETs searched by lmdb_walk / by mdb_get
+    cdef Py_ssize_t _key_end[GROUP]  # the output's length after each GET's reply
+    # Deferred reads (see _stash): GET-only reads of several connections in one event-loop
+    # iteration, answered together when it ends
+    cdef public bint defer      # the server turns it on while two or more clients are connected
+    cdef public object call_soon  # the event loop's call_soon
+    cdef list _stashed          # [(connection, data, number of GETs taken so far)]
+    cdef int _stash_proto
+    cdef bint _scheduled
     cdef const char* _nil
     cdef Py_ssize_t _nil_len
 
@@ -218,6 +230,7 @@ cdef class LocalGets:
         self._direct = []
         self._default = None
         self._held = []
+        self._stashed = []
         self._thread = pthread_self()
         path = os.fsencode(replica.path)
         cdef int rc = mdb_env_create(&self._env)
@@ -472,6 +485,14 @@ cdef class LocalGets:
         more[0] = reader.buffered > 0
         return b"" if not parts else (parts[0] if len(parts) == 1 else b"".join(parts))
 
+    def flush(self):
+        """Answer the deferred GETs now (see _stash) and write each connection its replies:
+        run by the event loop when an iteration's reads are done, and first thing by any
+        other step of a connection, so that its replies keep their order."""
+        self._scheduled = False
+        if self._stashed:
+            _flush_stash(self)
+
     # ---------------------------------------------------------------- one call's state
 
     cdef int _start(self, int proto) except -1:
@@ -557,6 +578,7 @@ cdef class LocalGets:
         walk_all(&self._map, self._keys, n)
         for i in range(n):
             self._reply(&self._keys[i], <_Bucket>self._key_bucket[i])
+            self._key_end[i] = self._len
             done += 1
             if self._len >= budget:
                 break
@@ -728,8 +750,15 @@ cdef class GetConnection:
     def data_received(self, data):
         cdef Py_ssize_t local = 0, notfound = 0
         cdef bint more = False
+        cdef LocalGets gets = self.gets
         if self._closing:
             return
+        if gets.defer and not (self._busy is not None or self._paused_writing or self._draining
+                               or self._muted) and type(data) is bytes and self.reader.idle():
+            if _stash(gets, self, data):
+                return
+        if gets._stashed:  # what is deferred goes out first
+            gets.flush()
         if self._busy is not None or self._paused_writing or self._draining:
             self.reader.feed(data)
             return
@@ -737,7 +766,7 @@ cdef class GetConnection:
             self.reader.feed(data)
             self._process()
             return
-        replies = self.gets._answer(self.reader, data, self.proto, _FLUSH_AT, &local, &notfound, &more)
+        replies = gets._answer(self.reader, data, self.proto, _FLUSH_AT, &local, &notfound, &more)
         if local:
             self._add(local, notfound)
         if replies:
@@ -756,6 +785,66 @@ cdef class GetConnection:
 
     def _process(self):
         raise NotImplementedError  # the generic request loop: kvcache.server.ClientConnection
+
+
+cdef int _stash(LocalGets gets, GetConnection conn, bytes data) except -1:
+    """Take a GET-only read into the group answered when this event-loop iteration's reads
+    are done (LocalGets.flush, by call_soon): 1, or 0 (nothing taken) when the read is not
+    GETs only, does not fit the group or needs the generic path.
+
+    Why: with many clients each sending one GET at a time, the reads of one iteration are
+    then searched together (their cache misses overlap, as a pipeline's do) and answered
+    in one burst, as redis-server does before it sleeps; answered one by one, each read
+    pays its misses alone and each reply wakes the client alone."""
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(data), pos = 0, unit_end, d0, nd, declared, k0, kn
+    cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(data)
+    cdef int first = gets._nkeys
+    cdef bint fresh = not gets._stashed
+    if n == 0 or (not fresh and conn.proto != gets._stash_proto):
+        return 0
+    if fresh:
+        gets._start(conn.proto)
+        gets._stash_proto = conn.proto
+    while pos < n:
+        unit_end = match_get(p, pos, n, &d0, &nd, &declared, &k0, &kn)
+        if unit_end < 0 or declared != kn or (nd > 1 and p[d0] == 48) or gets._nkeys == GROUP \
+                or not gets._take(p + k0, kn, None):
+            gets._nkeys = first
+            if fresh:
+                gets._finish()
+            return 0
+        pos = unit_end
+    gets._stashed.append((conn, data, gets._nkeys))
+    if not gets._scheduled:
+        gets._scheduled = True
+        gets.call_soon(gets.flush)
+    return 1
+
+
+cdef int _flush_stash(LocalGets gets) except -1:
+    cdef list stashed = gets._stashed
+    cdef GetConnection conn
+    cdef Py_ssize_t start = 0, end, answered = gets._nkeys
+    gets._stashed = []
+    try:
+        gets._answer_group(PY_SSIZE_T_MAX)
+        for entry in stashed:
+            conn = <GetConnection>entry[0]
+            end = gets._key_end[<Py_ssize_t>entry[2] - 1]
+            if not conn._closing and conn._write is not None:
+                conn._write(PyBytes_FromStringAndSize(<char*>gets._out + start, end - start))
+            start = end
+        conn._add(answered, gets._notfound)
+        conn.stats.reads_gathered += len(stashed)
+    except ReplicaError as e:  # as when answered at once: the connections end, the sidecar goes on
+        log.error("GET path: %s; closing %d client connection(s)", e, len(stashed))
+        for entry in stashed:
+            conn = <GetConnection>entry[0]
+            if conn._transport is not None:
+                conn._transport.close()
+    finally:
+        gets._finish()
+    return 0
 
 
 def search(path, bytes db_name, list keys, unsigned int max_dbs=MAX_DBS):

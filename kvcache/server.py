@@ -41,6 +41,10 @@ WIRE = native.load("resp")
 SERVER_GET = native.load("server_get")
 
 WRITE_HIGH_WATER = 1 << 20
+# From this many connected clients on, the native GET path defers GET-only reads to the end of
+# the event loop's iteration and answers them together (ext/server_get.pyx, _stash): with one
+# client there is nothing to gather, and the deferral would only add a callback per request.
+DEFER_FROM = 2
 TOO_MANY_CLIENTS = resp.error("ERR max number of clients reached")
 SHUTTING_DOWN = resp.error("ERR kvcache is shutting down")
 # File descriptors beyond max_clients: NATS connections, LMDB, logs, the listening socket.
@@ -103,11 +107,13 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         stream.set_write_buffer_limits(high=WRITE_HIGH_WATER)
         srv.connections.add(self)
         srv.stats.connected_clients = len(srv.connections)
+        srv.gets.defer = len(srv.connections) >= DEFER_FROM
 
     def connection_lost(self, exc: Exception | None) -> None:
         srv = self.srv
         srv.connections.discard(self)
         srv.stats.connected_clients = len(srv.connections)
+        srv.gets.defer = len(srv.connections) >= DEFER_FROM
         self._closing = True
         self._disarm_stall()
         if self._busy is not None:
@@ -177,10 +183,11 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         answer (remote, invalid, stale replica, lower-case or inline), goes through dispatch.
         So does every command while CLIENT REPLY OFF or SKIP is in force (`_muted`): replies
         are then dropped per command (see _reply_mode_step), which a run could not count."""
+        srv = self.srv
+        srv.gets.flush()  # this connection's deferred GETs (if any) are answered before what follows
         if self._closing or self._paused_writing or self._draining:
             return
         reader = self.reader
-        srv = self.srv
         commands = srv.commands
         gets = srv.gets
         out: list[bytes] = []
@@ -386,6 +393,7 @@ class RespServer:
         raise_fd_limit(self.cfg.max_clients + FD_MARGIN)
         claim_socket_path(self.path)
         loop = asyncio.get_running_loop()
+        self.gets.call_soon = loop.call_soon
         old_umask = os.umask(0o177)  # no window in which the socket is more open than asked
         try:
             self._server = await loop.create_unix_server(

@@ -70,6 +70,11 @@ class LocalGets:
         self.planner = planner
         self.plans: dict[bytes, Plan | Literal[False]] = {}
         self._fresh_until: dict[object, float] = {}  # feed -> monotonic time
+        # The native path defers GET-only reads of many clients to the end of an event-loop
+        # iteration (ext/server_get.pyx, _stash); this one answers each read at once: `defer`
+        # and `call_soon` are taken and unused, `flush` has nothing to do.
+        self.defer = False
+        self.call_soon: Callable | None = None
         # set_buckets: `name` -> (feed, max_stale_ms, name, database) of buckets that replicate
         # every key
         self._direct: dict[bytes, tuple] = {}
@@ -81,6 +86,9 @@ class LocalGets:
         FRESH_VERDICT_S would answer that key from the replica, below a revision already
         handed out from NATS."""
         self._fresh_until.clear()
+
+    def flush(self) -> None:
+        """Nothing deferred here (see __init__)."""
 
     def set_buckets(self, buckets: list[tuple], default: str | None) -> None:
         """`[(name, feed, max_stale_ms, replicates_every_key)]` and the default bucket's name

@@ -514,6 +514,50 @@ def test_redis_benchmark(sc, extra):
     assert after["gets_remote"] == before["gets_remote"]
 
 
+def test_many_clients_each_get_their_own_replies_in_order(sc):
+    """With two or more clients the native GET path defers GET-only reads to the end of the
+    event loop's iteration and answers them together: each client must still get exactly
+    its own replies, in order, whatever else it mixes in (remote keys, misses, invalid keys,
+    other commands, pipelines split across reads). The reference is each request answered
+    alone, on the only connection."""
+    requests = [encode_command(["GET", key(i)]) for i in (1, 2, 150)] + [
+        encode_command(["GET", "key:" + key(3)]), encode_command(["GET", "999999999999"]),
+        encode_command(["GET", "out.remote"]), encode_command(["GET", "bad..key"]),
+        encode_command(["PING"]), encode_command(["EXISTS", key(4)]), encode_command(["GET", "nobucket:x"])]
+    reference = {}
+    with connect(sc.socket) as alone:
+        for r in requests:
+            alone.sendall(r + encode_command(["PING"]))
+            reference[r] = read_until(alone, b"+PONG\r\n")[:-len(b"+PONG\r\n")]
+    rnd = random.Random(11)
+    before = info(sc.socket)
+    clients = [connect(sc.socket) for _ in range(24)]
+    try:
+        for _ in range(40):
+            plans = [[rnd.choice(requests) for _ in range(rnd.choice((1, 1, 1, 2, 5)))] for _ in clients]
+            for c, plan in zip(clients, plans, strict=True):
+                wire = b"".join(plan)
+                cut = rnd.randrange(len(wire) + 1) if rnd.random() < 0.2 else len(wire)
+                c.sendall(wire[:cut])
+                if cut < len(wire):
+                    c.sendall(wire[cut:])
+            for c, plan in zip(clients, plans, strict=True):
+                want = b"".join(reference[r] for r in plan)
+                got = b""
+                while len(got) < len(want):
+                    chunk = c.recv(65536)
+                    assert chunk, "connection closed"
+                    got += chunk
+                assert got == want
+    finally:
+        for c in clients:
+            c.close()
+    after = info(sc.socket)
+    assert after["protocol_errors"] == before["protocol_errors"]
+    if "server_get=native" in info(sc.socket, "server")["native"]:  # the pure-Python path answers each read at once
+        assert after["reads_gathered"] > before["reads_gathered"]
+
+
 def test_sigterm_with_a_client_that_never_reads(own_sidecar):
     """Shutdown must not wait on a client that stopped reading with replies still queued."""
     s = own_sidecar()
