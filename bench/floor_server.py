@@ -6,7 +6,10 @@ write out, the system calls) is the least a Python server on uvloop can spend; s
 --floor measures it beside kvcache and redis-server, so that a gap between kvcache and
 redis-server can be told apart into what kvcache does and what the event loop costs.
 
-    python bench/floor_server.py SOCKET VALUE_SIZE
+    python bench/floor_server.py SOCKET VALUE_SIZE [--gather]
+
+--gather holds each read's reply until the event loop's iteration ends and writes them then,
+as kvcache's GET path does with two or more clients (and redis-server before it sleeps).
 """
 from __future__ import annotations
 
@@ -21,10 +24,11 @@ GET_UNIT = b"*2\r\n$3\r\nGET\r\n"
 
 
 class Floor(asyncio.Protocol):
-    def __init__(self, reply: bytes) -> None:
+    def __init__(self, reply: bytes, gather: list | None) -> None:
         self.reply = reply
         self.replies = [reply * n for n in range(65)]
         self.write = None
+        self.gather = gather  # a list shared by the connections: replies held to the iteration's end
 
     def connection_made(self, transport) -> None:
         self.write = transport.write
@@ -32,15 +36,28 @@ class Floor(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         n = data.count(GET_UNIT)
         if n == 0:  # redis-benchmark's CONFIG GET at start: an empty array will do
-            self.write(b"*0\r\n")
+            out = b"*0\r\n"
         else:
-            self.write(self.replies[n] if n <= 64 else self.reply * n)
+            out = self.replies[n] if n <= 64 else self.reply * n
+        if self.gather is None:
+            self.write(out)
+            return
+        if not self.gather:
+            asyncio.get_running_loop().call_soon(flush, self.gather)
+        self.gather.append((self.write, out))
 
 
-async def serve(path: str, value_size: int) -> None:
+def flush(gather: list) -> None:
+    for write, out in gather:
+        write(out)
+    gather.clear()
+
+
+async def serve(path: str, value_size: int, gather: bool) -> None:
     reply = b"$%d\r\n%s\r\n" % (value_size, b"x" * value_size)
     loop = asyncio.get_running_loop()
-    server = await loop.create_unix_server(lambda: Floor(reply), path)
+    held: list | None = [] if gather else None
+    server = await loop.create_unix_server(lambda: Floor(reply, held), path)
     stop = loop.create_future()
     loop.add_signal_handler(signal.SIGTERM, stop.set_result, None)
     async with server:
@@ -49,4 +66,4 @@ async def serve(path: str, value_size: int) -> None:
 
 
 if __name__ == "__main__":
-    uvloop.run(serve(sys.argv[1], int(sys.argv[2])))
+    uvloop.run(serve(sys.argv[1], int(sys.argv[2]), "--gather" in sys.argv[3:]))

@@ -15,7 +15,7 @@
 # walk for that key with WALK_FALLBACK, and the caller asks mdb_get, which judges it (the
 # same answer, or LMDB's error). tests/test_lmdb_walk.py holds the two equal on generated
 # trees: random keys and sizes, overflow values, deletes, every depth up to 4.
-from libc.string cimport memcmp, memcpy
+from libc.string cimport memcpy
 
 cdef extern from *:
     """
@@ -104,11 +104,34 @@ cdef inline void walk_start(const WalkMap* m, WalkKey* w) noexcept nogil:
     w.state = _SEEK
 
 
+cdef extern from *:
+    """
+    #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    #define KV_BE64(x) (x)
+    #else
+    #define KV_BE64(x) __builtin_bswap64(x)
+    #endif
+    """
+    unsigned long long KV_BE64(unsigned long long x) nogil
+
+
 cdef inline int _cmp(const unsigned char* a, size_t an, const unsigned char* b, size_t bn) noexcept nogil:
-    """LMDB's default key order (mdb_cmp_memn)."""
-    cdef int d = memcmp(a, b, an if an < bn else bn)
-    if d:
-        return d
+    """LMDB's default key order (mdb_cmp_memn), eight bytes at a time in registers: keys are
+    short (a call to memcmp was 3% of a GET's time)."""
+    cdef size_t n = an if an < bn else bn, i = 0
+    cdef unsigned long long x, y
+    while i + 8 <= n:
+        memcpy(&x, a + i, 8)
+        memcpy(&y, b + i, 8)
+        if x != y:
+            x = KV_BE64(x)  # the first differing byte decides: compare as big-endian
+            y = KV_BE64(y)
+            return 1 if x > y else -1
+        i += 8
+    while i < n:
+        if a[i] != b[i]:
+            return 1 if a[i] > b[i] else -1
+        i += 1
     return (an > bn) - (an < bn)
 
 
