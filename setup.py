@@ -1,10 +1,11 @@
 """Builds kvcache's Cython extensions (ext/*.pyx → kvcache/_native/*.so); metadata is in pyproject.toml.
 
-Every extension has a pure-Python twin in kvcache/, so a machine without a compiler still
-installs a working (slower) kvcache: OptionalBuildExt skips, and names, every extension that
-fails to compile (KVCACHE_REQUIRE_EXTENSIONS=1 makes that an error instead).
-KVCACHE_DEBUG_BUILD=1 (`make debug`) builds with assertions, bounds
-checks and -O0 -g for gdb/valgrind; the default is an optimized build.
+Every extension is built, or the install fails and says why: a plain `pip install` must not
+leave the sidecar on its slower pure-Python twins without anyone being told (pip hides a
+build's warnings). KVCACHE_PURE_PYTHON=1 installs without them, on purpose (a machine with no
+C compiler); the sidecar then says at start, and in INFO, which twins serve.
+KVCACHE_DEBUG_BUILD=1 (`make debug`) builds with assertions, bounds checks and -O0 -g for
+gdb/valgrind; the default is an optimized build.
 """
 import glob
 import os
@@ -19,41 +20,25 @@ from setuptools.command.build_ext import build_ext
 from setuptools.errors import CCompilerError, ExecError, PlatformError
 
 DEBUG = os.environ.get("KVCACHE_DEBUG_BUILD") == "1"
-# Set to make a failed compile fail the install (CI that must test the native paths).
-REQUIRE_NATIVE = os.environ.get("KVCACHE_REQUIRE_EXTENSIONS") == "1"
+PURE_PYTHON = os.environ.get("KVCACHE_PURE_PYTHON") == "1"
+HOW_TO_FIX = ("install a C compiler and the Python headers (Debian: apt-get install gcc python3-dev) and "
+              "install again, or set KVCACHE_PURE_PYTHON=1 to install without the native modules (slower)")
 
 
-class OptionalBuildExt(build_ext):
-    """Build each extension if it can be; one that fails to compile (no C compiler, no Python
-    headers, a broken toolchain) is skipped, loudly, and its pure-Python twin serves."""
-
-    def initialize_options(self) -> None:
-        super().initialize_options()
-        self.skipped: list[tuple[str, str]] = []
+class NativeBuildExt(build_ext):
+    """Every extension or an error that names the one that failed and what to do."""
 
     def run(self) -> None:
         try:
             super().run()
-        except (CCompilerError, ExecError, PlatformError, OSError) as e:  # no compiler at all
-            if REQUIRE_NATIVE:
-                raise
-            self.skipped = [(ext.name, _first_line(e)) for ext in self.extensions]
-        if self.skipped:
-            bar = "!" * 78
-            lines = [bar, "kvcache: WARNING: these native extensions could not be built and were SKIPPED;",
-                     "kvcache: their pure-Python twins will be used (same behaviour, slower):"]
-            lines += [f"kvcache:   {name}: {why}" for name, why in self.skipped]
-            lines += ["kvcache: install a C compiler and the Python headers (Debian: apt-get install "
-                      "gcc python3-dev) and reinstall to build them.", bar]
-            print("\n".join(lines), file=sys.stderr, flush=True)
+        except (CCompilerError, ExecError, PlatformError, OSError) as e:
+            sys.exit(f"kvcache: ERROR: the native modules cannot be built ({_first_line(e)}): {HOW_TO_FIX}")
 
     def build_extension(self, ext: Extension) -> None:
         try:
             super().build_extension(ext)
         except (CCompilerError, ExecError, PlatformError, OSError) as e:
-            if REQUIRE_NATIVE:
-                raise
-            self.skipped.append((ext.name, _first_line(e)))
+            sys.exit(f"kvcache: ERROR: {ext.name} cannot be built ({_first_line(e)}): {HOW_TO_FIX}")
 
 
 def _first_line(e: BaseException) -> str:
@@ -103,15 +88,13 @@ def lmdb_source() -> tuple[str | None, str]:
     return LMDB_CACHE, ""
 
 
-def lmdb_extension(src: str, cflags: list[str]) -> Extension | None:
-    """server_get with LMDB compiled in; None (and why, printed) when LMDB's sources cannot be had."""
+def lmdb_extension(src: str, cflags: list[str]) -> Extension:
+    """server_get with LMDB compiled in (the build stops when LMDB's sources cannot be had)."""
     where, why = lmdb_source()
     if where is None:
-        if REQUIRE_NATIVE:  # fail the build now, not the sidecar's start later
-            sys.exit(f"kvcache: ERROR: {why}; KVCACHE_REQUIRE_EXTENSIONS=1 and {src} needs LMDB's sources "
-                     "(set KVCACHE_LMDB_SRC to a directory holding mdb.c, midl.c, lmdb.h, midl.h)")
-        print(f"kvcache: WARNING: {why}: not building {src} (its pure-Python twin is used)", file=sys.stderr)
-        return None
+        sys.exit(f"kvcache: ERROR: {why}: {src} needs LMDB's C sources; set KVCACHE_LMDB_SRC to a directory "
+                 "holding mdb.c, midl.c, lmdb.h and midl.h (from the lmdb sdist) for an offline build, or "
+                 "KVCACHE_PURE_PYTHON=1 to install without the native modules (slower)")
     # LMDB's symbols stay inside this extension (hidden), so they never meet another LMDB
     # loaded in the same process.
     return Extension("kvcache._native.server_get",
@@ -120,6 +103,9 @@ def lmdb_extension(src: str, cflags: list[str]) -> Extension | None:
 
 
 def extensions():
+    if PURE_PYTHON:
+        print("kvcache: KVCACHE_PURE_PYTHON=1: no native modules built (their pure-Python twins serve)")
+        return []
     from Cython.Build import cythonize
 
     directives = {
@@ -135,9 +121,7 @@ def extensions():
     exts = []
     for src in sorted(glob.glob("ext/*.pyx")):
         if src == LMDB_EXTENSION:
-            ext = lmdb_extension(src, cflags)
-            if ext is not None:
-                exts.append(ext)
+            exts.append(lmdb_extension(src, cflags))
             continue
         exts.append(Extension(f"kvcache._native.{os.path.splitext(os.path.basename(src))[0]}", [src],
                               extra_compile_args=cflags))
@@ -145,4 +129,4 @@ def extensions():
                      force=DEBUG, quiet=True)
 
 
-setup(ext_modules=extensions(), cmdclass={"build_ext": OptionalBuildExt})
+setup(ext_modules=extensions(), cmdclass={"build_ext": NativeBuildExt})

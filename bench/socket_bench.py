@@ -140,13 +140,15 @@ async def load_bucket(url: str, value: bytes, keys: int = NKEYS) -> None:
         await nc.close()
 
 
-def start_sidecar(work: Path, url: str, keys: int = NKEYS) -> tuple[subprocess.Popen, str]:
+def start_sidecar(work: Path, url: str, keys: int = NKEYS, installed: bool = False) -> tuple[subprocess.Popen, str]:
+    """`python -m kvcache serve`: this checkout's kvcache, or with `installed` the one this
+    Python has installed (started outside the checkout, so the checkout is not on its path)."""
     sock = str(work / "kvcache.sock")
     log = open(work / "sidecar.log", "ab")
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvcache", "serve", "--nats", url, "--bucket", BUCKET,
          "--data-dir", str(work / "data"), "--socket", sock, "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=work if installed else ROOT,
         preexec_fn=die_with_parent)
     log.close()
 
@@ -279,6 +281,7 @@ class GetBench:
     problems: list[str] = field(default_factory=list)
     summary: str = ""
     targets: tuple[str, ...] = ("redis", "kvcache")
+    kvcache: str = ""  # which kvcache served: version, where from, its native modules
 
     def label(self, reads_over: int, variant: str) -> str:
         return variant if len(self.reads_over) == 1 else f"-r {reads_over} {variant}"
@@ -290,6 +293,7 @@ class GetBench:
         over = ", ".join(f"-r {r}" for r in self.reads_over)
         lines = [f"redis-benchmark -t get {over} -n {self.requests}, a {self.keys:,}-key bucket, "
                  f"{self.value_size}-byte values, {os.cpu_count()} CPUs, best of {self.repeat} runs", "",
+                 f"kvcache: {self.kvcache}", "",
                  "| target | reads over | variant | requests/s | p50 ms | p99 ms | kvcache/redis | "
                  "full/hot | server CPU us/req |",
                  "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
@@ -317,7 +321,8 @@ class GetBench:
 def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 3,
         timeout: float = 600, profile_seconds: int | None = None, keys: int = NKEYS,
         reads_over: list[int] | None = None,
-        variants: list[tuple[str, list[str]]] | None = None, floor: bool = False) -> GetBench:
+        variants: list[tuple[str, list[str]]] | None = None, floor: bool = False,
+        installed: bool = False) -> GetBench:
     """Start nats-server, kvcache and redis-server under `work` with `keys` keys, run every
     variant over every key space `repeat` times against both (alternating), stop everything (by
     PID) and return the figures."""
@@ -333,7 +338,7 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
         t0 = time.monotonic()
         asyncio.run(load_bucket(nats_srv.url, value, keys))
         print(f"  bucket loaded: {keys:,} keys in {time.monotonic() - t0:.1f}s", file=sys.stderr)
-        sidecar, kv_sock = start_sidecar(work, nats_srv.url, keys)
+        sidecar, kv_sock = start_sidecar(work, nats_srv.url, keys, installed)
         redis_proc, redis_sock = start_redis(work, value, keys)
         socks = {"redis": redis_sock, "kvcache": kv_sock}
         pids = {"redis": redis_proc.pid, "kvcache": sidecar.pid}
@@ -343,6 +348,11 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
         with Client(kv_sock) as c:
             assert c.get(f"key:{key(1)}") == value and c.get(key(keys - 1)) == value
             before = c.info("stats")["stats"]
+            server = c.info("server")["server"]
+        where = subprocess.run([sys.executable, "-c", "import kvcache; print(kvcache.__file__)"],
+                               capture_output=True, text=True, cwd=work if installed else ROOT).stdout.strip()
+        bench.kvcache = (f"{server['kvcache_version']} from {os.path.dirname(where)}, native: {server['native']}, "
+                         f"LMDB {server.get('native_lmdb') or '(py-lmdb)'}")
 
         for r in bench.reads_over:
             for name, extra in bench.variants:
@@ -400,6 +410,8 @@ def main() -> int:
     ap.add_argument("--reads-over", default=None,
                     help="comma-separated -r values (default: the bucket's size; --scale: 10000 and the size)")
     ap.add_argument("--floor", action="store_true", help="measure bench/floor_server.py beside them")
+    ap.add_argument("--installed", action="store_true",
+                    help="run the kvcache this Python has installed (pip install .), not this checkout's")
     ap.add_argument("--scale", action="store_true",
                     help=f"{SCALE_KEYS:,} keys of 100 bytes, -r 10000 and -r {SCALE_KEYS}, -P 16 and -P 1")
     args = ap.parse_args()
@@ -413,7 +425,7 @@ def main() -> int:
     with work_dir("kvcache-socket-bench-", lambda: args.keep) as work:
         bench = run(work, args.requests, value_size, args.repeat, args.timeout,
                     args.profile_seconds if args.profile else None, keys, reads_over,
-                    SCALE_VARIANTS if args.scale else None, args.floor)
+                    SCALE_VARIANTS if args.scale else None, args.floor, args.installed)
         print("\n" + bench.table())
         args.keep = args.keep or bool(bench.problems)
         return 1 if bench.problems else 0
