@@ -1,11 +1,12 @@
 """Many buckets in one sidecar: start-up, memory and the idle load per bucket.
 
-    python bench/buckets_bench.py --buckets 1000 --seconds 20
+    python bench/buckets_bench.py --buckets 1000 --keys 100 --seconds 20
 
 A test nats-server (with its monitoring port, for the JetStream API request count) holds
-`--buckets` buckets of one key each; the sidecar is started on all of them. Reported: the
-time from process start to every bucket synced, the sidecar's RSS, and, while idle for
-`--seconds`, its CPU and the JetStream API requests it makes (per second and per bucket).
+`--buckets` buckets of `--keys` keys each; the sidecar is started on all of them. Reported:
+the time from process start to every bucket synced, the sidecar's RSS, the consumers on the
+server, and, while idle for `--seconds`, the sidecar's CPU, the JetStream API requests it
+makes and the messages the server sends it (consumer heartbeats), per second and per bucket.
 """
 from __future__ import annotations
 
@@ -28,20 +29,28 @@ from support.sidecar_proc import SidecarProcess
 from kvcache.natsserver import NatsServer, free_port
 
 
-async def make_buckets(url: str, n: int) -> None:
+async def make_buckets(url: str, n: int, keys: int) -> None:
     nc = await nats.connect(url)
     try:
         js = nc.jetstream()
         for i in range(0, n, 50):
             kvs = await asyncio.gather(*(js.create_key_value(bucket=f"t{j:04d}") for j in range(i, min(i + 50, n))))
-            await asyncio.gather(*(kv.put("k", b"v") for kv in kvs))
+            await asyncio.gather(*(kv.put(f"k{k}", b"v" * 100) for kv in kvs for k in range(keys)))
     finally:
         await nc.close()
 
 
+def monitor_get(monitor: int, what: str) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/{what}", timeout=10) as r:
+        return json.load(r)
+
+
 def api_requests(monitor: int) -> int:
-    with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/jsz", timeout=10) as r:
-        return json.load(r)["api"]["total"]
+    return monitor_get(monitor, "jsz")["api"]["total"]
+
+
+def messages_out(monitor: int) -> int:
+    return monitor_get(monitor, "varz")["out_msgs"]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -52,30 +61,37 @@ def cpu_seconds(pid: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--buckets", type=int, default=1000)
+    ap.add_argument("--keys", type=int, default=100, help="keys per bucket (100-byte values)")
     ap.add_argument("--seconds", type=float, default=20.0, help="idle measurement")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvbuckets-") as d:
         monitor = free_port()
         ns = NatsServer(Path(d) / "ns", monitor_port=monitor).start()
         try:
-            asyncio.run(make_buckets(ns.url, args.buckets))
+            asyncio.run(make_buckets(ns.url, args.buckets, args.keys))
             sc = SidecarProcess(Path(d) / "sc", ns.url, buckets=[f"t{j:04d}" for j in range(args.buckets)])
             t0 = time.monotonic()
             with sc:
                 sc.start(timeout=600)
                 started = time.monotonic() - t0
+                rows = sc.buckets()
+                assert len(rows) == args.buckets and all(r["keys"] == args.keys for r in rows.values()), \
+                    "not every bucket synced with every key"
+                consumers = monitor_get(monitor, "jsz")["consumers"]
                 pid = sc.proc.pid
                 rss_kb = int(Path(f"/proc/{pid}/status").read_text().split("VmRSS:")[1].split()[0])
-                a0, c0 = api_requests(monitor), cpu_seconds(pid)
+                a0, c0, m0 = api_requests(monitor), cpu_seconds(pid), messages_out(monitor)
                 time.sleep(args.seconds)
-                a1, c1 = api_requests(monitor), cpu_seconds(pid)
+                a1, c1, m1 = api_requests(monitor), cpu_seconds(pid), messages_out(monitor)
                 sc.stop()
         finally:
             ns.stop()
     rate = (a1 - a0) / args.seconds
-    print(f"{args.buckets} buckets: every one synced {started:.1f} s after start; RSS {rss_kb / 1024:.0f} MiB; "
-          f"idle: {100 * (c1 - c0) / args.seconds:.1f}% of a core, {rate:.0f} JetStream API requests/s "
-          f"({rate / args.buckets:.2f} per bucket)")
+    msgs = (m1 - m0) / args.seconds
+    print(f"{args.buckets} buckets of {args.keys} keys: every one synced {started:.1f} s after start; "
+          f"RSS {rss_kb / 1024:.0f} MiB; {consumers} consumers; idle: {100 * (c1 - c0) / args.seconds:.1f}% of a "
+          f"core, {rate:.1f} JetStream API requests/s ({rate / args.buckets:.3f} per bucket), {msgs:.0f} "
+          f"messages/s from the server ({msgs / args.buckets:.2f} per bucket)")
 
 
 if __name__ == "__main__":

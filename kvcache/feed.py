@@ -83,9 +83,10 @@ class Feed(Maintenance):
         self._api_subs: list = []
         self.max_age_ns = 0       # the stream's max_age: applied at every read (record.deadline)
         self._deadlines = True    # may records have a deadline (max_age, per-message TTLs)?
+        self._sweep_wake = asyncio.Event()  # see Maintenance._sweep_loop
         self.first_seq = 0        # the stream's first sequence when last looked at
         self.removed_upstream = 0  # records removed with no message: expiry, limits, purges
-        self.state_polls = 0      # STREAM.INFO requests made to watch for such removals
+        self.state_polls = 0      # looks at the stream's state for such removals
         self._synced_event = asyncio.Event()
         self._last_meta_write = 0
         self._sync_started = 0.0
@@ -106,14 +107,17 @@ class Feed(Maintenance):
 
     # -------------------------------------------------------------- lifecycle
 
-    async def start(self) -> None:
-        """Check the bucket exists and choose resume or full resync; raises BucketNotFound."""
+    async def start(self, watch: bool = True) -> None:
+        """Check the bucket exists and choose resume or full resync; raises BucketNotFound.
+        `watch=False`: the stream's state is watched by the sidecar's shared poll
+        (kvcache.statepoll), not by a loop of this feed's own."""
         info = await self._stream_info()
         self._plan(info, reconcile=True)
         self._task = asyncio.create_task(self._run(), name=f"feed:{self.bucket}")
         self._task.add_done_callback(self._task_done)
         self._sweep_task = asyncio.create_task(self._sweep_loop(), name=f"expiry:{self.bucket}")
-        self._watch_task = asyncio.create_task(self._watch_loop(), name=f"removals:{self.bucket}")
+        if watch:
+            self._watch_task = asyncio.create_task(self._watch_loop(), name=f"removals:{self.bucket}")
         for op in ("PURGE", "MSG.DELETE"):  # requests that remove messages without a marker
             self._api_subs.append(await self.nc.subscribe(
                 f"$JS.API.STREAM.{op}.{self.stream}", cb=self._on_removal_request))
@@ -190,6 +194,8 @@ class Feed(Maintenance):
         deadlines = bool(max_age_ns or msg_ttl)
         changed = max_age_ns != self.meta.max_age_ns or (deadlines and not self._deadlines)
         self._deadlines = deadlines
+        if deadlines:
+            self._sweep_wake.set()
         self.max_age_ns = max_age_ns
         self.replica.max_age[self.bucket] = max_age_ns
         self.meta.max_age_ns = max_age_ns
@@ -421,6 +427,8 @@ class Feed(Maintenance):
         items = last.items if len(runs) == 1 else [it for r in runs for it in r.items]
         self.replica.apply_items(self.bucket, items, m, deletes=any(r.deletes for r in runs),
                                  deadlines=self._deadlines)
+        if self._deadlines:
+            self._sweep_wake.set()
         self.meta = m
         if self._seen is not None:
             self._seen.update(lk for lk, _ in items)

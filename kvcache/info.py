@@ -55,6 +55,7 @@ class Info:
                 ("gets_local", st.gets_local), ("gets_remote", st.gets_remote),
                 ("gets_notfound", st.gets_notfound), ("remote_errors", st.remote_errors),
                 ("gets_stale", st.gets_stale), ("reads_gathered", st.reads_gathered),
+                ("stream_list_requests", st.stream_list_requests),
                 ("total_commands_processed", st.commands),
                 ("total_connections_received", st.connections_received),
                 ("protocol_errors", st.protocol_errors),

@@ -32,6 +32,7 @@ from .readpolicy import ReadPolicy
 from .replica import Replica
 from .router import Peer, Router
 from .server import RespServer, claim_socket_path
+from .statepoll import SHARED_FROM, StatePoll
 from .stats import Stats
 
 log = logging.getLogger("kvcache")
@@ -63,6 +64,7 @@ class Sidecar:
         self.nc: NatsConnection | None = None
         self.replica: Replica | None = None
         self.feeds: dict[str, Feed] = {}
+        self.state_poll: StatePoll | None = None  # with SHARED_FROM buckets or more
         self.router = Router(cfg.nats.request_timeout_ms / 1000)
         self.peer_conns: PeerConnections | None = None
         self.server: RespServer | None = None
@@ -98,17 +100,21 @@ class Sidecar:
             buckets=len(self.cfg.buckets))
         self.replica.set_buckets([b.name for b in self.cfg.buckets])
         timeout = self.cfg.nats.request_timeout_ms / 1000
+        shared_watch = len(self.cfg.buckets) >= SHARED_FROM
         for b in self.cfg.buckets:
             feed = Feed(nc, b, self.replica, heartbeat_s=self.cfg.heartbeat_ms / 1000,
                         timeout=timeout, on_fatal=self._fatal)
             feed.on_renumbered = functools.partial(self.router.floors.forget, b.name)
             try:
-                await feed.start()
+                await feed.start(watch=not shared_watch)
             except BucketNotFound:
                 raise BucketNotFound(f"bucket '{b.name}' does not exist on {self.nats_url}") from None
             self.feeds[b.name] = feed
             self.router.add(Peer("main", self.nc, feed.stream, b.name,
                                  direct=bool(feed.stream_config.get("allow_direct"))))
+        if shared_watch:
+            self.state_poll = StatePoll(nc, self.feeds.values(), timeout, self.stats)
+            self.state_poll.start()
         await self._add_peers(timeout)
         policy = ReadPolicy(self.cfg, self.replica, self.feeds, self.router)
         self.commands = Commands(self.cfg, policy, self.stats, AccessLog.from_config(self.cfg))
@@ -183,6 +189,8 @@ class Sidecar:
         await _step("router", self.router.close(), STOP_STEP_S)
         if self.peer_conns:
             await _step("peer connections", self.peer_conns.close(), STOP_STEP_S)
+        if self.state_poll is not None:
+            await _step("stream state poll", self.state_poll.stop(), STOP_STEP_S)
         for name, feed in self.feeds.items():
             await _step(f"feed {name}", feed.stop(), STOP_STEP_S)
         if self.nc and not self.nc.is_closed:

@@ -20,6 +20,7 @@ class Stats:
     gets_notfound: int = 0
     remote_errors: int = 0
     gets_stale: int = 0  # answered from a stale replica (serve_stale) after a failed remote read
+    stream_list_requests: int = 0  # STREAM.LIST pages asked by the shared state poll (statepoll)
     reads_gathered: int = 0  # GET-only reads answered together at an event-loop iteration's end
     commands: int = 0
     connections_received: int = 0

@@ -4,8 +4,9 @@ says so.
 - Expiry: records past their deadline (per-message TTL, the bucket's max_age) are hidden by
   every reader at once; the sweep removes them when they come due, from the per-bucket expiry
   index (no pass over the replica), and refiles the index when max_age changes.
-- Removals with no message, while running: a STREAM.INFO poll every max_stale_ms/4 sees the
-  first sequence move past keys (limits, a whole purge); purge and message-delete requests
+- Removals with no message, while running: a STREAM.INFO poll every max_stale_ms/4 (or, with
+  many buckets, the sidecar's one STREAM.LIST poll: kvcache.statepoll) sees the first
+  sequence move past keys (limits, a whole purge); purge and message-delete requests
   seen on the stream's API subjects lead to a headers-only pass over the purged filter.
 - Reconcile after a resume: a headers-only pass over the bucket removes keys whose deletion
   left no trace while the sidecar was down.
@@ -58,6 +59,7 @@ class Maintenance:
     caught_up: bool
     _full: bool
     _deadlines: bool
+    _sweep_wake: asyncio.Event  # a deadline may have been filed (see _sweep_loop)
     _hint_tasks: set[asyncio.Task]
 
     if TYPE_CHECKING:  # Feed's methods the passes call
@@ -73,6 +75,7 @@ class Maintenance:
             except ReplicaError as e:
                 log.warning("bucket %s: filing records by their new deadline failed: %s", self.bucket, e)
                 return
+            self._sweep_wake.set()
             if after is None:
                 return
             await asyncio.sleep(0)
@@ -97,7 +100,15 @@ class Maintenance:
         once (record.deadline), so this is about space and key counts: it runs when the
         earliest deadline comes, at least every SWEEP_MAX_S."""
         while True:
+            self._sweep_wake.clear()
             due = self.replica.next_due(self.bucket)
+            if due is None:
+                # Nothing filed: no wakeups until a write files a deadline (Feed sets the event
+                # after every batch written with deadlines, and when they are turned on or
+                # refiled). Waking every SWEEP_MAX_S instead cost a sidecar of 1,000 buckets
+                # a thousand wakeups a second.
+                await self._sweep_wake.wait()
+                continue
             wait = SWEEP_MAX_S if due is None else (due - time.time_ns()) / 1e9
             await asyncio.sleep(min(SWEEP_MAX_S, max(wait, 0.0)) + 0.001)
             try:
@@ -110,8 +121,13 @@ class Maintenance:
             except ReplicaError as e:  # the next turn tries again
                 log.warning("bucket %s: expiry sweep failed: %s", self.bucket, e)
 
-    def _watch_period(self) -> float:
+    def watch_period(self) -> float:
         return min(WATCH_MAX_S, max(WATCH_MIN_S, self.cfg.max_stale_ms / 4000))
+
+    def watching(self) -> bool:
+        """Is the stream's state to be looked at now? Only while caught up: before that the
+        feed itself plans."""
+        return self.caught_up and not self._full and self.meta.synced
 
     async def _watch_loop(self) -> None:
         """Watch the stream's state (one STREAM.INFO every max_stale_ms / 4, 0.25 s to 5 s)
@@ -121,8 +137,8 @@ class Maintenance:
         every deadline. One-subject purges and message deletes are seen as requests
         (_on_removal_request). Only while caught up: before that the feed itself plans."""
         while True:
-            await asyncio.sleep(self._watch_period())
-            if not self.caught_up or self._full or not self.meta.synced:
+            await asyncio.sleep(self.watch_period())
+            if not self.watching():
                 continue
             try:
                 await self.check_state()
@@ -131,12 +147,14 @@ class Maintenance:
             except Exception as e:  # the next period tries again; the data is still served
                 log.warning("bucket %s: stream state check failed: %s", self.bucket, e)
 
-    async def check_state(self, force: bool = False) -> int:
+    async def check_state(self, force: bool = False, info: dict | None = None) -> int:
         """Look at the stream once and drop what it no longer holds; records removed.
         `force`: after a purge request, look for keys below the first sequence even where
-        max_age alone would explain its moving."""
+        max_age alone would explain its moving. `info`: the stream's info as the shared
+        poll listed it (kvcache.statepoll), else STREAM.INFO is asked."""
         self.state_polls += 1
-        info = await self._stream_info()
+        if info is None:
+            info = await self._stream_info()
         config = info.get("config", {})
         max_age = int(config.get("max_age", 0) or 0)
         msg_ttl = bool(config.get("allow_msg_ttl"))

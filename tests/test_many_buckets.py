@@ -7,6 +7,8 @@ import asyncio
 
 import nats
 import pytest
+from nats.js.api import DiscardPolicy
+from support.poll import wait_until
 from support.sidecar_proc import SidecarProcess
 
 from kvcache import LocalReader
@@ -47,4 +49,29 @@ def test_300_buckets_start_and_serve(nats_server, tmp_path):
         sc.start(timeout=180)
         assert sc.client().get("tenant299:k") == b"v299"
         assert all(r["resyncs"] == 0 for r in sc.buckets().values())
+        # One shared STREAM.LIST poll watches them all (statepoll.SHARED_FROM): a removal no
+        # message announces (limits moving a stream's first sequence) still reaches the replica.
+        asyncio.run(_limit_to_one_message(nats_server.url, "tenant007"))
+        with sc.client() as c:
+            wait_until(lambda: c.get("tenant007:k") is None, 20, "tenant007:k removed")
+            assert c.get("tenant007:k2") == b"new"
+            assert c.get("tenant008:k") == b"v8"
+            stats = c.info("stats")["stats"]
+        assert stats["stream_list_requests"] > 0
+        assert sc.buckets()["tenant007"]["state_polls"] > 0
         assert sc.stop() == 0
+
+
+async def _limit_to_one_message(url: str, bucket: str) -> None:
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        kv = await js.key_value(bucket)
+        info = await js.stream_info(f"KV_{bucket}")
+        info.config.max_msgs = 1
+        info.config.discard = DiscardPolicy.OLD  # (KV streams refuse writes past a limit)
+        await js.update_stream(info.config)
+        await kv.put("k2", b"new")  # the limit drops the oldest message: `k`'s, with no marker
+        assert (await js.stream_info(f"KV_{bucket}")).state.messages == 1
+    finally:
+        await nc.close()
