@@ -351,7 +351,10 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
             server = c.info("server")["server"]
         where = subprocess.run([sys.executable, "-c", "import kvcache; print(kvcache.__file__)"],
                                capture_output=True, text=True, cwd=work if installed else ROOT).stdout.strip()
-        bench.kvcache = (f"{server['kvcache_version']} from {os.path.dirname(where)}, native: {server['native']}, "
+        native = server["native"]
+        if isinstance(native, dict):  # the client parses `a=b,c=d` values
+            native = ",".join(f"{k}={v}" for k, v in native.items())
+        bench.kvcache = (f"{server['kvcache_version']} from {os.path.dirname(where)}, native: {native}, "
                          f"LMDB {server.get('native_lmdb') or '(py-lmdb)'}")
 
         for r in bench.reads_over:

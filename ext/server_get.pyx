@@ -787,6 +787,13 @@ cdef class GetConnection:
         raise NotImplementedError  # the generic request loop: kvcache.server.ClientConnection
 
 
+# A read of more GETs than this is answered at once: its own GETs overlap their misses
+# already, and gathering it would only delay it (and redo its parse when the group is full).
+cdef enum:
+    GATHER_MAX = 4
+    _GATHER_BYTES = GATHER_MAX * 540  # a GET of a 511-byte key is 535 bytes: longer, not GATHER_MAX GETs
+
+
 cdef int _stash(LocalGets gets, GetConnection conn, bytes data) except -1:
     """Take a GET-only read into the group answered when this event-loop iteration's reads
     are done (LocalGets.flush, by call_soon): 1, or 0 (nothing taken) when the read is not
@@ -796,19 +803,29 @@ cdef int _stash(LocalGets gets, GetConnection conn, bytes data) except -1:
     then searched together (their cache misses overlap, as a pipeline's do) and answered
     in one burst, as redis-server does before it sleeps; answered one by one, each read
     pays its misses alone and each reply wakes the client alone."""
-    cdef Py_ssize_t n = PyBytes_GET_SIZE(data), pos = 0, unit_end, d0, nd, declared, k0, kn
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(data), pos = 0, unit_end, d0 = 0, nd = 0, declared = 0, k0 = 0, kn = 0
     cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(data)
-    cdef int first = gets._nkeys
+    cdef int first = gets._nkeys, units = 0
     cdef bint fresh = not gets._stashed
-    if n == 0 or (not fresh and conn.proto != gets._stash_proto):
+    if n == 0 or n > _GATHER_BYTES or (not fresh and conn.proto != gets._stash_proto):
+        return 0
+    while pos < n:  # GETs only, and few enough? (before any is taken)
+        unit_end = match_get(p, pos, n, &d0, &nd, &declared, &k0, &kn)
+        if unit_end < 0 or declared != kn or (nd > 1 and p[d0] == 48):
+            return 0
+        units += 1
+        if units > GATHER_MAX:
+            return 0
+        pos = unit_end
+    if first + units > GROUP:
         return 0
     if fresh:
         gets._start(conn.proto)
         gets._stash_proto = conn.proto
+    pos = 0
     while pos < n:
         unit_end = match_get(p, pos, n, &d0, &nd, &declared, &k0, &kn)
-        if unit_end < 0 or declared != kn or (nd > 1 and p[d0] == 48) or gets._nkeys == GROUP \
-                or not gets._take(p + k0, kn, None):
+        if not gets._take(p + k0, kn, None):
             gets._nkeys = first
             if fresh:
                 gets._finish()
