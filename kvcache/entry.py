@@ -51,3 +51,4 @@ class Entry:
     operation: Operation = Operation.PUT
     # local, a peer's name, "leader", or "stale" (the replica, past max_stale_ms, no peer reachable)
     source: str = "local"
+    expires: int = 0  # its own TTL's moment (ns), record.NEVER for `Nats-TTL: never`, 0 none

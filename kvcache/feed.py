@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 
 from . import jetstream as jsapi
+from .changes import ChangeHub
 from .config import BucketConfig
 from .consumer import ConsumerLost, PullConsumer, Run
 from .errors import BucketNotFound, ReplicaError, UpstreamError
@@ -102,6 +103,9 @@ class Feed(Maintenance):
         # Called when the stream was recreated or rewound (its revisions start again): the
         # router forgets the bucket's floors (Router.floors.forget).
         self.on_renumbered: Callable[[], None] | None = None
+        # Where the changes this feed applies go (kvcache.changes): tracking clients'
+        # invalidations, keyspace notifications, WATCH. Set by the sidecar.
+        self.hub: ChangeHub | None = None
         if self.meta.synced:
             self._synced_event.set()
 
@@ -364,6 +368,7 @@ class Feed(Maintenance):
                     progressed = False
                 except (ConsumerLost, UpstreamError, BucketNotFound) as e:
                     log.warning("bucket %s: recreating consumer: %s", self.bucket, e)
+                    self._flush("consumer")
                 except Exception:
                     log.exception("bucket %s: feed failed; recreating consumer", self.bucket)
                 if progressed and consumer.delivered:
@@ -384,6 +389,7 @@ class Feed(Maintenance):
         )
         self._consumer = consumer
         if self._full:
+            self._flush("resync")
             # Keys the sync does not deliver must go at the end; an empty replica has none.
             self._seen = set() if self.replica.count(self.bucket) else None
             self._sync_started = time.monotonic()
@@ -425,11 +431,15 @@ class Feed(Maintenance):
             if self._full and self._seen is None:
                 m.synced = True  # nothing to sweep: the last batch of the sync says so itself
         items = last.items if len(runs) == 1 else [it for r in runs for it in r.items]
+        hub = self.hub
+        changes = self.replica.changes_of(self.bucket, items) if hub is not None and hub.active else None
         self.replica.apply_items(self.bucket, items, m, deletes=any(r.deletes for r in runs),
                                  deadlines=self._deadlines)
         if self._deadlines:
             self._sweep_wake.set()
         self.meta = m
+        if changes:
+            hub.changed(self.bucket, changes)  # type: ignore[union-attr]  # set with changes
         if self._seen is not None:
             self._seen.update(lk for lk, _ in items)
         self._last_meta_write = now
@@ -463,6 +473,11 @@ class Feed(Maintenance):
             self._release()
         if self._waiters:
             self._wake_waiters()
+
+    def _flush(self, why: str) -> None:
+        """What was handed out from this bucket can no longer be vouched for (kvcache.changes)."""
+        if self.hub is not None:
+            self.hub.flushed(self.bucket, why)
 
     def _reached_end(self) -> None:
         """End of initial data: finish a full resync's sweep, or start a resume's reconcile."""

@@ -27,6 +27,7 @@ from . import jetstream as jsapi
 from .entry import Entry, Operation
 from .errors import ReplyBudget, UpstreamError
 from .natsconn import NatsConnection
+from .record import NEVER, parse_msg_ttl
 
 MULTI_LAST_MAX = 1024
 NO_MESSAGE = 10037
@@ -250,8 +251,10 @@ class Peer:
     def _entry(self, key: str, data: bytes, hdrs: dict, seq: int, created: int,
                source: str | None = None) -> Entry:
         op = Operation.of(hdrs)
+        ttl = parse_msg_ttl(hdrs.get("Nats-TTL"))
+        expires = 0 if not ttl else NEVER if ttl < 0 else created + ttl
         return Entry(self.bucket, key, data if op is Operation.PUT else None, seq, created,
-                     0, op, source or self.label)
+                     0, op, source or self.label, expires)
 
     # ------------------------------------------------------------------ many keys
 

@@ -41,6 +41,7 @@ class Record:
     value: bytes
     revision: int
     created: int
+    expires: int = 0  # its own TTL's moment (ns), NEVER for `Nats-TTL: never`, 0 for none
 
 
 def is_long(raw: bytes) -> bool:
@@ -138,7 +139,9 @@ def item(key: bytes, value: bytes | None, revision: int, created: int, ttl_ns: i
 def decode_record(lkey: bytes, raw: bytes) -> Record:
     revision, created, klen = RECORD.unpack_from(raw)
     start = RECORD.size
+    expires = 0
     if klen & FLAG_TTL:
+        expires = EXPIRES.unpack_from(raw, start)[0]
         start += 8
         klen &= KLEN_MASK
     if klen:
@@ -146,7 +149,17 @@ def decode_record(lkey: bytes, raw: bytes) -> Record:
         start += klen
     else:
         key = lkey.decode()
-    return Record(key, raw[start:], revision, created)
+    return Record(key, raw[start:], revision, created, expires)
+
+
+def expiry(created: int, expires: int, max_age_ns: int) -> int:
+    """When a key leaves the bucket (ns), 0 for never: `deadline` for a decoded record or an
+    entry read from NATS (`expires` as Record.expires)."""
+    if expires == NEVER:
+        return 0
+    if expires:
+        return min(expires, created + max_age_ns) if max_age_ns else expires
+    return created + max_age_ns if max_age_ns else 0
 
 
 def decode_key(lkey: bytes, raw: bytes) -> str:

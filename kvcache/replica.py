@@ -246,6 +246,38 @@ class Replica:
             return None
         return decode_record(lkey, raw)
 
+    def changes_of(self, bucket: str, items: Sequence[Item]) -> list[tuple[str, str]]:
+        """What applying `items` (in order) changes, as kvcache.changes names it: (key, `set`)
+        for a record whose revision the replica does not hold, (key, `del`) for a delete of a
+        key it holds. Read before the batch is written (a deleted long key's text is only in
+        its record). Only asked while something listens (ChangeHub.active)."""
+        db = self.db(bucket)
+        if db is None:
+            return []
+        out: list[tuple[str, str]] = []
+        now: dict[bytes, bytes | None] = {}  # the batch's own earlier items win over the replica
+        with self.env.begin(db=db, buffers=False) as txn:
+            for lk, rec in items:
+                old = now[lk] if lk in now else txn.get(lk)
+                now[lk] = rec
+                if rec is not None:
+                    if old is None or old[:8] != rec[:8]:
+                        out.append((decode_key(lk, rec), "set"))
+                elif old is not None:
+                    out.append((decode_key(lk, old), "del"))
+        return out
+
+    def keys_of(self, bucket: str, lkeys: Iterable[bytes]) -> list[tuple[bytes, str]]:
+        """(lkey, full key) of those of `lkeys` the replica holds (before removing them)."""
+        db = self.db(bucket)
+        out = []
+        with self.env.begin(db=db, buffers=False) as txn:
+            for lk in lkeys:
+                raw = txn.get(lk)
+                if raw is not None:
+                    out.append((lk, decode_key(lk, raw)))
+        return out
+
     def expired(self, bucket: str, raw: bytes, now_ns: int = 0) -> bool:
         """Has this record of `bucket` passed its deadline (record.deadline)?"""
         max_age = self.max_age.get(bucket, 0)
@@ -479,11 +511,13 @@ class Replica:
             cur = txn.cursor()
             return DUE.unpack_from(cur.key())[0] if cur.first() else None
 
-    def sweep_expired(self, bucket: str, now_ns: int, limit: int = 2_000) -> tuple[int, bool]:
+    def sweep_expired(self, bucket: str, now_ns: int, limit: int = 2_000,
+                      removed_keys: list[str] | None = None) -> tuple[int, bool]:
         """Remove the records of `bucket` whose deadline has passed, looking only at the
         expiry index entries due by `now_ns` (at most `limit` of them): (records removed,
         whether more entries are due). An entry whose record was replaced since, or whose
-        deadline moved (a new max_age), is dropped or filed again under the new deadline."""
+        deadline moved (a new max_age), is dropped or filed again under the new deadline.
+        `removed_keys`: the removed records' keys are appended to it."""
         db, index = self.db(bucket), self._index(bucket)
         max_age = self.max_age.get(bucket, 0)
 
@@ -502,6 +536,8 @@ class Replica:
                     if due and due <= now_ns:
                         txn.delete(lk, db=db)
                         removed += 1
+                        if removed_keys is not None:
+                            removed_keys.append(decode_key(lk, raw))
                     elif due:
                         refile.append((_due_key(due, lk), lk))
                 seen += 1

@@ -23,6 +23,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from .changes import DEL, EXPIRED, ChangeHub
 from .config import BucketConfig
 from .consumer import PullConsumer, Run
 from .errors import ReplicaError
@@ -56,6 +57,7 @@ class Maintenance:
     first_seq: int
     removed_upstream: int
     state_polls: int
+    hub: ChangeHub | None
     caught_up: bool
     _full: bool
     _deadlines: bool
@@ -92,7 +94,17 @@ class Maintenance:
         stale = [lk for lk, _ in candidates if lk not in keep]
         if max_revision is not None:
             stale = [lk for lk in stale if self.replica.revision(self.bucket, lk) <= max_revision]
-        return self.replica.delete_lkeys(self.bucket, stale) if stale else 0
+        return self._remove(stale) if stale else 0
+
+    def _remove(self, lkeys: list[bytes]) -> int:
+        """Delete records that left the stream with no message; tell the hub (`del`)."""
+        hub = self.hub
+        if hub is None or not hub.active:
+            return self.replica.delete_lkeys(self.bucket, lkeys)
+        keys = self.replica.keys_of(self.bucket, lkeys)
+        removed = self.replica.delete_lkeys(self.bucket, lkeys)
+        hub.changed(self.bucket, [(k, DEL) for _, k in keys])
+        return removed
 
     async def _sweep_loop(self) -> None:
         """Remove records whose deadline passed (a Nats-TTL of their own, or the bucket's
@@ -114,8 +126,12 @@ class Maintenance:
             try:
                 more = True
                 while more:
-                    removed, more = self.replica.sweep_expired(self.bucket, time.time_ns(), EXPIRY_PAGE)
+                    hub = self.hub
+                    gone: list[str] | None = [] if hub is not None and hub.active else None
+                    removed, more = self.replica.sweep_expired(self.bucket, time.time_ns(), EXPIRY_PAGE, gone)
                     self.removed_upstream += removed
+                    if gone:
+                        hub.changed(self.bucket, [(k, EXPIRED) for k in gone])  # type: ignore[union-attr]
                     if more:
                         await asyncio.sleep(0)  # a page at a time: reads go on meanwhile
             except ReplicaError as e:  # the next turn tries again
@@ -189,7 +205,11 @@ class Maintenance:
         if first > last and self.meta.applied_seq <= last:
             n = self.replica.count(self.bucket)
             if n:
+                hub = self.hub
+                keys = [k for _, k in self.replica.iter_keys(self.bucket)] if hub is not None and hub.active else []
                 self.replica.clear_bucket(self.bucket)
+                if keys:
+                    hub.changed(self.bucket, [(k, DEL) for k in keys])  # type: ignore[union-attr]
             return n
         removed = 0
         after: bytes | None = None
@@ -198,7 +218,7 @@ class Maintenance:
                 break
             gone, after = self.replica.older_than(self.bucket, first, after, EXPIRY_PAGE)
             if gone:
-                removed += self.replica.delete_lkeys(self.bucket, gone)
+                removed += self._remove(gone)
             if after is None:
                 break
             await asyncio.sleep(0)
