@@ -130,6 +130,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="rotate access.log at this size")
     serve.add_argument("--access-log-files", type=int, dest="access_log_files", metavar="N",
                        help="rotated access logs kept")
+    serve.add_argument("--listen", dest="listen", metavar="HOST:PORT",
+                       help="also serve RESP on this loopback TCP address (127.0.0.1:6380)")
+    serve.add_argument("--listen-non-loopback", action=argparse.BooleanOptionalAction,
+                       dest="listen_non_loopback", help="allow --listen on an address other than loopback")
+    serve.add_argument("--requirepass-file", dest="requirepass_file", metavar="FILE",
+                       help="file holding the password TCP clients must AUTH with "
+                            "(or the password itself in KVCACHE_REQUIREPASS)")
+    serve.add_argument("--compat-identity", action=argparse.BooleanOptionalAction,
+                       dest="compat_identity",
+                       help="HELLO answers server 'redis' (client-side caches check it)")
+    serve.add_argument("--notify-keyspace-events", dest="notify_keyspace_events", metavar="FLAGS",
+                       help="keyspace notifications, Redis's flags ('' = off)")
+    serve.add_argument("--tracking-table-max-keys", type=int, dest="tracking_table_max_keys",
+                       metavar="N", help="keys remembered for CLIENT TRACKING clients")
+    serve.add_argument("--pubsub-max-output-bytes", type=int, dest="pubsub_max_output_bytes",
+                       metavar="N", help="cut off a subscriber with more output pending")
     _document_settings(serve)
 
     get = sub.add_parser("get", help="read a key through a running sidecar")

@@ -10,22 +10,28 @@ import functools
 import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from . import __version__, resp
+from . import resp
 from .accesslog import AccessLog
+from .changes import ChangeHub
+from .commands_session import NO_AUTH, NOAUTH, SessionCommands
 from .config import BucketConfig, Config
 from .entry import Entry, Operation
 from .errors import CommandError, KvcacheError, ReplyBudget, ReplyTooLarge
 from .info import Info
 from .keys import glob_matcher
+from .keyspace_events import parse_flags
 from .readpolicy import STALE_SOURCE, ReadPolicy
-from .record import Record, live_value
+from .record import Record, expiry, live_value
 from .replica import RECORD
 from .scan import ScanCursors
+from .server_multi import CONTROL, QUEUED, Transactions
+from .server_pubsub import SUBSCRIBED_OK, PubSub
+from .server_tracking import TRACKED, Tracking, key_args
 from .stats import Stats
 
-__all__ = ["CommandError", "Commands", "Session"]
+__all__ = ["CommandError", "Commands"]
 
 Reply = bytes | Awaitable[bytes]
 
@@ -66,6 +72,25 @@ COMMAND_SPECS: dict[str, tuple[int, tuple[str, ...], int, int, int, tuple[str, .
     "config": (-2, (), 0, 0, 0, ("@admin", "@slow", "@dangerous")),
     "auth": (-2, ("noscript", "loading", "stale", "fast", "no_auth", "allow_busy"), 0, 0, 0,
              ("@fast", "@connection")),
+    "ttl": (2, ("readonly", "fast"), 1, 1, 1, ("@keyspace", "@read", "@fast")),
+    "pttl": (2, ("readonly", "fast"), 1, 1, 1, ("@keyspace", "@read", "@fast")),
+    "expiretime": (2, ("readonly", "fast"), 1, 1, 1, ("@keyspace", "@read", "@fast")),
+    "pexpiretime": (2, ("readonly", "fast"), 1, 1, 1, ("@keyspace", "@read", "@fast")),
+    "type": (2, ("readonly", "fast"), 1, 1, 1, ("@keyspace", "@read", "@fast")),
+    "strlen": (2, ("readonly", "fast"), 1, 1, 1, ("@read", "@string", "@fast")),
+    "getrange": (4, ("readonly",), 1, 1, 1, ("@read", "@string", "@slow")),
+    "multi": (1, ("noscript", "loading", "stale", "fast", "allow_busy"), 0, 0, 0, ("@fast", "@transaction")),
+    "exec": (1, ("noscript", "loading", "stale", "skip_slowlog"), 0, 0, 0, ("@slow", "@transaction")),
+    "discard": (1, ("noscript", "loading", "stale", "fast", "allow_busy"), 0, 0, 0, ("@fast", "@transaction")),
+    "watch": (-2, ("noscript", "loading", "stale", "fast", "allow_busy"), 1, -1, 1, ("@fast", "@transaction")),
+    "unwatch": (1, ("noscript", "loading", "stale", "fast", "allow_busy"), 0, 0, 0, ("@fast", "@transaction")),
+    "subscribe": (-2, ("pubsub", "noscript", "loading", "stale"), 0, 0, 0, ("@pubsub", "@slow")),
+    "psubscribe": (-2, ("pubsub", "noscript", "loading", "stale"), 0, 0, 0, ("@pubsub", "@slow")),
+    "unsubscribe": (-1, ("pubsub", "noscript", "loading", "stale"), 0, 0, 0, ("@pubsub", "@slow")),
+    "punsubscribe": (-1, ("pubsub", "noscript", "loading", "stale"), 0, 0, 0, ("@pubsub", "@slow")),
+    "pubsub": (-2, (), 0, 0, 0, ("@slow",)),
+    "reset": (1, ("noscript", "loading", "stale", "fast", "no_auth", "allow_busy"), 0, 0, 0,
+              ("@fast", "@connection")),
 }
 
 # COMMAND DOCS: name -> (summary, group, since: the Redis version that introduced it, or
@@ -88,48 +113,33 @@ COMMAND_DOCS: dict[str, tuple[str, str, str | None]] = {
     "client": ("A container for client connection commands", "connection", "2.4.0"),
     "command": ("Get array of command details", "server", "2.8.13"),
     "select": ("Change the selected database (only 0 exists)", "connection", "1.0.0"),
-    "config": ("Get configuration parameters (CONFIG GET only)", "server", "2.0.0"),
+    "config": ("Get configuration parameters (CONFIG SET notify-keyspace-events only)", "server", "2.0.0"),
     "auth": ("Authenticate to the server", "connection", "1.0.0"),
+    "ttl": ("Get the time to live for a key in seconds", "generic", "1.0.0"),
+    "pttl": ("Get the time to live for a key in milliseconds", "generic", "2.6.0"),
+    "expiretime": ("Get the expiration Unix timestamp for a key", "generic", "7.0.0"),
+    "pexpiretime": ("Get the expiration Unix timestamp for a key in milliseconds", "generic", "7.0.0"),
+    "type": ("Determine the type stored at key", "generic", "1.0.0"),
+    "strlen": ("Get the length of the value stored in a key", "string", "2.2.0"),
+    "getrange": ("Get a substring of the string stored at a key", "string", "2.4.0"),
+    "multi": ("Mark the start of a transaction block", "transactions", "1.2.0"),
+    "exec": ("Execute all commands issued after MULTI", "transactions", "1.2.0"),
+    "discard": ("Discard all commands issued after MULTI", "transactions", "2.0.0"),
+    "watch": ("Watch the given keys to determine execution of the MULTI/EXEC block",
+              "transactions", "2.2.0"),
+    "unwatch": ("Forget about all watched keys", "transactions", "2.2.0"),
+    "subscribe": ("Listen for messages published to the given channels", "pubsub", "2.0.0"),
+    "psubscribe": ("Listen for messages published to channels matching the given patterns",
+                   "pubsub", "2.0.0"),
+    "unsubscribe": ("Stop listening for messages posted to the given channels", "pubsub", "2.0.0"),
+    "punsubscribe": ("Stop listening for messages posted to channels matching the given patterns",
+                     "pubsub", "2.0.0"),
+    "pubsub": ("A container for Pub/Sub commands", "pubsub", "2.8.0"),
+    "reset": ("Reset the connection", "connection", "6.2.0"),
 }
 
-# CLIENT subcommands kvcache performs -> their exact argument count (Redis's `client|<sub>`
-# arity, checked before the subcommand runs, with Redis's wording). TRACKING takes options.
-CLIENT_ARITY = {
-    b"setname": 3, b"getname": 2, b"setinfo": 4, b"id": 2, b"info": 2, b"reply": 3,
-    b"no-evict": 3, b"no-touch": 3, b"caching": 3, b"getredir": 2, b"trackinginfo": 2,
-}
-TRACKING_UNSUPPORTED = (
-    "ERR kvcache does not support CLIENT TRACKING (client-side caching) yet: it sends no "
-    "invalidations, so replies must not be cached client-side")
-CACHING_WITHOUT_TRACKING = ("ERR CLIENT CACHING can be called only when the client is in "
-                            "tracking mode with OPTIN or OPTOUT mode enabled")
-# CLIENT TRACKINGINFO with tracking off, as Redis answers it (RESP3: flags is a set)
-TRACKINGINFO_OFF = {
-    2: b"*6\r\n$5\r\nflags\r\n*1\r\n$3\r\noff\r\n$8\r\nredirect\r\n:-1\r\n"
-       b"$8\r\nprefixes\r\n*0\r\n",
-    3: b"%3\r\n$5\r\nflags\r\n~1\r\n$3\r\noff\r\n$8\r\nredirect\r\n:-1\r\n"
-       b"$8\r\nprefixes\r\n*0\r\n",
-}
-# kvcache has Redis's `default` user only, without a password: the socket's file mode is its
-# access control. These are Redis's answers when no password is configured.
-WRONGPASS = "WRONGPASS invalid username-password pair or user is disabled."
-AUTH_WITHOUT_PASSWORD = ("ERR AUTH <password> called without any password configured for the "
-                         "default user. Are you sure your configuration is correct?")
-
-
-class Session(Protocol):
-    """What the command layer needs of a client's connection (kvcache.server's
-    ClientConnection): its protocol, identity, and the replies it controls."""
-
-    proto: int
-    id: int
-    name: bytes
-    lib_name: bytes
-    lib_ver: bytes
-
-    def close_after_reply(self) -> None: ...
-    def set_reply_mode(self, mode: bytes) -> bytes: ...
-    def client_info(self) -> str: ...
+if TYPE_CHECKING:  # the connection the server hands every handler
+    from .session import Session
 
 
 def arity(n: int, exact: bool = True):
@@ -157,31 +167,99 @@ class Commands:
         self.replica = policy.replica
         self.stats = stats
         self.access = access if access is not None else AccessLog.from_config(cfg)
-        self.info_source = Info(cfg, stats, policy, self.access)
         self._cursors = ScanCursors()
+        # What the server builds on the feeds' changes (kvcache.changes): one hub, its listeners
+        self.hub = ChangeHub()
+        self.tracking = Tracking(cfg.tracking_table_max_keys, cfg.default_bucket, lambda _id: None)
+        self.pubsub = PubSub(cfg.notify_keyspace_events, cfg.default_bucket)
+        self.transactions = Transactions(policy)
+        self.info_source = Info(cfg, stats, policy, self.access, self.tracking, self.pubsub)
+        for listener in (self.tracking, self.pubsub, self.transactions):
+            self.hub.add(listener)
+        self.tracking.on_first = self.hub.wake
+        self.session = SessionCommands(cfg, self.tracking, self.pubsub, self.transactions, self.dispatch)
         self._table: dict[bytes, Callable[[Session, list[bytes]], Reply]] = {
             b"get": self.get, b"mget": self.mget, b"exists": self.exists,
             b"kv.get": self.kv_get, b"keys": self.keys, b"scan": self.scan,
-            b"dbsize": self.dbsize, b"info": self.info,
-            b"ping": self.ping, b"echo": self.echo, b"quit": self.quit, b"hello": self.hello,
-            b"client": self.client, b"command": self.command, b"select": self.select,
-            b"config": self.config, b"auth": self.auth,
+            b"dbsize": self.dbsize, b"info": self.info, b"command": self.command,
+            b"config": self.config, b"ttl": self.ttl, b"pttl": self.pttl,
+            b"expiretime": self.expiretime, b"pexpiretime": self.pexpiretime,
+            b"type": self.type, b"strlen": self.strlen, b"getrange": self.getrange,
+            **self.session.table(),
         }
+
+    def forget(self, conn: Session) -> None:
+        """A connection closed: its tracking, subscriptions and watched keys go with it."""
+        self.tracking.disable(conn)
+        self.pubsub.drop(conn)
+        self.transactions.unwatch(conn)
 
     def dispatch(self, conn: Session, args: list[bytes]) -> Reply:
         self.stats.commands += 1
         name = args[0].lower()
         handler = self._table.get(name)
         try:
+            if conn.gate and handler is not None:  # unauthenticated, in MULTI, RESP2 subscribed
+                early = self._gate(conn, name, args)
+                if early is not None:
+                    return early
             if handler is not None:
-                return handler(conn, args)
-            if name in WRITE_COMMANDS:
-                return READONLY
-            shown = " ".join(f"'{a.decode(errors='replace')[:64]}'" for a in args[1:4])
-            return resp.error(f"ERR unknown command '{args[0].decode(errors='replace')[:64]}', "
-                              f"with args beginning with: {shown}")
+                reply = handler(conn, args)
+            elif name in WRITE_COMMANDS:
+                reply = READONLY
+            else:
+                reply = _unknown(args)
         except (CommandError, ReplyTooLarge) as e:
-            return resp.error(str(e))
+            reply = resp.error(str(e))
+        if conn.multi is not None and handler is None and name != b"multi":
+            conn.multi_failed = True  # an unknown command or a write queued: EXECABORT
+        if conn.tracking is not None:
+            return self._tracked(conn, name, args, reply)
+        return reply
+
+    def _gate(self, conn: Session, name: bytes, args: list[bytes]) -> bytes | None:
+        """The reply of a command the connection's state stops, as Redis gives it; None to
+        run it. In MULTI, a command is checked (arity, not a write) and queued."""
+        if not conn.authenticated and name not in NO_AUTH:
+            return NOAUTH
+        if conn.proto == 2 and conn.subscribed and name not in SUBSCRIBED_OK:
+            return resp.error(f"ERR Can't execute '{name.decode(errors='replace')}': only (P|S)SUBSCRIBE / "
+                              "(P|S)UNSUBSCRIBE / PING / QUIT / RESET are allowed in this context")
+        if conn.multi is not None and name not in CONTROL:
+            spec = COMMAND_SPECS.get(name.decode(errors="replace"))
+            if spec is not None and ((len(args) != spec[0]) if spec[0] > 0 else (len(args) < -spec[0])):
+                conn.multi_failed = True
+                return resp.error(f"ERR wrong number of arguments for '{name.decode(errors='replace')}' command")
+            conn.multi.append(args)
+            return QUEUED
+        return None
+
+    def _tracked(self, conn: Session, name: bytes, args: list[bytes], reply: Reply) -> Reply:
+        """CLIENT TRACKING's bookkeeping after a command (kvcache.server_tracking): keys
+        read from the replica in this step are remembered; keys of a reply that waited are
+        invalidated once it is written; CLIENT CACHING covers one command (or one MULTI)."""
+        t = conn.tracking
+        if t is None or conn.multi is not None:
+            return reply  # queued: the keys are read (and CACHING used) at EXEC
+        if name == b"exec":
+            names = conn.exec_keys
+            conn.exec_keys = []
+        elif name in TRACKED:
+            names = key_args(name, args)
+        else:
+            names = []
+        if conn.in_exec:
+            conn.exec_keys.extend(names)
+            return reply
+        if names:
+            if reply.__class__ is bytes:
+                if t.wants():
+                    self.tracking.remember(conn, names)
+            elif t.bcast or t.wants():
+                conn.after_reply.extend(names)
+        if not (name == b"client" and args[1:2] and args[1].lower() == b"caching"):
+            t.caching = None
+        return reply
 
     # ------------------------------------------------------------------ reads
 
@@ -390,6 +468,91 @@ class Commands:
                     values[i] = entry.value
         return reply()
 
+    # ------------------------------------------------------------------ one key's facts
+
+    def _one(self, conn: Session, raw: bytes, command: str,
+             answer: Callable[[BucketConfig, Found | None], bytes]) -> Reply:
+        """A read of one key whose reply is worked out from what the key holds (`answer`
+        gets None for a missing key): TTL and its kin, TYPE, STRLEN, GETRANGE. The same
+        sources and rules as GET."""
+        bc, key = self.policy.resolve(raw)
+        t0 = self._t0()
+        if self.policy.local_ok(bc, key):
+            rec = self.replica.get(bc.name, key)
+            want = self.policy.behind(bc, key, rec)
+            if not want:
+                return answer(bc, self._local_found(bc, key, rec, t0, command))
+            return self._one_gated(bc, key, want, t0, command, answer)
+        return self._one_remote(bc, key, t0, command, answer)
+
+    def _local_found(self, bc: BucketConfig, key: str, rec: Record | None, t0: int,
+                     command: str) -> Found | None:
+        self.stats.gets_local += 1
+        self._log(t0, bc.name, key, "local", rec is not None, command)
+        if rec is None:
+            self.stats.gets_notfound += 1
+            return None
+        return Found(rec.value, rec.created, rec.expires)
+
+    async def _one_gated(self, bc: BucketConfig, key: str, want: int, t0: int, command: str,
+                         answer: Callable[[BucketConfig, Found | None], bytes]) -> bytes:
+        local, rec = await self.policy.local_after(bc, key, want)
+        if local:
+            return answer(bc, self._local_found(bc, key, rec, t0, command))
+        return await self._one_remote(bc, key, t0, command, answer)
+
+    async def _one_remote(self, bc: BucketConfig, key: str, t0: int, command: str,
+                          answer: Callable[[BucketConfig, Found | None], bytes]) -> bytes:
+        entry = await self.remote_entry(bc, key, t0=t0, command=command)
+        if entry is None or entry.value is None:
+            return answer(bc, None)
+        return answer(bc, Found(entry.value, entry.created, entry.expires))
+
+    def _ttl(self, conn: Session, args: list[bytes], ms: bool, absolute: bool) -> Reply:
+        if len(args) != 2:
+            name = args[0].decode(errors="replace").lower()
+            raise CommandError(f"ERR wrong number of arguments for '{name}' command")
+
+        def answer(bc: BucketConfig, found: Found | None) -> bytes:
+            if found is None:
+                return resp.integer(-2)
+            feed = self.policy.feeds.get(bc.name)
+            due = expiry(found.created, found.expires, feed.max_age_ns if feed else 0)
+            if not due:
+                return resp.integer(-1)
+            left = due // 1_000_000 if absolute else max(0, (due - time.time_ns()) // 1_000_000)
+            return resp.integer(left if ms else (left + 500) // 1000)
+        return self._one(conn, args[1], args[0].decode(errors="replace").upper(), answer)
+
+    def ttl(self, conn: Session, args: list[bytes]) -> Reply:
+        return self._ttl(conn, args, ms=False, absolute=False)
+
+    def pttl(self, conn: Session, args: list[bytes]) -> Reply:
+        return self._ttl(conn, args, ms=True, absolute=False)
+
+    def expiretime(self, conn: Session, args: list[bytes]) -> Reply:
+        return self._ttl(conn, args, ms=False, absolute=True)
+
+    def pexpiretime(self, conn: Session, args: list[bytes]) -> Reply:
+        return self._ttl(conn, args, ms=True, absolute=True)
+
+    @arity(2)
+    def type(self, conn: Session, args: list[bytes]) -> Reply:
+        return self._one(conn, args[1], "TYPE",
+                         lambda bc, found: STRING_TYPE if found is not None else NONE_TYPE)
+
+    @arity(2)
+    def strlen(self, conn: Session, args: list[bytes]) -> Reply:
+        return self._one(conn, args[1], "STRLEN",
+                         lambda bc, found: resp.integer(len(found.value) if found else 0))
+
+    @arity(4)
+    def getrange(self, conn: Session, args: list[bytes]) -> Reply:
+        start, end = _int_arg(args[2]), _int_arg(args[3])
+        proto = conn.proto
+        return self._one(conn, args[1], "GETRANGE",
+                         lambda bc, found: resp.bulk(_range(found.value if found else b"", start, end), proto))
+
     @arity(2, exact=False)
     def kv_get(self, conn: Session, args: list[bytes]) -> Reply:
         bc, key = self.policy.resolve(args[1])
@@ -498,120 +661,7 @@ class Commands:
         b = self.cfg.default_bucket
         return resp.integer(self.replica.count(b) if b else 0)
 
-    # ------------------------------------------------------------------ connection
-
-    def ping(self, conn: Session, args: list[bytes]) -> Reply:
-        if len(args) > 2:
-            raise CommandError("ERR wrong number of arguments for 'ping' command")
-        return resp.bulk(args[1], conn.proto) if len(args) == 2 else resp.PONG
-
-    @arity(2)
-    def echo(self, conn: Session, args: list[bytes]) -> Reply:
-        return resp.bulk(args[1], conn.proto)
-
-    def quit(self, conn: Session, args: list[bytes]) -> Reply:
-        conn.close_after_reply()
-        return resp.OK
-
-    def hello(self, conn: Session, args: list[bytes]) -> Reply:
-        """Redis's order: every option is parsed, then AUTH checked, then SETNAME validated,
-        and only then anything applied, so a failed HELLO changes nothing."""
-        proto = conn.proto
-        i = 1
-        if len(args) > 1:
-            try:
-                proto = int(args[1])
-            except ValueError:
-                raise CommandError("ERR Protocol version is not an integer or out of range") from None
-            if proto not in (2, 3):
-                raise CommandError("NOPROTO unsupported protocol version")
-            i = 2
-        name = user = None
-        while i < len(args):
-            opt = args[i].lower()
-            if opt == b"auth" and i + 2 < len(args):
-                user = args[i + 1]
-                i += 3
-            elif opt == b"setname" and i + 1 < len(args):
-                name = args[i + 1]
-                i += 2
-            else:
-                raise CommandError(f"ERR Syntax error in HELLO option '{args[i].decode(errors='replace')}'")
-        if user is not None:
-            _authenticate(user)
-        if name is not None:
-            conn.name = _client_attr(name, "Client names")
-        conn.proto = proto
-        info = [
-            (b"server", resp.bulk(b"kvcache")), (b"version", resp.bulk(__version__.encode())),
-            (b"proto", resp.integer(proto)), (b"id", resp.integer(conn.id)),
-            (b"mode", resp.bulk(b"standalone")), (b"role", resp.bulk(b"replica")),
-            (b"modules", resp.array([], proto)),
-        ]
-        return resp.map_([(resp.bulk(k), v) for k, v in info], proto)
-
-    @arity(2, exact=False)
-    def auth(self, conn: Session, args: list[bytes]) -> Reply:
-        """Redis's answers with no password configured (see WRONGPASS): never an OK that
-        pretends a password was checked, never a refusal of the one user that exists."""
-        if len(args) > 3:
-            raise CommandError("ERR syntax error")
-        if len(args) == 2:
-            raise CommandError(AUTH_WITHOUT_PASSWORD)
-        _authenticate(args[1])
-        return resp.OK
-
-    @arity(2, exact=False)
-    def client(self, conn: Session, args: list[bytes]) -> Reply:
-        """The subcommands kvcache performs, as Redis does them; everything about
-        client-side caching says tracking is off, and turning it on is refused."""
-        sub = args[1].lower()
-        want = CLIENT_ARITY.get(sub)
-        if (want is not None and len(args) != want) or (sub == b"tracking" and len(args) < 3):
-            raise CommandError(f"ERR wrong number of arguments for 'client|{sub.decode(errors='replace')}' command")
-        if sub == b"getname":
-            return resp.bulk(conn.name or None, conn.proto)
-        if sub == b"setname":
-            conn.name = _client_attr(args[2], "Client names")
-            return resp.OK
-        if sub == b"setinfo":
-            attr = args[2].lower()
-            if attr not in (b"lib-name", b"lib-ver"):
-                raise CommandError(f"ERR Unrecognized option '{args[2].decode(errors='replace')}'")
-            value = _client_attr(args[3], args[2].decode(errors="replace"))
-            if attr == b"lib-name":
-                conn.lib_name = value
-            else:
-                conn.lib_ver = value
-            return resp.OK
-        if sub == b"id":
-            return resp.integer(conn.id)
-        if sub == b"info":
-            return resp.verbatim(conn.client_info(), conn.proto)
-        if sub == b"reply":
-            mode = args[2].lower()
-            if mode not in (b"on", b"off", b"skip"):
-                raise CommandError("ERR syntax error")
-            return conn.set_reply_mode(mode)
-        if sub in (b"no-evict", b"no-touch"):
-            # kvcache evicts no client for memory and keeps no LRU/LFU: both are true either way
-            if args[2].lower() not in (b"on", b"off"):
-                raise CommandError("ERR syntax error")
-            return resp.OK
-        if sub == b"tracking":
-            switch = args[2].lower()
-            if switch not in (b"on", b"off"):
-                raise CommandError("ERR syntax error")
-            if switch == b"off" and len(args) == 3:
-                return resp.OK  # tracking is off, and stays off
-            raise CommandError(TRACKING_UNSUPPORTED)
-        if sub == b"caching":
-            raise CommandError(CACHING_WITHOUT_TRACKING)
-        if sub == b"getredir":
-            return resp.integer(-1)
-        if sub == b"trackinginfo":
-            return TRACKINGINFO_OFF[conn.proto]
-        raise CommandError(f"ERR unknown subcommand '{args[1].decode(errors='replace')[:64]}'. Try CLIENT HELP.")
+    # ------------------------------------------------------------------ server
 
     def command(self, conn: Session, args: list[bytes]) -> Reply:
         sub = args[1].lower() if len(args) > 1 else b""
@@ -632,27 +682,21 @@ class Commands:
             return resp.array([resp.bulk(n.encode(), proto) for n in COMMAND_SPECS], proto)
         raise CommandError(f"ERR unknown subcommand '{args[1].decode(errors='replace')[:64]}'. Try COMMAND HELP.")
 
-    @arity(2)
-    def select(self, conn: Session, args: list[bytes]) -> Reply:
-        """Only database 0 exists (CONFIG GET databases says 1); Redis's wording for the rest."""
-        if args[1] == b"0":
-            return resp.OK
-        if not re.fullmatch(rb"-?[1-9][0-9]*", args[1]) or not -(1 << 63) <= int(args[1]) < 1 << 63:
-            raise CommandError("ERR value is not an integer or out of range")
-        if not -(1 << 31) <= int(args[1]) < 1 << 31:
-            raise CommandError("ERR value is out of range, value must between -2147483648 and 2147483647")
-        raise CommandError("ERR DB index is out of range")
-
     @arity(2, exact=False)
     def config(self, conn: Session, args: list[bytes]) -> Reply:
-        if args[1].lower() != b"get":
-            raise CommandError("ERR kvcache supports CONFIG GET only")
+        sub = args[1].lower()
+        if sub == b"set":
+            return self._config_set(args)
+        if sub != b"get":
+            raise CommandError("ERR kvcache supports CONFIG GET, and CONFIG SET of notify-keyspace-events")
         if len(args) < 3:
             raise CommandError("ERR wrong number of arguments for 'config|get' command")
         settings = {
             "save": "", "appendonly": "no", "databases": "1",
             "maxclients": str(self.cfg.max_clients),
             "proto-max-bulk-len": str(self.cfg.max_request_bytes),
+            "notify-keyspace-events": self.pubsub.flags,
+            "tracking-table-max-keys": str(self.tracking.max_keys),
         }
         found: dict[str, str] = {}  # a setting matched by several patterns is listed once
         for pattern in args[2:]:
@@ -660,6 +704,22 @@ class Commands:
             found.update((k, v) for k, v in settings.items() if match(k))
         return resp.map_([(resp.bulk(k.encode()), resp.bulk(v.encode())) for k, v in found.items()],
                          conn.proto)
+
+    def _config_set(self, args: list[bytes]) -> bytes:
+        """CONFIG SET notify-keyspace-events FLAGS: the one setting clients change at run time
+        (frameworks turn notifications on this way). Not saved: the config file is the
+        sidecar's, as redis.conf is Redis's without CONFIG REWRITE."""
+        if len(args) < 4 or len(args) % 2:
+            raise CommandError("ERR wrong number of arguments for 'config|set' command")
+        flags = None
+        for i in range(2, len(args), 2):
+            name = args[i].decode(errors="replace").lower()
+            if name != "notify-keyspace-events":
+                raise CommandError(f"ERR kvcache can CONFIG SET notify-keyspace-events only, not '{name[:64]}'")
+            flags = parse_flags(args[i + 1].decode(errors="replace"))
+        assert flags is not None
+        self.pubsub.set_flags(flags)
+        return resp.OK
 
     # ------------------------------------------------------------------ INFO
 
@@ -672,6 +732,46 @@ class Commands:
 
 
 # ---------------------------------------------------------------------- helpers
+
+class Found(NamedTuple):
+    """What a one-key read found: the value, its creation and own expiry (Record.expires)."""
+
+    value: bytes
+    created: int
+    expires: int
+
+
+STRING_TYPE = b"+string\r\n"
+NONE_TYPE = b"+none\r\n"
+
+
+def _int_arg(raw: bytes) -> int:
+    """An integer argument as Redis reads one (64-bit, no spaces or leading '+')."""
+    if not re.fullmatch(rb"0|-?[1-9][0-9]*", raw) or not -(1 << 63) <= int(raw) < 1 << 63:
+        raise CommandError("ERR value is not an integer or out of range")
+    return int(raw)
+
+
+def _range(value: bytes, start: int, end: int) -> bytes:
+    """GETRANGE's slice, with Redis's rules for negative and out-of-range offsets."""
+    n = len(value)
+    if start < 0 and end < 0 and start > end:
+        return b""
+    if start < 0:
+        start = max(0, n + start)
+    if end < 0:
+        end = max(0, n + end)
+    end = min(end, n - 1)
+    if start > end or n == 0:
+        return b""
+    return value[start:end + 1]
+
+
+def _unknown(args: list[bytes]) -> bytes:
+    shown = " ".join(f"'{a.decode(errors='replace')[:64]}'" for a in args[1:4])
+    return resp.error(f"ERR unknown command '{args[0].decode(errors='replace')[:64]}', "
+                      f"with args beginning with: {shown}")
+
 
 def _values_reply(values: list[bytes | None], proto: int) -> bytes:
     return resp.array([resp.bulk(v, proto) for v in values], proto)
@@ -702,20 +802,6 @@ def _command_docs(name: str, proto: int) -> bytes:
     summary, group, since = COMMAND_DOCS[name]
     fields = [(b"summary", summary), (b"group", group)] + ([(b"since", since)] if since else [])
     return resp.map_([(resp.bulk(k, proto), resp.bulk(v.encode(), proto)) for k, v in fields], proto)
-
-
-def _authenticate(user: bytes) -> None:
-    """Redis's `default` user without a password accepts any password; no other user exists."""
-    if user != b"default":
-        raise CommandError(WRONGPASS)
-
-
-def _client_attr(value: bytes, what: str) -> bytes:
-    """A client name or library name/version: printable ASCII without spaces, as Redis
-    requires (CLIENT INFO's `k=v` fields split on spaces)."""
-    if any(c < 0x21 or c > 0x7e for c in value):
-        raise CommandError(f"ERR {what} cannot contain spaces, newlines or special characters.")
-    return value
 
 
 def _options(args: list[bytes], spec: dict[bytes, type]) -> dict[bytes, Any]:

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from .errors import CommandError, ConfigError
 from .keys import valid_filter
+from .keyspace_events import parse_flags
 
 BUCKET_NAME = re.compile(r"^[a-zA-Z0-9_-]+$")
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the terminating NUL
@@ -85,9 +86,26 @@ class Config:
     access_log_files: int = 10  # rotated files kept (access.log.1 .. .N)
     discover_peers: bool = False  # add the mirrors each bucket stream lists as `alternates`
     serve_stale: bool = False  # default of [[bucket]] serve_stale (see BucketConfig)
+    listen: str = ""  # a loopback TCP listener, "127.0.0.1:6380"; "" = none (the Unix socket only)
+    listen_non_loopback: bool = False  # the second setting `listen` needs for any other address
+    requirepass_file: str | None = None  # the password TCP clients must AUTH with (or KVCACHE_REQUIREPASS)
+    compat_identity: bool = False  # HELLO says server "redis", version REDIS_VERSION (client caches check it)
+    notify_keyspace_events: str = "KEA"  # Redis's flags; "" = no keyspace notifications
+    tracking_table_max_keys: int = 1_000_000  # keys remembered for tracking clients (Redis's default)
+    pubsub_max_output_bytes: int = 32 * 1024 * 1024  # a subscriber with more pending output is cut off
     nats: NatsConfig = field(default_factory=NatsConfig)
     buckets: list[BucketConfig] = field(default_factory=list)
     peers: list[PeerConfig] = field(default_factory=list)
+    # The password itself: from requirepass_file or KVCACHE_REQUIREPASS only (never a flag,
+    # never a TOML key, never shown: not in repr, INFO or logs).
+    requirepass: str | None = field(default=None, repr=False)
+
+    @property
+    def listen_address(self) -> tuple[str, int] | None:
+        """`listen` as (host, port), None when off (validated by `validate`)."""
+        if not self.listen:
+            return None
+        return _host_port(self.listen)
 
     @property
     def embedded(self) -> bool:
@@ -116,7 +134,8 @@ class Config:
 
 # ---------------------------------------------------------------------------- sources
 
-_SCALARS = {f.name: f for f in fields(Config) if f.name not in ("nats", "buckets", "peers")}
+_SCALARS = {f.name: f for f in fields(Config) if f.name not in ("nats", "buckets", "peers", "requirepass")}
+PASSWORD_ENV = "KVCACHE_REQUIREPASS"
 _NATS_SCALARS = {f.name: f for f in fields(NatsConfig)}
 
 
@@ -132,8 +151,46 @@ def load(
     cfg = _from_mapping(raw, where=path or "config")
     _apply_env(cfg, env)
     _apply_overrides(cfg, overrides or {})
+    _load_password(cfg, env)
     validate(cfg)
     return cfg
+
+
+def _load_password(cfg: Config, env: Mapping[str, str]) -> None:
+    """requirepass from its file or KVCACHE_REQUIREPASS, never both."""
+    from_env = env.get(PASSWORD_ENV)
+    if cfg.requirepass_file and from_env is not None:
+        raise ConfigError(f"requirepass_file and {PASSWORD_ENV} are both set: give the password once")
+    if cfg.requirepass_file:
+        data = _read_setting_file(cfg.requirepass_file, "requirepass")
+        text = data.decode("utf-8", "replace").rstrip("\r\n")
+        if not text or "\n" in text:
+            raise ConfigError(f"requirepass file {cfg.requirepass_file}: expected the password on one line")
+        cfg.requirepass = text
+    elif from_env is not None:
+        if not from_env:
+            raise ConfigError(f"{PASSWORD_ENV} is empty")
+        cfg.requirepass = from_env
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    """`host:port` or `[v6]:port`."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536 or not host:  # 0: any free port
+        raise ConfigError(f"listen must be host:port (like 127.0.0.1:6380), got '{text}'")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _read_toml(path: str) -> dict[str, Any]:
@@ -393,6 +450,22 @@ def validate(cfg: Config) -> None:
         raise ConfigError("access_log_max_bytes must be positive and access_log_files not negative")
     if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"log_level must be debug, info, warning or error, got '{cfg.log_level}'")
+    if cfg.listen:
+        host, _ = _host_port(cfg.listen)
+        if not _loopback(host):
+            if not cfg.listen_non_loopback:
+                raise ConfigError(f"listen = {cfg.listen} is not a loopback address: set "
+                                  "listen_non_loopback = true as well to bind it")
+            if not cfg.requirepass:
+                raise ConfigError(f"listen = {cfg.listen} is not a loopback address: it needs a "
+                                  f"password (requirepass_file or {PASSWORD_ENV})")
+    for name in ("tracking_table_max_keys", "pubsub_max_output_bytes"):
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
+    try:
+        parse_flags(cfg.notify_keyspace_events)
+    except CommandError as e:
+        raise ConfigError(f"notify_keyspace_events: {str(e).removeprefix('ERR ')}") from None
     peer_names = [p.name for p in cfg.peers]
     if len(set(peer_names)) != len(peer_names):
         raise ConfigError("peer names must be unique")

@@ -16,21 +16,27 @@ if TYPE_CHECKING:
     from .accesslog import AccessLog
     from .config import Config
     from .readpolicy import ReadPolicy
+    from .server_pubsub import PubSub
+    from .server_tracking import Tracking
     from .stats import Stats
 
 DEFAULT_SECTIONS = frozenset({"server", "clients", "stats", "buckets", "peers"})
-# What INFO says it is, for clients that check the Redis version they talk to
-REDIS_VERSION = "7.2.0"
+# The Redis version kvcache answers as: INFO's redis_version, and HELLO's version with
+# compat_identity (client-side caches ask for 7.4: redis-py, Jedis)
+REDIS_VERSION = "7.4.0"
 
 
 class Info:
     """Builds INFO's text on demand (nothing is computed between INFO calls)."""
 
-    def __init__(self, cfg: Config, stats: Stats, policy: ReadPolicy, access: AccessLog) -> None:
+    def __init__(self, cfg: Config, stats: Stats, policy: ReadPolicy, access: AccessLog,
+                 tracking: Tracking | None = None, pubsub: PubSub | None = None) -> None:
         self.cfg = cfg
         self.stats = stats
         self.policy = policy
         self.access = access
+        self.tracking = tracking
+        self.pubsub = pubsub
 
     def sections(self) -> dict[str, list[tuple[str, object]]]:
         st, cfg, policy = self.stats, self.cfg, self.policy
@@ -39,7 +45,7 @@ class Info:
             "server": [
                 ("kvcache_version", __version__), ("redis_version", REDIS_VERSION),
                 ("process_id", os.getpid()), ("uptime_in_seconds", int(time.time() - st.started)),
-                ("socket", cfg.socket_path), ("nats_url", st.nats_url),
+                ("socket", cfg.socket_path), ("listen", st.listen), ("nats_url", st.nats_url),
                 ("embedded_nats", int(st.embedded_nats)),
                 ("native", ",".join(f"{k}={v.split()[0]}" for k, v in native.report().items())),
                 ("native_lmdb", native.lmdb_version()),
@@ -50,6 +56,9 @@ class Info:
                 ("maxclients", cfg.max_clients),
                 ("rejected_connections", st.rejected_connections),
                 ("clients_cut_off", st.clients_cut_off),
+                ("subscribers_cut_off", st.subscribers_cut_off),
+                ("tracking_clients", len(self.tracking.clients) if self.tracking else 0),
+                ("pubsub_clients", self.pubsub.clients() if self.pubsub else 0),
             ],
             "stats": [
                 ("gets_local", st.gets_local), ("gets_remote", st.gets_remote),
@@ -60,6 +69,9 @@ class Info:
                 ("total_connections_received", st.connections_received),
                 ("protocol_errors", st.protocol_errors),
                 ("access_log_records", self.access.records),
+                *(self.tracking.info() if self.tracking else []),
+                *(self.pubsub.info() if self.pubsub else []),
+                ("notify_keyspace_events", self.pubsub.flags if self.pubsub else ""),
             ],
             "buckets": [(name, _fields(
                 synced=int(f.synced), keys=policy.replica.count(name), applied_seq=f.meta.applied_seq,

@@ -580,3 +580,13 @@ def double(x: float, proto: int = 2) -> bytes:
     if proto == 3:
         return b",%b\r\n" % text
     return b"$%d\r\n%b\r\n" % (len(text), text)
+
+
+def set_(items: Sequence[bytes], proto: int = 2) -> bytes:
+    """A set of already encoded elements: RESP3 `~`, RESP2 an array."""
+    return b"%b%d\r\n%b" % (b"~" if proto == 3 else b"*", len(items), b"".join(items))
+
+
+def push(items: Sequence[bytes], proto: int = 2) -> bytes:
+    """Out-of-band data (pub/sub messages, invalidations): RESP3 `>`, RESP2 an array."""
+    return b"%b%d\r\n%b" % (b">" if proto == 3 else b"*", len(items), b"".join(items))

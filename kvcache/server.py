@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from .commands import Commands
     from .config import Config
     from .stats import Stats
+    from .tracking_mode import ClientTracking
 
 log = logging.getLogger("kvcache.server")
 
@@ -63,19 +64,34 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
 
     __slots__ = (
         "_drop_busy",
+        "_in_process",
+        "_pushq",
         "_reply_off",
         "_skip",
         "_skip_next",
         "_stall",
         "_stall_size",
+        "after_reply",
+        "authenticated",
+        "channels",
+        "exec_keys",
+        "gate",
         "id",
+        "in_exec",
         "lib_name",
         "lib_ver",
+        "multi",
+        "multi_failed",
         "name",
+        "needs_auth",
+        "patterns",
         "srv",
+        "tracking",
+        "watch_dirty",
+        "watching",
     )
 
-    def __init__(self, srv: RespServer, conn_id: int) -> None:
+    def __init__(self, srv: RespServer, conn_id: int, tcp: bool = False) -> None:
         super().__init__(srv.gets, srv.stats,
                          WIRE.RequestReader(srv.cfg.max_request_bytes, srv.cfg.max_args))
         self.srv = srv
@@ -83,6 +99,30 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         self.name = b""
         self.lib_name = b""  # CLIENT SETINFO
         self.lib_ver = b""
+        # AUTH: TCP clients must give the password when one is set; the Unix socket's file
+        # mode is its guard (kvcache.commands_session)
+        self.needs_auth = tcp
+        self.authenticated = not (tcp and srv.cfg.requirepass)
+        # Connection state the command layer keeps (kvcache.commands_session and the
+        # server_* modules it uses): tracking mode, subscriptions, MULTI queue, WATCHed keys.
+        self.tracking: ClientTracking | None = None
+        self.channels: set[bytes] = set()
+        self.patterns: set[bytes] = set()
+        self.multi: list[list[bytes]] | None = None
+        self.multi_failed = False
+        self.in_exec = False
+        self.exec_keys: list[bytes] = []
+        self.watching: set[tuple[str, str]] = set()
+        self.watch_dirty = False
+        self.after_reply: list[bytes] = []  # keys to invalidate once the reply in flight is written
+        # Pushes (invalidations, messages) raised while _process assembles replies wait for
+        # them: a push never lands inside or ahead of a reply being built.
+        self._in_process = False
+        self._pushq: list[bytes] = []
+        # `gate`: the command layer must look at every command first (not authenticated, in
+        # MULTI, RESP2 subscribed); with it, tracking or a CLIENT REPLY mode, the GET fast
+        # path stands aside (GetConnection._muted): see refresh_path.
+        self.gate = not self.authenticated
         self._stall: asyncio.TimerHandle | None = None  # the cut-off timer while paused
         self._stall_size = 0                             # write buffer size when armed
         # CLIENT REPLY, as Redis keeps it: OFF; SKIP (this command's reply is dropped);
@@ -90,6 +130,39 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         # GetConnection._muted says whether any is set.
         self._reply_off = self._skip = self._skip_next = False
         self._drop_busy = False  # the reply of the command in flight is to be dropped
+        self._muted = self.gate
+
+    @property
+    def subscribed(self) -> bool:
+        return bool(self.channels or self.patterns)
+
+    def refresh_path(self) -> None:
+        """After any change of the state the command layer looks at: does every command go
+        through it (`gate`), and may GETs still take the fast path (`_muted` clear)?"""
+        self.gate = (not self.authenticated or self.multi is not None
+                     or (self.proto == 2 and bool(self.channels or self.patterns)))
+        self._muted = (self.gate or self.tracking is not None or self._reply_off or self._skip
+                       or self._skip_next)
+
+    def push(self, data: bytes) -> None:
+        """Out-of-band data for this client (an invalidation, a pub/sub message), written at
+        once unless replies are being assembled (then right after them). A client whose
+        pending output passes pubsub_max_output_bytes is cut off, alone."""
+        if self._closing:
+            return
+        if self._in_process:
+            self._pushq.append(data)
+            return
+        transport = self.transport
+        transport.write(data)
+        size = transport.get_write_buffer_size()
+        if size > self.srv.push_limit:
+            log.warning("client %d has %d bytes of messages it does not read (over "
+                        "pubsub_max_output_bytes %d): disconnecting", self.id, size, self.srv.push_limit)
+            self.srv.stats.clients_cut_off += 1
+            self.srv.stats.subscribers_cut_off += 1
+            self._closing = True
+            transport.abort()
 
     # ------------------------------------------------------------------ asyncio.Protocol
 
@@ -106,11 +179,14 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
             return
         stream.set_write_buffer_limits(high=WRITE_HIGH_WATER)
         srv.connections.add(self)
+        srv.by_id[self.id] = self
         srv.stats.connected_clients = len(srv.connections)
         srv.gets.defer = len(srv.connections) >= DEFER_FROM
 
     def connection_lost(self, exc: Exception | None) -> None:
         srv = self.srv
+        if srv.by_id.pop(self.id, None) is not None:
+            srv.commands.forget(self)
         srv.connections.discard(self)
         srv.stats.connected_clients = len(srv.connections)
         srv.gets.defer = len(srv.connections) >= DEFER_FROM
@@ -173,6 +249,17 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
     # ------------------------------------------------------------------ request loop
 
     def _process(self) -> None:
+        self._in_process = True
+        try:
+            self._answer_buffered()
+        finally:
+            self._in_process = False
+            if self._pushq:
+                queued, self._pushq = self._pushq, []
+                for data in queued:
+                    self.push(data)
+
+    def _answer_buffered(self) -> None:
         """Answer buffered requests in order until one needs NATS, the buffer is empty, or the
         client stops reading. Replies of one batch go out in one write (or one per FLUSH_AT).
 
@@ -229,7 +316,7 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
                 except Exception:  # a bug must cost one reply, never the sidecar
                     log.exception("command %r failed", args[:1])
                     reply = resp.error("ERR internal error")
-                if self._muted:  # CLIENT REPLY OFF/SKIP in force, or just set
+                if self._reply_off or self._skip or self._skip_next:  # CLIENT REPLY OFF/SKIP
                     reply = self._reply_mode_step(reply)
                 if reply.__class__ is bytes:
                     out.append(reply)
@@ -285,6 +372,9 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
             return  # the connection was lost (which cancelled the task) or closed meanwhile
         if not drop:
             transport.write(reply)
+        if self.after_reply:  # keys kvcache cannot vouch for (server_tracking): now, after it
+            names, self.after_reply = self.after_reply, []
+            self.srv.commands.tracking.after_reply(self, names)
         if self._draining:
             transport.close()
             return
@@ -303,13 +393,13 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         SKIP while OFF is in force changes nothing. Returns the command's reply."""
         if mode == b"on":
             self._reply_off = self._skip = self._skip_next = False
-            self._muted = False
+            self.refresh_path()
             return resp.OK
         if mode == b"off":
             self._reply_off = True
         elif not self._reply_off:
             self._skip_next = True
-        self._muted = True
+        self.refresh_path()
         return b""
 
     def _reply_mode_step(self, reply: bytes | Awaitable[bytes]) -> bytes | Awaitable[bytes]:
@@ -318,7 +408,7 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         to come from NATS when it arrives), then advance SKIP as Redis does after each command."""
         drop = self._reply_off or self._skip
         self._skip, self._skip_next = self._skip_next, False
-        self._muted = self._reply_off or self._skip
+        self.refresh_path()
         if not drop:
             return reply
         if reply.__class__ is bytes:
@@ -328,7 +418,11 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
 
     def client_info(self) -> str:
         """CLIENT INFO's line: the fields of Redis's that kvcache knows, in Redis's format."""
-        return (f"id={self.id} addr={self.srv.path}:0 laddr={self.srv.path}:0 "
+        addr = laddr = f"{self.srv.path}:0"
+        if self.needs_auth and self.transport is not None:  # TCP
+            peer, local = (self.transport.get_extra_info(k) for k in ("peername", "sockname"))
+            addr, laddr = f"{peer[0]}:{peer[1]}", f"{local[0]}:{local[1]}"
+        return (f"id={self.id} addr={addr} laddr={laddr} "
                 f"name={self.name.decode()} db=0 resp={self.proto} "
                 f"lib-name={self.lib_name.decode()} lib-ver={self.lib_ver.decode()}\n")
 
@@ -379,6 +473,10 @@ class RespServer:
                                    for b in cfg.buckets], cfg.default_bucket)
         self.path = os.path.abspath(cfg.socket_path)
         self.connections: set[ClientConnection] = set()
+        self.by_id: dict[int, ClientConnection] = {}  # REDIRECT targets, by CLIENT ID
+        commands.tracking.connection = self.by_id.get
+        self.push_limit = cfg.pubsub_max_output_bytes
+        self._tcp: asyncio.Server | None = None
         self._server: asyncio.AbstractServer | None = None
         self._ids = itertools.count(1)
         self._inode: int | None = None
@@ -405,6 +503,36 @@ class RespServer:
         os.chmod(self.path, self.cfg.socket_mode)
         self._inode = os.stat(self.path).st_ino
         log.info("serving RESP on %s (mode %o)", self.path, self.cfg.socket_mode)
+        address = self.cfg.listen_address
+        if address is not None:
+            await self._listen_tcp(*address)
+
+    async def _listen_tcp(self, host: str, port: int) -> None:
+        """The TCP listener (`listen`): for pods whose containers share no volume, and for
+        clients whose client-side cache works over TCP only (redis-py)."""
+        loop = asyncio.get_running_loop()
+        try:
+            self._tcp = await loop.create_server(
+                lambda: ClientConnection(self, next(self._ids), tcp=True), host, port,
+                backlog=1024, reuse_address=True)
+        except OSError as e:
+            raise KvcacheError(f"cannot listen on {self.cfg.listen}: {e.strerror}") from None
+        for sock in self._tcp.sockets:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        bound = self._tcp.sockets[0].getsockname()
+        self.stats.listen = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
+        if self.cfg.requirepass:
+            log.info("serving RESP on %s (TCP, AUTH required)", self.stats.listen)
+        else:
+            log.warning("serving RESP on %s (TCP) without a password: any local process can "
+                        "read through it (set requirepass_file or KVCACHE_REQUIREPASS)", self.stats.listen)
+
+    @property
+    def tcp_port(self) -> int | None:
+        """The TCP listener's port (`listen` may ask for port 0), None without one."""
+        if self._tcp is None or not self._tcp.sockets:
+            return None
+        return self._tcp.sockets[0].getsockname()[1]
 
     async def stop(self, grace: float = 5.0) -> None:
         """Stop accepting, let requests in flight finish, close every connection, remove the socket."""
@@ -412,6 +540,8 @@ class RespServer:
             return
         self.closing = True
         self._server.close()
+        if self._tcp is not None:
+            self._tcp.close()
         self._remove_socket()  # new clients get ENOENT at once, not a connection we drop
         conns = list(self.connections)
         if conns:
@@ -419,11 +549,14 @@ class RespServer:
         for c in conns:
             if c.transport and not c.transport.is_closing():
                 c.transport.close()
-        try:
-            await asyncio.wait_for(self._server.wait_closed(), grace)
-        except TimeoutError:
-            pass
-        self._server = None
+        for server in (self._server, self._tcp):
+            if server is None:
+                continue
+            try:
+                await asyncio.wait_for(server.wait_closed(), grace)
+            except TimeoutError:
+                pass
+        self._server = self._tcp = None
         self._remove_socket()
 
     def _remove_socket(self) -> None:

@@ -68,6 +68,7 @@ class Sidecar:
         self.router = Router(cfg.nats.request_timeout_ms / 1000)
         self.peer_conns: PeerConnections | None = None
         self.server: RespServer | None = None
+        self.commands: Commands | None = None
         self.nats_url = ""
         self.use_embedded = cfg.embedded  # decided once: starting it fills in nats.servers
         self.exit_code = 0
@@ -118,6 +119,9 @@ class Sidecar:
         await self._add_peers(timeout)
         policy = ReadPolicy(self.cfg, self.replica, self.feeds, self.router)
         self.commands = Commands(self.cfg, policy, self.stats, AccessLog.from_config(self.cfg))
+        for feed in self.feeds.values():  # one hub: every listener, one consumer per bucket
+            feed.hub = self.commands.hub
+        self.commands.hub.start_watch(self.feeds.values())
         self.server = RespServer(self.cfg, self.commands, self.stats)
         await self.server.start()
         # Which implementation serves each native module: logged once serving (a mistake
@@ -186,6 +190,8 @@ class Sidecar:
             # then), so that long is enough, and never less than the default 5 s.
             grace = max(5.0, self.cfg.nats.request_timeout_ms / 1000 + 1)
             await _step("socket server", self.server.stop(grace=grace), grace + 5)
+        if self.commands is not None:
+            await _step("staleness watch", self.commands.hub.stop(), STOP_STEP_S)
         await _step("router", self.router.close(), STOP_STEP_S)
         if self.peer_conns:
             await _step("peer connections", self.peer_conns.close(), STOP_STEP_S)

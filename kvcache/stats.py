@@ -28,6 +28,8 @@ class Stats:
     rejected_connections: int = 0
     protocol_errors: int = 0
     clients_cut_off: int = 0  # read none of their queued replies for client_write_stall_ms
+    subscribers_cut_off: int = 0  # of those, over pubsub_max_output_bytes of pushed messages
     started: float = field(default_factory=time.time)
+    listen: str = ""  # the TCP listener's address once bound ("" without one)
     nats_url: str = ""  # the server the sidecar's own connection reached
     embedded_nats: bool = False  # the sidecar runs its own nats-server

@@ -21,7 +21,9 @@ def _doc(name: str) -> str:
 def _config_keys() -> set[str]:
     keys = set()
     for cls in (config.Config, config.NatsConfig, config.BucketConfig, config.PeerConfig):
-        keys |= {f.name for f in dataclasses.fields(cls) if f.name not in ("nats", "buckets", "peers")}
+        # requirepass: the password itself, from requirepass_file or KVCACHE_REQUIREPASS only
+        keys |= {f.name for f in dataclasses.fields(cls)
+                 if f.name not in ("nats", "buckets", "peers", "requirepass")}
     return keys
 
 

@@ -1,0 +1,314 @@
+"""The commands about a connection rather than the data: its protocol and identity (HELLO,
+AUTH, CLIENT, SELECT, PING, ECHO, QUIT, RESET), client-side caching's CLIENT TRACKING family
+(kvcache.server_tracking), pub/sub (kvcache.server_pubsub) and transactions
+(kvcache.server_multi). Each answers as Redis does, byte for byte where clients look.
+
+Authentication: with a password set (`requirepass_file` or KVCACHE_REQUIREPASS), TCP clients
+must AUTH (or HELLO ... AUTH) before anything but AUTH, HELLO, QUIT and RESET, which get
+`-NOAUTH`; the Unix socket keeps its file-mode guard and needs none. With no password, Redis's
+answers for the `default` user without one.
+"""
+from __future__ import annotations
+
+import hmac
+import re
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from . import __version__, resp
+from .config import Config
+from .errors import CommandError
+from .info import REDIS_VERSION
+from .server_multi import Transactions
+from .server_pubsub import PubSub
+from .server_tracking import Tracking, caching, getredir, parse_tracking, tracking_info
+
+if TYPE_CHECKING:
+    from .session import Session as ClientConnection
+
+Reply = bytes | Awaitable[bytes]
+Handler = Callable[["ClientConnection", list[bytes]], Reply]
+
+# CLIENT subcommands kvcache performs -> their exact argument count (Redis's `client|<sub>`
+# arity, checked before the subcommand runs, with Redis's wording). TRACKING takes options.
+CLIENT_ARITY = {
+    b"setname": 3, b"getname": 2, b"setinfo": 4, b"id": 2, b"info": 2, b"reply": 3,
+    b"no-evict": 3, b"no-touch": 3, b"caching": 3, b"getredir": 2, b"trackinginfo": 2,
+}
+WRONGPASS = "WRONGPASS invalid username-password pair or user is disabled."
+AUTH_WITHOUT_PASSWORD = ("ERR AUTH <password> called without any password configured for the "
+                         "default user. Are you sure your configuration is correct?")
+NOAUTH = resp.error("NOAUTH Authentication required.")
+HELLO_NOAUTH = ("NOAUTH HELLO must be called with the client already authenticated, otherwise the "
+                "HELLO <proto> AUTH <user> <pass> option can be used to authenticate the client and "
+                "select the RESP protocol version at the same time")
+# What an unauthenticated connection may run
+NO_AUTH = frozenset({b"auth", b"hello", b"quit", b"reset"})
+RESET = b"+RESET\r\n"
+
+
+class SessionCommands:
+    """Connection, tracking, pub/sub and transaction commands; `run` is the command table's
+    dispatch (EXEC runs the queue through it)."""
+
+    def __init__(self, cfg: Config, tracking: Tracking, pubsub: PubSub, transactions: Transactions,
+                 run: Callable[[ClientConnection, list[bytes]], Reply]) -> None:
+        self.cfg = cfg
+        self.tracking = tracking
+        self.pubsub = pubsub
+        self.transactions = transactions
+        self.run = run
+        self.password = cfg.requirepass
+
+    def table(self) -> dict[bytes, Handler]:
+        return {
+            b"ping": self.ping, b"echo": self.echo, b"quit": self.quit, b"hello": self.hello,
+            b"auth": self.auth, b"client": self.client, b"select": self.select, b"reset": self.reset,
+            b"multi": self.multi, b"exec": self.exec, b"discard": self.discard,
+            b"watch": self.watch, b"unwatch": self.unwatch,
+            b"subscribe": self.subscribe, b"psubscribe": self.psubscribe,
+            b"unsubscribe": self.unsubscribe, b"punsubscribe": self.punsubscribe,
+            b"pubsub": self.pubsub_command,
+        }
+
+    # ------------------------------------------------------------------ basics
+
+    def ping(self, conn: ClientConnection, args: list[bytes]) -> Reply:
+        if len(args) > 2:
+            raise CommandError("ERR wrong number of arguments for 'ping' command")
+        if conn.proto == 2 and conn.subscribed:  # Redis's answer in RESP2 subscribed mode
+            return resp.array([resp.bulk(b"pong"), resp.bulk(args[1] if len(args) == 2 else b"")])
+        return resp.bulk(args[1], conn.proto) if len(args) == 2 else resp.PONG
+
+    def echo(self, conn: ClientConnection, args: list[bytes]) -> Reply:
+        _arity(args, 2)
+        return resp.bulk(args[1], conn.proto)
+
+    def quit(self, conn: ClientConnection, args: list[bytes]) -> Reply:
+        conn.close_after_reply()
+        return resp.OK
+
+    def select(self, conn: ClientConnection, args: list[bytes]) -> Reply:
+        """Only database 0 exists (CONFIG GET databases says 1); Redis's wording for the rest."""
+        _arity(args, 2)
+        if args[1] == b"0":
+            return resp.OK
+        if not re.fullmatch(rb"-?[1-9][0-9]*", args[1]) or not -(1 << 63) <= int(args[1]) < 1 << 63:
+            raise CommandError("ERR value is not an integer or out of range")
+        if not -(1 << 31) <= int(args[1]) < 1 << 31:
+            raise CommandError("ERR value is out of range, value must between -2147483648 and 2147483647")
+        raise CommandError("ERR DB index is out of range")
+
+    def reset(self, conn: ClientConnection, args: list[bytes]) -> Reply:
+        """Redis's RESET: out of MULTI, no WATCH, tracking off, no subscriptions, RESP2, no
+        name, CLIENT REPLY ON, and (with a password) not authenticated."""
+        _arity(args, 1)
+        conn.multi = None
+        conn.multi_failed = False
+        self.transactions.unwatch(conn)
+        self.tracking.disable(conn)
+        self.pubsub.drop(conn)
+        conn.proto = 2
+        conn.name = b""
+        conn.set_reply_mode(b"on")
+        conn.authenticated = not (self.password and conn.needs_auth)
+        conn.refresh_path()
+        return RESET
+
+    # ------------------------------------------------------------------ HELLO and AUTH
+
+    def hello(self, conn: ClientConnection, args: list[bytes]) -> Reply:
+        """Redis's order: every option is parsed, then AUTH checked, then SETNAME validated,
+        and only then anything applied, so a failed HELLO changes nothing."""
+        proto = conn.proto
+        i = 1
+        if len(args) > 1:
+            try:
+                proto = int(args[1])
+            except ValueError:
+                raise CommandError("ERR Protocol version is not an integer or out of range") from None
+            if proto not in (2, 3):
+                raise CommandError("NOPROTO unsupported protocol version")
+            i = 2
+        name = user = password = None
+        while i < len(args):
+            opt = args[i].lower()
+            if opt == b"auth" and i + 2 < len(args):
+                user, password = args[i + 1], args[i + 2]
+                i += 3
+            elif opt == b"setname" and i + 1 < len(args):
+                name = args[i + 1]
+                i += 2
+            else:
+                raise CommandError(f"ERR Syntax error in HELLO option '{args[i].decode(errors='replace')}'")
+        if user is not None:
+            self._authenticate(conn, user, password)  # type: ignore[arg-type]  # set with user
+        elif not conn.authenticated:
+            raise CommandError(HELLO_NOAUTH)
+        if name is not None:
+            conn.name = client_attr(name, "Client names")
+        conn.proto = proto
+        conn.refresh_path()
+        compat = self.cfg.compat_identity
+        info = [
+            (b"server", resp.bulk(b"redis" if compat else b"kvcache")),
+            (b"version", resp.bulk((REDIS_VERSION if compat else __version__).encode())),
+            (b"proto", resp.integer(proto)), (b"id", resp.integer(conn.id)),
+            (b"mode", resp.bulk(b"standalone")), (b"role", resp.bulk(b"replica")),
+            (b"modules", resp.array([], proto)),
+        ]
+        return resp.map_([(resp.bulk(k), v) for k, v in info], proto)
+
+    def auth(self, conn: ClientConnection, args: list[bytes]) -> Reply:
+        """AUTH [user] password. Without a password configured, Redis's answers for that case:
+        never an OK that pretends a password was checked."""
+        if len(args) < 2:
+            raise CommandError("ERR wrong number of arguments for 'auth' command")
+        if len(args) > 3:
+            raise CommandError("ERR syntax error")
+        if len(args) == 2:
+            if not self.password:
+                raise CommandError(AUTH_WITHOUT_PASSWORD)
+            self._authenticate(conn, b"default", args[1])
+        else:
+            self._authenticate(conn, args[1], args[2])
+        return resp.OK
+
+    def _authenticate(self, conn: ClientConnection, user: bytes, password: bytes) -> None:
+        """Only Redis's `default` user exists. With no password configured it accepts any
+        password, as Redis's does; with one, only that one (compared in constant time)."""
+        if user != b"default":
+            raise CommandError(WRONGPASS)
+        if self.password and not hmac.compare_digest(password, self.password.encode()):
+            raise CommandError(WRONGPASS)
+        if not conn.authenticated:
+            conn.authenticated = True
+            conn.refresh_path()
+
+    # ------------------------------------------------------------------ CLIENT
+
+    def client(self, conn: ClientConnection, args: list[bytes]) -> Reply:
+        """The subcommands kvcache performs, as Redis does them."""
+        if len(args) < 2:
+            raise CommandError("ERR wrong number of arguments for 'client' command")
+        sub = args[1].lower()
+        want = CLIENT_ARITY.get(sub)
+        if (want is not None and len(args) != want) or (sub == b"tracking" and len(args) < 3):
+            raise CommandError(f"ERR wrong number of arguments for 'client|{sub.decode(errors='replace')}' command")
+        if sub == b"getname":
+            return resp.bulk(conn.name or None, conn.proto)
+        if sub == b"setname":
+            conn.name = client_attr(args[2], "Client names")
+            return resp.OK
+        if sub == b"setinfo":
+            attr = args[2].lower()
+            if attr not in (b"lib-name", b"lib-ver"):
+                raise CommandError(f"ERR Unrecognized option '{args[2].decode(errors='replace')}'")
+            value = client_attr(args[3], args[2].decode(errors="replace"))
+            if attr == b"lib-name":
+                conn.lib_name = value
+            else:
+                conn.lib_ver = value
+            return resp.OK
+        if sub == b"id":
+            return resp.integer(conn.id)
+        if sub == b"info":
+            return resp.verbatim(conn.client_info(), conn.proto)
+        if sub == b"reply":
+            mode = args[2].lower()
+            if mode not in (b"on", b"off", b"skip"):
+                raise CommandError("ERR syntax error")
+            return conn.set_reply_mode(mode)
+        if sub in (b"no-evict", b"no-touch"):
+            # kvcache evicts no client for memory and keeps no LRU/LFU: both are true either way
+            if args[2].lower() not in (b"on", b"off"):
+                raise CommandError("ERR syntax error")
+            return resp.OK
+        if sub == b"tracking":
+            tracking = parse_tracking(args, conn, lambda i: self.tracking.connection(i) is not None)
+            if tracking is None:
+                self.tracking.disable(conn)
+            else:
+                self.tracking.enable(conn, tracking)
+            return resp.OK
+        if sub == b"caching":
+            return caching(conn, args[2])
+        if sub == b"getredir":
+            return getredir(conn)
+        if sub == b"trackinginfo":
+            return tracking_info(conn)
+        raise CommandError(f"ERR unknown subcommand '{args[1].decode(errors='replace')[:64]}'. Try CLIENT HELP.")
+
+    # ------------------------------------------------------------------ transactions
+
+    def multi(self, conn: ClientConnection, args: list[bytes]) -> Reply:
+        _arity(args, 1)
+        if conn.multi is not None:
+            raise CommandError("ERR MULTI calls can not be nested")
+        conn.multi = []
+        conn.refresh_path()
+        return resp.OK
+
+    def exec(self, conn: ClientConnection, args: list[bytes]) -> Reply:
+        _arity(args, 1)
+        conn.in_exec = True
+        try:
+            return self.transactions.exec(conn, lambda queued: self.run(conn, queued))
+        finally:
+            conn.in_exec = False
+
+    def discard(self, conn: ClientConnection, args: list[bytes]) -> Reply:
+        _arity(args, 1)
+        if conn.multi is None:
+            raise CommandError("ERR DISCARD without MULTI")
+        conn.multi = None
+        conn.multi_failed = False
+        self.transactions.unwatch(conn)
+        conn.refresh_path()
+        return resp.OK
+
+    def watch(self, conn: ClientConnection, args: list[bytes]) -> Reply:
+        if len(args) < 2:
+            raise CommandError("ERR wrong number of arguments for 'watch' command")
+        return self.transactions.watch(conn, args[1:])
+
+    def unwatch(self, conn: ClientConnection, args: list[bytes]) -> Reply:
+        _arity(args, 1)
+        self.transactions.unwatch(conn)
+        return resp.OK
+
+    # ------------------------------------------------------------------ pub/sub
+
+    def subscribe(self, conn: ClientConnection, args: list[bytes]) -> Reply:
+        if len(args) < 2:
+            raise CommandError("ERR wrong number of arguments for 'subscribe' command")
+        return self.pubsub.subscribe(conn, args[1:], pattern=False)
+
+    def psubscribe(self, conn: ClientConnection, args: list[bytes]) -> Reply:
+        if len(args) < 2:
+            raise CommandError("ERR wrong number of arguments for 'psubscribe' command")
+        return self.pubsub.subscribe(conn, args[1:], pattern=True)
+
+    def unsubscribe(self, conn: ClientConnection, args: list[bytes]) -> Reply:
+        return self.pubsub.unsubscribe(conn, args[1:], pattern=False)
+
+    def punsubscribe(self, conn: ClientConnection, args: list[bytes]) -> Reply:
+        return self.pubsub.unsubscribe(conn, args[1:], pattern=True)
+
+    def pubsub_command(self, conn: ClientConnection, args: list[bytes]) -> Reply:
+        if len(args) < 2:
+            raise CommandError("ERR wrong number of arguments for 'pubsub' command")
+        return self.pubsub.pubsub(args, conn.proto)
+
+
+def _arity(args: list[bytes], n: int) -> None:
+    if len(args) != n:
+        raise CommandError(f"ERR wrong number of arguments for '{args[0].decode(errors='replace').lower()}' command")
+
+
+def client_attr(value: bytes, what: str) -> bytes:
+    """A client name or library name/version: printable ASCII without spaces, as Redis
+    requires (CLIENT INFO's `k=v` fields split on spaces)."""
+    if any(c < 0x21 or c > 0x7e for c in value):
+        raise CommandError(f"ERR {what} cannot contain spaces, newlines or special characters.")
+    return value
