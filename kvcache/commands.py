@@ -768,8 +768,13 @@ def _range(value: bytes, start: int, end: int) -> bytes:
 
 
 def _unknown(args: list[bytes]) -> bytes:
-    shown = " ".join(f"'{a.decode(errors='replace')[:64]}'" for a in args[1:4])
-    return resp.error(f"ERR unknown command '{args[0].decode(errors='replace')[:64]}', "
+    """Redis's words: each argument quoted and followed by a space, up to 128 characters."""
+    shown = ""
+    for a in args[1:]:
+        if len(shown) >= 128:
+            break
+        shown += f"'{a.decode(errors='replace')[:128 - len(shown)]}' "
+    return resp.error(f"ERR unknown command '{args[0].decode(errors='replace')[:128]}', "
                       f"with args beginning with: {shown}")
 
 

@@ -9,20 +9,18 @@ errors, protocol errors and QUIT.
 """
 from __future__ import annotations
 
-import shutil
 import socket
-import subprocess
 import time
 from collections.abc import Iterator
 
 import pytest
 import redis
 from support.kvdata import _put_all
+from support.redis_ref import redis_server
 from support.sidecar_proc import SidecarProcess
 from support.topology import nats_run
 
 from kvcache.client import encode_command as encode
-from kvcache.natsserver import die_with_parent
 
 VALUES = {f"in.k{i}": b"v%d" % i for i in range(10)}
 VALUES |= {"in.big": b"B" * (300 * 1024), "out.r1": b"remote1", "out.r2": b"remote2"}
@@ -32,33 +30,9 @@ END_REPLY = b"+OK\r\n$7\r\n__end__\r\n"
 
 @pytest.fixture(scope="module")
 def redis_sock(tmp_path_factory) -> Iterator[str]:
-    """A real redis-server on a Unix socket (--port 0: no TCP), holding VALUES."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server is not installed")
-    d = tmp_path_factory.mktemp("redis")
-    path = str(d / "redis.sock")
-    proc = subprocess.Popen([exe, "--port", "0", "--unixsocket", path, "--unixsocketperm", "700",
-                             "--save", "", "--appendonly", "no", "--dir", str(d)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                c = redis.Redis(unix_socket_path=path)
-                c.ping()
-                break
-            except (redis.ConnectionError, FileNotFoundError):
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise
-                time.sleep(0.05)
-        c.mset(VALUES)
-        c.close()
+    """A real redis-server holding VALUES."""
+    with redis_server(tmp_path_factory.mktemp("redis"), VALUES) as path:
         yield path
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 @pytest.fixture(scope="module")

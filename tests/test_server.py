@@ -211,7 +211,7 @@ def test_request_larger_than_limit(own_sidecar):
 PROTO = b"-ERR Protocol error: "
 HOSTILE = {
     b"\x00\xff\xfe garbage \x01\x02\r\n":
-        b"-ERR unknown command '\x00\xef\xbf\xbd\xef\xbf\xbd', with args beginning with: 'garbage' '\x01\x02'\r\n",
+        b"-ERR unknown command '\x00\xef\xbf\xbd\xef\xbf\xbd', with args beginning with: 'garbage' '\x01\x02' \r\n",
     b"*-5\r\n": PROTO + b"invalid multibulk length\r\n",
     b"*1\r\n$99999999999\r\n": PROTO + b"invalid bulk length\r\n",
     b"$99999999999\r\n": b"-ERR unknown command '$99999999999', with args beginning with: \r\n",
