@@ -30,6 +30,8 @@ install: native-deps python-env
 
 install-test: native-deps python-env
 	$(PYTHON) -m pip install -q -e ".[test]"
+	@# node-redis and ioredis, pinned in tests/node/package-lock.json (tests/test_node_clients.py)
+	@if command -v npm >/dev/null; then npm ci --prefix tests/node --no-audit --no-fund --loglevel=error; fi
 
 # ./.venv when PYTHON points into it (Debian's python3 needs python3-venv for that).
 python-env:
@@ -60,6 +62,10 @@ system-deps:
 	@if ! command -v java >/dev/null; then \
 	  $(call APT,openjdk-17-jre-headless); \
 	fi
+	@# Node and npm for the node-redis / ioredis tests
+	@if ! command -v node >/dev/null || ! command -v npm >/dev/null; then \
+	  $(call APT,nodejs npm) || echo "warning: no Node.js; tests/test_node_clients.py will skip"; \
+	fi
 
 # The sidecar on an embedded nats-server with a demo bucket; Ctrl-C stops it.
 demo: install
@@ -71,7 +77,7 @@ test: system-deps install-test
 	$(MAKE) --no-print-directory lint typecheck
 	$(PYTHON) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 	# the socket path once more on the pure-Python twins of the native readers
-	KVCACHE_NO_EXTENSIONS=1 $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_server.py tests/test_commands.py tests/test_client.py tests/test_hostile.py
+	KVCACHE_NO_EXTENSIONS=1 $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_server.py tests/test_commands.py tests/test_client.py tests/test_hostile.py tests/test_tracking.py
 
 # The habits `make test` runs first, on their own: ruff (rules in pyproject.toml), mypy on kvcache/.
 lint:

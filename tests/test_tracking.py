@@ -320,34 +320,51 @@ def test_redirect_to_a_resp2_subscriber(env):
         c.close()
 
 
-def test_tracking_errors_as_redis(env):
-    c = Raw(env)
-    try:
-        for args, err in [
-            (["CLIENT", "TRACKING", "ON", "PREFIX", "a"], b"-ERR PREFIX option requires BCAST mode to be enabled\r\n"),
-            (["CLIENT", "TRACKING", "ON", "BCAST", "OPTIN"], b"-ERR OPTIN and OPTOUT are not compatible with BCAST\r\n"),
-            (["CLIENT", "TRACKING", "ON", "OPTIN", "OPTOUT"], b"-ERR You can't specify both OPTIN mode and OPTOUT mode\r\n"),
-            (["CLIENT", "TRACKING", "ON", "REDIRECT", "999999"], b"-ERR The client ID you want redirect to does not exist\r\n"),
-            (["CLIENT", "TRACKING", "ON", "BCAST", "PREFIX", "ab", "PREFIX", "a"],
-             b"-ERR Prefix 'ab' overlaps with another provided prefix 'a'. Prefixes for a single client must not overlap.\r\n"),
-            (["CLIENT", "TRACKING", "maybe"], b"-ERR syntax error\r\n"),
-            (["CLIENT", "CACHING", "YES"], b"-ERR CLIENT CACHING can be called only when the client is in "
-                                           b"tracking mode with OPTIN or OPTOUT mode enabled\r\n"),
-        ]:
-            assert c.call(*args) == err, args
-        assert c.call("CLIENT", "TRACKING", "ON", "BCAST", "PREFIX", "ab") == b"+OK\r\n"
-        assert c.call("CLIENT", "TRACKING", "ON") == (
-            b"-ERR You can't switch BCAST mode on/off before disabling tracking for this client, "
-            b"and then re-enabling it with a different mode.\r\n")
-        assert c.call("CLIENT", "TRACKING", "ON", "BCAST", "PREFIX", "a") == (
-            b"-ERR Prefix 'a' overlaps with an existing prefix 'ab'. Prefixes for a single client must not overlap.\r\n")
-        assert c.call("CLIENT", "TRACKINGINFO", until=b"ab\r\n") == (
-            b"*6\r\n$5\r\nflags\r\n*2\r\n$2\r\non\r\n$5\r\nbcast\r\n$8\r\nredirect\r\n:0\r\n"
-            b"$8\r\nprefixes\r\n*1\r\n$2\r\nab\r\n")
-        assert c.call("CLIENT", "TRACKING", "OFF") == b"+OK\r\n"
-        assert c.call("CLIENT", "GETREDIR") == b":-1\r\n"
-    finally:
-        c.close()
+TRACKING_SEQUENCE = [
+    ["CLIENT", "TRACKING", "ON", "PREFIX", "a"],
+    ["CLIENT", "TRACKING", "ON", "BCAST", "OPTIN"],
+    ["CLIENT", "TRACKING", "ON", "OPTIN", "OPTOUT"],
+    ["CLIENT", "TRACKING", "ON", "REDIRECT", "999999"],
+    ["CLIENT", "TRACKING", "ON", "REDIRECT", "x"],
+    ["CLIENT", "TRACKING", "ON", "BCAST", "PREFIX", "ab", "PREFIX", "a"],
+    ["CLIENT", "TRACKING", "ON", "BCAST", "PREFIX", "b", "PREFIX", "b"],
+    ["CLIENT", "TRACKING", "maybe"],
+    ["CLIENT", "TRACKING", "ON", "nosuch"],
+    ["CLIENT", "CACHING", "YES"],
+    ["CLIENT", "TRACKINGINFO"], ["CLIENT", "GETREDIR"],
+    ["CLIENT", "TRACKING", "ON", "BCAST", "PREFIX", "ab"],
+    ["CLIENT", "TRACKING", "ON"],
+    ["CLIENT", "TRACKING", "ON", "BCAST", "PREFIX", "a"],
+    ["CLIENT", "TRACKING", "ON", "BCAST", "PREFIX", "c"],
+    ["CLIENT", "TRACKINGINFO"], ["CLIENT", "GETREDIR"], ["CLIENT", "CACHING", "NO"],
+    ["CLIENT", "TRACKING", "OFF"],
+    ["CLIENT", "TRACKING", "ON", "OPTIN"], ["CLIENT", "CACHING", "NO"], ["CLIENT", "CACHING", "YES"],
+    ["CLIENT", "TRACKINGINFO"], ["CLIENT", "TRACKING", "ON", "OPTOUT"], ["CLIENT", "CACHING", "maybe"],
+    ["CLIENT", "TRACKING", "OFF"], ["CLIENT", "TRACKING", "ON", "BCAST"], ["CLIENT", "TRACKINGINFO"],
+    ["CLIENT", "TRACKING", "OFF", "BCAST", "nosuch"], ["CLIENT", "GETREDIR"],
+]
+
+
+@pytest.mark.parametrize("proto", [2, 3])
+def test_tracking_commands_answer_as_redis(env, tmp_path, proto):
+    """The same CLIENT TRACKING/CACHING/TRACKINGINFO/GETREDIR sequence, errors included, to a
+    real redis-server and to kvcache: the same bytes."""
+    from support.redis_ref import redis_server
+
+    def run(path: str) -> bytes:
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(10)
+        s.connect(path)
+        try:
+            s.sendall(encode(["HELLO", str(proto)]))
+            read_until(s, b"modules\r\n*0\r\n")
+            s.sendall(b"".join(encode(c) for c in TRACKING_SEQUENCE) + encode(["ECHO", "__end__"]))
+            return read_until(s, b"__end__\r\n")
+        finally:
+            s.close()
+
+    with redis_server(tmp_path) as theirs:
+        assert run(env["sock"]) == run(theirs)
 
 
 def test_tracking_state_is_freed_on_close(env):
