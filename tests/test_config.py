@@ -250,3 +250,34 @@ def test_serve_help_names_every_default_and_variable():
         checked += 1
     assert checked == len(serve._actions) - 2 >= 31  # all but --help and --config (tested above)
     assert "(default: 660; env KVCACHE_SOCKET_MODE)" in " ".join(serve.format_help().split())
+
+
+@pytest.mark.parametrize("overrides,env,message", [
+    ({"listen": "10.0.0.5:6380"}, {}, "is not a loopback address: set listen_non_loopback"),
+    ({"listen": "0.0.0.0:6380", "listen_non_loopback": True}, {}, "it needs a password"),
+    ({"listen": "127.0.0.1"}, {}, "listen must be host:port"),
+    ({"listen": "127.0.0.1:70000"}, {}, "listen must be host:port"),
+    ({"requirepass_file": "/nonexistent/pass"}, {}, "requirepass file /nonexistent/pass"),
+    ({}, {"KVCACHE_REQUIREPASS": ""}, "KVCACHE_REQUIREPASS is empty"),
+    ({"notify_keyspace_events": "Kq"}, {}, "notify_keyspace_events: Invalid event class character"),
+    ({"notify_keyspace_events": "Em"}, {}, "notify_keyspace_events: kvcache does not send key-miss"),
+    ({"tracking_table_max_keys": 0}, {}, "tracking_table_max_keys must be positive"),
+])
+def test_listener_password_and_notification_settings_are_checked(overrides, env, message):
+    with pytest.raises(ConfigError, match=message):
+        load(env=env, overrides=overrides)
+
+
+def test_password_from_a_file_or_the_environment_never_both(tmp_path):
+    f = tmp_path / "pass"
+    f.write_text("from-file\n")
+    assert load(env={}, overrides={"requirepass_file": str(f)}).requirepass == "from-file"
+    assert load(env={"KVCACHE_REQUIREPASS": "from-env"}).requirepass == "from-env"
+    with pytest.raises(ConfigError, match="both set"):
+        load(env={"KVCACHE_REQUIREPASS": "x"}, overrides={"requirepass_file": str(f)})
+    cfg = load(env={"KVCACHE_REQUIREPASS": "from-env"},
+               overrides={"listen": "[::1]:0", "listen_non_loopback": False})
+    assert cfg.listen_address == ("::1", 0)
+    assert "from-env" not in repr(cfg)
+    assert load(env={}, overrides={"listen": "0.0.0.0:6380", "listen_non_loopback": True,
+                                   "requirepass_file": str(f)}).listen_address == ("0.0.0.0", 6380)

@@ -59,11 +59,12 @@ def env(nats_server_module, tmp_path_factory) -> Iterator[dict]:
         await js.update_stream(cfg)
         second = await js.create_key_value(bucket="second", direct=True)
         await second.put("s.a", b"A")
+        await js.create_key_value(bucket="aged", direct=True, ttl=2)  # max_age 2 s
 
     nats_run(url, setup)
     d = tmp_path_factory.mktemp("trk")
     (d / "pass").write_text(PASSWORD + "\n")
-    sc = SidecarProcess(d / "sc", url, ["main:in.>", "ttl", "second"],
+    sc = SidecarProcess(d / "sc", url, ["main:in.>", "ttl", "second", "aged"],
                         extra=["--listen", "127.0.0.1:0", "--requirepass-file", str(d / "pass"),
                                "--compat-identity", "--heartbeat-ms", "500"])
     with sc:
@@ -232,6 +233,66 @@ def test_invalidation_on_per_message_ttl_expiry(env):
         assert c.read(push("ttl:e1")) == push("ttl:e1")
         assert time.monotonic() - t0 < 4
         assert c.call("GET", "ttl:e1") == b"_\r\n"
+    finally:
+        c.close()
+
+
+def test_invalidation_when_the_buckets_max_age_passes(env):
+    put(env["url"], "aged", "m1", b"aging")
+    c = Raw(env)
+    try:
+        hello3(c)
+        c.call("CLIENT", "TRACKING", "ON")
+        seen(env, "aged:m1", b"aging")
+        c.call("GET", "aged:m1", until=b"aging\r\n")
+        assert c.read(push("aged:m1")) == push("aged:m1")
+        assert c.call("GET", "aged:m1") == b"_\r\n"
+    finally:
+        c.close()
+
+
+def test_rueidis_cached_read_pattern(env):
+    """rueidis: OPTIN tracking, then CLIENT CACHING YES, MULTI, PTTL, the read, EXEC. The keys
+    read inside EXEC are tracked (CACHING YES covers the whole transaction)."""
+    url = env["url"]
+    put(url, "main", "in.ru", b"r1")
+    seen(env, "in.ru", b"r1")
+    c = Raw(env)
+    try:
+        hello3(c)
+        assert c.call("CLIENT", "TRACKING", "ON", "OPTIN") == b"+OK\r\n"
+        c.send("CLIENT", "CACHING", "YES")
+        c.send("MULTI")
+        c.send("PTTL", "in.ru")
+        c.send("GET", "in.ru")
+        c.send("EXEC")
+        assert c.read(b"r1\r\n") == (b"+OK\r\n+OK\r\n+QUEUED\r\n+QUEUED\r\n"
+                                      b"*2\r\n:-1\r\n$2\r\nr1\r\n")
+        put(url, "main", "in.ru", b"r2")
+        assert c.read(push("in.ru")) == push("in.ru")
+    finally:
+        c.close()
+
+
+def test_exec_reads_at_exec_not_at_queue_time(env):
+    """A writer changes the key between MULTI and EXEC: EXEC answers the new value (the
+    commands run at EXEC, as in Redis); with WATCH before MULTI, EXEC answers nil."""
+    url = env["url"]
+    put(url, "main", "in.mx", b"before")
+    seen(env, "in.mx", b"before")
+    c = Raw(env, tcp=False)
+    try:
+        assert c.call("MULTI") == b"+OK\r\n"
+        assert c.call("GET", "in.mx") == b"+QUEUED\r\n"
+        put(url, "main", "in.mx", b"after")
+        seen(env, "in.mx", b"after")
+        assert c.call("EXEC", until=b"after\r\n") == b"*1\r\n$5\r\nafter\r\n"
+        assert c.call("WATCH", "in.mx") == b"+OK\r\n"
+        assert c.call("MULTI") == b"+OK\r\n"
+        assert c.call("GET", "in.mx") == b"+QUEUED\r\n"
+        put(url, "main", "in.mx", b"again")
+        seen(env, "in.mx", b"again")
+        assert c.call("EXEC") == b"*-1\r\n"
     finally:
         c.close()
 
