@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from support.kvdata import read_until
+from support.kvdata import kv_put, read_until
 from support.poll import wait_until
 from support.redis_ref import redis_server
 from support.sidecar_proc import SidecarProcess
@@ -27,13 +27,8 @@ from kvcache.client import encode_command as encode
 VALUES = {"in.a": b"alpha", "in.b": b"Hello, World", "in.e": b""}
 
 
-def put(url: str, key: str, value: bytes, bucket: str = "tx", ttl: str | None = None) -> None:
-    async def fn(js):
-        if ttl is not None:
-            await js.publish(f"$KV.{bucket}.{key}", value, headers={"Nats-TTL": ttl})
-        else:
-            await (await js.key_value(bucket)).put(key, value)
-    nats_run(url, fn)
+def put(url: str, key: str, value: bytes, ttl: str | None = None) -> None:
+    kv_put(url, "tx", key, value, ttl)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from support.kvdata import read_until
+from support.kvdata import kv_put, read_until
 from support.poll import wait_until
 from support.sidecar_proc import SidecarProcess
 from support.topology import nats_run
@@ -18,14 +18,7 @@ from support.topology import nats_run
 from kvcache.client import Client
 from kvcache.client import encode_command as encode
 
-
-def put(url: str, bucket: str, key: str, value: bytes, ttl: str | None = None) -> None:
-    async def fn(js):
-        if ttl is not None:
-            await js.publish(f"$KV.{bucket}.{key}", value, headers={"Nats-TTL": ttl})
-        else:
-            await (await js.key_value(bucket)).put(key, value)
-    nats_run(url, fn)
+put = kv_put
 
 
 def put_many(url: str, bucket: str, items: list[tuple[str, bytes]]) -> None:

@@ -16,8 +16,9 @@ from collections.abc import Iterator
 import pytest
 import redis
 from redis.cache import CacheConfig
-from support.kvdata import read_until
+from support.kvdata import kv_delete, kv_put, read_until
 from support.poll import wait_until
+from support.resp_conn import RespConn
 from support.sidecar_proc import SidecarProcess
 from support.topology import nats_run
 
@@ -27,21 +28,7 @@ from kvcache.client import encode_command as encode
 PASSWORD = "s3cret-pass"
 
 
-def put(url: str, bucket: str, key: str, value: bytes, ttl: str | None = None) -> int:
-    async def fn(js):
-        if ttl is not None:
-            ack = await js.publish(f"$KV.{bucket}.{key}", value, headers={"Nats-TTL": ttl})
-            return ack.seq
-        kv = await js.key_value(bucket)
-        return await kv.put(key, value)
-    return nats_run(url, fn)
-
-
-def delete(url: str, bucket: str, key: str, purge: bool = False) -> None:
-    async def fn(js):
-        kv = await js.key_value(bucket)
-        await (kv.purge(key) if purge else kv.delete(key))
-    nats_run(url, fn)
+put, delete = kv_put, kv_delete
 
 
 @pytest.fixture(scope="module")
@@ -75,51 +62,13 @@ def env(nats_server_module, tmp_path_factory) -> Iterator[dict]:
         assert sc.stop() == 0
 
 
-class Raw:
-    """A raw RESP connection (TCP or the Unix socket) for the exact bytes."""
+class Raw(RespConn):
+    """A raw connection to the sidecar: TCP (authenticated unless `auth=False`) or its socket."""
 
     def __init__(self, env: dict, tcp: bool = True, auth: bool = True) -> None:
-        if tcp:
-            self.s = socket.create_connection((env["host"], env["port"]), timeout=10)
-        else:
-            self.s = socket.socket(socket.AF_UNIX)
-            self.s.settimeout(10)
-            self.s.connect(env["sock"])
-        self.buf = b""
+        super().__init__((env["host"], env["port"]) if tcp else env["sock"])
         if tcp and auth:
             assert self.call("AUTH", PASSWORD) == b"+OK\r\n"
-
-    def send(self, *args: str | bytes) -> None:
-        self.s.sendall(encode(list(args)))
-
-    def read(self, until: bytes) -> bytes:
-        """Everything up to and including `until` (the rest stays buffered)."""
-        while until not in self.buf:
-            chunk = self.s.recv(65536)
-            if not chunk:
-                raise EOFError(self.buf)
-            self.buf += chunk
-        i = self.buf.index(until) + len(until)
-        out, self.buf = self.buf[:i], self.buf[i:]
-        return out
-
-    def call(self, *args: str | bytes, until: bytes = b"\r\n") -> bytes:
-        self.send(*args)
-        return self.read(until)
-
-    def nothing_for(self, seconds: float) -> bool:
-        self.s.settimeout(seconds)
-        try:
-            chunk = self.s.recv(65536)
-        except TimeoutError:
-            return not self.buf
-        finally:
-            self.s.settimeout(10)
-        self.buf += chunk
-        return False
-
-    def close(self) -> None:
-        self.s.close()
 
 
 def seen(env: dict, key: str, value: bytes | None) -> None:

@@ -5,12 +5,11 @@ connection through a DelayProxy the test freezes, raw RESP3 sockets as the cachi
 """
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 
 import pytest
-from support.kvdata import read_until
 from support.poll import wait_until
+from support.resp_conn import RespConn
 from support.sidecar_proc import SidecarProcess
 from support.topology import DelayProxy, nats_run
 
@@ -22,42 +21,20 @@ pytestmark = pytest.mark.timeout(180)
 FLUSH = b">2\r\n$10\r\ninvalidate\r\n_\r\n"
 
 
-class Tracker:
+class Tracker(RespConn):
     """A RESP3 connection with CLIENT TRACKING ON."""
 
     def __init__(self, path: str, *options: str) -> None:
-        self.s = socket.socket(socket.AF_UNIX)
-        self.s.settimeout(30)
-        self.s.connect(path)
+        super().__init__(path, timeout=30)
         self.s.sendall(encode(["HELLO", "3"]) + encode(["CLIENT", "TRACKING", "ON", *options]))
-        read_until(self.s, b"modules\r\n*0\r\n+OK\r\n")
-
-        self.buf = b""
-
-    def read(self, until: bytes) -> bytes:
-        """Up to and including `until`; what follows stays buffered."""
-        while until not in self.buf:
-            chunk = self.s.recv(65536)
-            if not chunk:
-                raise EOFError(self.buf)
-            self.buf += chunk
-        i = self.buf.index(until) + len(until)
-        out, self.buf = self.buf[:i], self.buf[i:]
-        return out
+        self.read(b"modules\r\n*0\r\n+OK\r\n")
 
     def get(self, key: str, value: bytes) -> bytes:
         """GET, and what came up to its reply (pushes sent before it, the reply)."""
-        self.s.sendall(encode(["GET", key]))
         want = b"$%d\r\n%b\r\n" % (len(value), value)
-        got = self.read(want)
+        got = self.call("GET", key, until=want)
         assert got.endswith(want)
         return got
-
-    def expect(self, what: bytes) -> bytes:
-        return self.read(what)
-
-    def close(self) -> None:
-        self.s.close()
 
 
 @pytest.fixture
@@ -88,8 +65,8 @@ def test_flush_when_the_replica_passes_max_stale_ms(frozen_env):
         # (a flush), and the replica's lag then passes 400 ms (another, if any client read
         # since). Either way the clients are told before anything changes unseen for longer.
         frozen_env["proxy"].freeze()
-        assert t.expect(FLUSH).endswith(FLUSH)
-        assert bcast.expect(FLUSH).endswith(FLUSH)
+        assert t.read(FLUSH).endswith(FLUSH)
+        assert bcast.read(FLUSH).endswith(FLUSH)
     finally:
         frozen_env["proxy"].thaw()
         t.close()
@@ -108,7 +85,7 @@ def test_flush_on_a_full_resync(frozen_env):
             kv = await js.create_key_value(bucket="fl", direct=True)
             await kv.put("b", b"2")
         nats_run(frozen_env["url"], recreate)
-        assert t.expect(FLUSH).endswith(FLUSH)
+        assert t.read(FLUSH).endswith(FLUSH)
     finally:
         t.close()
 
@@ -129,6 +106,6 @@ def test_a_full_table_invalidates_its_oldest_keys(frozen_env):
         # reply that evicted it (so it comes before the next reply)
         assert evicted[:5] == [b"$1\r\nx\r\n"] * 5
         assert evicted[5] == b">2\r\n$10\r\ninvalidate\r\n*1\r\n$2\r\nt0\r\n$1\r\nx\r\n"
-        assert t.expect(b"t1\r\n") == b">2\r\n$10\r\ninvalidate\r\n*1\r\n$2\r\nt1\r\n"
+        assert t.read(b"t1\r\n") == b">2\r\n$10\r\ninvalidate\r\n*1\r\n$2\r\nt1\r\n"
     finally:
         t.close()

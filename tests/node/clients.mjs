@@ -11,6 +11,10 @@ const lines = readline.createInterface({ input: process.stdin })[Symbol.asyncIte
 const out = (o) => process.stdout.write(JSON.stringify(o) + '\n');
 const writerTurn = async () => { out({ wait: true }); await lines.next(); };
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+// What a transaction with a write in it comes to: its result, or the error it ends in.
+const outcome = async (run) => {
+  try { return await run(); } catch (e) { return `${e.constructor.name}: ${e.message}`; }
+};
 
 async function pollUntil(read, differsFrom, ms = 5000) {
   const t0 = Date.now();
@@ -52,13 +56,7 @@ async function nodeRedisMulti() {
     watched = e instanceof WatchError ? 'WatchError' : `error: ${e}`;
   }
   out({ watched });
-  let write;
-  try {
-    write = await client.multi().get(key).set(key, 'x').exec();
-  } catch (e) {
-    write = `${e.constructor.name}: ${e.message}`;
-  }
-  out({ write });
+  out({ write: await outcome(() => client.multi().get(key).set(key, 'x').exec()) });
   await client.close();
 }
 
@@ -71,13 +69,7 @@ async function ioredisMulti() {
   await writerTurn();
   const watched = await client.multi().get(key).exec();
   out({ watched });
-  let write;
-  try {
-    write = await client.multi().get(key).set(key, 'x').exec();
-  } catch (e) {
-    write = `${e.constructor.name}: ${e.message}`;
-  }
-  out({ write });
+  out({ write: await outcome(() => client.multi().get(key).set(key, 'x').exec()) });
   client.disconnect();
 }
 

@@ -63,3 +63,20 @@ def rss_kb(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     raise RuntimeError("no VmRSS")
+
+
+def kv_put(url: str, bucket: str, key: str, value: bytes, ttl: str | None = None) -> int:
+    """One PUT with nats-py (with a `Nats-TTL` header when `ttl` is given); its revision."""
+    async def fn(js):
+        if ttl is not None:
+            return (await js.publish(f"$KV.{bucket}.{key}", value, headers={"Nats-TTL": ttl})).seq
+        return await (await js.key_value(bucket)).put(key, value)
+    return nats_run(url, fn)
+
+
+def kv_delete(url: str, bucket: str, key: str, purge: bool = False) -> None:
+    """DEL (or PURGE) of one key with nats-py."""
+    async def fn(js):
+        kv = await js.key_value(bucket)
+        await (kv.purge(key) if purge else kv.delete(key))
+    nats_run(url, fn)
