@@ -75,8 +75,9 @@ MAX_DBS = 256
 
 
 def dbs_for(buckets: int, existing: int = 0) -> int:
-    """Room for `buckets` buckets (and `existing` databases already in the file), with margin."""
-    return max(MAX_DBS, 2 * buckets + 16, existing + 16)
+    """Room for `buckets` buckets (and `existing` databases already in the file), with margin:
+    each has its records, its expiry index and its near cache."""
+    return max(MAX_DBS, 3 * buckets + 16, existing + 16)
 DUE = struct.Struct(">Q")  # the expiry index's key prefix: big-endian, so LMDB orders by time
 
 
@@ -200,7 +201,7 @@ class Replica:
         def write(txn: lmdb.Transaction) -> None:
             names = [bytes(k) for k, _ in txn.cursor()]
             for name in names:
-                if not name.startswith((b"kv:", b"x:")):
+                if not name.startswith((b"kv:", b"x:", b"n:")):
                     continue
                 txn.drop(self.env.open_db(name, txn=txn), delete=True)
             txn.drop(self._meta, delete=False)
@@ -232,6 +233,36 @@ class Replica:
     def _index(self, bucket: str):
         """The bucket's expiry index (writer only)."""
         return self._open_rw(b"x:" + bucket.encode())
+
+    # ------------------------------------------------------------------ near cache (nearcache.py)
+
+    def _cache(self, bucket: str):
+        """The bucket's near cache: records of keys outside its filters (writer only)."""
+        return self._open_rw(b"n:" + bucket.encode())
+
+    def cache_get(self, bucket: str, lkey: bytes) -> bytes | None:
+        with self.env.begin(db=self._cache(bucket), buffers=False) as txn:
+            return txn.get(lkey)
+
+    def cache_sizes(self, bucket: str) -> list[tuple[bytes, int]]:
+        """(lkey, record size) of every cached record."""
+        with self.env.begin(db=self._cache(bucket), buffers=True) as txn:
+            return [(bytes(k), len(v)) for k, v in txn.cursor()]
+
+    def cache_write(self, bucket: str, puts: list[tuple[bytes, bytes]], deletes: list[bytes]) -> None:
+        db = self._cache(bucket)
+
+        def write(txn: lmdb.Transaction) -> None:
+            for lk in deletes:
+                txn.delete(lk, db=db)
+            for lk, rec in puts:
+                txn.put(lk, rec, db=db)
+
+        self._write(f"bucket {bucket} cache", write)
+
+    def cache_clear(self, bucket: str) -> None:
+        db = self._cache(bucket)
+        self._write(f"bucket {bucket} cache", lambda txn: txn.drop(db, delete=False))
 
     # ------------------------------------------------------------------ reads
 

@@ -1,0 +1,146 @@
+"""The near cache: keys outside a bucket's replicated filters, kept beside the replica after a
+fallback read, so a hot key of a bucket too big to replicate costs one Direct Get, not one per
+read (issue 17).
+
+Bounded by `cache_max_keys` and `cache_max_bytes` (either or both; 0 is no bound of that kind,
+both 0 is no cache). Records live in the replica's LMDB environment, one database per bucket
+(`n:<bucket>`, records in kvcache.record's format), so a restart finds them again; which key
+is coldest lives in memory (an LRU order rebuilt, arbitrary, at start).
+
+Admission is by frequency (TinyLFU, kvcache.sketch): every read of a key outside the filters
+is counted, and when the cache is full a candidate gets in only if it is read more often than
+the key it would evict. A scan of a million cold keys counts each once and evicts nothing
+hot; memory stays at the bounds plus the fixed sketch.
+
+This module keeps the store; whether a cached record may answer a read (the bucket's
+invalidation feed fresh within max_stale_ms, the floors) is the read policy's question, and
+removing what the bucket changed is the invalidation feed's job.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .sketch import FrequencySketch
+
+if TYPE_CHECKING:
+    from .replica import Replica
+
+# What a cached key costs beyond its key and record: the LRU entry and LMDB's node header
+ENTRY_OVERHEAD = 64
+
+
+@dataclass
+class CacheStats:
+    """INFO's per-bucket near-cache counters."""
+
+    hits: int = 0
+    misses: int = 0
+    admissions: int = 0
+    rejections: int = 0   # candidates colder than the key they would have evicted
+    evictions: int = 0
+    invalidations: int = 0
+
+
+class NearCache:
+    """One bucket's near cache: bounded, admitted by frequency, persisted beside the replica."""
+
+    def __init__(self, replica: Replica, bucket: str, max_keys: int = 0, max_bytes: int = 0) -> None:
+        if max_keys <= 0 and max_bytes <= 0:
+            raise ValueError("a near cache needs cache_max_keys or cache_max_bytes")
+        self.replica = replica
+        self.bucket = bucket
+        self.max_keys = max_keys
+        self.max_bytes = max_bytes
+        self.stats = CacheStats()
+        self.lru: OrderedDict[bytes, int] = OrderedDict()  # lkey -> bytes it is charged
+        self.bytes = 0
+        self.sketch = FrequencySketch(max_keys or max(1, max_bytes // 256))
+        self._load()
+
+    def _load(self) -> None:
+        """What a previous run cached, within today's bounds (the excess is dropped)."""
+        for lkey, size in self.replica.cache_sizes(self.bucket):
+            self.lru[lkey] = size + len(lkey) + ENTRY_OVERHEAD
+            self.bytes += self.lru[lkey]
+        extra = []
+        while self._over(0):
+            lkey, size = self.lru.popitem(last=False)
+            self.bytes -= size
+            extra.append(lkey)
+        if extra:
+            self.replica.cache_write(self.bucket, [], extra)
+
+    def __len__(self) -> int:
+        return len(self.lru)
+
+    def _over(self, adding: int) -> bool:
+        n = len(self.lru) + (1 if adding else 0)
+        return bool((self.max_keys and n > self.max_keys)
+                    or (self.max_bytes and self.bytes + adding > self.max_bytes))
+
+    # ------------------------------------------------------------------ reads
+
+    def get(self, lkey: bytes) -> bytes | None:
+        """The cached record of a key (counted as a read), None when not cached."""
+        self.sketch.increment(lkey)
+        if lkey not in self.lru:
+            self.stats.misses += 1
+            return None
+        raw = self.replica.cache_get(self.bucket, lkey)
+        if raw is None:  # gone from LMDB behind our back: forget it
+            self.bytes -= self.lru.pop(lkey)
+            self.stats.misses += 1
+            return None
+        self.lru.move_to_end(lkey)
+        self.stats.hits += 1
+        return raw
+
+    # ------------------------------------------------------------------ writes
+
+    def offer(self, lkey: bytes, record: bytes) -> bool:
+        """A fallback read's answer for a key: keep it if it is hot enough. True if kept."""
+        size = len(lkey) + len(record) + ENTRY_OVERHEAD
+        old = self.lru.pop(lkey, None)
+        if old is not None:  # a newer answer for a cached key: replace it in place
+            self.bytes -= old
+        elif self.max_bytes and size > self.max_bytes:
+            self.stats.rejections += 1
+            return False
+        elif self._over(size) and self.lru:
+            victim = next(iter(self.lru))
+            if self.sketch.estimate(lkey) <= self.sketch.estimate(victim):
+                self.stats.rejections += 1
+                return False
+        evicted = []
+        while self.lru and self._over(size):
+            victim, vsize = self.lru.popitem(last=False)
+            self.bytes -= vsize
+            evicted.append(victim)
+        self.replica.cache_write(self.bucket, [(lkey, record)], evicted)
+        self.lru[lkey] = size
+        self.bytes += size
+        self.stats.evictions += len(evicted)
+        if old is None:
+            self.stats.admissions += 1
+        return True
+
+    def invalidate(self, lkeys: list[bytes]) -> int:
+        """The bucket changed these keys: cached ones are dropped. How many were cached."""
+        gone = [lk for lk in lkeys if lk in self.lru]
+        if gone:
+            for lk in gone:
+                self.bytes -= self.lru.pop(lk)
+            self.replica.cache_write(self.bucket, [], gone)
+            self.stats.invalidations += len(gone)
+        return len(gone)
+
+    def clear(self) -> int:
+        """Everything goes (the bucket was purged or recreated, or its position was lost)."""
+        n = len(self.lru)
+        self.replica.cache_clear(self.bucket)
+        self.lru.clear()
+        self.bytes = 0
+        self.stats.invalidations += n
+        return n

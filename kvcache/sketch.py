@@ -1,0 +1,61 @@
+"""How often keys are read, approximately, in bounded memory: the frequency sketch the near
+cache admits by (TinyLFU, as Caffeine and Ristretto do).
+
+A count-min sketch of 4 rows of small counters (saturating at 15, as Caffeine's 4-bit ones),
+`width` a power of two of about 8 counters per key the cache holds. Every `sample` increments,
+all counters are halved, so the sketch follows what is hot now rather than what was once.
+Memory is fixed at construction: a scan of a million distinct keys moves counters, never grows
+anything.
+"""
+from __future__ import annotations
+
+ROWS = 4
+MAX_COUNT = 15
+_HALF = bytes(i >> 1 for i in range(256))
+_SEEDS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x27D4EB2F165667C5)
+_MASK64 = (1 << 64) - 1
+
+
+class FrequencySketch:
+    """Estimated read counts of keys (bytes), within a factor the width bounds."""
+
+    __slots__ = ("_counts", "_mask", "_shift", "additions", "sample", "width")
+
+    def __init__(self, capacity: int) -> None:
+        width = 16
+        while width < 8 * max(1, capacity):
+            width <<= 1
+        self.width = width
+        self._mask = width - 1
+        self._shift = width.bit_length() - 1
+        self._counts = bytearray(ROWS * width)
+        self.sample = 10 * max(1, capacity)
+        self.additions = 0
+
+    def _slots(self, key: bytes) -> list[int]:
+        h = hash(key) & _MASK64
+        width, mask = self.width, self._mask
+        return [row * width + (((h * seed) & _MASK64) >> (64 - self._shift) & mask)
+                for row, seed in enumerate(_SEEDS)]
+
+    def increment(self, key: bytes) -> None:
+        counts = self._counts
+        for i in self._slots(key):
+            if counts[i] < MAX_COUNT:
+                counts[i] += 1
+        self.additions += 1
+        if self.additions >= self.sample:
+            self._age()
+
+    def estimate(self, key: bytes) -> int:
+        counts = self._counts
+        return min(counts[i] for i in self._slots(key))
+
+    def _age(self) -> None:
+        """Halve every counter (a C-speed translate): old popularity fades."""
+        self._counts = bytearray(bytes(self._counts).translate(_HALF))
+        self.additions //= 2
+
+    @property
+    def nbytes(self) -> int:
+        return len(self._counts)

@@ -1,0 +1,116 @@
+"""The near cache's store (kvcache/nearcache.py) and its frequency sketch (kvcache/sketch.py)
+on a real LMDB replica: bounds, frequency admission, scan resistance, invalidation, a restart.
+The coherence feed and the read paths that use the store are tested with real servers."""
+from __future__ import annotations
+
+import random
+import tracemalloc
+
+import pytest
+
+from kvcache.nearcache import ENTRY_OVERHEAD, NearCache
+from kvcache.record import encode_record, lkey_of
+from kvcache.replica import Replica
+from kvcache.sketch import MAX_COUNT, FrequencySketch
+
+
+def rec(key: bytes, value: bytes = b"v" * 100, revision: int = 1) -> bytes:
+    return encode_record(key, lkey_of(key), value, revision, 1)
+
+
+@pytest.fixture
+def replica(tmp_path):
+    r = Replica(str(tmp_path / "replica"), buckets=1)
+    yield r
+    r.close()
+
+
+def read(cache: NearCache, key: bytes, times: int = 1) -> bytes | None:
+    """`times` reads of a key; a miss is answered by 'NATS' and offered, as the read path does."""
+    got = None
+    for _ in range(times):
+        got = cache.get(key)
+        if got is None:
+            cache.offer(key, rec(key))
+    return got
+
+
+def test_sketch_counts_saturate_and_age():
+    s = FrequencySketch(100)
+    for _ in range(40):
+        s.increment(b"hot")
+    s.increment(b"cold")
+    assert s.estimate(b"hot") == MAX_COUNT
+    assert s.estimate(b"cold") >= 1 and s.estimate(b"never") <= 1
+    for i in range(s.sample):  # a full sample of other keys: everything is halved at least once
+        s.increment(b"k%d" % i)
+    assert s.estimate(b"hot") <= MAX_COUNT // 2 + 1
+
+
+def test_bounded_in_keys_and_admitted_by_frequency(replica):
+    c = NearCache(replica, "b", max_keys=100)
+    hot = [b"hot.%d" % i for i in range(100)]
+    for k in hot:
+        read(c, k, 5)
+    assert len(c) == 100 and all(k in c.lru for k in hot)
+    # a scan of cold keys, each read once, evicts no hot key while the hot ones are still read
+    # (a key nobody reads for ten times the cache's size in reads fades: the sketch ages)
+    for i in range(10_000):
+        read(c, b"cold.%d" % i)
+        if i % 200 == 0:
+            for k in hot:
+                read(c, k)
+    assert len(c) == 100
+    assert sum(k in c.lru for k in hot) >= 95  # a sketch estimates: a rare collision lets one in
+    assert c.stats.rejections >= 9_800
+    # a new key read more often than the coldest cached one gets in, and one goes
+    read(c, b"new.hot", 12)
+    assert b"new.hot" in c.lru and len(c) == 100 and c.stats.evictions >= 1
+
+
+def test_bounded_in_bytes(replica):
+    c = NearCache(replica, "b", max_bytes=50_000)
+    for i in range(2_000):
+        read(c, b"k.%d" % i, 2)
+        assert c.bytes <= 50_000
+    assert 0 < len(c) < 2_000
+    size = len(b"k.1999") + len(rec(b"k.1999")) + ENTRY_OVERHEAD  # the longest key
+    assert len(c) >= 50_000 // size - 2
+    assert c.offer(b"huge", rec(b"huge", b"x" * 60_000)) is False  # larger than the whole cache
+
+
+def test_hits_invalidation_and_restart(replica, tmp_path):
+    c = NearCache(replica, "b", max_keys=10)
+    assert read(c, b"a") is None                    # a miss, then kept
+    assert read(c, b"a") == rec(b"a")               # a hit
+    assert c.offer(b"a", rec(b"a", b"new", 2))     # a newer answer replaces it in place
+    assert c.get(b"a") == rec(b"a", b"new", 2)
+    assert (c.stats.hits, c.stats.misses, c.stats.admissions) == (2, 1, 1)
+    for k in (b"b", b"c"):
+        read(c, k)
+    assert c.invalidate([b"b", b"zz"]) == 1
+    assert c.get(b"b") is None
+    # a restart finds what was cached; a smaller bound drops the excess
+    again = NearCache(replica, "b", max_keys=10)
+    assert set(again.lru) == {b"a", b"c"} and again.bytes == c.bytes
+    assert again.get(b"c") == rec(b"c")
+    smaller = NearCache(replica, "b", max_keys=1)
+    assert len(smaller) == 1 and len(replica.cache_sizes("b")) == 1
+    assert smaller.clear() == 1 and replica.cache_sizes("b") == []
+
+
+def test_a_million_distinct_cold_keys_grow_nothing(replica):
+    """Hostile key patterns: memory stays at the bounds (the LRU) plus the fixed sketch."""
+    c = NearCache(replica, "b", max_keys=1_000)
+    rnd = random.Random(7)
+    for i in range(1_000):
+        read(c, b"warm.%d" % i, 2)
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    for i in range(1_000_000):
+        c.get(b"scan.%d.%d" % (i, rnd.getrandbits(32)))  # misses, counted by the sketch
+    grown = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    assert len(c) == 1_000
+    assert grown < 1 << 20, grown
+    assert c.sketch.nbytes == 4 * 8192
