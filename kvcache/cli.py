@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--nats", metavar="URL", action="append", dest="nats_servers",
                        help="NATS server URL (repeatable)")
     serve.add_argument("--bucket", metavar="NAME[:FILTER,...]", action="append", dest="buckets",
-                       help="bucket to replicate, optionally with key filters (repeatable)")
+                       help="bucket to replicate, optionally with key filters (repeatable); "
+                            "NAME: replicates no key (its near cache serves it)")
     serve.add_argument("--max-stale-ms", type=int, dest="max_stale_ms", metavar="MS",
                        help="a replica cut off longer than this is not served: reads go to peers; "
                        "every bucket")
@@ -130,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="rotate access.log at this size")
     serve.add_argument("--access-log-files", type=int, dest="access_log_files", metavar="N",
                        help="rotated access logs kept")
+    serve.add_argument("--cache-max-keys", type=int, dest="cache_max_keys", metavar="N",
+                       help="near cache of keys outside each bucket's filters: at most N keys")
+    serve.add_argument("--cache-max-bytes", type=int, dest="cache_max_bytes", metavar="N",
+                       help="near cache: at most N bytes per bucket")
     serve.add_argument("--listen", dest="listen", metavar="HOST:PORT",
                        help="also serve RESP on this loopback TCP address (127.0.0.1:6380)")
     serve.add_argument("--listen-non-loopback", action=argparse.BooleanOptionalAction,

@@ -273,7 +273,20 @@ class Commands:
             if not want:
                 return self._local_value(conn, bc, key, rec, t0)
             return self._gated_value(conn, bc, key, want, t0)
+        cached = self._cached(bc, key, t0, "GET")
+        if cached is not None:
+            return resp.bulk(cached.value, conn.proto)
         return self._remote_value(conn, bc, key, t0)
+
+    def _cached(self, bc: BucketConfig, key: str, t0: int, command: str,
+                max_stale_ms: int | None = None) -> Entry | None:
+        """The near cache's answer for a key outside the filters (ReadPolicy.cached), counted
+        and logged (source `cache`); None: ask NATS."""
+        entry = self.policy.cached(bc, key, max_stale_ms)
+        if entry is not None:
+            self.stats.gets_cached += 1
+            self._log(t0, bc.name, key, "cache", True, command)
+        return entry
 
     def _local_value(self, conn: Session, bc: BucketConfig, key: str, rec: Record | None,
                      t0: int = 0) -> bytes:
@@ -323,6 +336,7 @@ class Commands:
             self.stats.gets_stale += 1
         else:
             entry = self.policy.newest(bc, key, entry)
+            self.policy.fill(bc, key, entry)
         hit = entry is not None and entry.operation is Operation.PUT
         self._log(t0, bc.name, key, entry.source if entry else source, hit, command)
         if not hit:
@@ -349,6 +363,12 @@ class Commands:
                 plan = plan_of(raw)
                 if not plan or not plan.feed.fresh_within(plan.max_stale_ms):
                     bc, key = self.policy.resolve(raw)  # raises for an invalid key
+                    hit = None if plan else self._cached(bc, key, t0, command)
+                    if hit is not None:
+                        if budget is not None:
+                            budget.spend(len(hit.value))  # type: ignore[arg-type]  # a hit has one
+                        values[i] = hit.value
+                        continue
                     misses.setdefault(bc.name, []).append((i, key))
                     continue
                 feed, _, _, lkey, db, offset = plan
@@ -456,6 +476,9 @@ class Commands:
                 found = {k: self.policy.stale_entry(bc, k, e) for k in keys}
                 source = STALE_SOURCE
                 self.stats.gets_stale += len(keys)
+            if source != STALE_SOURCE:
+                for key in keys:
+                    self.policy.fill(bc, key, found.get(key))
             for i, key in wanted:
                 entry = found[key] if source == STALE_SOURCE else self.policy.newest(bc, key, found.get(key))
                 self._log(t0, bucket, key, entry.source if entry else source,
@@ -483,6 +506,9 @@ class Commands:
             if not want:
                 return answer(bc, self._local_found(bc, key, rec, t0, command))
             return self._one_gated(bc, key, want, t0, command, answer)
+        cached = self._cached(bc, key, t0, command)
+        if cached is not None:
+            return answer(bc, Found(cached.value, cached.created, cached.expires))  # type: ignore[arg-type]
         return self._one_remote(bc, key, t0, command, answer)
 
     def _local_found(self, bc: BucketConfig, key: str, rec: Record | None, t0: int,
@@ -569,6 +595,10 @@ class Commands:
             if not want:
                 return self._local_entry(conn, bc, key, rec, t0)
             return self._gated_entry(conn, bc, key, want, max_stale, t0)
+        if consistency == "local":
+            cached = self._cached(bc, key, t0, "KV.GET", max_stale)
+            if cached is not None and (min_rev is None or cached.revision >= min_rev):
+                return _entry_reply(cached, conn.proto)
         return self._kv_get_remote(conn, bc, key, consistency == "strong", max_stale, min_rev, t0)
 
     async def _gated_entry(self, conn: Session, bc: BucketConfig, key: str, want: int,

@@ -52,6 +52,10 @@ class BucketConfig:
     # Stale replica and no peer answering: serve the replica's last known value (True) or an
     # error (False). None: the top-level `serve_stale` decides (Config.serves_stale).
     serve_stale: bool | None = None
+    # The near cache of keys outside `keys` (kvcache.nearcache): bounds in keys and bytes, 0 for
+    # no bound of that kind, both 0 for no cache. None: the top-level setting (Config.cache_bounds).
+    cache_max_keys: int | None = None
+    cache_max_bytes: int | None = None
 
 
 @dataclass
@@ -86,6 +90,8 @@ class Config:
     access_log_files: int = 10  # rotated files kept (access.log.1 .. .N)
     discover_peers: bool = False  # add the mirrors each bucket stream lists as `alternates`
     serve_stale: bool = False  # default of [[bucket]] serve_stale (see BucketConfig)
+    cache_max_keys: int = 0  # default of [[bucket]] cache_max_keys: the near cache (nearcache.py)
+    cache_max_bytes: int = 0  # default of [[bucket]] cache_max_bytes
     listen: str = ""  # a loopback TCP listener, "127.0.0.1:6380"; "" = none (the Unix socket only)
     listen_non_loopback: bool = False  # the second setting `listen` needs for any other address
     requirepass_file: str | None = None  # the password TCP clients must AUTH with (or KVCACHE_REQUIREPASS)
@@ -125,6 +131,11 @@ class Config:
             if b.name == name:
                 return b
         return None
+
+    def cache_bounds(self, b: BucketConfig) -> tuple[int, int]:
+        """(max keys, max bytes) of a bucket's near cache; (0, 0): none."""
+        return (self.cache_max_keys if b.cache_max_keys is None else b.cache_max_keys,
+                self.cache_max_bytes if b.cache_max_bytes is None else b.cache_max_bytes)
 
     def serves_stale(self, b: BucketConfig) -> bool:
         """May a stale replica of this bucket answer when no peer can? Its own setting, else
@@ -271,7 +282,7 @@ def _from_mapping(raw: dict[str, Any], where: str) -> Config:
 
 def _bucket_from(raw: Any, where: str) -> BucketConfig:
     _expect(raw, dict, f"{where}: [[bucket]]")
-    unknown = set(raw) - {"name", "keys", "max_stale_ms", "serve_stale"}
+    unknown = set(raw) - {"name", "keys", "max_stale_ms", "serve_stale", "cache_max_keys", "cache_max_bytes"}
     if unknown:
         raise ConfigError(f"{where}: unknown key '{sorted(unknown)[0]}' in [[bucket]]")
     if "name" not in raw:
@@ -283,6 +294,9 @@ def _bucket_from(raw: Any, where: str) -> BucketConfig:
         b.max_stale_ms = _typed(raw["max_stale_ms"], int, f"{where}: bucket {b.name}: max_stale_ms")
     if "serve_stale" in raw:
         b.serve_stale = _coerce(raw["serve_stale"], "bool", f"{where}: bucket {b.name}: serve_stale")
+    for bound in ("cache_max_keys", "cache_max_bytes"):
+        if bound in raw:
+            setattr(b, bound, _typed(raw[bound], int, f"{where}: bucket {b.name}: {bound}"))
     return b
 
 
@@ -369,6 +383,10 @@ def _apply_env(cfg: Config, env: Mapping[str, str]) -> None:
     if _env_name("serve_stale") in env:  # parsed into cfg.serve_stale above; like
         for b in cfg.buckets:           # KVCACHE_MAX_STALE_MS, it sets every bucket
             b.serve_stale = cfg.serve_stale
+    for bound in ("cache_max_keys", "cache_max_bytes"):  # the same: every bucket
+        if _env_name(bound) in env:
+            for b in cfg.buckets:
+                setattr(b, bound, getattr(cfg, bound))
 
 
 def _apply_overrides(cfg: Config, overrides: Mapping[str, Any]) -> None:
@@ -384,10 +402,11 @@ def _apply_overrides(cfg: Config, overrides: Mapping[str, Any]) -> None:
                 raise ConfigError(f"max_stale_ms must not be negative, got {value}")
             for b in cfg.buckets:
                 b.max_stale_ms = value
-        elif key == "serve_stale":  # every bucket; buckets named by a later flag inherit it
-            cfg.serve_stale = value
+        elif key in ("serve_stale", "cache_max_keys", "cache_max_bytes"):
+            # every bucket; buckets named by a later flag inherit it
+            setattr(cfg, key, value)
             for b in cfg.buckets:
-                b.serve_stale = value
+                setattr(b, key, value)
         elif key.startswith("nats_") and key[5:] in _NATS_SCALARS:
             setattr(cfg.nats, key[5:], value)
         elif key in _SCALARS:
@@ -397,10 +416,11 @@ def _apply_overrides(cfg: Config, overrides: Mapping[str, Any]) -> None:
 
 
 def parse_bucket_spec(spec: str) -> BucketConfig:
-    """`name` or `name:filter,filter` (':' is legal in neither bucket names nor keys)."""
-    name, _, filters = spec.partition(":")
+    """`name`, `name:filter,filter`, or `name:` for no replicated key (a bucket served by its
+    near cache only). ':' is legal in neither bucket names nor keys."""
+    name, colon, filters = spec.partition(":")
     b = BucketConfig(name=name)
-    if filters:
+    if colon:
         b.keys = [f for f in filters.split(",") if f]
     return b
 
@@ -437,8 +457,14 @@ def validate(cfg: Config) -> None:
         if b.name in seen:
             raise ConfigError(f"bucket '{b.name}' is configured twice")
         seen.add(b.name)
-        if not b.keys:
-            raise ConfigError(f"bucket '{b.name}': keys must list at least one filter")
+        max_keys, max_bytes = cfg.cache_bounds(b)
+        if max_keys < 0 or max_bytes < 0:
+            raise ConfigError(f"bucket '{b.name}': cache_max_keys and cache_max_bytes must not be negative")
+        if not b.keys and not (max_keys or max_bytes):
+            raise ConfigError(f"bucket '{b.name}': keys is empty and it has no near cache "
+                              "(cache_max_keys, cache_max_bytes): nothing would be served locally")
+        if ">" in b.keys and (b.cache_max_keys or b.cache_max_bytes):
+            raise ConfigError(f"bucket '{b.name}' replicates every key: its near cache would hold nothing")
         for f in b.keys:
             if not valid_filter(f):
                 raise ConfigError(f"bucket '{b.name}': invalid key filter '{f}'")

@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 from . import jetstream as jsapi
@@ -33,7 +34,10 @@ from .changes import ChangeHub
 from .config import BucketConfig
 from .consumer import ConsumerLost, PullConsumer, Run
 from .errors import BucketNotFound, ReplicaError, UpstreamError
+from .keys import subject_match
 from .natsconn import NatsConnection
+from .nearcache import NearCache
+from .record import LONG_KEY_PREFIX, RECORD, Item, decode_key
 from .replica import Replica
 from .sweeps import Maintenance
 
@@ -43,6 +47,10 @@ log = logging.getLogger("kvcache.feed")
 # every key waits for the replica instead (slower, still right) rather than one being forgotten.
 AHEAD_MAX = 100_000
 META_TOUCH_INTERVAL_NS = 1_000_000_000
+# Keys outside the filters changed recently (the near cache's fill guard, Feed.fill_ok): kept
+# this long beyond the request timeout, at most this many (past it, no fill for that long).
+RECENT_MARGIN_S = 1.0
+RECENT_MAX = 100_000
 
 
 class Feed(Maintenance):
@@ -60,6 +68,11 @@ class Feed(Maintenance):
         self.stream = jsapi.kv_stream(bucket.name)
         self.prefix = f"$KV.{bucket.name}."
         self.filters = [self.prefix + k for k in bucket.keys]
+        # The near cache of keys outside the filters (set_cache): with one, the consumer
+        # covers the whole bucket, and changes outside the filters invalidate the cache.
+        self.cache: NearCache | None = None
+        self._recent: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
+        self._recent_full_until = 0.0
         self.replica = replica
         self.heartbeat_s = heartbeat_s
         self.timeout = timeout
@@ -103,11 +116,90 @@ class Feed(Maintenance):
         # Called when the stream was recreated or rewound (its revisions start again): the
         # router forgets the bucket's floors (Router.floors.forget).
         self.on_renumbered: Callable[[], None] | None = None
+        # Called when messages went with no marker: `first` when the stream dropped everything
+        # below it, None after a purge or message delete request (which keys is unknown). The
+        # router forgets the floors those removals make moot (Router.floors.forget).
+        self.on_removed: Callable[[int | None], None] | None = None
         # Where the changes this feed applies go (kvcache.changes): tracking clients'
         # invalidations, keyspace notifications, WATCH. Set by the sidecar.
         self.hub: ChangeHub | None = None
         if self.meta.synced:
             self._synced_event.set()
+
+    # -------------------------------------------------------------- near cache
+
+    def set_cache(self, cache: NearCache) -> None:
+        """Before start: keys outside the filters are cached (kvcache.nearcache), and this
+        feed keeps them true: its consumer reads the whole bucket from now on."""
+        self.cache = cache
+        self.filters = [self.prefix + ">"]
+
+    def replicated(self, key: str) -> bool:
+        """Is the key inside the bucket's filters (kept in the replica, not the cache)?"""
+        return any(subject_match(f, key) for f in self.cfg.keys)
+
+    def _split(self, items: list[Item], seq: int) -> tuple[list[Item], list[tuple[str, str]]]:
+        """With a near cache: the items for the replica (keys inside the filters, and every
+        delete: a long key's digest does not say where it belongs), and the changes outside
+        the filters, which invalidate the cache (and are noted for the fill guard)."""
+        cache = self.cache
+        assert cache is not None
+        keep: list[Item] = []
+        outside: list[bytes] = []
+        seqs: list[int] = []
+        changes: list[tuple[str, str]] = []
+        for lk, rec in items:
+            if rec is None:
+                keep.append((lk, rec))
+                outside.append(lk)
+                seqs.append(seq)  # a delete's own sequence is not in the item: the batch's top
+                if not lk.startswith(LONG_KEY_PREFIX):
+                    key = lk.decode()
+                    if not self.replicated(key):
+                        changes.append((key, "del"))
+                continue
+            key = decode_key(lk, rec)
+            if self.replicated(key):
+                keep.append((lk, rec))
+            else:
+                outside.append(lk)
+                seqs.append(RECORD.unpack_from(rec)[0])
+                changes.append((key, "set"))
+        if outside:
+            self._note_recent(outside, seqs)
+            cache.invalidate(outside)
+        return keep, changes
+
+    def _note_recent(self, lkeys: list[bytes], seqs: list[int]) -> None:
+        now = time.monotonic()
+        recent = self._recent
+        for lk, seq in zip(lkeys, seqs, strict=True):
+            if seq > recent.get(lk, (0, 0.0))[0]:
+                recent[lk] = (seq, now)
+                recent.move_to_end(lk)
+        horizon = now - self.timeout * 2 - RECENT_MARGIN_S
+        while recent:
+            first = next(iter(recent.values()))
+            if first[1] >= horizon:
+                break
+            recent.popitem(last=False)
+        if len(recent) > RECENT_MAX:  # too many to remember: no fills for a while instead
+            recent.clear()
+            self._recent_full_until = now + self.timeout * 2 + RECENT_MARGIN_S
+
+    def fill_ok(self, lkey: bytes, revision: int) -> bool:
+        """May a fallback read's answer (at `revision`) go into the near cache? Only while
+        this feed vouches for the bucket (fresh within max_stale_ms), and only if it saw no
+        newer change of the key while the read was on its way (a change it sees later
+        invalidates the record as usual)."""
+        if not self.fresh_within(self.cfg.max_stale_ms) or time.monotonic() < self._recent_full_until:
+            return False
+        seen = self._recent.get(lkey)
+        return seen is None or seen[0] <= revision
+
+    def _clear_cache(self, why: str) -> None:
+        if self.cache is not None and len(self.cache):
+            log.info("bucket %s: near cache cleared (%d keys): %s", self.bucket, self.cache.clear(), why)
 
     # -------------------------------------------------------------- lifecycle
 
@@ -185,6 +277,16 @@ class Feed(Maintenance):
             self.upstream_seq = max(self.upstream_seq, last)
             log.info("bucket %s: resuming after sequence %d", self.bucket, m.applied_seq)
             self._reconcile_pending = self._reconcile_pending or reconcile
+        if self.cache is not None:
+            if self._full:
+                self._clear_cache("full resync")
+            elif not m.whole_bucket:
+                self._clear_cache("the previous run did not watch the whole bucket")
+            elif first > 1:
+                self.cache.drop_below(first)
+        elif m.whole_bucket:
+            self.replica.cache_clear(self.bucket)  # left by a run with a near cache: unwatched now
+        m.whole_bucket = self.cache is not None
         m.stream = self.stream
         m.stream_created = created
         m.max_age_ns = self.max_age_ns
@@ -381,6 +483,10 @@ class Feed(Maintenance):
 
     def _new_consumer(self) -> PullConsumer:
         start = None if self._full else self.meta.applied_seq + 1
+        if self._full and not self.cfg.keys:
+            # A bucket that replicates nothing has no initial set to sync: its near cache
+            # starts empty, and only what changes from now on matters.
+            start = self.upstream_seq + 1
         consumer = PullConsumer(
             self.nc, self.stream, self.prefix, self.filters, start_seq=start,
             headers_only=False, heartbeat_s=self.heartbeat_s,
@@ -432,7 +538,12 @@ class Feed(Maintenance):
                 m.synced = True  # nothing to sweep: the last batch of the sync says so itself
         items = last.items if len(runs) == 1 else [it for r in runs for it in r.items]
         hub = self.hub
+        outside: list[tuple[str, str]] = []
+        if self.cache is not None:
+            items, outside = self._split(items, top)
         changes = self.replica.changes_of(self.bucket, items) if hub is not None and hub.active else None
+        if outside and changes is not None:
+            changes += outside
         self.replica.apply_items(self.bucket, items, m, deletes=any(r.deletes for r in runs),
                                  deadlines=self._deadlines)
         if self._deadlines:

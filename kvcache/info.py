@@ -61,7 +61,8 @@ class Info:
                 ("pubsub_clients", self.pubsub.clients() if self.pubsub else 0),
             ],
             "stats": [
-                ("gets_local", st.gets_local), ("gets_remote", st.gets_remote),
+                ("gets_local", st.gets_local), ("gets_cached", st.gets_cached),
+                ("gets_remote", st.gets_remote),
                 ("gets_notfound", st.gets_notfound), ("remote_errors", st.remote_errors),
                 ("gets_stale", st.gets_stale), ("reads_gathered", st.reads_gathered),
                 ("stream_list_requests", st.stream_list_requests),
@@ -77,7 +78,7 @@ class Info:
                 synced=int(f.synced), keys=policy.replica.count(name), applied_seq=f.meta.applied_seq,
                 upstream_seq=max(f.upstream_seq, f.meta.applied_seq), lag_ms=f.lag_ms(),
                 resyncs=f.meta.resyncs, removed_upstream=f.removed_upstream,
-                state_polls=f.state_polls)) for name, f in policy.feeds.items()],
+                state_polls=f.state_polls, **_cache_fields(f))) for name, f in policy.feeds.items()],
             "peers": [(p.label, _fields(
                 stream=p.stream, state=router.state(p), ewma_us=int(p.stats.ewma_us),
                 requests=p.stats.requests, errors=p.stats.errors, hedges=p.stats.hedges))
@@ -100,6 +101,18 @@ class Info:
             lines += [f"{k}:{v}" for k, v in items]
             lines.append("")
         return "\r\n".join(lines)
+
+
+def _cache_fields(feed) -> dict[str, int]:
+    """A bucket's near cache, when it has one (kvcache.nearcache)."""
+    c = feed.cache
+    if c is None:
+        return {}
+    st = c.stats
+    return {"cache_keys": len(c), "cache_bytes": c.bytes, "cache_hits": st.hits,
+            "cache_misses": st.misses, "cache_admissions": st.admissions,
+            "cache_rejections": st.rejections, "cache_evictions": st.evictions,
+            "cache_invalidations": st.invalidations}
 
 
 def _fields(**kv: object) -> str:

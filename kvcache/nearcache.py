@@ -136,6 +136,14 @@ class NearCache:
             self.stats.invalidations += len(gone)
         return len(gone)
 
+    def drop_below(self, first_seq: int) -> int:
+        """The stream dropped every message below `first_seq` (its limits, a purge): cached
+        records older than that have no message left. How many went."""
+        from .record import RECORD
+        gone = [lk for lk, raw in self.replica.cache_items(self.bucket)
+                if RECORD.unpack_from(raw)[0] < first_seq]
+        return self.invalidate(gone) if gone else 0
+
     def clear(self) -> int:
         """Everything goes (the bucket was purged or recreated, or its position was lost)."""
         n = len(self.lru)

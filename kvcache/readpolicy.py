@@ -15,12 +15,13 @@ the addressing (`split_address`) and the freshness rule for a replica read from 
 from __future__ import annotations
 
 import functools
+import time
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from .entry import Entry, Operation
 from .errors import CommandError, KvcacheError, ReplyBudget, UpstreamError
 from .keys import KEY_RE, subject_match
-from .record import LONG_KEY_PREFIX, RECORD, Record, lmdb_key
+from .record import LONG_KEY_PREFIX, NEVER, RECORD, Record, decode_record, encode_record, expiry, lmdb_key
 
 if TYPE_CHECKING:
     from .config import BucketConfig, Config
@@ -184,6 +185,60 @@ class ReadPolicy:
         if rec is not None and not self.replica.expired(bc.name, rec):
             revision = RECORD.unpack_from(rec)[0]
         return bc.name, key, feed.behind(key, revision)
+
+    # ------------------------------------------------------------------ the near cache
+
+    def cached(self, bc: BucketConfig, key: str, max_stale_ms: int | None = None) -> Entry | None:
+        """The near cache's answer (source `cache`) for a key outside the filters, or None
+        when it has none it may give: not cached, expired, the bucket's feed not fresh within
+        the bound (the replica's own rule), or a newer revision already handed out from NATS
+        (the router's floors). Every ask counts towards the key's admission."""
+        feed = self.feeds[bc.name]
+        cache = feed.cache
+        if cache is None or self.in_filters(bc.name, key):
+            return None
+        lk = lmdb_key(key)
+        if not feed.fresh_within(bc.max_stale_ms if max_stale_ms is None else max_stale_ms):
+            cache.sketch.increment(lk)
+            return None
+        raw = cache.get(lk)
+        if raw is None:
+            return None
+        rec = decode_record(lk, raw)
+        due = expiry(rec.created, rec.expires, feed.max_age_ns)
+        if due and time.time_ns() >= due:
+            cache.invalidate([lk])
+            return None
+        entry = Entry(bc.name, key, rec.value, rec.revision, rec.created, 0, Operation.PUT, "cache",
+                      rec.expires)
+        if self.router.floors.behind(bc.name, key, entry):
+            return None
+        return entry
+
+    def fill(self, bc: BucketConfig, key: str, entry: Entry | None) -> None:
+        """A fallback read answered a key outside the filters: offer the answer to the near
+        cache (kvcache.nearcache admits it if the key is hot enough). Only an answer of the
+        bucket's own stream (its replicas or leader; a mirror may lag without bound), only
+        while the feed vouches for the bucket and saw no newer change on the way
+        (Feed.fill_ok), and never over a newer cached revision; a deletion, or an answer that
+        may not go in, drops what is cached."""
+        feed = self.feeds[bc.name]
+        cache = feed.cache
+        if cache is None or self.in_filters(bc.name, key):
+            return
+        lk = lmdb_key(key)
+        ok = (entry is not None and entry.value is not None and entry.operation is Operation.PUT
+              and entry.source in (f"main.{bc.name}", "leader") and feed.fill_ok(lk, entry.revision))
+        current = self.replica.cache_get(bc.name, lk) if lk in cache.lru else None
+        if not ok:
+            if current is not None and (entry is None or RECORD.unpack_from(current)[0] < entry.revision):
+                cache.invalidate([lk])
+            return
+        assert entry is not None and entry.value is not None
+        if current is not None and RECORD.unpack_from(current)[0] >= entry.revision:
+            return  # what is cached is as new or newer: a lagging responder's answer
+        ttl = -1 if entry.expires == NEVER else (entry.expires - entry.created if entry.expires else 0)
+        cache.offer(lk, encode_record(key.encode(), lk, entry.value, entry.revision, entry.created, ttl))
 
     # ------------------------------------------------------------------ answers from NATS
 

@@ -93,6 +93,9 @@ class BucketMeta:
     last_update_ns: int = 0
     resyncs: int = 0
     max_age_ns: int = 0  # the stream's max_age, for readers in other processes (LocalReader)
+    # The position covers every key of the bucket (a near cache is on): the cache's records
+    # are vouched for up to it. A position of a filtered consumer says nothing about them.
+    whole_bucket: bool = False
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -259,6 +262,11 @@ class Replica:
                 txn.put(lk, rec, db=db)
 
         self._write(f"bucket {bucket} cache", write)
+
+    def cache_items(self, bucket: str) -> list[tuple[bytes, bytes]]:
+        """(lkey, record) of every cached record (bounded by the cache's own bounds)."""
+        with self.env.begin(db=self._cache(bucket), buffers=False) as txn:
+            return list(txn.cursor())
 
     def cache_clear(self, bucket: str) -> None:
         db = self._cache(bucket)

@@ -31,6 +31,7 @@ from typing import Any
 from .entry import Entry
 from .errors import ReplyBudget, UpstreamError
 from .peer import MULTI_LAST_MAX, Peer, PeerStats
+from .record import expiry
 
 __all__ = ["MULTI_LAST_MAX", "Peer", "PeerStats", "Policy", "Router"]
 
@@ -72,30 +73,49 @@ class Floors:
     reads of a key never go back in time when peers of different lag answer them."""
 
     def __init__(self, size: int = FLOORS_MAX) -> None:
-        self._rev: OrderedDict[tuple[str, str], int] = OrderedDict()
+        # (bucket, key) -> (revision, the moment that revision leaves the bucket, 0: never)
+        self._rev: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()
+        self._by_bucket: dict[str, set[str]] = {}  # the keys with a floor, per bucket (forget)
         self._size = size
+        # A bucket's max_age in ns (the sidecar points this at its feeds): a revision read
+        # may expire, and a not-found after that is the bucket's current state, not a lag.
+        self.max_age: Callable[[str], int] = lambda bucket: 0
 
     def behind(self, bucket: str, key: str, e: Entry | None) -> bool:
-        """Is this answer older than one already read (a not-found after a read value, too)?"""
+        """Is this answer older than one already read (a not-found after a read value, too,
+        unless that value has expired since: its own TTL or the bucket's max_age)?"""
         floor = self._rev.get((bucket, key))
-        return floor is not None and (e is None or e.revision < floor)
+        if floor is None:
+            return False
+        if e is None:
+            return not (floor[1] and time.time_ns() >= floor[1])
+        return e.revision < floor[0]
 
-    def forget(self, bucket: str) -> None:
-        """The bucket's stream was recreated (its revisions start again from 1): its floors
-        would make every remote read of its keys fail as 'behind'."""
-        for k in [k for k in self._rev if k[0] == bucket]:
-            del self._rev[k]
+    def forget(self, bucket: str, below: int | None = None) -> None:
+        """The bucket's stream was recreated (its revisions start again from 1), or purged,
+        or dropped every message below `below`: those floors would make remote reads of the
+        keys fail as 'behind' when not-found is the bucket's state."""
+        keys = self._by_bucket.get(bucket)
+        if not keys:
+            return
+        rev = self._rev
+        gone = [key for key in keys if below is None or rev[(bucket, key)][0] < below]
+        for key in gone:
+            del rev[(bucket, key)]
+            keys.discard(key)
 
     def saw(self, bucket: str, key: str, e: Entry | None) -> None:
         if e is None:
             return
         k = (bucket, key)
-        if e.revision > self._rev.get(k, 0):
-            self._rev[k] = e.revision
+        if e.revision > self._rev.get(k, (0, 0))[0]:
+            self._rev[k] = (e.revision, expiry(e.created, e.expires, self.max_age(bucket)))
+            self._by_bucket.setdefault(bucket, set()).add(key)
         if k in self._rev:
             self._rev.move_to_end(k)
         if len(self._rev) > self._size:
-            self._rev.popitem(last=False)
+            (old_bucket, old_key), _ = self._rev.popitem(last=False)
+            self._by_bucket[old_bucket].discard(old_key)
 
 
 class Router:

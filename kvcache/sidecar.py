@@ -27,6 +27,7 @@ from .errors import BucketNotFound, ConfigError, KvcacheError, UpstreamError
 from .feed import Feed
 from .natsconn import NatsConnection
 from .natsserver import NatsServer
+from .nearcache import NearCache
 from .peerset import PeerConnections, configured_peers, discovered_peers
 from .readpolicy import ReadPolicy
 from .replica import Replica
@@ -106,6 +107,10 @@ class Sidecar:
             feed = Feed(nc, b, self.replica, heartbeat_s=self.cfg.heartbeat_ms / 1000,
                         timeout=timeout, on_fatal=self._fatal)
             feed.on_renumbered = functools.partial(self.router.floors.forget, b.name)
+            feed.on_removed = functools.partial(self.router.floors.forget, b.name)
+            max_keys, max_bytes = self.cfg.cache_bounds(b)
+            if (max_keys or max_bytes) and ">" not in b.keys:
+                feed.set_cache(NearCache(self.replica, b.name, max_keys, max_bytes))
             try:
                 await feed.start(watch=not shared_watch)
             except BucketNotFound:
@@ -117,6 +122,8 @@ class Sidecar:
             self.state_poll = StatePoll(nc, self.feeds.values(), timeout, self.stats)
             self.state_poll.start()
         await self._add_peers(timeout)
+        feeds = self.feeds
+        self.router.floors.max_age = lambda bucket: feeds[bucket].max_age_ns if bucket in feeds else 0
         policy = ReadPolicy(self.cfg, self.replica, self.feeds, self.router)
         self.commands = Commands(self.cfg, policy, self.stats, AccessLog.from_config(self.cfg))
         for feed in self.feeds.values():  # one hub: every listener, one consumer per bucket

@@ -17,6 +17,7 @@ class Stats:
 
     gets_local: int = 0
     gets_remote: int = 0
+    gets_cached: int = 0  # answered by a bucket's near cache (keys outside its filters)
     gets_notfound: int = 0
     remote_errors: int = 0
     gets_stale: int = 0  # answered from a stale replica (serve_stale) after a failed remote read

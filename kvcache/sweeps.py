@@ -21,6 +21,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .changes import DEL, EXPIRED, ChangeHub
@@ -28,6 +29,8 @@ from .config import BucketConfig
 from .consumer import PullConsumer, Run
 from .errors import ReplicaError
 from .natsconn import NatsConnection
+from .nearcache import NearCache
+from .record import decode_key
 from .replica import BucketMeta, Replica
 
 log = logging.getLogger("kvcache.feed")
@@ -58,6 +61,8 @@ class Maintenance:
     removed_upstream: int
     state_polls: int
     hub: ChangeHub | None
+    cache: NearCache | None
+    on_removed: Callable[[int | None], None] | None
     caught_up: bool
     _full: bool
     _deadlines: bool
@@ -68,6 +73,8 @@ class Maintenance:
         async def _stream_info(self) -> dict: ...
         def _set_deadlines(self, max_age_ns: int, msg_ttl: bool) -> None: ...
         async def wait_applied(self, seq: int, timeout: float) -> bool: ...
+        def replicated(self, key: str) -> bool: ...
+        def _clear_cache(self, why: str) -> None: ...
 
     async def _refile(self) -> None:
         after: bytes | None = None
@@ -192,6 +199,8 @@ class Maintenance:
             elif await self.wait_applied(last, self.timeout):
                 removed = await self._drop_below(first, last)
                 self.first_seq = first
+            if self.on_removed is not None:
+                self.on_removed(first)
         if removed:
             self.removed_upstream += removed
             log.info("bucket %s: %d keys with no message left in the stream removed", self.bucket, removed)
@@ -202,6 +211,8 @@ class Maintenance:
         no message left. Everything when the stream is empty (a purge): one drop. Otherwise
         a pass over the records, a page at a time; each page is read and deleted without an
         await in between, so no newer revision can land between the two."""
+        if self.cache is not None:  # the near cache too: its records below `first` have no message
+            self.cache.drop_below(first)
         if first > last and self.meta.applied_seq <= last:
             n = self.replica.count(self.bucket)
             if n:
@@ -236,6 +247,7 @@ class Maintenance:
         subject = req.get("filter", "") if msg.subject.startswith("$JS.API.STREAM.PURGE.") else ""
         if subject and not subject.startswith(self.prefix):
             return
+        self._clear_cache("a purge or message delete was requested")
         t = asyncio.get_running_loop().create_task(self._after_removal(subject), name=f"purge:{self.bucket}")
         self._hint_tasks.add(t)
         t.add_done_callback(self._hint_tasks.discard)
@@ -247,6 +259,9 @@ class Maintenance:
             waited = at
             if self._full or not self.meta.synced:
                 return
+            self._clear_cache("a purge or message delete was requested")  # a fill may have come between
+            if self.on_removed is not None:
+                self.on_removed(None)
             try:
                 await self.check_state(force=True)  # counts and logs what it removes itself
                 removed = await self._reconcile_once([subject] if subject else None) or 0
@@ -290,14 +305,16 @@ class Maintenance:
         snapshot = info.get("state", {}).get("last_seq", 0)
         live: set[bytes] = set()
         consumer: PullConsumer | None = None
+        cache = self.cache
+        cached = set(cache.lru) if cache is not None else set()
 
         def collect(runs: list[Run]) -> bool:
             for r in runs:
                 for lk, rec in r.items:
-                    if rec is not None:
-                        live.add(lk)
-                    else:
+                    if rec is None:
                         live.discard(lk)
+                    elif cache is None or lk in cached or self.replicated(decode_key(lk, rec)):
+                        live.add(lk)  # with a near cache, only what the replica or the cache holds
             return runs[-1].last_pending == 0
 
         def idle(_last: int) -> None:
@@ -313,6 +330,8 @@ class Maintenance:
         if self._full:
             return None
         within = [f[len(self.prefix):] for f in only] if only else None
+        if cache is not None:  # cached keys the stream no longer holds go too
+            cache.invalidate([lk for lk in cached if lk not in live])
         return self._sweep(live, max_revision=snapshot, within=within)
 
 
