@@ -75,6 +75,10 @@ def write_logs(base: Path) -> list[str]:
         a.record("cfg", f"user.asia.{i}", "leader", False, (i + 1) * 1000)
     for i in range(10):
         a.record("cfg", "motd", "west" if i % 2 else "local", True, 300 if i % 2 else 10)
+    for i in range(20):  # a bucket served by its near cache: a read from NATS, then two hits
+        a.record("big", f"p.{i}", "leader", True, 2000)
+        a.record("big", f"p.{i}", "cache", True, 30)
+        a.record("big", f"p.{i}", "cache", True, 30)
     a.close()
     b = AccessLog(str(base / "b"), 0.5)
     for _ in range(50):
@@ -95,7 +99,7 @@ def test_hotkeys_on_synthetic_logs(spark, tmp_path, capsys):
     code = cli.main(["hotkeys", *dirs, "--top", "3", "--cover", "0.9", "--out", str(out_dir)])
     out = capsys.readouterr().out
     assert code == 0
-    assert "1,050 sampled reads, about 1,100 reads in all" in out
+    assert "1,110 sampled reads, about 1,160 reads in all" in out
     assert 'name = "cfg"\nkeys = ["user.eu.>", "user.us.>"]  # 90.0% of reads' in out
     assert 'name = "other"\nkeys = [">"]  # 100.0% of reads' in out
 
@@ -105,16 +109,21 @@ def test_hotkeys_on_synthetic_logs(spark, tmp_path, capsys):
     assert [float(r["remote_ratio"]) for r in top] == [0.0, 0.5, 0.0]
 
     peers = {r["source"]: r for r in read_csv(out_dir / "peers.csv")}
-    assert set(peers) == {"local", "west", "leader"}
-    assert (peers["leader"]["p50_us"], peers["leader"]["p90_us"], peers["leader"]["p99_us"]) == (
-        "5000", "9000", "10000")
+    assert set(peers) == {"local", "cache", "west", "leader"}
+    assert peers["cache"]["p50_us"] == "30"
     assert peers["west"]["p50_us"] == "300" and peers["local"]["p99_us"] == "10"
     assert int(peers["west"]["sampled"]) == 305
 
     filters = read_csv(out_dir / "filters.csv")
-    assert [(r["bucket"], r["filter"], r["cumulative"]) for r in filters] == [
+    assert [(r["bucket"], r["filter"], r["cumulative"]) for r in filters if r["bucket"] != "big"] == [
         ("cfg", "user.eu.>", "0.6"), ("cfg", "user.us.>", "0.9"), ("other", ">", "1.0")]
-    assert (out_dir / "filters.toml").read_text().count("[[bucket]]") == 2
+    assert (out_dir / "filters.toml").read_text().count("[[bucket]]") == 3
+    served = {r["bucket"]: r for r in read_csv(out_dir / "buckets.csv")}
+    assert (served["big"]["cache"], served["big"]["remote"], served["big"]["cache_hit_ratio"]) == (
+        "0.6667", "0.3333", "0.6667")
+    assert served["big"]["filters_would_cover"] == "1.0"  # p.> covers it all
+    assert (served["cfg"]["local"], served["cfg"]["cache_hit_ratio"]) == ("0.685", "")  # 685 of 1000
+    assert "how each bucket's reads were served" in out
     png = (out_dir / "hotkeys.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 

@@ -1,9 +1,12 @@
 """`kvcache hotkeys`: a Spark job over the access logs of many sidecars.
 
 It reports the most read keys (with the share of their reads that went remote and missed),
-latency percentiles per source (`local`, each peer, `leader`), and per bucket the key filters
-that cover `--cover` of the reads (see `cover`), as a table on the terminal and, under
-`--out`, CSV or Parquet files, a `filters.toml` to paste and a PNG chart.
+latency percentiles per source (`local`, `cache`, each peer, `leader`), per bucket the key
+filters that cover `--cover` of the reads (see `cover`), and per bucket how its reads were
+served: from the replica, from the near cache (with the hit ratio the cache reached on the
+keys outside the filters), from NATS, next to the share the proposed filters would keep local;
+so an operator sees which of the two serves a bucket better. As a table on the terminal and,
+under `--out`, CSV or Parquet files, a `filters.toml` to paste and a PNG chart.
 
 Each log line counts as 1/rate reads (its sampling rate), so sidecars sampling at different
 rates add up to an estimate of the real read counts.
@@ -54,6 +57,8 @@ class Report:
     bucket_reads: dict[str, float]
     cover: float
     curves: dict[str, list[float]] = field(default_factory=dict)  # bucket -> cumulative share by group
+    # bucket -> source -> estimated reads (local, cache, a peer, leader, stale)
+    sources: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def tables(self) -> dict[str, list[dict[str, Any]]]:
         filters = []
@@ -65,7 +70,24 @@ class Report:
                 filters.append({"bucket": bucket, "filter": f.filter, "reads": round(f.reads),
                                 "share": round(f.reads / total, 4), "cumulative": round(acc / total, 4),
                                 "keys": f.keys})
-        return {"top_keys": self.top, "peers": self.peers, "filters": filters}
+        return {"top_keys": self.top, "peers": self.peers, "filters": filters, "buckets": self.serving()}
+
+    def serving(self) -> list[dict[str, Any]]:
+        """Per bucket: how its reads were served, and what the proposed filters would keep
+        local. `cache_hit_ratio`: of the reads of keys outside the filters (the near cache's
+        or NATS's), the share the cache answered; empty with no cache read at all."""
+        rows = []
+        for bucket, by_source in sorted(self.sources.items()):
+            total = sum(by_source.values()) or 1.0
+            local = by_source.get("local", 0.0)
+            cache = by_source.get("cache", 0.0)
+            remote = total - local - cache
+            covered = sum(f.reads for f in self.filters.get(bucket, [])) / (self.bucket_reads.get(bucket) or 1.0)
+            rows.append({"bucket": bucket, "reads": round(total), "local": round(local / total, 4),
+                         "cache": round(cache / total, 4), "remote": round(remote / total, 4),
+                         "cache_hit_ratio": round(cache / (cache + remote), 4) if cache else None,
+                         "filters_would_cover": round(covered, 4)})
+        return rows
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -118,7 +140,7 @@ def analyse(logs: DataFrame, top: int, cover: float) -> Report:
 
     logs = logs.where(F.col("key").isNotNull() & F.col("bucket").isNotNull())
     w = F.when(F.col("rate") > 0, 1.0 / F.col("rate")).otherwise(F.lit(1.0))
-    remote = F.when(F.col("source") != "local", w).otherwise(0.0)
+    remote = F.when(~F.col("source").isin("local", "cache"), w).otherwise(0.0)
     miss = F.when(F.col("hit") == 0, w).otherwise(0.0)
     logs = logs.select("bucket", "key", "source", "latency_us", w.alias("w"), remote.alias("remote"),
                        miss.alias("miss")).cache()
@@ -138,12 +160,16 @@ def analyse(logs: DataFrame, top: int, cover: float) -> Report:
         group = F.when(parent == "", F.col("key")).otherwise(F.concat(parent, F.lit(".*")))
         groups = per_key.groupBy("bucket", group.alias("grp")).agg(
             F.sum("reads").alias("reads"), F.count(F.lit(1)).alias("keys")).collect()
+        served = logs.groupBy("bucket", "source").agg(F.sum("w").alias("reads")).collect()
     finally:
         logs.unpersist()
     by_bucket: dict[str, dict[str, tuple[float, int]]] = {}
     for g in groups:
         by_bucket.setdefault(g["bucket"], {})[g["grp"]] = (float(g["reads"]), int(g["keys"]))
     bucket_reads = {b: sum(r for r, _ in gs.values()) for b, gs in by_bucket.items()}
+    sources: dict[str, dict[str, float]] = {}
+    for row in served:
+        sources.setdefault(row["bucket"], {})[row["source"]] = float(row["reads"])
     curves = {}
     for b, gs in by_bucket.items():
         acc, curve = 0.0, []
@@ -160,7 +186,7 @@ def analyse(logs: DataFrame, top: int, cover: float) -> Report:
                 **{f"p{int(q * 100)}_us": int(v) for q, v in zip(PERCENTILES, r["p"], strict=True)},
                 "mean_us": round(r["mean"], 1)} for r in peers],
         filters={b: cover_filters(gs, cover) for b, gs in sorted(by_bucket.items())},
-        bucket_reads=bucket_reads, cover=cover, curves=curves)
+        bucket_reads=bucket_reads, cover=cover, curves=curves, sources=sources)
 
 
 # ---------------------------------------------------------------------------- output
@@ -187,6 +213,8 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
     if isinstance(v, float):
         return f"{v:.4g}" if v < 1 else f"{v:,.1f}"
     if isinstance(v, int):
@@ -198,7 +226,8 @@ def print_report(report: Report, out: TextIO) -> None:
     t = report.tables()
     print(f"{report.lines:,} sampled reads, about {report.reads:,.0f} reads in all", file=out)
     for title, name in (("top keys", "top_keys"), ("latency by source", "peers"),
-                        (f"key filters covering {report.cover:.0%} of reads", "filters")):
+                        (f"key filters covering {report.cover:.0%} of reads", "filters"),
+                        ("how each bucket's reads were served (near cache vs the filters above)", "buckets")):
         print(f"\n{title}", file=out)
         for line in _table(t[name]):
             print(line, file=out)
