@@ -135,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="near cache of keys outside each bucket's filters: at most N keys")
     serve.add_argument("--cache-max-bytes", type=int, dest="cache_max_bytes", metavar="N",
                        help="near cache: at most N bytes per bucket")
+    serve.add_argument("--cache-admission", dest="cache_admission", metavar="HOW",
+                       help="near cache admission: by read frequency (TinyLFU), or every answer (plain LRU)")
     serve.add_argument("--listen", dest="listen", metavar="HOST:PORT",
                        help="also serve RESP on this loopback TCP address (127.0.0.1:6380)")
     serve.add_argument("--listen-non-loopback", action=argparse.BooleanOptionalAction,

@@ -92,6 +92,7 @@ class Config:
     serve_stale: bool = False  # default of [[bucket]] serve_stale (see BucketConfig)
     cache_max_keys: int = 0  # default of [[bucket]] cache_max_keys: the near cache (nearcache.py)
     cache_max_bytes: int = 0  # default of [[bucket]] cache_max_bytes
+    cache_admission: str = "frequency"  # near caches admit by read frequency, or "lru": every answer
     listen: str = ""  # a loopback TCP listener, "127.0.0.1:6380"; "" = none (the Unix socket only)
     listen_non_loopback: bool = False  # the second setting `listen` needs for any other address
     requirepass_file: str | None = None  # the password TCP clients must AUTH with (or KVCACHE_REQUIREPASS)
@@ -485,6 +486,8 @@ def validate(cfg: Config) -> None:
             if not cfg.requirepass:
                 raise ConfigError(f"listen = {cfg.listen} is not a loopback address: it needs a "
                                   f"password (requirepass_file or {PASSWORD_ENV})")
+    if cfg.cache_admission not in ("frequency", "lru"):
+        raise ConfigError(f"cache_admission must be frequency or lru, got '{cfg.cache_admission}'")
     for name in ("tracking_table_max_keys", "pubsub_max_output_bytes"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")

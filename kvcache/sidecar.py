@@ -110,7 +110,7 @@ class Sidecar:
             feed.on_removed = functools.partial(self.router.floors.forget, b.name)
             max_keys, max_bytes = self.cfg.cache_bounds(b)
             if (max_keys or max_bytes) and ">" not in b.keys:
-                feed.set_cache(NearCache(self.replica, b.name, max_keys, max_bytes))
+                feed.set_cache(NearCache(self.replica, b.name, max_keys, max_bytes, self.cfg.cache_admission))
             try:
                 await feed.start(watch=not shared_watch)
             except BucketNotFound:

@@ -114,3 +114,14 @@ def test_a_million_distinct_cold_keys_grow_nothing(replica):
     assert len(c) == 1_000
     assert grown < 1 << 20, grown
     assert c.sketch.nbytes == 4 * 8192
+
+
+def test_plain_lru_admits_everything(replica):
+    """cache_admission = "lru": a scan of cold keys flushes the hot ones (what frequency
+    admission prevents)."""
+    c = NearCache(replica, "b", max_keys=10, admission="lru")
+    for i in range(10):
+        read(c, b"hot.%d" % i, 5)
+    for i in range(20):
+        read(c, b"cold.%d" % i)
+    assert not any(k.startswith(b"hot.") for k in c.lru) and c.stats.rejections == 0
