@@ -110,7 +110,7 @@ def test_nats_without_a_bucket(tmp_path, nats_server):
 @pytest.mark.parametrize("args, fragments", [
     (["--bucket", ":x"], ["invalid bucket name ''"]),
     (["--bucket", "cfg:a..b"], ["invalid key filter 'a..b'"]),
-    (["--bucket", "cfg:,"], ["keys must list at least one filter"]),
+    (["--bucket", "cfg:,"], ["keys is empty and it has no near cache"]),
     (["--bucket", "a b"], ["invalid bucket name 'a b'"]),
     (["--max-stale-ms", "-1"], ["max_stale_ms must not be negative"]),
     (["--max-clients", "-3"], ["max_clients must be positive"]),
