@@ -22,6 +22,7 @@ import nats.errors
 import nats.js.errors
 
 from kvcache import LocalReader
+from kvcache.app_reader import StaleReplica
 from kvcache.client import AsyncClient, KvcacheError
 from support.poll import until
 
@@ -145,7 +146,13 @@ async def differences(data_dir: str | Path, kv, bucket: str, timeout: float = 30
     deadline = time.monotonic() + timeout
     while True:
         want = await upstream_state(kv)
-        diff = Differences.between(want, replica_state(data_dir, bucket))
+        try:
+            diff = Differences.between(want, replica_state(data_dir, bucket))
+        except StaleReplica:  # a resync under way (synced=0): not there yet
+            if time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(0.1)
+            continue
         if not diff.count or time.monotonic() >= deadline:
             return diff
         await asyncio.sleep(0.1)
