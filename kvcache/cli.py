@@ -6,7 +6,7 @@ import logging
 import sys
 from typing import NoReturn
 
-from . import __version__
+from . import __version__, logformat
 from .config import Config, load, validate_nats_auth
 from .errors import ConfigError, KvcacheError
 
@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls-key", dest="nats_tls_key", metavar="FILE", help="the client certificate's key")
     serve.add_argument("--log-level", dest="log_level", metavar="LEVEL",
                        help="debug, info, warning or error")
+    serve.add_argument("--log-format", dest="log_format", metavar="FORMAT",
+                       help="text, or json: one JSON object per line")
     serve.add_argument("--access-log-rate", type=float, dest="access_log_rate", metavar="R",
                        help="share of reads to record for `kvcache hotkeys` (0..1, 0 = off)")
     serve.add_argument("--access-log-dir", dest="access_log_dir", metavar="DIR",
@@ -220,8 +222,7 @@ def _serve(cfg: Config, args: argparse.Namespace) -> int:
 
     from .sidecar import Sidecar
 
-    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logformat.setup(cfg.log_level, cfg.log_format)
     logging.getLogger("nats").setLevel(logging.CRITICAL)  # reported through our error callback
     sidecar = Sidecar(cfg)
     uvloop.run(sidecar.run())

@@ -84,6 +84,7 @@ class Config:
     map_size_mb: int = 1024
     max_map_size_mb: int = 1024 * 1024
     log_level: str = "info"
+    log_format: str = "text"  # or "json": one object per line (kvcache.logformat)
     access_log_rate: float = 0.0  # share of reads recorded for `kvcache hotkeys`; 0 = off
     access_log_dir: str | None = None  # default: <data_dir>/access-logs
     access_log_max_bytes: int = 64 * 1024 * 1024  # rotate access.log at this size
@@ -475,6 +476,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"access_log_rate must be within 0 and 1, got {cfg.access_log_rate}")
     if cfg.access_log_max_bytes <= 0 or cfg.access_log_files < 0:
         raise ConfigError("access_log_max_bytes must be positive and access_log_files not negative")
+    if cfg.log_format not in ("text", "json"):
+        raise ConfigError(f"log_format must be text or json, got '{cfg.log_format}'")
     if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"log_level must be debug, info, warning or error, got '{cfg.log_level}'")
     if cfg.listen:
