@@ -1,10 +1,11 @@
-"""`kvcache serve | get | info | load | hotkeys`: one clear line on stderr and a non-zero exit on any failure."""
+"""`kvcache serve | get | info | health | load | hotkeys`: one clear line on stderr and a
+non-zero exit on any failure."""
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from . import __version__, logformat
 from .config import Config, load, validate_nats_auth
@@ -168,6 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("section", nargs="?", help="one INFO section, or all (default: the usual sections)")
     _document_settings(info)
 
+    health = sub.add_parser("health", help="is a running sidecar live (ready with --ready)? exit 0 or 1")
+    _common(health)
+    health.add_argument("--ready", action="store_true",
+                        help="also require every bucket synced and within its max_stale_ms")
+    _document_settings(health)
+
     # The Spark jobs: their modules import pyspark only when they run.
     from .pipeline import hotkeys as hotkeys_job
     from .pipeline import load as load_job
@@ -176,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_NOT_CONFIG = {"command", "config", "key", "entry", "section"}
+_NOT_CONFIG = {"command", "config", "key", "entry", "section", "ready"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             return (load_job if args.command == "load" else hotkeys).run(args)
         overrides = {k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}
         cfg = load(args.config, overrides=overrides)
-        return {"serve": _serve, "get": _get, "info": _info}[args.command](cfg, args)
+        return {"serve": _serve, "get": _get, "info": _info, "health": _health}[args.command](cfg, args)
     except ConfigError as e:
         print(f"kvcache: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -262,6 +269,34 @@ def _info(cfg: Config, args: argparse.Namespace) -> int:
             names = [line[2:].strip().lower() for line in everything.splitlines() if line.startswith("# ")]
             raise ConfigError(f"no INFO section '{args.section}'; sections: {', '.join(names)}, all")
     print(text)
+    return 0
+
+
+def _health(cfg: Config, args: argparse.Namespace) -> int:
+    """For liveness and readiness probes: one line saying why, exit 0 (yes) or 1 (no).
+    Live: the sidecar answers PING on its socket. Ready: also every bucket synced and its
+    replica within max_stale_ms, as INFO reports them."""
+    from .client import Client
+
+    try:
+        with Client(cfg.socket_path, timeout=5) as c:
+            c.ping()
+            if not args.ready:
+                print(f"live: the sidecar answers on {cfg.socket_path}")
+                return 0
+            buckets: dict[str, Any] = c.info("buckets").get("buckets", {})
+    except (OSError, KvcacheError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        print(f"not live: no sidecar answers on {cfg.socket_path}: {why}")
+        return 1
+    behind = [f"{name} (not synced)" if not row.get("synced") else
+              f"{name} ({row.get('lag_ms')} ms behind, max_stale_ms {row.get('max_stale_ms')})"
+              for name, row in buckets.items()
+              if not row.get("synced") or row.get("lag_ms", 0) > row.get("max_stale_ms", 0)]
+    if behind:
+        print(f"not ready: {', '.join(behind)}")
+        return 1
+    print(f"ready: {len(buckets)} bucket{'s' if len(buckets) != 1 else ''} synced and within max_stale_ms")
     return 0
 
 

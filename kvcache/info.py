@@ -77,6 +77,7 @@ class Info:
             "buckets": [(name, _fields(
                 synced=int(f.synced), keys=policy.replica.count(name), applied_seq=f.meta.applied_seq,
                 upstream_seq=max(f.upstream_seq, f.meta.applied_seq), lag_ms=f.lag_ms(),
+                max_stale_ms=f.cfg.max_stale_ms,
                 resyncs=f.meta.resyncs, removed_upstream=f.removed_upstream,
                 state_polls=f.state_polls, **_cache_fields(f))) for name, f in policy.feeds.items()],
             "peers": [(p.label, _fields(
