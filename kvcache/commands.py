@@ -265,18 +265,9 @@ class Commands:
 
     @arity(2)
     def get(self, conn: Session, args: list[bytes]) -> Reply:
-        bc, key = self.policy.resolve(args[1])
-        t0 = self._t0()
-        if self.policy.local_ok(bc, key):
-            rec = self.replica.get(bc.name, key)
-            want = self.policy.behind(bc, key, rec)
-            if not want:
-                return self._local_value(conn, bc, key, rec, t0)
-            return self._gated_value(conn, bc, key, want, t0)
-        cached = self._cached(bc, key, t0, "GET")
-        if cached is not None:
-            return resp.bulk(cached.value, conn.proto)
-        return self._remote_value(conn, bc, key, t0)
+        proto = conn.proto
+        return self._one(conn, args[1], "GET",
+                         lambda bc, found: resp.bulk(found.value if found else None, proto))
 
     def _cached(self, bc: BucketConfig, key: str, t0: int, command: str,
                 max_stale_ms: int | None = None) -> Entry | None:
@@ -287,27 +278,6 @@ class Commands:
             self.stats.gets_cached += 1
             self._log(t0, bc.name, key, "cache", True, command)
         return entry
-
-    def _local_value(self, conn: Session, bc: BucketConfig, key: str, rec: Record | None,
-                     t0: int = 0) -> bytes:
-        self.stats.gets_local += 1
-        self._log(t0, bc.name, key, "local", rec is not None, "GET")
-        if rec is None:
-            self.stats.gets_notfound += 1
-            return resp.null(conn.proto)
-        return resp.bulk(rec.value, conn.proto)
-
-    async def _gated_value(self, conn: Session, bc: BucketConfig, key: str, want: int,
-                           t0: int = 0) -> bytes:
-        """GET of a key whose newer revision was handed out from NATS (see _local_after)."""
-        local, rec = await self.policy.local_after(bc, key, want)
-        if local:
-            return self._local_value(conn, bc, key, rec, t0)
-        return await self._remote_value(conn, bc, key, t0)
-
-    async def _remote_value(self, conn: Session, bc: BucketConfig, key: str, t0: int = 0) -> bytes:
-        entry = await self.remote_entry(bc, key, t0=t0, command="GET")
-        return resp.bulk(entry.value if entry else None, conn.proto)
 
     def _t0(self) -> int:
         """Start time for the access log's latency; 0 (no clock read) when the log is off."""
@@ -496,8 +466,9 @@ class Commands:
     def _one(self, conn: Session, raw: bytes, command: str,
              answer: Callable[[BucketConfig, Found | None], bytes]) -> Reply:
         """A read of one key whose reply is worked out from what the key holds (`answer`
-        gets None for a missing key): TTL and its kin, TYPE, STRLEN, GETRANGE. The same
-        sources and rules as GET."""
+        gets None for a missing key): GET on the generic path, TTL and its kin, TYPE,
+        STRLEN, GETRANGE. The replica when it may answer (waiting for a gated key), else the
+        near cache, else NATS."""
         bc, key = self.policy.resolve(raw)
         t0 = self._t0()
         if self.policy.local_ok(bc, key):
