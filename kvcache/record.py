@@ -105,14 +105,10 @@ def value_offset(raw: bytes) -> int:
 
 def deadline(raw: bytes, max_age_ns: int = 0) -> int:
     """When the record leaves the bucket (wall-clock ns), 0 for never: its own TTL, else the
-    bucket's max_age counted from its creation, whichever comes first."""
+    bucket's max_age counted from its creation, whichever comes first (`expiry`)."""
     _, created, klen = RECORD.unpack_from(raw)
-    if klen & FLAG_TTL:
-        expires = EXPIRES.unpack_from(raw, RECORD.size)[0]
-        if expires == NEVER:
-            return 0
-        return min(expires, created + max_age_ns) if max_age_ns else expires
-    return created + max_age_ns if max_age_ns else 0
+    expires = EXPIRES.unpack_from(raw, RECORD.size)[0] if klen & FLAG_TTL else 0
+    return expiry(created, expires, max_age_ns)
 
 
 def live_value(raw: bytes, now_ns: int, max_age_ns: int = 0) -> bytes | None:
@@ -153,8 +149,10 @@ def decode_record(lkey: bytes, raw: bytes) -> Record:
 
 
 def expiry(created: int, expires: int, max_age_ns: int) -> int:
-    """When a key leaves the bucket (ns), 0 for never: `deadline` for a decoded record or an
-    entry read from NATS (`expires` as Record.expires)."""
+    """When a key leaves the bucket (ns), 0 for never, from its creation, its own TTL's moment
+    (`expires` as Record.expires: 0 none, NEVER for `Nats-TTL: never`) and the bucket's
+    max_age: the one rule `deadline` (a raw record), the near cache, TTL and the router's
+    floors (decoded records and entries read from NATS) all apply."""
     if expires == NEVER:
         return 0
     if expires:
