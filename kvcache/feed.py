@@ -34,7 +34,6 @@ from .changes import ChangeHub
 from .config import BucketConfig
 from .consumer import ConsumerLost, PullConsumer, Run
 from .errors import BucketNotFound, ReplicaError, UpstreamError
-from .keys import subject_match
 from .natsconn import NatsConnection
 from .nearcache import NearCache
 from .record import LONG_KEY_PREFIX, RECORD, Item, decode_key
@@ -134,10 +133,6 @@ class Feed(Maintenance):
         self.cache = cache
         self.filters = [self.prefix + ">"]
 
-    def replicated(self, key: str) -> bool:
-        """Is the key inside the bucket's filters (kept in the replica, not the cache)?"""
-        return any(subject_match(f, key) for f in self.cfg.keys)
-
     def _split(self, items: list[Item], seq: int) -> tuple[list[Item], list[tuple[str, str]]]:
         """With a near cache: the items for the replica (keys inside the filters, and every
         delete: a long key's digest does not say where it belongs), and the changes outside
@@ -155,11 +150,11 @@ class Feed(Maintenance):
                 seqs.append(seq)  # a delete's own sequence is not in the item: the batch's top
                 if not lk.startswith(LONG_KEY_PREFIX):
                     key = lk.decode()
-                    if not self.replicated(key):
+                    if not self.cfg.replicates(key):
                         changes.append((key, "del"))
                 continue
             key = decode_key(lk, rec)
-            if self.replicated(key):
+            if self.cfg.replicates(key):
                 keep.append((lk, rec))
             else:
                 outside.append(lk)

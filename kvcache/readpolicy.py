@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from .entry import Entry, Operation
 from .errors import CommandError, KvcacheError, ReplyBudget, UpstreamError
-from .keys import KEY_RE, subject_match
+from .keys import KEY_RE
 from .record import LONG_KEY_PREFIX, NEVER, RECORD, Record, decode_record, encode_record, expiry, lmdb_key
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ class ReadPolicy:
     def _in_filters(self, bucket: str, key: str) -> bool:
         """Is the key inside the bucket's replicated set (its `keys` filters)? Cached."""
         bc = self.cfg.bucket(bucket)
-        return bc is not None and any(subject_match(f, key) for f in bc.keys)
+        return bc is not None and bc.replicates(key)
 
     def plan(self, raw: bytes) -> Plan | Literal[False]:
         """How the replica reads `raw`, cached per raw key; False when the key is invalid or

@@ -73,7 +73,6 @@ class Maintenance:
         async def _stream_info(self) -> dict: ...
         def _set_deadlines(self, max_age_ns: int, msg_ttl: bool) -> None: ...
         async def wait_applied(self, seq: int, timeout: float) -> bool: ...
-        def replicated(self, key: str) -> bool: ...
         def _clear_cache(self, why: str) -> None: ...
 
     async def _refile(self) -> None:
@@ -313,7 +312,7 @@ class Maintenance:
                 for lk, rec in r.items:
                     if rec is None:
                         live.discard(lk)
-                    elif cache is None or lk in cached or self.replicated(decode_key(lk, rec)):
+                    elif cache is None or lk in cached or self.cfg.replicates(decode_key(lk, rec)):
                         live.add(lk)  # with a near cache, only what the replica or the cache holds
             return runs[-1].last_pending == 0
 
