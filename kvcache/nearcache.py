@@ -22,6 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .record import RECORD
 from .sketch import FrequencySketch
 
 if TYPE_CHECKING:
@@ -143,7 +144,6 @@ class NearCache:
     def drop_below(self, first_seq: int) -> int:
         """The stream dropped every message below `first_seq` (its limits, a purge): cached
         records older than that have no message left. How many went."""
-        from .record import RECORD
         gone = [lk for lk, raw in self.replica.cache_items(self.bucket)
                 if RECORD.unpack_from(raw)[0] < first_seq]
         return self.invalidate(gone) if gone else 0

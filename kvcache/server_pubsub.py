@@ -41,10 +41,6 @@ SUBSCRIBED_OK = frozenset({b"subscribe", b"ssubscribe", b"unsubscribe", b"sunsub
                            b"psubscribe", b"punsubscribe", b"ping", b"quit", b"reset"})
 
 
-def message(channel: bytes, payload: bytes, proto: int) -> bytes:
-    return resp.push([b"$7\r\nmessage\r\n", resp.bulk(channel), resp.bulk(payload)], proto)
-
-
 def pmessage(pattern: bytes, channel: bytes, payload: bytes, proto: int) -> bytes:
     return resp.push([b"$8\r\npmessage\r\n", resp.bulk(pattern), resp.bulk(channel), resp.bulk(payload)], proto)
 
