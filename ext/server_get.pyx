@@ -34,6 +34,7 @@ import logging
 import os
 
 from kvcache.errors import ReplicaError
+from kvcache.latency import BOUNDS_NS
 from kvcache.server_get import FLUSH_AT, FRESH_VERDICT_S, PLAN_CACHE
 from kvcache.record import RECORD
 from kvcache.replica import MAX_DBS
@@ -108,6 +109,9 @@ cdef class _Bucket:
     cdef size_t root
     cdef unsigned long long root_txn
     cdef bint walkable     # a plain database lmdb_walk can search (else mdb_get)
+    # GETs this path answered for the bucket, found and not: read at scrape time by
+    # kvcache.metrics (bucket_reads), so counting costs a C increment per key
+    cdef unsigned long long hits, misses
 
 
 cdef class _Plan:
@@ -141,6 +145,15 @@ cdef extern from "<time.h>" nogil:
     enum: CLOCK_REALTIME
 
 cdef long long FRESH_VERDICT_NS = FRESH_VERDICT_S * 1_000_000_000
+
+# kvcache.latency.BOUNDS_NS, for the fast path's latency histogram (LocalGets.timed)
+cdef enum:
+    _LAT_MAX = 32
+cdef long long _LAT_BOUNDS[_LAT_MAX]
+cdef int _LAT_NB = len(BOUNDS_NS)
+assert _LAT_NB < _LAT_MAX
+for _i, _b in enumerate(BOUNDS_NS):
+    _LAT_BOUNDS[_i] = _b
 
 
 cdef inline long long _now_ns() noexcept nogil:
@@ -216,6 +229,11 @@ cdef class LocalGets:
     cdef bint _scheduled
     cdef const char* _nil
     cdef Py_ssize_t _nil_len
+    # The latency histogram (kvcache.latency), kept while `timed` (the metrics listener is on)
+    cdef public bint timed
+    cdef unsigned long long _lat[_LAT_MAX]
+    cdef unsigned long long _lat_sum_ns
+    cdef long long _stash_t0
 
     def __cinit__(self):
         self._env = NULL
@@ -259,6 +277,29 @@ cdef class LocalGets:
         """See kvcache.server_get.LocalGets.forget_fresh: every bucket asks its feed again."""
         for b in self._buckets.values():
             (<_Bucket>b).fresh_until_ns = 0
+
+    cdef void _observe(self, long long t0, Py_ssize_t n) noexcept:
+        """n GETs answered together, since t0 (_now_ns)."""
+        self._count_ns(_now_ns() - t0, n)
+
+    cdef void _count_ns(self, long long ns, Py_ssize_t n) noexcept:
+        cdef int i = 0
+        while i < _LAT_NB and ns > _LAT_BOUNDS[i]:
+            i += 1
+        self._lat[i] += n
+        self._lat_sum_ns += ns * n
+
+    def observe(self, long long ns, Py_ssize_t n):
+        """See kvcache.server_get.LocalGets.observe."""
+        self._count_ns(ns, n)
+
+    def latency(self):
+        """See kvcache.server_get.LocalGets.latency."""
+        return [self._lat[i] for i in range(_LAT_NB + 1)], self._lat_sum_ns
+
+    def bucket_reads(self):
+        """See kvcache.server_get.LocalGets.bucket_reads."""
+        return {name: ((<_Bucket>b).hits, (<_Bucket>b).misses) for name, b in self._buckets.items()}
 
     def set_buckets(self, buckets, default):
         """`[(name, feed, max_stale_ms, replicates_every_key)]` and the default bucket's name
@@ -624,6 +665,7 @@ cdef class LocalGets:
                         rc = MDB_NOTFOUND  # expired: absent, whatever the sweep has done
         if rc == MDB_NOTFOUND:
             self._notfound += 1
+            b.misses += 1
             self._reserve(self._nil_len)
             memcpy(self._out + self._len, self._nil, self._nil_len)
             self._len += self._nil_len
@@ -640,6 +682,7 @@ cdef class LocalGets:
         self._out[self._len + hlen + vlen] = 13
         self._out[self._len + hlen + vlen + 1] = 10
         self._len += hlen + vlen + 2
+        b.hits += 1
         return 1
 
     def serve(self, list lengths, list keys, int proto, Py_ssize_t budget):
@@ -751,6 +794,7 @@ cdef class GetConnection:
         cdef Py_ssize_t local = 0, notfound = 0
         cdef bint more = False
         cdef LocalGets gets = self.gets
+        cdef long long t0 = 0
         if self._closing:
             return
         if gets.defer and not (self._busy is not None or self._paused_writing or self._draining
@@ -766,11 +810,15 @@ cdef class GetConnection:
             self.reader.feed(data)
             self._process()
             return
+        if gets.timed:
+            t0 = _now_ns()
         replies = gets._answer(self.reader, data, self.proto, _FLUSH_AT, &local, &notfound, &more)
         if local:
             self._add(local, notfound)
         if replies:
             self._write(replies)
+        if t0 and local:
+            gets._observe(t0, local)
         if more:
             self._process()
 
@@ -822,6 +870,7 @@ cdef int _stash(LocalGets gets, GetConnection conn, bytes data) except -1:
     if fresh:
         gets._start(conn.proto)
         gets._stash_proto = conn.proto
+        gets._stash_t0 = _now_ns() if gets.timed else 0
     pos = 0
     while pos < n:
         unit_end = match_get(p, pos, n, &d0, &nd, &declared, &k0, &kn)
@@ -853,6 +902,8 @@ cdef int _flush_stash(LocalGets gets) except -1:
             start = end
         conn._add(answered, gets._notfound)
         conn.stats.reads_gathered += len(stashed)
+        if gets._stash_t0:
+            gets._observe(gets._stash_t0, answered)
     except ReplicaError as e:  # as when answered at once: the connections end, the sidecar goes on
         log.error("GET path: %s; closing %d client connection(s)", e, len(stashed))
         for entry in stashed:

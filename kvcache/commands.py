@@ -6,11 +6,12 @@ local read), or a coroutine when it must ask NATS; the server keeps replies in r
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from . import resp
 from .accesslog import AccessLog
@@ -22,6 +23,7 @@ from .errors import CommandError, KvcacheError, ReplyBudget, ReplyTooLarge
 from .info import Info
 from .keys import glob_matcher
 from .keyspace_events import parse_flags
+from .latency import Latency
 from .readpolicy import STALE_SOURCE, ReadPolicy
 from .record import Record, expiry, live_value
 from .replica import RECORD
@@ -177,6 +179,7 @@ class Commands:
         for listener in (self.tracking, self.pubsub, self.transactions):
             self.hub.add(listener)
         self.tracking.on_first = self.hub.wake
+        self.timing: dict[bytes, Latency] | None = None  # per command, once time_commands() is called
         self.session = SessionCommands(cfg, self.tracking, self.pubsub, self.transactions, self.dispatch)
         self._table: dict[bytes, Callable[[Session, list[bytes]], Reply]] = {
             b"get": self.get, b"mget": self.mget, b"exists": self.exists,
@@ -187,6 +190,35 @@ class Commands:
             b"type": self.type, b"strlen": self.strlen, b"getrange": self.getrange,
             **self.session.table(),
         }
+
+    def time_commands(self) -> dict[bytes, Latency]:
+        """Keep a latency histogram per command from now on (the metrics listener's
+        `kvcache_command_duration_seconds`): dispatch becomes its timed twin, so nothing is
+        timed while no one asked."""
+        if self.timing is None:
+            self.timing = {}
+            self.dispatch = self._dispatch_timed  # type: ignore[method-assign]
+        return self.timing
+
+    def _dispatch_timed(self, conn: Session, args: list[bytes]) -> Reply:
+        """dispatch, and the time until its reply is ready (a reply NATS gives: once it has)."""
+        t0 = time.monotonic_ns()
+        reply = Commands.dispatch(self, conn, args)
+        name = args[0].lower()
+        if name not in self._table:
+            return reply  # unknown: not a label
+        assert self.timing is not None
+        hist = self.timing.get(name)
+        if hist is None:
+            hist = self.timing[name] = Latency()
+        if reply.__class__ is bytes:
+            hist.observe(time.monotonic_ns() - t0)
+            return reply
+        # The command itself becomes the task the server awaits (a wrapper coroutine,
+        # cancelled before it started, would leave the command never awaited).
+        task = asyncio.ensure_future(cast("Awaitable[bytes]", reply))
+        task.add_done_callback(lambda _: hist.observe(time.monotonic_ns() - t0))
+        return task
 
     def forget(self, conn: Session) -> None:
         """A connection closed: its tracking, subscriptions and watched keys go with it."""
@@ -276,6 +308,7 @@ class Commands:
         entry = self.policy.cached(bc, key, max_stale_ms)
         if entry is not None:
             self.stats.gets_cached += 1
+            self.stats.read(bc.name, "cache", True)
             self._log(t0, bc.name, key, "cache", True, command)
         return entry
 
@@ -301,13 +334,18 @@ class Commands:
             entry = await self.policy.remote(bc, key, strong=strong)
         except KvcacheError as e:
             self.stats.remote_errors += 1
-            entry = self.policy.stale_entry(bc, key, e, strong, max_stale_ms)  # or CommandError
+            try:
+                entry = self.policy.stale_entry(bc, key, e, strong, max_stale_ms)  # or CommandError
+            except CommandError:
+                self.stats.read_failed(bc.name)
+                raise
             source = STALE_SOURCE
             self.stats.gets_stale += 1
         else:
             entry = self.policy.newest(bc, key, entry)
             self.policy.fill(bc, key, entry)
         hit = entry is not None and entry.operation is Operation.PUT
+        self.stats.read(bc.name, _read_source(entry, source), hit)
         self._log(t0, bc.name, key, entry.source if entry else source, hit, command)
         if not hit:
             self.stats.gets_notfound += 1
@@ -353,6 +391,7 @@ class Commands:
                 if rec is not None and (rec[19] >= 0x80 or feed.max_age_ns):
                     rec, offset = live_value(rec, time.time_ns(), feed.max_age_ns), 0
                 local += 1
+                self.stats.read(plan[2], "local", rec is not None)
                 if t0 and self.access.sampled():  # resolved again only when sampled
                     bc, key = self.policy.resolve(raw)
                     self._record(t0, bc.name, key, "local", rec is not None, command)
@@ -390,6 +429,7 @@ class Commands:
                     continue
                 answered.add(i)
                 local += 1
+                self.stats.read(bucket, "local", rec is not None)
                 self._log(t0, bucket, key, "local", rec is not None, command)
                 if rec is None:
                     self.stats.gets_notfound += 1
@@ -443,7 +483,11 @@ class Commands:
             except KvcacheError as e:
                 self.stats.remote_errors += 1
                 # every key from the stale replica, or the command fails (_stale_entry)
-                found = {k: self.policy.stale_entry(bc, k, e) for k in keys}
+                try:
+                    found = {k: self.policy.stale_entry(bc, k, e) for k in keys}
+                except CommandError:
+                    self.stats.read_failed(bucket, len(wanted))
+                    raise
                 source = STALE_SOURCE
                 self.stats.gets_stale += len(keys)
             if source != STALE_SOURCE:
@@ -451,6 +495,8 @@ class Commands:
                     self.policy.fill(bc, key, found.get(key))
             for i, key in wanted:
                 entry = found[key] if source == STALE_SOURCE else self.policy.newest(bc, key, found.get(key))
+                self.stats.read(bucket, _read_source(entry, source),
+                                entry is not None and entry.operation is Operation.PUT)
                 self._log(t0, bucket, key, entry.source if entry else source,
                           entry is not None and entry.operation is Operation.PUT, command)
                 if entry is None or entry.operation is not Operation.PUT:
@@ -485,6 +531,7 @@ class Commands:
     def _local_found(self, bc: BucketConfig, key: str, rec: Record | None, t0: int,
                      command: str) -> Found | None:
         self.stats.gets_local += 1
+        self.stats.read(bc.name, "local", rec is not None)
         self._log(t0, bc.name, key, "local", rec is not None, command)
         if rec is None:
             self.stats.gets_notfound += 1
@@ -583,6 +630,7 @@ class Commands:
     def _local_entry(self, conn: Session, bc: BucketConfig, key: str, rec: Record | None,
                      t0: int = 0) -> bytes:
         self.stats.gets_local += 1
+        self.stats.read(bc.name, "local", rec is not None)
         self._log(t0, bc.name, key, "local", rec is not None, "KV.GET")
         if rec is None:
             self.stats.gets_notfound += 1
@@ -834,3 +882,13 @@ def _options(args: list[bytes], spec: dict[bytes, type]) -> dict[bytes, Any]:
         else:
             out[name] = raw
     return out
+
+
+def _read_source(entry: Entry | None, source: str) -> str:
+    """A remote read's source as the metrics name it: `leader` (its non-direct read), `local`
+    (the replica's newer copy won), `stale`, or `peer` for any Direct Get answer; a key NATS
+    reports absent counts under `peer` (or `stale`)."""
+    if entry is None:
+        return STALE_SOURCE if source == STALE_SOURCE else "peer"
+    src = entry.source
+    return src if src in ("leader", "local", STALE_SOURCE) else "peer"

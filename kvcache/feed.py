@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 from . import jetstream as jsapi
@@ -83,6 +83,9 @@ class Feed(Maintenance):
         # Catching up after an interruption (start, lost consumer, reconnect): see lag_ms.
         self._interrupted = True
         self.consumers_created = 0
+        # since start, by reason (metrics labels: a few fixed words, never a message)
+        self.resync_reasons: Counter[str] = Counter()  # RESYNC_REASONS
+        self.recreations: Counter[str] = Counter()  # RECREATION_REASONS (_recreation_reason)
         self._full = False
         self._seen: set[bytes] | None = None
         self._reconcile_pending = False
@@ -237,21 +240,24 @@ class Feed(Maintenance):
         self.first_seq = first
         created = info.get("created", "")
         m = self.meta
-        reason = None
+        reason = kind = None
         count_it = bool(m.applied_seq)
         if not m.stream:
             reason = "first sync"
         elif not m.synced:
             # Also a crash or a lost consumer in the middle of a full sync: the initial set
             # comes in subject order, so its progress cannot be resumed.
-            reason = "previous full sync did not finish"
+            reason, kind = "previous full sync did not finish", "unfinished"
             count_it = False
         elif m.stream_created and created and m.stream_created != created:
-            reason = "stream was recreated"
+            reason, kind = "stream was recreated", "recreated"
         elif last < m.applied_seq:
-            reason = f"stream sequence went backwards ({last} < {m.applied_seq})"
+            reason, kind = f"stream sequence went backwards ({last} < {m.applied_seq})", "rewound"
         elif first > m.applied_seq + 1:
             reason = f"stream no longer holds sequence {m.applied_seq + 1} (first is {first})"
+            kind = "truncated"
+        if kind is not None:
+            self.resync_reasons[kind] += 1
         self._full = reason is not None
         if reason is not None and self.on_renumbered is not None and (
                 reason == "stream was recreated" or reason.startswith("stream sequence went backwards")):
@@ -463,11 +469,14 @@ class Feed(Maintenance):
                     # next consumer starts again right after the last batch that made it.
                     log.error("bucket %s: %s; retrying", self.bucket, e)
                     progressed = False
+                    self.recreations["replica_error"] += 1
                 except (ConsumerLost, UpstreamError, BucketNotFound) as e:
                     log.warning("bucket %s: recreating consumer: %s", self.bucket, e)
+                    self.recreations[_recreation_reason(e)] += 1
                     self._flush("consumer")
                 except Exception:
                     log.exception("bucket %s: feed failed; recreating consumer", self.bucket)
+                    self.recreations["error"] += 1
                 if progressed and consumer.delivered:
                     backoff = 0.1
             self.caught_up = False
@@ -616,3 +625,29 @@ class Feed(Maintenance):
     # -------------------------------------------------------------- reconcile
 
 
+
+
+# The reasons metrics give full resyncs and consumer recreations by (every one is exported
+# from the start, at 0, so that increase() sees the first)
+RESYNC_REASONS = ("unfinished", "recreated", "rewound", "truncated")
+RECREATION_REASONS = ("heartbeat", "gap", "connection", "placement", "ended", "stream_recreated",
+                      "bucket_missing", "upstream", "replica_error", "error", "other")
+
+
+def _recreation_reason(e: Exception) -> str:
+    """Why a consumer was recreated, as one of a few words (a metrics label): `heartbeat`
+    (none for three intervals), `gap` (a consumer sequence skipped), `connection` (NATS
+    connection lost), `placement` (no consumer on the stream leader), `ended` (the server
+    ended it), `stream_recreated`, `bucket_missing`, `upstream` (a JetStream API error)."""
+    if isinstance(e, BucketNotFound):
+        return "bucket_missing"
+    if not isinstance(e, ConsumerLost):
+        return "upstream"
+    text = str(e)
+    for prefix, reason in (("no heartbeat", "heartbeat"), ("consumer sequence gap", "gap"),
+                           ("heartbeat reports", "gap"), ("connection lost", "connection"),
+                           ("no consumer on the stream leader", "placement"),
+                           ("consumer ended", "ended"), ("the stream was recreated", "stream_recreated")):
+        if text.startswith(prefix):
+            return reason
+    return "other"

@@ -335,6 +335,12 @@ class Replica:
     def read_txn(self) -> lmdb.Transaction:
         return self.env.begin(buffers=False)
 
+    def usage(self) -> tuple[int, int]:
+        """(map size, bytes in use): the map's pages up to the last one written (freed pages
+        inside it are reused before the map grows)."""
+        info = self.env.info()
+        return info["map_size"], (info["last_pgno"] + 1) * self.env.stat()["psize"]
+
     def count(self, bucket: str) -> int:
         db = self.db(bucket)
         if db is None:

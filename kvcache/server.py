@@ -21,6 +21,7 @@ import os
 import resource
 import socket
 import stat
+import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, cast
 
@@ -279,6 +280,7 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         gets = srv.gets
         out: list[bytes] = []
         size = local = notfound = 0  # local/notfound: fast-path GETs (dispatch counts the rest)
+        t0 = time.monotonic_ns() if gets.timed else 0  # their latency (kvcache.latency)
         try:
             while True:
                 # the GETs at the front of the buffer, as data_received answers them
@@ -310,6 +312,8 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
                 # the generic path: counters first, so an INFO in the batch sees them
                 if local:
                     self._count(local, notfound)
+                    if t0:
+                        gets.observe(time.monotonic_ns() - t0, local)
                     local = notfound = 0
                 try:
                     reply = commands.dispatch(self, args)
@@ -345,6 +349,8 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         finally:
             if local:
                 self._count(local, notfound)
+                if t0:
+                    gets.observe(time.monotonic_ns() - t0, local)
         if self._closing or (self._eof and not self._paused_writing):
             # QUIT, or the client half-closed and everything it sent is answered
             if not self.transport.is_closing():

@@ -32,10 +32,12 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from bisect import bisect_left
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal, cast
 
 from .keys import TOKEN_CHARS
+from .latency import BOUNDS_NS
 from .readpolicy import Plan
 from .record import MAX_LMDB_KEY, RECORD, live_value
 from .replica import Replica
@@ -79,6 +81,26 @@ class LocalGets:
         # every key
         self._direct: dict[bytes, tuple] = {}
         self._default: tuple | None = None
+        self._reads: dict[str, list[int]] = {}  # bucket -> [found, not found] (bucket_reads)
+        # the latency histogram (kvcache.latency), kept while `timed` (the metrics listener is on)
+        self.timed = False
+        self._lat = [0] * (len(BOUNDS_NS) + 1)
+        self._lat_sum_ns = 0
+
+    def observe(self, ns: int, n: int) -> None:
+        """n GETs answered together in ns (kvcache.latency)."""
+        self._lat[bisect_left(BOUNDS_NS, ns)] += n
+        self._lat_sum_ns += ns * n
+
+    def latency(self) -> tuple[list[int], int]:
+        """The fast path's histogram: counts per bucket of kvcache.latency.BOUNDS_NS (+Inf
+        last), and their sum, ns."""
+        return list(self._lat), self._lat_sum_ns
+
+    def bucket_reads(self) -> dict[str, tuple[int, int]]:
+        """GETs this path answered per bucket, `(found, not found)`, since start: the local
+        reads the command layer never sees, which kvcache.metrics adds to its own count."""
+        return {name: (c[0], c[1]) for name, c in self._reads.items()}
 
     def forget_fresh(self) -> None:
         """Drop every cached "fresh enough" verdict: the next GET of each feed asks again. A
@@ -164,7 +186,7 @@ class LocalGets:
                         txn = None
                 if not plan:
                     break
-                feed, max_stale, _, lkey, db, offset = plan
+                feed, max_stale, bucket, lkey, db, offset = plan
                 max_age = feed.max_age_ns
                 if feed is not fresh:
                     now = _monotonic()
@@ -179,6 +201,10 @@ class LocalGets:
                 answered += 1
                 if raw is not None and (raw[19] >= 0x80 or max_age):
                     raw, offset = live_value(raw, time.time_ns(), max_age), 0
+                counts = self._reads.get(bucket)
+                if counts is None:
+                    counts = self._reads[bucket] = [0, 0]
+                counts[raw is None] += 1
                 if raw is None:
                     notfound += 1
                     append(nil)
@@ -242,11 +268,14 @@ class GetConnection:
             self.reader.feed(data)
             self._process()
             return
+        t0 = time.monotonic_ns() if self.gets.timed else 0
         replies, local, notfound, more = self.gets.answer(self.reader, data, self.proto, FLUSH_AT)
         if local:
             self._count(local, notfound)
         if replies:
             self.transport.write(replies)
+        if t0 and local:
+            self.gets.observe(time.monotonic_ns() - t0, local)
         if more:
             self._process()
 

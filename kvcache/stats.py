@@ -34,3 +34,20 @@ class Stats:
     listen: str = ""  # the TCP listener's address once bound ("" without one)
     nats_url: str = ""  # the server the sidecar's own connection reached
     embedded_nats: bool = False  # the sidecar runs its own nats-server
+    nats_connected: bool = False  # the sidecar's own NATS connection is up (readiness, metrics)
+    metrics_listen: str = ""  # the metrics listener's address once bound ("" without one)
+    # Keys read by the command layer, by (bucket, source, result): source local, cache, peer,
+    # leader or stale; result hit, miss or error (the command failed: no NATS answer and no
+    # stale replica to give). The GET fast path counts its own (LocalGets.bucket_reads);
+    # kvcache.metrics adds the two at scrape time.
+    reads: dict[tuple[str, str, str], int] = field(default_factory=dict)
+
+    def read(self, bucket: str, source: str, found: bool, n: int = 1) -> None:
+        """Count n keys answered (found or absent) by `source`."""
+        key = (bucket, source, "hit" if found else "miss")
+        self.reads[key] = self.reads.get(key, 0) + n
+
+    def read_failed(self, bucket: str, n: int = 1) -> None:
+        """Count n keys whose read failed outright (the command answered an error)."""
+        key = (bucket, "peer", "error")
+        self.reads[key] = self.reads.get(key, 0) + n

@@ -265,8 +265,45 @@ def test_twins_agree(env, keys, proto, budget, direct, stale_other):
         a, _ = make(twin, replica, feeds, direct)
         b, _ = make(native, replica, feeds, direct)
         assert a.serve(*request(keys), proto, budget) == b.serve(*request(keys), proto, budget)
+        assert counted(a) == counted(b)
     finally:
         feeds["other"].fresh = True
+
+
+def counted(gets) -> dict[str, tuple[int, int]]:
+    """bucket_reads without the buckets nothing was counted for (the C twin lists every
+    bucket it has seen)."""
+    return {k: v for k, v in gets.bucket_reads().items() if v != (0, 0)}
+
+
+@pytest.mark.parametrize("mod", IMPLS)
+def test_counts_reads_per_bucket(mod, env):
+    """What kvcache_reads_total{source="local"} adds from the fast path: found and absent
+    per bucket, the keys the generic path must answer not among them."""
+    replica, feeds = env
+    gets, _ = make(mod, replica, feeds)
+    assert counted(gets) == {}
+    keys = ["a", "missing", "main:big", "other:only.here", "other:only.gone", "later:x"]
+    gets.serve(*request(keys), 2, 1 << 30)
+    gets.serve(*request(["a", "other:not.replicated", "a"]), 2, 1 << 30)  # stops at the remote key
+    assert counted(gets) == {"main": (3, 1), "other": (1, 1), "later": (0, 1)}
+
+
+@pytest.mark.parametrize("mod", IMPLS)
+def test_latency_histogram_bounds(mod, env):
+    """kvcache.latency's buckets: a time equal to a bound falls in it (Prometheus's `le`),
+    past the last in +Inf; both twins agree with kvcache.latency.Latency."""
+    from kvcache.latency import BOUNDS_NS, Latency
+    replica, feeds = env
+    gets, _ = make(mod, replica, feeds)
+    ref = Latency()
+    for ns, n in ((0, 1), (10_000, 2), (10_001, 3), (999_999, 1), (5_000_000_000, 1), (6_000_000_000, 4)):
+        gets.observe(ns, n)
+        ref.observe(ns, n)
+    counts, total = gets.latency()
+    assert (counts, total) == (ref.counts, ref.sum_ns)
+    assert len(counts) == len(BOUNDS_NS) + 1
+    assert counts[0] == 3 and counts[1] == 3 and counts[-1] == 4 and counts[-2] == 1
 
 
 def resp_get(key: str) -> bytes:
