@@ -59,6 +59,11 @@ system-deps:
 	@if ! command -v redis-server >/dev/null || ! command -v redis-benchmark >/dev/null; then \
 	  $(call APT,redis-server redis-tools); \
 	fi
+	@# Prometheus and promtool: tests/test_metrics.py scrapes a sidecar with a real server,
+	@# tests/test_deploy.py checks deploy/'s alert rules with promtool
+	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
+	  $(call APT,prometheus); \
+	fi
 	@if ! command -v java >/dev/null; then \
 	  $(call APT,openjdk-17-jre-headless); \
 	fi

@@ -61,7 +61,7 @@ def _document_settings(p: argparse.ArgumentParser) -> None:
             elif isinstance(value, bool):
                 default = "on" if value else "off"
             else:
-                default = "none" if value is None else str(value)
+                default = "none" if value is None or value == "" else str(value)
         note = f"default: {default}; env {var}"
         if action.dest == "nats_servers":
             note += " (comma separated)"
@@ -147,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--requirepass-file", dest="requirepass_file", metavar="FILE",
                        help="file holding the password TCP clients must AUTH with "
                             "(or the password itself in KVCACHE_REQUIREPASS)")
+    serve.add_argument("--metrics-listen", dest="metrics_listen", metavar="HOST:PORT",
+                       help="serve Prometheus /metrics, /healthz and /readyz over HTTP here (127.0.0.1:9464)")
+    serve.add_argument("--metrics-non-loopback", action=argparse.BooleanOptionalAction,
+                       dest="metrics_non_loopback", help="allow --metrics-listen on an address other than loopback")
+    serve.add_argument("--ready-on-fallback", action=argparse.BooleanOptionalAction,
+                       dest="ready_on_fallback",
+                       help="a bucket syncing or past max_stale_ms counts as ready while NATS answers its reads")
     serve.add_argument("--compat-identity", action=argparse.BooleanOptionalAction,
                        dest="compat_identity",
                        help="HELLO answers server 'redis' (client-side caches check it)")
@@ -277,6 +284,7 @@ def _health(cfg: Config, args: argparse.Namespace) -> int:
     Live: the sidecar answers PING on its socket. Ready: also every bucket synced and its
     replica within max_stale_ms, as INFO reports them."""
     from .client import Client
+    from .health import BucketState, readiness
 
     try:
         with Client(cfg.socket_path, timeout=5) as c:
@@ -284,20 +292,19 @@ def _health(cfg: Config, args: argparse.Namespace) -> int:
             if not args.ready:
                 print(f"live: the sidecar answers on {cfg.socket_path}")
                 return 0
-            buckets: dict[str, Any] = c.info("buckets").get("buckets", {})
+            info = c.info()  # default sections: server and buckets among them
+            buckets: dict[str, Any] = info.get("buckets", {})
+            server: dict[str, Any] = info.get("server", {})
     except (OSError, KvcacheError) as e:
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         print(f"not live: no sidecar answers on {cfg.socket_path}: {why}")
         return 1
-    behind = [f"{name} (not synced)" if not row.get("synced") else
-              f"{name} ({row.get('lag_ms')} ms behind, max_stale_ms {row.get('max_stale_ms')})"
-              for name, row in buckets.items()
-              if not row.get("synced") or row.get("lag_ms", 0) > row.get("max_stale_ms", 0)]
-    if behind:
-        print(f"not ready: {', '.join(behind)}")
-        return 1
-    print(f"ready: {len(buckets)} bucket{'s' if len(buckets) != 1 else ''} synced and within max_stale_ms")
-    return 0
+    ready, why = readiness(
+        (BucketState(name, bool(row.get("synced")), int(row.get("lag_ms", 0)), int(row.get("max_stale_ms", 0)))
+         for name, row in buckets.items()),
+        bool(server.get("nats_connected")), bool(server.get("ready_on_fallback")))
+    print(why)
+    return 0 if ready else 1
 
 
 if __name__ == "__main__":

@@ -102,6 +102,9 @@ class Config:
     listen: str = ""  # a loopback TCP listener, "127.0.0.1:6380"; "" = none (the Unix socket only)
     listen_non_loopback: bool = False  # the second setting `listen` needs for any other address
     requirepass_file: str | None = None  # the password TCP clients must AUTH with (or KVCACHE_REQUIREPASS)
+    metrics_listen: str = ""  # Prometheus /metrics, /healthz, /readyz over HTTP, "127.0.0.1:9464"; "" = off
+    metrics_non_loopback: bool = False  # the second setting metrics_listen needs for any other address
+    ready_on_fallback: bool = False  # a bucket syncing or past max_stale_ms is ready while NATS answers
     compat_identity: bool = False  # HELLO says server "redis", version REDIS_VERSION (client caches check it)
     notify_keyspace_events: str = "KEA"  # Redis's flags; "" = no keyspace notifications
     tracking_table_max_keys: int = 1_000_000  # keys remembered for tracking clients (Redis's default)
@@ -112,6 +115,11 @@ class Config:
     # The password itself: from requirepass_file or KVCACHE_REQUIREPASS only (never a flag,
     # never a TOML key, never shown: not in repr, INFO or logs).
     requirepass: str | None = field(default=None, repr=False)
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """`metrics_listen` as (host, port), None when off (validated by `validate`)."""
+        return _host_port(self.metrics_listen, "metrics_listen") if self.metrics_listen else None
 
     @property
     def listen_address(self) -> tuple[str, int] | None:
@@ -191,11 +199,12 @@ def _load_password(cfg: Config, env: Mapping[str, str]) -> None:
         cfg.requirepass = from_env
 
 
-def _host_port(text: str) -> tuple[str, int]:
+def _host_port(text: str, setting: str = "listen") -> tuple[str, int]:
     """`host:port` or `[v6]:port`."""
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536 or not host:  # 0: any free port
-        raise ConfigError(f"listen must be host:port (like 127.0.0.1:6380), got '{text}'")
+        example = "127.0.0.1:9464" if setting == "metrics_listen" else "127.0.0.1:6380"
+        raise ConfigError(f"{setting} must be host:port (like {example}), got '{text}'")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     return host, int(port)
@@ -494,6 +503,11 @@ def validate(cfg: Config) -> None:
             if not cfg.requirepass:
                 raise ConfigError(f"listen = {cfg.listen} is not a loopback address: it needs a "
                                   f"password (requirepass_file or {PASSWORD_ENV})")
+    if cfg.metrics_listen:
+        host, _ = _host_port(cfg.metrics_listen, "metrics_listen")
+        if not _loopback(host) and not cfg.metrics_non_loopback:
+            raise ConfigError(f"metrics_listen = {cfg.metrics_listen} is not a loopback address: set "
+                              "metrics_non_loopback = true as well to bind it")
     if cfg.cache_admission not in ("frequency", "lru"):
         raise ConfigError(f"cache_admission must be frequency or lru, got '{cfg.cache_admission}'")
     for name in ("tracking_table_max_keys", "pubsub_max_output_bytes"):

@@ -25,6 +25,9 @@ from .commands import Commands
 from .config import BucketConfig, Config, ensure_dirs, strip_url_auth, tls_context, url_auth
 from .errors import BucketNotFound, ConfigError, KvcacheError, UpstreamError
 from .feed import Feed
+from .health import BucketState, readiness
+from .metrics import SidecarCollector, registry
+from .metrics_http import MetricsServer
 from .natsconn import NatsConnection
 from .natsserver import NatsServer
 from .nearcache import NearCache
@@ -69,6 +72,7 @@ class Sidecar:
         self.router = Router(cfg.nats.request_timeout_ms / 1000)
         self.peer_conns: PeerConnections | None = None
         self.server: RespServer | None = None
+        self.metrics: MetricsServer | None = None  # with metrics_listen
         self.commands: Commands | None = None
         self.nats_url = ""
         self.use_embedded = cfg.embedded  # decided once: starting it fills in nats.servers
@@ -94,6 +98,7 @@ class Sidecar:
         nc = self.nc = await self._connect(self.cfg.nats.servers)
         self.nats_url = self.nc.connected_url.geturl() if self.nc.connected_url else ""
         self.stats.nats_url, self.stats.embedded_nats = self.nats_url, self.use_embedded
+        self.stats.nats_connected = True
         if self.use_embedded and not self.cfg.buckets:
             await self._ensure_demo_bucket(nc)
         self.replica = Replica(
@@ -131,6 +136,8 @@ class Sidecar:
         self.commands.hub.start_watch(self.feeds.values())
         self.server = RespServer(self.cfg, self.commands, self.stats)
         await self.server.start()
+        if self.cfg.metrics_address is not None:
+            await self._start_metrics(*self.cfg.metrics_address)
         # Which implementation serves each native module: logged once serving (a mistake
         # before that is the one line a user sees), a warning when any twin serves.
         chosen = native.report()
@@ -169,6 +176,31 @@ class Sidecar:
         if self._fatal_error is not None:
             raise self._fatal_error
 
+    async def _start_metrics(self, host: str, port: int) -> None:
+        """The metrics listener, and command latency timed from now on (kvcache.latency)."""
+        assert self.commands is not None and self.server is not None
+        self.commands.time_commands()
+        self.server.gets.timed = True
+        collector = SidecarCollector(self.cfg, self.stats, self.commands, self.server.gets, self._connections)
+        self.metrics = MetricsServer(registry(collector), self.readiness)
+        self.stats.metrics_listen = await self.metrics.start(host, port, self.cfg.metrics_listen)
+        log.info("serving metrics on http://%s/metrics (and /healthz, /readyz)", self.stats.metrics_listen)
+
+    def _connections(self) -> dict[str, nats.NATS]:
+        """The NATS connections in use, by name: `main`, and each configured peer's."""
+        conns = {p.name: p.nc for p in self.router.peers()}
+        if self.nc is not None:
+            conns["main"] = self.nc
+        return conns
+
+    def readiness(self) -> tuple[bool, str]:
+        """/readyz's answer: kvcache.health's rule over the feeds as they are now."""
+        if self._stopping.is_set():
+            return False, "not ready: shutting down"
+        return readiness((BucketState(name, f.synced, f.lag_ms(), f.cfg.max_stale_ms)
+                          for name, f in self.feeds.items()),
+                         self.stats.nats_connected, self.cfg.ready_on_fallback)
+
     def _on_signal(self, sig: int) -> None:
         if self._stopping.is_set():
             log.info("%s: already shutting down", signal.Signals(sig).name)
@@ -188,6 +220,9 @@ class Sidecar:
         socket and the data-directory lock must be released all the same. Safe to call twice."""
         self._stopping.set()
         served = self.server is not None
+        if self.metrics is not None:
+            await _step("metrics listener", self.metrics.stop(), STOP_STEP_S)
+            self.metrics = None
         if self._supervisor is not None:
             self._supervisor.cancel()
             await asyncio.wait({self._supervisor})
@@ -461,12 +496,14 @@ class Sidecar:
         if self._stopping.is_set() or self.nc is None:
             return
         log.warning("disconnected from NATS")
+        self.stats.nats_connected = False
         for feed in self.feeds.values():
             feed.connection_lost()
 
     async def _on_reconnect(self) -> None:
         url = self.nc.connected_url if self.nc else None
         log.info("reconnected to NATS at %s", url.geturl() if url else "?")
+        self.stats.nats_connected = True
         for feed in self.feeds.values():
             feed.connection_lost()  # recreate consumers now rather than after the watchdog
 
