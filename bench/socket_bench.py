@@ -24,6 +24,10 @@ bounded.
 --floor adds a third target: bench/floor_server.py, a uvloop Protocol that answers each GET
 with a fixed reply and looks nothing up: the least any server on uvloop spends per request.
 
+--metrics adds a second sidecar on the same bucket with its metrics listener on (command
+latency timed) and a scraper GETting /metrics every second throughout, and prints its
+throughput and CPU per request against the first's (same run, runs alternating).
+
 --scale is the run at a realistic size: a 1,000,000-key bucket of 100-byte values (in both
 servers), read over a 10,000-key hot set (`-r 10000`) and over every key (`-r 1000000`) at
 `-c 50 -P 16` and `-c 50`, and each server's full/hot ratio beside the kvcache/redis one: a
@@ -33,6 +37,7 @@ cost that grows with the number of distinct keys read shows there, not in the 10
     python bench/socket_bench.py --requests 200000 --profile
     python bench/socket_bench.py --scale              # 1M keys, 100-byte values, -r 10k and 1M
     python bench/socket_bench.py --scale --floor      # and the uvloop floor beside them
+    python bench/socket_bench.py --metrics            # metrics listener on and scraped, against off
 """
 from __future__ import annotations
 
@@ -49,7 +54,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +71,7 @@ from kvcache.natsserver import NatsServer, die_with_parent
 
 BUCKET = "key"
 NKEYS = 10_000   # the default bucket: redis-benchmark -r 10000's whole key space
+METRICS = "kvcache+metrics"  # --metrics: the second sidecar, its metrics listener on and scraped
 SCALE_KEYS = 1_000_000
 REDIS_SERVER = "/usr/bin/redis-server"
 REDIS_BENCHMARK = "/usr/bin/redis-benchmark"
@@ -140,21 +148,23 @@ async def load_bucket(url: str, value: bytes, keys: int = NKEYS) -> None:
         await nc.close()
 
 
-def start_sidecar(work: Path, url: str, keys: int = NKEYS, installed: bool = False) -> tuple[subprocess.Popen, str]:
+def start_sidecar(work: Path, url: str, keys: int = NKEYS, installed: bool = False,
+                  name: str = "kvcache", extra: list[str] | None = None) -> tuple[subprocess.Popen, str]:
     """`python -m kvcache serve`: this checkout's kvcache, or with `installed` the one this
     Python has installed (started outside the checkout, so the checkout is not on its path)."""
-    sock = str(work / "kvcache.sock")
-    log = open(work / "sidecar.log", "ab")
+    sock = str(work / f"{name}.sock")
+    log = open(work / f"{name}.log", "ab")
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvcache", "serve", "--nats", url, "--bucket", BUCKET,
-         "--data-dir", str(work / "data"), "--socket", sock, "--log-level", "warning"],
+         "--data-dir", str(work / ("data" if name == "kvcache" else f"data-{name}")), "--socket", sock,
+         "--log-level", "warning", *(extra or [])],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=work if installed else ROOT,
         preexec_fn=die_with_parent)
     log.close()
 
     def synced():
         if proc.poll() is not None:
-            raise RuntimeError(f"sidecar exited with {proc.returncode}; see {work}/sidecar.log")
+            raise RuntimeError(f"sidecar exited with {proc.returncode}; see {work}/{name}.log")
         with Client(sock, timeout=2) as c:
             row = c.info("buckets")["buckets"].get(BUCKET, {})
             return row.get("synced") == 1 and row.get("keys") == keys
@@ -164,6 +174,36 @@ def start_sidecar(work: Path, url: str, keys: int = NKEYS, installed: bool = Fal
         stop(proc)
         raise
     return proc, sock
+
+
+class Scraper:
+    """Prometheus's part in the --metrics run: GET /metrics every `interval` seconds from a
+    thread of this process, for as long as the benchmark runs (bounded by stop())."""
+
+    def __init__(self, address: str, interval: float = 1.0) -> None:
+        self.url = f"http://{address}/metrics"
+        self.interval = interval
+        self.scrapes = self.failures = 0
+        self.bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="scraper", daemon=True)
+
+    def start(self) -> Scraper:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                with urllib.request.urlopen(self.url, timeout=5) as r:
+                    self.bytes = len(r.read())
+                self.scrapes += 1
+            except OSError:
+                self.failures += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
 
 
 def start_floor(work: Path, value_size: int) -> tuple[subprocess.Popen, str]:
@@ -278,16 +318,18 @@ class GetBench:
     variants: list[tuple[str, list[str]]] = field(default_factory=lambda: list(VARIANTS))
     results: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
     cpu: dict[tuple[str, str], list[float]] = field(default_factory=lambda: collections.defaultdict(list))
+    rps: dict[tuple[str, str], list[float]] = field(default_factory=lambda: collections.defaultdict(list))
     problems: list[str] = field(default_factory=list)
     summary: str = ""
     targets: tuple[str, ...] = ("redis", "kvcache")
     kvcache: str = ""  # which kvcache served: version, where from, its native modules
+    metrics: str = ""  # with --metrics: the scraper's tally
 
     def label(self, reads_over: int, variant: str) -> str:
         return variant if len(self.reads_over) == 1 else f"-r {reads_over} {variant}"
 
-    def ratio(self, variant: str) -> float:
-        return self.results[("kvcache", variant)]["rps"] / self.results[("redis", variant)]["rps"]
+    def ratio(self, variant: str, target: str = "kvcache") -> float:
+        return self.results[(target, variant)]["rps"] / self.results[("redis", variant)]["rps"]
 
     def table(self) -> str:
         over = ", ".join(f"-r {r}" for r in self.reads_over)
@@ -303,7 +345,7 @@ class GetBench:
                 label = self.label(r, name)
                 for target in self.targets:
                     res = self.results[(target, label)]
-                    ratio = f"{self.ratio(label):.2f}" if target == "kvcache" else ""
+                    ratio = f"{self.ratio(label, target):.2f}" if target.startswith("kvcache") else ""
                     kept = ("" if r == hot else
                             f"{res['rps'] / self.results[(target, self.label(hot, name))]['rps']:.2f}")
                     us = statistics.median(self.cpu[(target, label)])
@@ -312,6 +354,20 @@ class GetBench:
         if "floor" in self.targets:
             lines += ["", "floor: bench/floor_server.py, a uvloop Protocol answering each GET with a fixed "
                       "reply (no lookup): the least a server on uvloop spends per request."]
+        if METRICS in self.targets:
+            lines += ["", f"{METRICS}: a second sidecar on the same bucket with the metrics listener on "
+                      f"(command latency timed) and scraped every second ({self.metrics}). Same run, "
+                      "runs alternating; with metrics / without:", "",
+                      "| variant | best requests/s | median requests/s | server CPU us/req (median) |",
+                      "|---|---:|---:|---:|"]
+            for r in self.reads_over:
+                for name, _ in self.variants:
+                    label = self.label(r, name)
+                    on, off = self.rps[(METRICS, label)], self.rps[("kvcache", label)]
+                    cpu_on, cpu_off = self.cpu[(METRICS, label)], self.cpu[("kvcache", label)]
+                    lines.append(f"| {label} | {max(on) / max(off):.3f} | "
+                                 f"{statistics.median(on) / statistics.median(off):.3f} | "
+                                 f"{statistics.median(cpu_on) / statistics.median(cpu_off):.3f} |")
         if len(self.reads_over) > 1:
             lines += ["", f"full/hot: the share of its own hot-set (`-r {hot}`) throughput a server keeps "
                       "when the same load reads over every key."]
@@ -322,7 +378,7 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
         timeout: float = 600, profile_seconds: int | None = None, keys: int = NKEYS,
         reads_over: list[int] | None = None,
         variants: list[tuple[str, list[str]]] | None = None, floor: bool = False,
-        installed: bool = False) -> GetBench:
+        installed: bool = False, metrics: bool = False) -> GetBench:
     """Start nats-server, kvcache and redis-server under `work` with `keys` keys, run every
     variant over every key space `repeat` times against both (alternating), stop everything (by
     PID) and return the figures."""
@@ -330,9 +386,12 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
     value = b"x" * value_size
     bench = GetBench(requests, value_size, repeat, keys, reads_over or [keys], variants or list(VARIANTS))
     nats_srv = None
-    sidecar = redis_proc = floor_proc = None
+    sidecar = redis_proc = floor_proc = metered = None
+    scraper: Scraper | None = None
     if floor:
         bench.targets = ("redis", "kvcache", "floor")
+    if metrics:
+        bench.targets = (*bench.targets, METRICS)
     try:
         nats_srv = NatsServer(work / "nats" / "js", host="127.0.0.1", server_name="bench").start()
         t0 = time.monotonic()
@@ -345,6 +404,12 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
         if floor:
             floor_proc, socks["floor"] = start_floor(work, value_size)
             pids["floor"] = floor_proc.pid
+        if metrics:
+            metered, socks[METRICS] = start_sidecar(work, nats_srv.url, keys, installed, "kvcache-metrics",
+                                                    ["--metrics-listen", "127.0.0.1:0"])
+            pids[METRICS] = metered.pid
+            with Client(socks[METRICS]) as c:
+                scraper = Scraper(str(c.info("server")["server"]["metrics_listen"])).start()
         with Client(kv_sock) as c:
             assert c.get(f"key:{key(1)}") == value and c.get(key(keys - 1)) == value
             before = c.info("stats")["stats"]
@@ -366,12 +431,18 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
                         c0 = cpu_seconds(pids[target])
                         res = benchmark(sock, requests, extra, timeout, r)
                         bench.cpu[(target, label)].append((cpu_seconds(pids[target]) - c0) / requests * 1e6)
+                        bench.rps[(target, label)].append(res["rps"])
                         best = bench.results.get((target, label))
                         if best is None or res["rps"] > best["rps"]:
                             bench.results[(target, label)] = res
                         print(f"  {target:8s} {label:22s} {res['rps']:>12,.0f} req/s "
                               f"{bench.cpu[(target, label)][-1]:6.2f} CPU us/req", file=sys.stderr)
 
+        if scraper is not None:
+            scraper.stop()
+            bench.metrics = f"{scraper.scrapes} scrapes of {scraper.bytes:,} bytes, {scraper.failures} failed"
+            if scraper.failures or not scraper.scrapes:
+                bench.problems.append(f"metrics: {bench.metrics}")
         with Client(kv_sock) as c:
             after = c.info("stats")["stats"]
         gets = after["gets_local"] - before["gets_local"]
@@ -390,9 +461,14 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
             profile(sidecar.pid, kv_sock, requests, profile_seconds, work, max(bench.reads_over))
         return bench
     finally:
+        if scraper is not None:
+            scraper.stop()
         code = stop(sidecar)
         if code not in (None, 0):
-            bench.problems.append(f"sidecar exited with {code}; log in {work}/sidecar.log")
+            bench.problems.append(f"sidecar exited with {code}; log in {work}/kvcache.log")
+        code = stop(metered)
+        if code not in (None, 0):
+            bench.problems.append(f"metered sidecar exited with {code}; log in {work}/kvcache-metrics.log")
         stop(redis_proc)
         stop(floor_proc)
         if nats_srv:
@@ -415,6 +491,8 @@ def main() -> int:
     ap.add_argument("--floor", action="store_true", help="measure bench/floor_server.py beside them")
     ap.add_argument("--installed", action="store_true",
                     help="run the kvcache this Python has installed (pip install .), not this checkout's")
+    ap.add_argument("--metrics", action="store_true",
+                    help="a second sidecar with the metrics listener on, scraped every second, beside the first")
     ap.add_argument("--scale", action="store_true",
                     help=f"{SCALE_KEYS:,} keys of 100 bytes, -r 10000 and -r {SCALE_KEYS}, -P 16 and -P 1")
     args = ap.parse_args()
@@ -428,7 +506,7 @@ def main() -> int:
     with work_dir("kvcache-socket-bench-", lambda: args.keep) as work:
         bench = run(work, args.requests, value_size, args.repeat, args.timeout,
                     args.profile_seconds if args.profile else None, keys, reads_over,
-                    SCALE_VARIANTS if args.scale else None, args.floor, args.installed)
+                    SCALE_VARIANTS if args.scale else None, args.floor, args.installed, args.metrics)
         print("\n" + bench.table())
         args.keep = args.keep or bool(bench.problems)
         return 1 if bench.problems else 0
