@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -63,13 +64,16 @@ def main() -> None:
     ap.add_argument("--buckets", type=int, default=1000)
     ap.add_argument("--keys", type=int, default=100, help="keys per bucket (100-byte values)")
     ap.add_argument("--seconds", type=float, default=20.0, help="idle measurement")
+    ap.add_argument("--metrics", action="store_true",
+                    help="metrics listener on: also time 10 scrapes of /metrics (rendered on the event loop)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvbuckets-") as d:
         monitor = free_port()
         ns = NatsServer(Path(d) / "ns", monitor_port=monitor).start()
         try:
             asyncio.run(make_buckets(ns.url, args.buckets, args.keys))
-            sc = SidecarProcess(Path(d) / "sc", ns.url, buckets=[f"t{j:04d}" for j in range(args.buckets)])
+            sc = SidecarProcess(Path(d) / "sc", ns.url, buckets=[f"t{j:04d}" for j in range(args.buckets)],
+                                extra=["--metrics-listen", "127.0.0.1:0"] if args.metrics else [])
             t0 = time.monotonic()
             with sc:
                 sc.start(timeout=600)
@@ -83,6 +87,7 @@ def main() -> None:
                 a0, c0, m0 = api_requests(monitor), cpu_seconds(pid), messages_out(monitor)
                 time.sleep(args.seconds)
                 a1, c1, m1 = api_requests(monitor), cpu_seconds(pid), messages_out(monitor)
+                scrapes = scrape_times(sc) if args.metrics else ""
                 sc.stop()
         finally:
             ns.stop()
@@ -91,8 +96,45 @@ def main() -> None:
     print(f"{args.buckets} buckets of {args.keys} keys: every one synced {started:.1f} s after start; "
           f"RSS {rss_kb / 1024:.0f} MiB; {consumers} consumers; idle: {100 * (c1 - c0) / args.seconds:.1f}% of a "
           f"core, {rate:.1f} JetStream API requests/s ({rate / args.buckets:.3f} per bucket), {msgs:.0f} "
-          f"messages/s from the server ({msgs / args.buckets:.2f} per bucket)")
+          f"messages/s from the server ({msgs / args.buckets:.2f} per bucket){scrapes}")
 
+
+def scrape_times(sc: SidecarProcess, n: int = 10) -> str:
+    """GET /metrics n times, a second apart: its size and wall time, and the PING round trips
+    a client measured meanwhile against the same client's over as long without scrapes (the
+    snapshot holds the event loop; the rendering runs in a thread, sharing the GIL)."""
+    with sc.client() as c:
+        address = c.info("server")["server"]["metrics_listen"]
+
+    def pings(seconds: float) -> subprocess.Popen:
+        """A client in a process of its own (this one's GIL is busy reading the scrapes)."""
+        code = ("import sys, time; from kvcache.client import Client; out = []\n"
+                f"c = Client({sc.socket!r}); end = time.monotonic() + {seconds}\n"
+                "while time.monotonic() < end:\n"
+                "    t0 = time.perf_counter(); c.ping(); out.append(time.perf_counter() - t0)\n"
+                "print(' '.join(map(str, out)))")
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+    def rtts(proc: subprocess.Popen) -> list[float]:
+        return sorted(float(x) for x in proc.communicate(timeout=60)[0].split())
+
+    quiet = rtts(pings(n))
+    pinger = pings(n)
+    times, size = [], 0
+    for _ in range(n):
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as r:
+            size = len(r.read())
+        times.append(time.perf_counter() - t0)
+        time.sleep(max(0.0, 1 - times[-1]))
+    during = rtts(pinger)
+    times.sort()
+
+    def q(xs: list[float], p: float) -> str:
+        return f"{1000 * xs[min(len(xs) - 1, int(p * len(xs)))]:.2f}"
+    return (f"; /metrics: {size:,} bytes, {1000 * times[n // 2]:.0f} ms median ({1000 * times[-1]:.0f} slowest) of "
+            f"{n}; PING ms p50/p99/max without scrapes {q(quiet, .5)}/{q(quiet, .99)}/{q(quiet, 1)}, "
+            f"scraped every second {q(during, .5)}/{q(during, .99)}/{q(during, 1)}")
 
 if __name__ == "__main__":
     main()

@@ -1,9 +1,11 @@
 """The metrics listener (`metrics_listen`): Prometheus's /metrics, and /healthz and /readyz
 for probes, over HTTP/1.1 on the sidecar's own event loop.
 
-On the loop rather than prometheus_client's threaded server because the collector reads the
-sidecar's live objects (dicts the loop changes): answered between two callbacks, a scrape
-sees one state and needs no lock. The HTTP it speaks is what scrapers and probes send: GET
+On the loop rather than prometheus_client's threaded server because the numbers are the
+sidecar's live objects (dicts the loop changes): the snapshot is taken between two callbacks,
+so a scrape sees one state and needs no lock, and the exposition is formatted a family at a
+time with the loop free in between (kvcache.metrics.exposition; a thread would not help: it
+would hold the GIL the loop needs). The HTTP it speaks is what scrapers and probes send: GET
 or HEAD, no body, keep-alive; anything else gets a status line and, where the request cannot
 be trusted further, the connection closed.
 """
@@ -12,10 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
-
-from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
+from collections.abc import Awaitable, Callable
 
 from .errors import KvcacheError
 
@@ -29,11 +28,13 @@ REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not All
 
 
 class MetricsServer:
-    """Serves `registry` at /metrics; /healthz answers 200 while the sidecar's loop runs;
-    /readyz answers 200 or 503 with `ready()`'s one line (kvcache.health)."""
+    """Serves /metrics: `scrape(accept)` gives the body and its content type; /healthz
+    answers 200 while the sidecar's loop runs; /readyz answers 200 or 503 with `ready()`'s one
+    line (kvcache.health)."""
 
-    def __init__(self, registry: CollectorRegistry, ready: Callable[[], tuple[bool, str]]) -> None:
-        self.registry = registry
+    def __init__(self, scrape: Callable[[str], Awaitable[tuple[bytes, str]]],
+                 ready: Callable[[], tuple[bool, str]]) -> None:
+        self.scrape = scrape
         self.ready = ready
         self.scrapes = 0
         self._server: asyncio.Server | None = None
@@ -106,9 +107,8 @@ class MetricsServer:
         path = target.split("?", 1)[0]
         head_only = method == "HEAD"
         if path == "/metrics":
-            encoder, content_type = choose_encoder(headers.get("accept", ""))
             try:
-                body = encoder(self.registry)
+                body, content_type = await self.scrape(headers.get("accept", ""))
             except Exception:  # a bug in a collector costs this scrape, never the sidecar
                 log.exception("metrics: the scrape failed")
                 self._write(writer, 500, b"the scrape failed: see the sidecar's log\n", close=True)

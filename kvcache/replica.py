@@ -348,6 +348,15 @@ class Replica:
         with self.env.begin(db=db) as txn:
             return txn.stat(db)["entries"]
 
+    def counts(self, buckets: Iterable[str]) -> dict[str, int]:
+        """count() of many buckets in one read transaction (a scrape of 1,000 buckets)."""
+        out: dict[str, int] = {}
+        with self.env.begin() as txn:
+            for bucket in buckets:
+                db = self.db(bucket)
+                out[bucket] = 0 if db is None else txn.stat(db)["entries"]
+        return out
+
     def iter_keys(self, bucket: str, after: bytes | None = None, limit: int | None = None,
                   live: bool = False, start: bytes | None = None) -> Iterator[tuple[bytes, str]]:
         """(lmdb key, full key) in LMDB order, starting after `after` (or at the first key

@@ -7,6 +7,7 @@ import collections
 import errno
 import fcntl
 import functools
+import gc
 import logging
 import os
 import re
@@ -26,7 +27,7 @@ from .config import BucketConfig, Config, ensure_dirs, strip_url_auth, tls_conte
 from .errors import BucketNotFound, ConfigError, KvcacheError, UpstreamError
 from .feed import Feed
 from .health import BucketState, readiness
-from .metrics import SidecarCollector, registry
+from .metrics import SidecarCollector, exposition
 from .metrics_http import MetricsServer
 from .natsconn import NatsConnection
 from .natsserver import NatsServer
@@ -143,6 +144,10 @@ class Sidecar:
         chosen = native.report()
         log.log(logging.INFO if native.all_native() else logging.WARNING,
                 "implementations: %s", ", ".join(f"{k} {v}" for k, v in chosen.items()))
+        # What start built (feeds, consumers, subscriptions, peers: a heap that grows with the
+        # buckets) lives as long as the process: out of the cyclic GC's sight, so that a full
+        # collection (which a scrape's allocations can set off) walks only what came after.
+        gc.freeze()
 
     async def run(self) -> None:
         """Serve until SIGTERM/SIGINT, then shut down gracefully. A signal during start
@@ -182,7 +187,7 @@ class Sidecar:
         self.commands.time_commands()
         self.server.gets.timed = True
         collector = SidecarCollector(self.cfg, self.stats, self.commands, self.server.gets, self._connections)
-        self.metrics = MetricsServer(registry(collector), self.readiness)
+        self.metrics = MetricsServer(lambda accept: exposition(collector.snapshot(), accept), self.readiness)
         self.stats.metrics_listen = await self.metrics.start(host, port, self.cfg.metrics_listen)
         log.info("serving metrics on http://%s/metrics (and /healthz, /readyz)", self.stats.metrics_listen)
 
