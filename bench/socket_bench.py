@@ -355,9 +355,10 @@ class GetBench:
             lines += ["", "floor: bench/floor_server.py, a uvloop Protocol answering each GET with a fixed "
                       "reply (no lookup): the least a server on uvloop spends per request."]
         if METRICS in self.targets:
-            lines += ["", f"{METRICS}: a second sidecar on the same bucket with the metrics listener on "
-                      f"(command latency timed) and scraped every second ({self.metrics}). Same run, "
-                      "runs alternating; with metrics / without:", "",
+            what = ("the metrics listener on (command latency timed) and scraped every second"
+                    if not self.metrics.startswith("CONTROL") else "no listener, not scraped: the CONTROL run")
+            lines += ["", f"{METRICS}: a second sidecar on the same bucket with {what} ({self.metrics}). "
+                      "Same run, runs alternating; second sidecar / first:", "",
                       "| variant | best requests/s | median requests/s | server CPU us/req (median) |",
                       "|---|---:|---:|---:|"]
             for r in self.reads_over:
@@ -378,7 +379,7 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
         timeout: float = 600, profile_seconds: int | None = None, keys: int = NKEYS,
         reads_over: list[int] | None = None,
         variants: list[tuple[str, list[str]]] | None = None, floor: bool = False,
-        installed: bool = False, metrics: bool = False) -> GetBench:
+        installed: bool = False, metrics: bool = False, control: bool = False) -> GetBench:
     """Start nats-server, kvcache and redis-server under `work` with `keys` keys, run every
     variant over every key space `repeat` times against both (alternating), stop everything (by
     PID) and return the figures."""
@@ -406,10 +407,13 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
             pids["floor"] = floor_proc.pid
         if metrics:
             metered, socks[METRICS] = start_sidecar(work, nats_srv.url, keys, installed, "kvcache-metrics",
-                                                    ["--metrics-listen", "127.0.0.1:0"])
+                                                    [] if control else ["--metrics-listen", "127.0.0.1:0"])
             pids[METRICS] = metered.pid
-            with Client(socks[METRICS]) as c:
-                scraper = Scraper(str(c.info("server")["server"]["metrics_listen"])).start()
+            if control:
+                bench.metrics = "CONTROL: no listener, not scraped"
+            else:
+                with Client(socks[METRICS]) as c:
+                    scraper = Scraper(str(c.info("server")["server"]["metrics_listen"])).start()
         with Client(kv_sock) as c:
             assert c.get(f"key:{key(1)}") == value and c.get(key(keys - 1)) == value
             before = c.info("stats")["stats"]
@@ -491,8 +495,13 @@ def main() -> int:
     ap.add_argument("--floor", action="store_true", help="measure bench/floor_server.py beside them")
     ap.add_argument("--installed", action="store_true",
                     help="run the kvcache this Python has installed (pip install .), not this checkout's")
+    ap.add_argument("--only", default=None, metavar="VARIANT",
+                    help="run only this variant (redis-benchmark's arguments, as the table names it: '-c 50 -P 16')")
     ap.add_argument("--metrics", action="store_true",
                     help="a second sidecar with the metrics listener on, scraped every second, beside the first")
+    ap.add_argument("--control", action="store_true",
+                    help="with --metrics: the second sidecar without the listener, unscraped (the noise floor "
+                         "between two identical sidecars)")
     ap.add_argument("--scale", action="store_true",
                     help=f"{SCALE_KEYS:,} keys of 100 bytes, -r 10000 and -r {SCALE_KEYS}, -P 16 and -P 1")
     args = ap.parse_args()
@@ -502,11 +511,16 @@ def main() -> int:
     else:
         reads_over = sorted({min(NKEYS, keys), keys}) if args.scale else [keys]
     value_size = 100 if args.scale and args.value_size == 3 else args.value_size
+    variants = SCALE_VARIANTS if args.scale else VARIANTS
+    if args.only:
+        variants = [v for v in variants if v[0] == args.only]
+        if not variants:
+            ap.error(f"--only: no variant '{args.only}'")
     exit_on_sigterm()
     with work_dir("kvcache-socket-bench-", lambda: args.keep) as work:
         bench = run(work, args.requests, value_size, args.repeat, args.timeout,
                     args.profile_seconds if args.profile else None, keys, reads_over,
-                    SCALE_VARIANTS if args.scale else None, args.floor, args.installed, args.metrics)
+                    variants, args.floor, args.installed, args.metrics, args.control)
         print("\n" + bench.table())
         args.keep = args.keep or bool(bench.problems)
         return 1 if bench.problems else 0
