@@ -885,10 +885,9 @@ def _options(args: list[bytes], spec: dict[bytes, type]) -> dict[bytes, Any]:
 
 
 def _read_source(entry: Entry | None, source: str) -> str:
-    """A remote read's source as the metrics name it: `leader` (its non-direct read), `local`
-    (the replica's newer copy won), `stale`, or `peer` for any Direct Get answer; a key NATS
-    reports absent counts under `peer` (or `stale`)."""
-    if entry is None:
-        return STALE_SOURCE if source == STALE_SOURCE else "peer"
-    src = entry.source
-    return src if src in ("leader", "local", STALE_SOURCE) else "peer"
+    """A remote read's source as the metrics name it: `leader` (its non-direct read), `stale`,
+    or `peer` for a Direct Get's answer, a key NATS reports absent, and a replica copy that
+    turned out newer (the read went to NATS all the same, as INFO's gets_remote counts it)."""
+    if source == STALE_SOURCE:
+        return STALE_SOURCE
+    return "leader" if entry is not None and entry.source == "leader" else "peer"

@@ -320,3 +320,42 @@ def test_every_consumer_loss_has_its_reason():
                    "connection lost", "no consumer on the stream leader", "consumer ended:",
                    "the stream was recreated while"):
         assert prefix in source
+
+
+def test_reads_by_source_leader_stale_and_failed(nats_server, tmp_path):
+    """kvcache_reads_total's other sources: CONSISTENCY strong reads the leader; cut off from
+    NATS past max_stale_ms, serve_stale answers `stale`; a key the stale replica cannot vouch
+    for fails the read (`peer`, `error`)."""
+    nats_run(nats_server.url, lambda js: js.create_key_value(bucket="rs"))
+    kv_put(nats_server.url, "rs", "a", b"1")
+    proxy = DelayProxy(nats_server.port).start()
+    sc = sidecar(tmp_path, "sc", proxy.url, ["rs"], "--serve-stale", "--max-stale-ms", "300",
+                 "--heartbeat-ms", "500", "--request-timeout-ms", "500")
+    try:
+        sc.start()
+        address = metrics_address(sc)
+        with sc.client() as c:
+            assert c.entry("a", consistency="strong").source == "leader"
+            proxy.freeze()
+            wait_until(lambda: c.info("buckets")["buckets"]["rs"]["lag_ms"] > 300, 30, "past max_stale_ms")
+            stale = c.entry("a")
+            assert stale is not None and stale.source == "stale" and stale.value == b"1"
+            with pytest.raises(Exception, match="upstream read failed"):
+                c.entry("a", consistency="strong")  # strong never takes a stale answer
+            info = c.info("stats")["stats"]
+
+        def series() -> dict[tuple[str, str], float]:
+            out = {}
+            for fam in text_string_to_metric_families(http_get(address, "/metrics")[2].decode()):
+                for s in fam.samples:
+                    if s.name == "kvcache_reads_total" and s.labels["bucket"] == "rs" and s.value:
+                        out[(s.labels["source"], s.labels["result"])] = s.value
+                    if s.name == "kvcache_remote_errors_total":
+                        out[("remote_errors", "")] = s.value
+            return out
+        assert series() == {("leader", "hit"): 1, ("stale", "hit"): 1, ("peer", "error"): 1,
+                            ("remote_errors", ""): info["remote_errors"]}
+        assert info["remote_errors"] == 2 and info["gets_stale"] == 1
+    finally:
+        sc.kill()
+        proxy.stop()
