@@ -33,7 +33,12 @@ REQUEST_ENDED = ("Batch Completed", "Exceeds MaxBytes", "Exceeded MaxWaiting")
 
 
 class ConsumerLost(KvcacheError):
-    """The consumer can no longer be trusted to deliver in order: recreate it."""
+    """The consumer can no longer be trusted to deliver in order: recreate it. `reason` is
+    one word for why (kvcache.feed.RECREATION_REASONS: the metrics' label)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 if TYPE_CHECKING:  # the twin's class stands for both in annotations (same fields)
@@ -90,7 +95,7 @@ class PullConsumer:
         self.delivered = 0
         self._inbox = nc.new_inbox()
         self._wake = asyncio.Event()
-        self._failure: str | None = None
+        self._failure: tuple[str, str] | None = None  # ConsumerLost's message and reason
         self._error: BaseException | None = None
         self._done = False
         self._pending_msgs = 0
@@ -126,9 +131,9 @@ class PullConsumer:
                 if self._error is not None:
                     raise self._error
                 if self._failure:
-                    raise ConsumerLost(self._failure)
+                    raise ConsumerLost(*self._failure)
                 if time.monotonic() - self._last_activity > 3 * self.heartbeat_s:
-                    raise ConsumerLost(f"no heartbeat for {3 * self.heartbeat_s:.1f}s")
+                    raise ConsumerLost(f"no heartbeat for {3 * self.heartbeat_s:.1f}s", "heartbeat")
                 if not self._done and self._pending_msgs <= PULL_BATCH // 2:
                     await self._pull()
         finally:
@@ -141,8 +146,9 @@ class PullConsumer:
             if created:
                 _in_background(self._delete_quietly())
 
-    def fail(self, reason: str) -> None:
-        self._failure = self._failure or reason
+    def fail(self, message: str, reason: str) -> None:
+        """End the consumer with ConsumerLost(message, reason) (the first failure wins)."""
+        self._failure = self._failure or (message, reason)
         self._wake.set()
 
     def finish(self) -> None:
@@ -172,7 +178,7 @@ class PullConsumer:
                 why = jsapi.misplaced(info, stream_info)
             except jsapi.NoLeader as e:
                 await self._delete_quietly()
-                raise ConsumerLost(f"no consumer on the stream leader: {e}") from None
+                raise ConsumerLost(f"no consumer on the stream leader: {e}", "placement") from None
             except BaseException:
                 _in_background(self._delete_quietly())
                 raise
@@ -181,7 +187,7 @@ class PullConsumer:
                     log.info("%s: consumer on the stream leader after %d misplaced ones", self.stream, attempt)
                 return info, stream_info
             await self._delete_quietly()
-        raise ConsumerLost(f"no consumer on the stream leader in {PLACEMENT_TRIES} tries: {why}")
+        raise ConsumerLost(f"no consumer on the stream leader in {PLACEMENT_TRIES} tries: {why}", "placement")
 
     async def _create(self) -> dict:
         cfg: dict = {
@@ -243,7 +249,7 @@ class PullConsumer:
         for ev in batch:
             if type(ev) is Run:
                 if ev.first_cseq != self._next_cseq:
-                    self._failure = f"consumer sequence gap: expected {self._next_cseq}, got {ev.first_cseq}"
+                    self._failure = (f"consumer sequence gap: expected {self._next_cseq}, got {ev.first_cseq}", "gap")
                     break
                 self._next_cseq = ev.last_cseq + 1
                 runs.append(ev)
@@ -285,7 +291,7 @@ class PullConsumer:
             last_c = int(hdrs.get("Nats-Last-Consumer", 0) or 0)
             if last_c >= self._next_cseq:
                 self._failure = (f"heartbeat reports consumer sequence {last_c}, "
-                                 f"received only up to {self._next_cseq - 1}")
+                                 f"received only up to {self._next_cseq - 1}", "gap")
                 return
             if self._caught_up and last_c == self._next_cseq - 1:
                 try:
@@ -303,6 +309,6 @@ class PullConsumer:
             self._pending_msgs = max(self._pending_msgs, 0)
             return
         if status in (409, 400, 503):
-            self._failure = f"consumer ended: {status} {desc}".strip()
+            self._failure = (f"consumer ended: {status} {desc}".strip(), "ended")
             return
         log.debug("ignoring status %s %s on %s", status, desc, self.stream)

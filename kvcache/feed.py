@@ -373,7 +373,7 @@ class Feed(Maintenance):
         self._interrupted = True
         self._reconnected = True
         if self._consumer:
-            self._consumer.fail("connection lost")
+            self._consumer.fail("connection lost", "connection")
 
     # -------------------------------------------------------------- health
 
@@ -514,7 +514,7 @@ class Feed(Maintenance):
         have been deleted and recreated between our look at it and the consumer's creation."""
         created = info.get("created", "")
         if created and self.meta.stream_created and created != self.meta.stream_created:
-            raise ConsumerLost("the stream was recreated while the consumer was being created")
+            raise ConsumerLost("the stream was recreated while the consumer was being created", "stream_recreated")
 
     async def _replan(self) -> bool:
         """Before recreating, check the stream: it may have been purged or recreated meanwhile.
@@ -631,23 +631,12 @@ class Feed(Maintenance):
 # from the start, at 0, so that increase() sees the first)
 RESYNC_REASONS = ("unfinished", "recreated", "rewound", "truncated")
 RECREATION_REASONS = ("heartbeat", "gap", "connection", "placement", "ended", "stream_recreated",
-                      "bucket_missing", "upstream", "replica_error", "error", "other")
+                      "bucket_missing", "upstream", "replica_error", "error")
 
 
 def _recreation_reason(e: Exception) -> str:
-    """Why a consumer was recreated, as one of a few words (a metrics label): `heartbeat`
-    (none for three intervals), `gap` (a consumer sequence skipped), `connection` (NATS
-    connection lost), `placement` (no consumer on the stream leader), `ended` (the server
-    ended it), `stream_recreated`, `bucket_missing`, `upstream` (a JetStream API error)."""
+    """Why a consumer was recreated, as one of RECREATION_REASONS (a metrics label): a lost
+    consumer's own reason, `bucket_missing`, or `upstream` (a JetStream API error)."""
     if isinstance(e, BucketNotFound):
         return "bucket_missing"
-    if not isinstance(e, ConsumerLost):
-        return "upstream"
-    text = str(e)
-    for prefix, reason in (("no heartbeat", "heartbeat"), ("consumer sequence gap", "gap"),
-                           ("heartbeat reports", "gap"), ("connection lost", "connection"),
-                           ("no consumer on the stream leader", "placement"),
-                           ("consumer ended", "ended"), ("the stream was recreated", "stream_recreated")):
-        if text.startswith(prefix):
-            return reason
-    return "other"
+    return e.reason if isinstance(e, ConsumerLost) else "upstream"
