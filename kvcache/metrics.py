@@ -3,7 +3,7 @@
 Nothing is counted for the metrics (command latency aside, kvcache.latency): a scrape reads
 the parts that already count (Stats, the GET fast path, the feeds, the router and its peers,
 the replica, the NATS connections). It does so in two steps, because a sidecar with 1,000
-buckets exports some 30,000 series and formatting them takes longer than a read may wait:
+buckets exports some 25,000 series (1.6 MB) and formatting them takes longer than a read may wait:
 
 - `SidecarCollector.snapshot()` copies the numbers between two callbacks of the event loop
   (so every number comes from one state and no lock is needed): plain tuples;
