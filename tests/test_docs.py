@@ -72,3 +72,13 @@ def test_every_subcommand_is_documented():
 def test_the_code_cites_docs_not_an_outside_design_document():
     cited = [str(p) for p in KVCACHE.rglob("*.py") if "DESIGN.md" in p.read_text()]
     assert cited == []
+
+
+def test_each_doc_says_each_thing_once():
+    """No heading twice in one document (a section pasted in again drifts from its twin),
+    and no metric described in two rows."""
+    for path in sorted(DOCS.glob("*.md")):
+        headings = re.findall(r"^#{1,6} .+$", path.read_text(), re.M)
+        assert sorted({h for h in headings if headings.count(h) > 1}) == [], path.name
+    rows = re.findall(r"^\| `(kvcache_[a-z_]+)` \|", _doc("metrics.md"), re.M)
+    assert len(rows) > 40 and sorted({r for r in rows if rows.count(r) > 1}) == []
