@@ -225,9 +225,6 @@ class Sidecar:
         socket and the data-directory lock must be released all the same. Safe to call twice."""
         self._stopping.set()
         served = self.server is not None
-        if self.metrics is not None:
-            await _step("metrics listener", self.metrics.stop(), STOP_STEP_S)
-            self.metrics = None
         if self._supervisor is not None:
             self._supervisor.cancel()
             await asyncio.wait({self._supervisor})
@@ -237,6 +234,12 @@ class Sidecar:
             # then), so that long is enough, and never less than the default 5 s.
             grace = max(5.0, self.cfg.nats.request_timeout_ms / 1000 + 1)
             await _step("socket server", self.server.stop(grace=grace), grace + 5)
+        if self.metrics is not None:
+            # after the clients' drain: meanwhile /readyz answers 503 "shutting down", so a
+            # load balancer stops sending before the socket is gone, and the last scrape
+            # still sees the drain's numbers
+            await _step("metrics listener", self.metrics.stop(), STOP_STEP_S)
+            self.metrics = None
         if self.commands is not None:
             await _step("staleness watch", self.commands.hub.stop(), STOP_STEP_S)
         await _step("router", self.router.close(), STOP_STEP_S)

@@ -12,6 +12,7 @@ import http.client
 import json
 import re
 import shutil
+import signal
 import socket
 import subprocess
 from pathlib import Path
@@ -353,6 +354,39 @@ def test_reads_by_source_leader_stale_and_failed(nats_server, tmp_path):
         assert series() == {("leader", "hit"): 1, ("stale", "hit"): 1, ("peer", "error"): 1,
                             ("remote_errors", ""): info["remote_errors"]}
         assert info["remote_errors"] == 2 and info["gets_stale"] == 1
+    finally:
+        sc.kill()
+        proxy.stop()
+
+
+def test_readyz_says_shutting_down_while_clients_drain(nats_server, tmp_path):
+    """SIGTERM with a read in flight: until its client is answered, /readyz answers 503
+    "shutting down" (a load balancer stops sending) and /healthz still 200; then the
+    listener closes with the rest."""
+    nats_run(nats_server.url, lambda js: js.create_key_value(bucket="sd"))
+    kv_put(nats_server.url, "sd", "far", b"1")
+    proxy = DelayProxy(nats_server.port).start()
+    sc = sidecar(tmp_path, "sc", proxy.url, ["sd:near.>"], "--request-timeout-ms", "4000")
+    try:
+        sc.start()
+        address = metrics_address(sc)
+        assert http_get(address, "/readyz")[0] == 200
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(sc.socket)
+            proxy.freeze()  # the Direct Get of `far` (outside the filters) hangs
+            s.sendall(b"*2\r\n$3\r\nGET\r\n$3\r\nfar\r\n")
+            assert sc.proc is not None
+            sc.proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: "shutting down" in sc.log(), 10, "SIGTERM handled")
+            status, _, body = http_get(address, "/readyz")
+            assert (status, body) == (503, b"not ready: shutting down\n")
+            assert http_get(address, "/healthz")[0] == 200
+            s.settimeout(15)
+            assert s.recv(4096).startswith(b"-")  # the read ends in its timeout: an error reply
+            proxy.thaw()
+        assert sc.proc.wait(30) == 0
+        with pytest.raises(OSError):
+            http_get(address, "/healthz")
     finally:
         sc.kill()
         proxy.stop()
