@@ -374,12 +374,20 @@ def test_sidecar_discovers_mirrors_from_alternates(hub_and_mirrors, tmp_path):
     async def hub_mirror(js):
         await js.add_stream(StreamConfig(name="KV_rs_hubm", mirror=StreamSource(name="KV_rs"),
                                          mirror_direct=True, allow_direct=True, num_replicas=1))
-        m = await js._nc.request("$JS.API.STREAM.INFO.KV_rs", b"", timeout=TIMEOUT)
-        upstream = json.loads(m.data)
+        # KV_rs's leader learns of the new stream from the meta group's log, which may reach
+        # it after the create was answered: ask until it lists the mirror (bounded)
+        deadline = asyncio.get_running_loop().time() + 15
+        while True:
+            m = await js._nc.request("$JS.API.STREAM.INFO.KV_rs", b"", timeout=TIMEOUT)
+            upstream = json.loads(m.data)
+            alternates = [a["name"] for a in upstream.get("alternates", [])]
+            if "KV_rs_hubm" in alternates or asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(0.1)
         # the new mirror answers Direct Gets at once: until it has caught up, "not found"
         while (await js.stream_info("KV_rs_hubm")).state.last_seq < upstream["state"]["last_seq"]:
             await asyncio.sleep(0.05)
-        return [a["name"] for a in upstream.get("alternates", [])]
+        return alternates
     assert "KV_rs_hubm" in nats_run(cluster.urls[0], hub_mirror)
     cfg = sidecar_config(tmp_path / "kvcache.toml", cluster.urls[0], [], discover_peers=True)
     with SidecarProcess(tmp_path / "sc", None, extra=["--config", cfg]) as sc:
