@@ -64,6 +64,10 @@ system-deps:
 	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
 	  $(call APT,prometheus); \
 	fi
+	@# systemd-analyze: tests/test_deploy.py verifies deploy/'s systemd unit with it
+	@if ! command -v systemd-analyze >/dev/null; then \
+	  $(call APT,systemd); \
+	fi
 	@if ! command -v java >/dev/null; then \
 	  $(call APT,openjdk-17-jre-headless); \
 	fi
