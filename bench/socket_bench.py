@@ -26,7 +26,8 @@ with a fixed reply and looks nothing up: the least any server on uvloop spends p
 
 --metrics adds a second sidecar on the same bucket with its metrics listener on (command
 latency timed) and a scraper GETting /metrics every second throughout, and prints its
-throughput and CPU per request against the first's (same run, runs alternating).
+throughput and CPU per request against the first's (same run, runs alternating, the two
+sidecars swapping order every other round).
 
 --scale is the run at a realistic size: a 1,000,000-key bucket of 100-byte values (in both
 servers), read over a 10,000-key hot set (`-r 10000`) and over every key (`-r 1000000`) at
@@ -48,6 +49,7 @@ import contextlib
 import csv
 import io
 import os
+import random
 import shutil
 import signal
 import statistics
@@ -325,6 +327,15 @@ class GetBench:
     kvcache: str = ""  # which kvcache served: version, where from, its native modules
     metrics: str = ""  # with --metrics: the scraper's tally
 
+    def order(self, round_: int) -> tuple[str, ...]:
+        """The targets in the order round `round_` runs them. With --metrics the two sidecars
+        swap places every other round (A B, B A, ...): the --control run showed the one run
+        second slower by several percent, which alternation cancels in the paired ratios."""
+        if METRICS not in self.targets or round_ % 2 == 0:
+            return self.targets
+        swap = {"kvcache": METRICS, METRICS: "kvcache"}
+        return tuple(swap.get(t, t) for t in self.targets)
+
     def label(self, reads_over: int, variant: str) -> str:
         return variant if len(self.reads_over) == 1 else f"-r {reads_over} {variant}"
 
@@ -358,9 +369,11 @@ class GetBench:
             what = ("the metrics listener on (command latency timed) and scraped every second"
                     if not self.metrics.startswith("CONTROL") else "no listener, not scraped: the CONTROL run")
             lines += ["", f"{METRICS}: a second sidecar on the same bucket with {what} ({self.metrics}). "
-                      "Same run, runs alternating; second sidecar / first:", "",
-                      "| variant | best requests/s | median requests/s | server CPU us/req (median) |",
-                      "|---|---:|---:|---:|"]
+                      "Same run, runs alternating (the two sidecars swap order every other round); "
+                      "second sidecar / first, and per round (its median, 95% interval and range):", "",
+                      "| variant | best requests/s | median requests/s | per round requests/s | "
+                      "server CPU us/req (median) | per round CPU us/req |",
+                      "|---|---:|---:|---:|---:|---:|"]
             for r in self.reads_over:
                 for name, _ in self.variants:
                     label = self.label(r, name)
@@ -368,11 +381,24 @@ class GetBench:
                     cpu_on, cpu_off = self.cpu[(METRICS, label)], self.cpu[("kvcache", label)]
                     lines.append(f"| {label} | {max(on) / max(off):.3f} | "
                                  f"{statistics.median(on) / statistics.median(off):.3f} | "
-                                 f"{statistics.median(cpu_on) / statistics.median(cpu_off):.3f} |")
+                                 f"{_paired(on, off)} | "
+                                 f"{statistics.median(cpu_on) / statistics.median(cpu_off):.3f} | "
+                                 f"{_paired(cpu_on, cpu_off)} |")
         if len(self.reads_over) > 1:
             lines += ["", f"full/hot: the share of its own hot-set (`-r {hot}`) throughput a server keeps "
                       "when the same load reads over every key."]
         return "\n".join([*lines, "", self.summary])
+
+
+def _paired(on: list[float], off: list[float]) -> str:
+    """The rounds' own ratios on/off: their median, its 95% bootstrap interval (2,000
+    resamples, a fixed seed), and their range. A round's two runs are adjacent in time, so
+    the machine's drift mostly cancels in their ratio; what is left shows in the interval."""
+    ratios = [a / b for a, b in zip(on, off, strict=True)]
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
+    return (f"{statistics.median(ratios):.3f} (95% {medians[50]:.3f}-{medians[1949]:.3f}; "
+            f"range {min(ratios):.3f}-{max(ratios):.3f})")
 
 
 def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 3,
@@ -429,8 +455,8 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
         for r in bench.reads_over:
             for name, extra in bench.variants:
                 label = bench.label(r, name)
-                for _ in range(repeat):
-                    for target in bench.targets:
+                for i in range(repeat):
+                    for target in bench.order(i):
                         sock = socks[target]
                         c0 = cpu_seconds(pids[target])
                         res = benchmark(sock, requests, extra, timeout, r)
