@@ -3,13 +3,15 @@
 Nothing is counted for the metrics (command latency aside, kvcache.latency): a scrape reads
 the parts that already count (Stats, the GET fast path, the feeds, the router and its peers,
 the replica, the NATS connections). It does so in two steps, because a sidecar with 1,000
-buckets exports some 25,000 series (1.6 MB) and formatting them takes longer than a read may wait:
+buckets exports some 25,000 series (1.6 MB) and formatting them takes longer than a read
+may wait:
 
 - `SidecarCollector.snapshot()` copies the numbers between two callbacks of the event loop
   (so every number comes from one state and no lock is needed): plain tuples;
-- `exposition(snapshot, accept)` formats the copy one metric family at a time, giving the
-  loop back between families. (A worker thread would not spare the loop: formatting is
-  Python code, and the thread would hold the GIL the loop needs.)
+- `exposition(snapshot, accept)` builds each metric family from the copy only when its turn
+  comes and formats it at most CHUNK samples at a time, giving the loop back in between.
+  (A worker thread would not spare the loop: formatting is Python code, and the thread
+  would hold the GIL the loop needs.)
 
 Names follow Prometheus's conventions (`_total` counters, base units: seconds and bytes) and
 what comparable sidecars export (Envoy's redis proxy, the NATS exporter, client-go's
@@ -19,6 +21,7 @@ fixed words; never a key. Every metric is documented in docs/metrics.md.
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -44,6 +47,10 @@ if TYPE_CHECKING:
     from .config import Config
     from .stats import Stats
 
+# Samples formatted between two returns to the event loop: with 1,000 buckets a family has
+# up to 4,000, and formatting them in one go held the loop 20-40 ms (bench/README.md, Metrics)
+CHUNK = 500
+EOF = b"# EOF\n"  # OpenMetrics ends the whole exposition with it: once, at the end
 # kvcache.latency's bounds as Prometheus's `le` labels (seconds), +Inf last
 LE = [f"{b / 1e9:g}" for b in BOUNDS_NS] + ["+Inf"]
 # kvcache_reads_total's series every bucket has from the start (others appear when counted):
@@ -221,68 +228,93 @@ def families(snap: Snapshot) -> Iterator[Metric]:
                             value=max_size)
 
 
+# The per-bucket gauges: name, help, the BucketRow's value
+REPLICA_GAUGES: tuple[tuple[str, str, Callable[[BucketRow], float]], ...] = (
+    ("kvcache_replica_synced", "1 once the replica holds every key (initial or full re-sync done)",
+     lambda b: int(b.synced)),
+    ("kvcache_replica_keys", "Records in the replica", lambda b: b.keys),
+    ("kvcache_replica_applied_sequence", "Last stream sequence applied", lambda b: b.applied),
+    ("kvcache_replica_upstream_sequence", "The stream's last sequence as last seen", lambda b: b.upstream),
+    ("kvcache_replica_lag_seconds", "How long the replica has been behind the stream (0 when caught up)",
+     lambda b: b.lag_s),
+    ("kvcache_replica_lag_messages", "Stream messages not yet applied", lambda b: b.upstream - b.applied),
+    ("kvcache_replica_max_stale_seconds", "The bucket's max_stale_ms: the replica answers while its "
+     "lag is within it", lambda b: b.max_stale_s))
+
+
 def _replica(snap: Snapshot) -> Iterator[Metric]:
+    """The per-bucket families, each built only when asked for: with 1,000 buckets building
+    them all before the first is formatted held the event loop for tens of ms."""
     labels = ["bucket"]
-    gauges = [GaugeMetricFamily(name, doc, labels=labels) for name, doc in (
-        ("kvcache_replica_synced", "1 once the replica holds every key (initial or full re-sync done)"),
-        ("kvcache_replica_keys", "Records in the replica"),
-        ("kvcache_replica_applied_sequence", "Last stream sequence applied"),
-        ("kvcache_replica_upstream_sequence", "The stream's last sequence as last seen"),
-        ("kvcache_replica_lag_seconds", "How long the replica has been behind the stream (0 when caught up)"),
-        ("kvcache_replica_lag_messages", "Stream messages not yet applied"),
-        ("kvcache_replica_max_stale_seconds", "The bucket's max_stale_ms: the replica answers while its "
-         "lag is within it"))]
+    rows = list(snap.buckets.items())
+    for name, doc, value in REPLICA_GAUGES:
+        gauge = GaugeMetricFamily(name, doc, labels=labels)
+        for bucket, b in rows:
+            gauge.add_metric([bucket], value(b))
+        yield gauge
     removed = CounterMetricFamily("kvcache_replica_removed_upstream", "Keys removed with no message to "
                                   "follow (expiry, limits, purges)", labels=labels)
+    for bucket, b in rows:
+        removed.add_metric([bucket], b.removed)
+    yield removed
     polls = CounterMetricFamily("kvcache_replica_state_polls", "Looks at the stream's state made to watch "
                                 "for such removals", labels=labels)
+    for bucket, b in rows:
+        polls.add_metric([bucket], b.polls)
+    yield polls
     resyncs = CounterMetricFamily("kvcache_replica_resyncs", "Full resyncs since start, by reason",
                                   labels=["bucket", "reason"])
+    for bucket, b in rows:
+        for reason, n in zip(RESYNC_REASONS, b.resyncs, strict=True):
+            resyncs.add_metric([bucket, reason], n)
+    yield resyncs
     recreations = CounterMetricFamily("kvcache_consumer_recreations", "Consumers recreated since start, "
                                       "by reason", labels=["bucket", "reason"])
-    cache_gauges = [GaugeMetricFamily("kvcache_cache_keys", "Keys in the bucket's near cache", labels=labels),
-                    GaugeMetricFamily("kvcache_cache_bytes", "Bytes the near cache holds (keys, records and "
-                                      "64 bytes of bookkeeping each)", labels=labels)]
-    cache_counters = [CounterMetricFamily(f"kvcache_cache_{k}", doc, labels=labels) for k, doc in CACHE_COUNTERS]
-    for name, b in snap.buckets.items():
-        lv = [name]
-        for fam, v in zip(gauges, (int(b.synced), b.keys, b.applied, b.upstream, b.lag_s,
-                                   b.upstream - b.applied, b.max_stale_s), strict=True):
-            fam.add_metric(lv, v)
-        removed.add_metric(lv, b.removed)
-        polls.add_metric(lv, b.polls)
-        for reason, n in zip(RESYNC_REASONS, b.resyncs, strict=True):
-            resyncs.add_metric([name, reason], n)
+    for bucket, b in rows:
         for reason, n in zip(RECREATION_REASONS, b.recreations, strict=True):
             if n:  # eleven reasons a bucket: only those that happened (resyncs: every one, at 0)
-                recreations.add_metric([name, reason], n)
-        if b.cache is not None:
-            cache_families: list[GaugeMetricFamily | CounterMetricFamily] = [*cache_gauges, *cache_counters]
-            for family, v in zip(cache_families, b.cache, strict=True):
-                family.add_metric(lv, v)
-    yield from (*gauges, removed, polls, resyncs, recreations, *cache_gauges, *cache_counters)
+                recreations.add_metric([bucket, reason], n)
+    yield recreations
+    cached = [(bucket, b.cache) for bucket, b in rows if b.cache is not None]
+    cache_families: list[tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], str, str]] = [
+        (GaugeMetricFamily, "kvcache_cache_keys", "Keys in the bucket's near cache"),
+        (GaugeMetricFamily, "kvcache_cache_bytes", "Bytes the near cache holds (keys, records and 64 bytes "
+         "of bookkeeping each)"),
+        *((CounterMetricFamily, f"kvcache_cache_{k}", doc) for k, doc in CACHE_COUNTERS)]
+    for i, (kind, name, doc) in enumerate(cache_families):
+        family = kind(name, doc, labels=labels)
+        for bucket, values in cached:
+            family.add_metric([bucket], values[i])
+        yield family
 
 
 def _peers(snap: Snapshot) -> Iterator[Metric]:
+    """The per-peer families, each built only when asked for (see _replica)."""
     labels = ["peer", "bucket", "stream"]
     up = GaugeMetricFamily("kvcache_peer_up", "1 while the router may send the peer reads (0: ejected "
                            "after errors, or its connection is down)", labels=labels)
+    for lv, is_up, _, _, _ in snap.peers:
+        up.add_metric(list(lv), is_up)
+    yield up
     ewma = GaugeMetricFamily("kvcache_peer_latency_ewma_seconds", "The router's latency estimate for the peer",
                              labels=labels)
+    for lv, _, latency, _, _ in snap.peers:
+        ewma.add_metric(list(lv), latency)
+    yield ewma
     inflight = GaugeMetricFamily("kvcache_peer_inflight_requests", "Requests sent to the peer and not yet "
                                  "answered", labels=labels)
-    counters = [CounterMetricFamily(f"kvcache_peer_{k}", doc, labels=labels) for k, doc in PEER_COUNTERS]
-    for lv, is_up, latency, n, values in snap.peers:
-        up.add_metric(list(lv), is_up)
-        ewma.add_metric(list(lv), latency)
+    for lv, _, _, n, _ in snap.peers:
         inflight.add_metric(list(lv), n)
-        for counter, v in zip(counters, values, strict=True):
-            counter.add_metric(list(lv), v)
-    yield from (up, ewma, inflight, *counters)
+    yield inflight
+    for i, (k, doc) in enumerate(PEER_COUNTERS):
+        counter = CounterMetricFamily(f"kvcache_peer_{k}", doc, labels=labels)
+        for lv, _, _, _, values in snap.peers:
+            counter.add_metric(list(lv), values[i])
+        yield counter
 
 
 class _One:
-    """A collector of one family (exposition formats a family at a time)."""
+    """A collector of one family, or of one chunk of it (exposition formats those one at a time)."""
 
     def __init__(self, family: Metric) -> None:
         self.family = family
@@ -291,17 +323,31 @@ class _One:
         return [self.family]
 
 
+def _chunks(family: Metric, encoder: Callable[[_One], bytes]) -> Iterator[bytes]:
+    """A family's exposition CHUNK samples at a time: the first with its comment lines (HELP,
+    TYPE, UNIT), the others with only their sample lines (which never start with `#`), so
+    that joined they are the family's exposition as one call would make it."""
+    samples = family.samples
+    for start in range(0, max(len(samples), 1), CHUNK):
+        part = copy.copy(family)
+        part.samples = samples[start:start + CHUNK]
+        text = encoder(_One(part)).removesuffix(EOF)
+        if start:
+            text = b"".join(line for line in text.splitlines(keepends=True) if not line.startswith(b"#"))
+        yield text
+
+
 async def exposition(snap: Snapshot, accept: str) -> tuple[bytes, str]:
     """The exposition of a snapshot in the format the scraper accepts (Prometheus text, or
     OpenMetrics), with the process (CPU, memory, file descriptors) and Python platform
-    collectors every Prometheus client library exports: (body, content type). One family
-    at a time, the event loop free in between."""
+    collectors every Prometheus client library exports: (body, content type). At most CHUNK
+    samples at a time, the event loop free in between."""
     encoder, content_type = choose_encoder(accept)
-    eof = b"# EOF\n"  # OpenMetrics ends the whole exposition with it: once, at the end
     parts: list[bytes] = []
     for family in families(snap):
-        parts.append(encoder(_One(family)).removesuffix(eof))
-        await asyncio.sleep(0)
+        for text in _chunks(family, encoder):
+            parts.append(text)
+            await asyncio.sleep(0)
     reg = CollectorRegistry(auto_describe=False)
     ProcessCollector(registry=reg)
     PlatformCollector(registry=reg)

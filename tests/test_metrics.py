@@ -183,6 +183,48 @@ def dashboard_exprs() -> list[str]:
     return out
 
 
+def test_exposition_in_chunks_is_the_exposition_in_one_go():
+    """With 1,200 buckets and peers the families outgrow metrics.CHUNK: formatted a chunk at
+    a time (the event loop free in between), the exposition is byte for byte the one a single
+    call of prometheus_client's encoder makes, in both formats, and no chunk is longer."""
+    import asyncio
+
+    from prometheus_client.exposition import choose_encoder
+
+    from kvcache import metrics
+    from kvcache.feed import RECREATION_REASONS, RESYNC_REASONS
+    from kvcache.latency import Latency
+
+    n = 1200
+    latency = {"get": Latency(), "mget": Latency()}
+    latency["get"].observe(7_000, 5)
+    latency["get"].observe(3_000_000)
+    snap = metrics.Snapshot(
+        build={"version": "0", "resp": "native"}, latency=latency,
+        reads={(f"b{i:04d}", src, res): i for i in range(n) for src in ("local", "peer") for res in ("hit", "miss")},
+        client_gauges=tuple(range(len(metrics.CLIENT_GAUGES))), counters=tuple(range(len(metrics.COUNTERS))))
+    for i in range(n):
+        snap.buckets[f"b{i:04d}"] = metrics.BucketRow(
+            bool(i % 2), i, 10 * i, 10 * i + i % 3, i / 1000, 5.0, i, i, tuple(range(len(RESYNC_REASONS))),
+            tuple(i % 2 for _ in RECREATION_REASONS),
+            None if i % 3 else (i, 64 * i, *range(len(metrics.CACHE_COUNTERS))))
+        snap.peers.append(((f"p{i}", f"b{i:04d}", f"KV_b{i:04d}"), i % 2, 0.0004, 0, (1, 2, 3, 4, 5)))
+    snap.nats = [("main", 1, 2)]
+    assert max(len(f.samples) for f in metrics.families(snap)) > 4 * metrics.CHUNK
+
+    class All:
+        def collect(self):
+            return list(metrics.families(snap))
+    for accept in ("", "application/openmetrics-text; version=1.0.0"):
+        encoder, _ = choose_encoder(accept)
+        whole = encoder(All()).removesuffix(metrics.EOF)
+        body, _ = asyncio.run(metrics.exposition(snap, accept))
+        assert body.startswith(whole) and body[len(whole):].startswith(b"# HELP process_"), accept
+        for family in metrics.families(snap):
+            for text in metrics._chunks(family, encoder):
+                assert sum(not line.startswith(b"#") for line in text.splitlines()) <= metrics.CHUNK
+
+
 def test_probes_through_sync_cut_off_and_fallback(nats_server, tmp_path):
     """Syncing (its NATS link frozen before the sync could end), synced, cut off, back; and
     with ready_on_fallback, ready while syncing as long as NATS is connected."""
