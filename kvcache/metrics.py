@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from operator import itemgetter
+from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 from prometheus_client.core import (
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 # Samples formatted between two returns to the event loop: with 1,000 buckets a family has
 # up to 4,000, and formatting them in one go held the loop 20-40 ms (bench/README.md, Metrics)
 CHUNK = 500
+T = TypeVar("T")
 EOF = b"# EOF\n"  # OpenMetrics ends the whole exposition with it: once, at the end
 # kvcache.latency's bounds as Prometheus's `le` labels (seconds), +Inf last
 LE = [f"{b / 1e9:g}" for b in BOUNDS_NS] + ["+Inf"]
@@ -242,75 +244,60 @@ REPLICA_GAUGES: tuple[tuple[str, str, Callable[[BucketRow], float]], ...] = (
      "lag is within it", lambda b: b.max_stale_s))
 
 
+def _filled(family: GaugeMetricFamily | CounterMetricFamily, rows: Iterable[tuple[list[str], T]],
+            value: Callable[[T], float]) -> Metric:
+    """`family` with one sample per row: the row's label values, and `value` of its data."""
+    for labels, row in rows:
+        family.add_metric(labels, value(row))
+    return family
+
+
 def _replica(snap: Snapshot) -> Iterator[Metric]:
     """The per-bucket families, each built only when asked for: with 1,000 buckets building
     them all before the first is formatted held the event loop for tens of ms."""
     labels = ["bucket"]
-    rows = list(snap.buckets.items())
+    rows = [([bucket], b) for bucket, b in snap.buckets.items()]
     for name, doc, value in REPLICA_GAUGES:
-        gauge = GaugeMetricFamily(name, doc, labels=labels)
-        for bucket, b in rows:
-            gauge.add_metric([bucket], value(b))
-        yield gauge
-    removed = CounterMetricFamily("kvcache_replica_removed_upstream", "Keys removed with no message to "
-                                  "follow (expiry, limits, purges)", labels=labels)
-    for bucket, b in rows:
-        removed.add_metric([bucket], b.removed)
-    yield removed
-    polls = CounterMetricFamily("kvcache_replica_state_polls", "Looks at the stream's state made to watch "
-                                "for such removals", labels=labels)
-    for bucket, b in rows:
-        polls.add_metric([bucket], b.polls)
-    yield polls
+        yield _filled(GaugeMetricFamily(name, doc, labels=labels), rows, value)
+    yield _filled(CounterMetricFamily("kvcache_replica_removed_upstream", "Keys removed with no message to "
+                                      "follow (expiry, limits, purges)", labels=labels), rows, lambda b: b.removed)
+    yield _filled(CounterMetricFamily("kvcache_replica_state_polls", "Looks at the stream's state made to "
+                                      "watch for such removals", labels=labels), rows, lambda b: b.polls)
     resyncs = CounterMetricFamily("kvcache_replica_resyncs", "Full resyncs since start, by reason",
                                   labels=["bucket", "reason"])
-    for bucket, b in rows:
+    for [bucket], b in rows:
         for reason, n in zip(RESYNC_REASONS, b.resyncs, strict=True):
             resyncs.add_metric([bucket, reason], n)
     yield resyncs
     recreations = CounterMetricFamily("kvcache_consumer_recreations", "Consumers recreated since start, "
                                       "by reason", labels=["bucket", "reason"])
-    for bucket, b in rows:
+    for [bucket], b in rows:
         for reason, n in zip(RECREATION_REASONS, b.recreations, strict=True):
             if n:  # eleven reasons a bucket: only those that happened (resyncs: every one, at 0)
                 recreations.add_metric([bucket, reason], n)
     yield recreations
-    cached = [(bucket, b.cache) for bucket, b in rows if b.cache is not None]
+    cached = [(lv, b.cache) for lv, b in rows if b.cache is not None]
     cache_families: list[tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], str, str]] = [
         (GaugeMetricFamily, "kvcache_cache_keys", "Keys in the bucket's near cache"),
         (GaugeMetricFamily, "kvcache_cache_bytes", "Bytes the near cache holds (keys, records and 64 bytes "
          "of bookkeeping each)"),
         *((CounterMetricFamily, f"kvcache_cache_{k}", doc) for k, doc in CACHE_COUNTERS)]
     for i, (kind, name, doc) in enumerate(cache_families):
-        family = kind(name, doc, labels=labels)
-        for bucket, values in cached:
-            family.add_metric([bucket], values[i])
-        yield family
+        yield _filled(kind(name, doc, labels=labels), cached, itemgetter(i))
 
 
 def _peers(snap: Snapshot) -> Iterator[Metric]:
     """The per-peer families, each built only when asked for (see _replica)."""
     labels = ["peer", "bucket", "stream"]
-    up = GaugeMetricFamily("kvcache_peer_up", "1 while the router may send the peer reads (0: ejected "
-                           "after errors, or its connection is down)", labels=labels)
-    for lv, is_up, _, _, _ in snap.peers:
-        up.add_metric(list(lv), is_up)
-    yield up
-    ewma = GaugeMetricFamily("kvcache_peer_latency_ewma_seconds", "The router's latency estimate for the peer",
-                             labels=labels)
-    for lv, _, latency, _, _ in snap.peers:
-        ewma.add_metric(list(lv), latency)
-    yield ewma
-    inflight = GaugeMetricFamily("kvcache_peer_inflight_requests", "Requests sent to the peer and not yet "
-                                 "answered", labels=labels)
-    for lv, _, _, n, _ in snap.peers:
-        inflight.add_metric(list(lv), n)
-    yield inflight
-    for i, (k, doc) in enumerate(PEER_COUNTERS):
-        counter = CounterMetricFamily(f"kvcache_peer_{k}", doc, labels=labels)
-        for lv, _, _, _, values in snap.peers:
-            counter.add_metric(list(lv), values[i])
-        yield counter
+    rows = [(list(lv), (up, latency, inflight, *counts)) for lv, up, latency, inflight, counts in snap.peers]
+    gauges = (("kvcache_peer_up", "1 while the router may send the peer reads (0: ejected after errors, or "
+               "its connection is down)"),
+              ("kvcache_peer_latency_ewma_seconds", "The router's latency estimate for the peer"),
+              ("kvcache_peer_inflight_requests", "Requests sent to the peer and not yet answered"))
+    for i, (name, doc) in enumerate(gauges):
+        yield _filled(GaugeMetricFamily(name, doc, labels=labels), rows, itemgetter(i))
+    for i, (k, doc) in enumerate(PEER_COUNTERS, start=len(gauges)):
+        yield _filled(CounterMetricFamily(f"kvcache_peer_{k}", doc, labels=labels), rows, itemgetter(i))
 
 
 class _One:
