@@ -74,6 +74,10 @@ class Feed(Maintenance):
         self._recent_full_until = 0.0
         self.replica = replica
         self.heartbeat_s = heartbeat_s
+        # A caught-up feed hears from the server at least once a heartbeat (an idle heartbeat
+        # when nothing changes). Silence past twice that is a link that may have stalled
+        # unnoticed: the replica is then only known current as of the last word heard (lag_ms).
+        self._silence_ns = int(2 * heartbeat_s * 1e9)
         self.timeout = timeout
         self.meta = replica.meta(self.bucket)
         self.stream_config: dict = {}
@@ -382,7 +386,12 @@ class Feed(Maintenance):
         return self.meta.synced
 
     def lag_ms(self) -> int:
-        """0 while caught up; else the age of the newest state we are sure to hold.
+        """0 while caught up and heard from; else the age of the newest state we are sure to hold.
+
+        Caught up counts only while the server keeps saying so: past two heartbeats of silence
+        the age runs from the last time it did, so a link that stalls without closing (no
+        disconnect, no error: the consumer is declared lost only after three heartbeats) turns
+        the replica stale max_stale_ms after the last word, not three heartbeats later.
 
         While catching up after an interruption, the age counts from the last time we were
         caught up, not from the newest message applied: the replica then passes through the
@@ -390,10 +399,12 @@ class Feed(Maintenance):
         have served newer revisions; serving an intermediate state locally would take those
         keys back in time (seen in tests/test_faults.py with a stream leader killed during
         writes: revision 806 read from a peer, then 406 from the catching-up replica)."""
+        now = time.time_ns()
         if self.caught_up:
-            return 0
+            fresh = self.meta.fresh_at_ns
+            return (now - fresh) // 1_000_000 if fresh and now - fresh > self._silence_ns else 0
         fresh = self.meta.fresh_at_ns if self._interrupted else max(self.meta.fresh_at_ns, self.last_msg_ns)
-        return max(0, (time.time_ns() - fresh) // 1_000_000) if fresh else 0
+        return max(0, (now - fresh) // 1_000_000) if fresh else 0
 
     def fresh_enough(self, max_stale_ms: int) -> bool:
         """May reads be answered locally without looking at each key? Fresh within the bound
@@ -404,7 +415,7 @@ class Feed(Maintenance):
     def fresh_within(self, max_stale_ms: int) -> bool:
         """Is the replica fresh enough to answer: synced, and not staler than the bound?
         Whether a given key may then be answered locally is `behind`'s question."""
-        return self.meta.synced and (self.caught_up or self.lag_ms() <= max_stale_ms)
+        return self.meta.synced and self.lag_ms() <= max_stale_ms
 
     # -------------------------------------------------------------- revisions handed out
 

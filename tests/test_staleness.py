@@ -11,6 +11,7 @@ never about times.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
@@ -34,10 +35,11 @@ def _toml(**kv) -> str:
     return "\n".join(f"{k} = {json.dumps(v)}" for k, v in kv.items())
 
 
-def _config(path, main: str, peer: str, off_max_stale_ms: int = MAX_STALE_MS) -> str:
-    text = _toml(heartbeat_ms=HEARTBEAT_MS, serve_stale=True)
+def _config(path, main: str, peer: str, off_max_stale_ms: int = MAX_STALE_MS,
+            heartbeat_ms: int = HEARTBEAT_MS, max_stale_ms: int = MAX_STALE_MS) -> str:
+    text = _toml(heartbeat_ms=heartbeat_ms, serve_stale=True)
     text += "\n[nats]\n" + _toml(servers=[main], request_timeout_ms=REQUEST_TIMEOUT_MS)
-    text += "\n[[bucket]]\n" + _toml(name="on", max_stale_ms=MAX_STALE_MS)
+    text += "\n[[bucket]]\n" + _toml(name="on", max_stale_ms=max_stale_ms)
     text += "\n[[bucket]]\n" + _toml(name="off", max_stale_ms=off_max_stale_ms, serve_stale=False)
     for b in ("on", "off"):
         text += "\n[[peer]]\n" + _toml(name=f"peer-{b}", servers=[peer], stream=f"KV_{b}")
@@ -69,7 +71,9 @@ class Setup:
 @pytest.fixture(params=[MAX_STALE_MS])
 async def setup(nats_server, tmp_path, request) -> AsyncIterator[Setup]:
     """A sidecar whose feed connection and peer go through proxies the test can freeze.
-    Buckets `on` (serve_stale) and `off` (not); `off`'s max_stale_ms is the parameter."""
+    Buckets `on` (serve_stale) and `off` (not); `off`'s max_stale_ms is the parameter, or a
+    dict of _config's settings."""
+    settings = request.param if isinstance(request.param, dict) else {"off_max_stale_ms": request.param}
     port = nats_server.port
     async with AsyncExitStack() as stack:
         nc = await nats.connect(nats_server.url)
@@ -85,7 +89,7 @@ async def setup(nats_server, tmp_path, request) -> AsyncIterator[Setup]:
         stack.callback(peer.stop)
         sc = SidecarProcess(tmp_path / "sc", None,
                      extra=["--config", _config(tmp_path / "kvcache.toml", main.url, peer.url,
-                                                request.param)])
+                                                **settings)])
         stack.callback(sc.kill)
         sc.start()
         client = AsyncClient(sc.socket, timeout=30)
@@ -221,3 +225,33 @@ async def test_the_get_fast_path_keeps_each_buckets_bound(setup: Setup):
     assert await c.get("on:a") == b"a2"       # past its bound: the peer
     after = await s.stats()
     assert (after["gets_local"] - mid["gets_local"], after["gets_remote"] - mid["gets_remote"]) == (0, 1)
+
+
+SILENT = {"heartbeat_ms": 1000, "max_stale_ms": 2500, "off_max_stale_ms": 2500}
+
+
+@pytest.mark.parametrize("setup", [SILENT], indirect=True, ids=["heartbeat-1s-bound-2.5s"])
+async def test_a_silent_link_is_stale_max_stale_ms_after_the_last_word(setup: Setup):
+    """A link that stalls without closing says nothing: no disconnect, no error, and the
+    consumer is declared lost only after three heartbeats (3 s here, noticed up to a heartbeat
+    later). The replica is known current only as of the last message or heartbeat heard, which
+    came before the freeze, so a read begun max_stale_ms (2.5 s) after a write acknowledged
+    after the freeze must see the write. An idle link that is not cut stays at lag 0."""
+    s, c = setup, setup.c
+    for _ in range(8):  # healthy and idle: heartbeats keep it current (4 s, two intervals each)
+        rows = (await c.info("buckets"))["buckets"]
+        assert [rows[b]["lag_ms"] for b in ("on", "off")] == [0, 0]
+        await asyncio.sleep(0.5)
+    s.main.freeze()
+    for b in ("on", "off"):
+        await s.put(b, "a", b"a2")
+    await asyncio.sleep(SILENT["max_stale_ms"] / 1000 + 0.05)
+    # Begun now, each read is past the bound: the peers answer (the fast path, MGET, KV.GET).
+    for b in ("on", "off"):
+        assert await c.get(f"{b}:a") == b"a2"
+        assert await c.mget([f"{b}:a", f"{b}:b"]) == [b"a2", b"b1"]
+        e = await c.entry(f"{b}:a")
+        assert e is not None and (e.value, e.revision, e.source) == (b"a2", s.revs[f"{b}:a"], f"peer-{b}")
+    rows = (await c.info("buckets"))["buckets"]
+    assert all(rows[b]["lag_ms"] > SILENT["max_stale_ms"] for b in ("on", "off")), rows
+    assert (await s.stats())["gets_stale"] == 0
