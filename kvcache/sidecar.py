@@ -93,6 +93,7 @@ class Sidecar:
         # nats-server, opening the replica, connecting, syncing and logging.
         self._lock_data_dir()
         claim_socket_path(os.path.abspath(self.cfg.socket_path))
+        self._warn_bounds_under_heartbeats()
         if self.use_embedded:
             await self._start_embedded()
             self._supervisor = asyncio.ensure_future(self._supervise_embedded())
@@ -205,6 +206,19 @@ class Sidecar:
         return readiness((BucketState(name, f.synced, f.lag_ms(), f.cfg.max_stale_ms)
                           for name, f in self.feeds.items()),
                          self.stats.nats_connected, self.cfg.ready_on_fallback)
+
+    def _warn_bounds_under_heartbeats(self) -> None:
+        """A caught-up replica counts as behind only after two heartbeats of silence
+        (Feed.lag_ms): a max_stale_ms under that cannot hold on a link that stalls without
+        closing. Not an error (the bound still holds on every link that closes or errs), one
+        line naming what to change."""
+        hb = self.cfg.heartbeat_ms
+        for bound in sorted({b.max_stale_ms for b in self.cfg.buckets if b.max_stale_ms < 2 * hb}):
+            names = ", ".join(b.name for b in self.cfg.buckets if b.max_stale_ms == bound)
+            log.warning("max_stale_ms %d (%s) is under two heartbeats (heartbeat_ms %d): a NATS link "
+                        "that stalls without closing is noticed %d ms after its last word, not %d; "
+                        "heartbeat_ms %d or less keeps the bound", bound, names, hb, 2 * hb, bound,
+                        bound // 2)
 
     def _on_signal(self, sig: int) -> None:
         if self._stopping.is_set():

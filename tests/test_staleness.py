@@ -116,6 +116,8 @@ async def test_stale_replica_reads_go_to_a_reachable_peer(setup: Setup):
     st = await s.stats()
     assert st["gets_stale"] == 0 and st["gets_remote"] >= 6
     assert (await c.info("buckets"))["buckets"]["on"]["synced"] == 1
+    # 300 ms bounds under two 300 ms heartbeats: said once, naming both buckets
+    assert s.sc.log().count("max_stale_ms 300 (on, off) is under two heartbeats (heartbeat_ms 300)") == 1
 
 
 async def test_no_peer_reachable_serve_stale_decides(setup: Setup):
@@ -255,3 +257,4 @@ async def test_a_silent_link_is_stale_max_stale_ms_after_the_last_word(setup: Se
     rows = (await c.info("buckets"))["buckets"]
     assert all(rows[b]["lag_ms"] > SILENT["max_stale_ms"] for b in ("on", "off")), rows
     assert (await s.stats())["gets_stale"] == 0
+    assert "under two heartbeats" not in s.sc.log()
