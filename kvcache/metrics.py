@@ -237,7 +237,7 @@ REPLICA_GAUGES: tuple[tuple[str, str, Callable[[BucketRow], float]], ...] = (
     ("kvcache_replica_keys", "Records in the replica", lambda b: b.keys),
     ("kvcache_replica_applied_sequence", "Last stream sequence applied", lambda b: b.applied),
     ("kvcache_replica_upstream_sequence", "The stream's last sequence as last seen", lambda b: b.upstream),
-    ("kvcache_replica_lag_seconds", "How long the replica has been behind the stream (0 when caught up)",
+    ("kvcache_replica_lag_seconds", "How long the replica has been behind the stream (0 when caught up and heard from)",
      lambda b: b.lag_s),
     ("kvcache_replica_lag_messages", "Stream messages not yet applied", lambda b: b.upstream - b.applied),
     ("kvcache_replica_max_stale_seconds", "The bucket's max_stale_ms: the replica answers while its "
