@@ -302,14 +302,20 @@ class Commands:
                          lambda bc, found: resp.bulk(found.value if found else None, proto))
 
     def _cached(self, bc: BucketConfig, key: str, t0: int, command: str,
-                max_stale_ms: int | None = None) -> Entry | None:
+                max_stale_ms: int | None = None, min_rev: int | None = None) -> Entry | None:
         """The near cache's answer for a key outside the filters (ReadPolicy.cached), counted
-        and logged (source `cache`); None: ask NATS."""
+        and logged (source `cache`); None: ask NATS. A cached not-found has no value.
+        `min_rev` (KV.GET's MINREV): only a value at that revision or above answers."""
         entry = self.policy.cached(bc, key, max_stale_ms)
+        if entry is not None and min_rev is not None and (entry.value is None or entry.revision < min_rev):
+            entry = None
         if entry is not None:
+            hit = entry.value is not None
             self.stats.gets_cached += 1
-            self.stats.read(bc.name, "cache", True)
-            self._log(t0, bc.name, key, "cache", True, command)
+            self.stats.read(bc.name, "cache", hit)
+            self._log(t0, bc.name, key, "cache", hit, command)
+            if not hit:
+                self.stats.gets_notfound += 1
         return entry
 
     def _t0(self) -> int:
@@ -331,7 +337,7 @@ class Commands:
         self.stats.gets_remote += 1
         source = "remote"
         try:
-            entry = await self.policy.remote(bc, key, strong=strong)
+            entry, answered = await self.policy.remote(bc, key, strong=strong)
         except KvcacheError as e:
             self.stats.remote_errors += 1
             try:
@@ -343,7 +349,7 @@ class Commands:
             self.stats.gets_stale += 1
         else:
             entry = self.policy.newest(bc, key, entry)
-            self.policy.fill(bc, key, entry)
+            self.policy.fill(bc, key, entry, answered)
         hit = entry is not None and entry.operation is Operation.PUT
         self.stats.read(bc.name, _read_source(entry, source), hit)
         self._log(t0, bc.name, key, entry.source if entry else source, hit, command)
@@ -373,8 +379,8 @@ class Commands:
                     bc, key = self.policy.resolve(raw)  # raises for an invalid key
                     hit = None if plan else self._cached(bc, key, t0, command)
                     if hit is not None:
-                        if budget is not None:
-                            budget.spend(len(hit.value))  # type: ignore[arg-type]  # a hit has one
+                        if budget is not None and hit.value is not None:
+                            budget.spend(len(hit.value))
                         values[i] = hit.value
                         continue
                     misses.setdefault(bc.name, []).append((i, key))
@@ -476,8 +482,9 @@ class Commands:
             keys = list(dict.fromkeys(k for _, k in wanted))
             self.stats.gets_remote += len(keys)
             source = "remote"
+            answered: dict[str, str] = {}
             try:
-                found = await self.policy.remote_many(bucket, keys, budget)
+                found, answered = await self.policy.remote_many(bucket, keys, budget)
             except ReplyTooLarge:
                 raise
             except KvcacheError as e:
@@ -492,7 +499,7 @@ class Commands:
                 self.stats.gets_stale += len(keys)
             if source != STALE_SOURCE:
                 for key in keys:
-                    self.policy.fill(bc, key, found.get(key))
+                    self.policy.fill(bc, key, found.get(key), answered.get(key, ""))
             for i, key in wanted:
                 entry = found[key] if source == STALE_SOURCE else self.policy.newest(bc, key, found.get(key))
                 self.stats.read(bucket, _read_source(entry, source),
@@ -525,7 +532,7 @@ class Commands:
             return self._one_gated(bc, key, want, t0, command, answer)
         cached = self._cached(bc, key, t0, command)
         if cached is not None:
-            return answer(bc, Found(cached.value, cached.created, cached.expires))  # type: ignore[arg-type]
+            return answer(bc, None if cached.value is None else Found(cached.value, cached.created, cached.expires))
         return self._one_remote(bc, key, t0, command, answer)
 
     def _local_found(self, bc: BucketConfig, key: str, rec: Record | None, t0: int,
@@ -614,9 +621,9 @@ class Commands:
                 return self._local_entry(conn, bc, key, rec, t0)
             return self._gated_entry(conn, bc, key, want, max_stale, t0)
         if consistency == "local":
-            cached = self._cached(bc, key, t0, "KV.GET", max_stale)
-            if cached is not None and (min_rev is None or cached.revision >= min_rev):
-                return _entry_reply(cached, conn.proto)
+            cached = self._cached(bc, key, t0, "KV.GET", max_stale, min_rev)
+            if cached is not None:
+                return resp.null(conn.proto) if cached.value is None else _entry_reply(cached, conn.proto)
         return self._kv_get_remote(conn, bc, key, consistency == "strong", max_stale, min_rev, t0)
 
     async def _gated_entry(self, conn: Session, bc: BucketConfig, key: str, want: int,

@@ -12,17 +12,22 @@ is counted, and when the cache is full a candidate gets in only if it is read mo
 the key it would evict. A scan of a million cold keys counts each once and evicts nothing
 hot; memory stays at the bounds plus the fixed sketch.
 
+A not-found is cached too (`absent`): an 8-byte record holding only the revision it is known
+at (a deletion's marker, or 0 for a key with no message), so a hot missing key costs one
+Direct Get, not one per read. The bucket's feed invalidates it when the key is written, like
+any cached key. Every record starts with its revision (REVISION), absent or not.
+
 This module keeps the store; whether a cached record may answer a read (the bucket's
 invalidation feed fresh within max_stale_ms, the floors) is the read policy's question, and
 removing what the bucket changed is the invalidation feed's job.
 """
 from __future__ import annotations
 
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .record import RECORD
 from .sketch import FrequencySketch
 
 if TYPE_CHECKING:
@@ -30,6 +35,21 @@ if TYPE_CHECKING:
 
 # What a cached key costs beyond its key and record: the LRU entry and LMDB's node header
 ENTRY_OVERHEAD = 64
+# The revision every cached record starts with; alone, it is a cached not-found (`absent`)
+REVISION = struct.Struct("<Q")
+
+
+def absent(revision: int) -> bytes:
+    """The cached record of a not-found known at `revision` (0: no message at all)."""
+    return REVISION.pack(revision)
+
+
+def is_absent(raw: bytes) -> bool:
+    return len(raw) == REVISION.size
+
+
+def revision_of(raw: bytes) -> int:
+    return REVISION.unpack_from(raw)[0]
 
 
 @dataclass
@@ -145,7 +165,7 @@ class NearCache:
         """The stream dropped every message below `first_seq` (its limits, a purge): cached
         records older than that have no message left. How many went."""
         gone = [lk for lk, raw in self.replica.cache_items(self.bucket)
-                if RECORD.unpack_from(raw)[0] < first_seq]
+                if revision_of(raw) < first_seq]
         return self.invalidate(gone) if gone else 0
 
     def clear(self) -> int:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 from .entry import Entry, Operation
 from .errors import CommandError, KvcacheError, ReplyBudget, UpstreamError
 from .keys import KEY_RE
+from .nearcache import absent, is_absent, revision_of
 from .record import LONG_KEY_PREFIX, NEVER, RECORD, Record, decode_record, encode_record, expiry, lmdb_key
 
 if TYPE_CHECKING:
@@ -192,7 +193,8 @@ class ReadPolicy:
         """The near cache's answer (source `cache`) for a key outside the filters, or None
         when it has none it may give: not cached, expired, the bucket's feed not fresh within
         the bound (the replica's own rule), or a newer revision already handed out from NATS
-        (the router's floors). Every ask counts towards the key's admission."""
+        (the router's floors). A cached not-found is an Entry with no value (operation DEL,
+        the revision it is known at). Every ask counts towards the key's admission."""
         feed = self.feeds[bc.name]
         cache = feed.cache
         if cache is None or self.in_filters(bc.name, key):
@@ -204,6 +206,9 @@ class ReadPolicy:
         raw = cache.get(lk)
         if raw is None:
             return None
+        if is_absent(raw):
+            gone = Entry(bc.name, key, None, revision_of(raw), 0, 0, Operation.DEL, "cache")
+            return None if self.router.floors.behind(bc.name, key, gone) else gone
         rec = decode_record(lk, raw)
         due = expiry(rec.created, rec.expires, feed.max_age_ns)
         if due and time.time_ns() >= due:
@@ -215,41 +220,60 @@ class ReadPolicy:
             return None
         return entry
 
-    def fill(self, bc: BucketConfig, key: str, entry: Entry | None) -> None:
+    def fill(self, bc: BucketConfig, key: str, entry: Entry | None, answered: str) -> None:
         """A fallback read answered a key outside the filters: offer the answer to the near
         cache (kvcache.nearcache admits it if the key is hot enough). Only an answer of the
-        bucket's own stream (its replicas or leader; a mirror may lag without bound), only
-        while the feed vouches for the bucket and saw no newer change on the way
-        (Feed.fill_ok), and never over a newer cached revision; a deletion, or an answer that
-        may not go in, drops what is cached."""
+        bucket's own stream (its replicas or leader, `answered` by the main connection's peer;
+        a mirror may lag without bound), only while the feed vouches for the bucket and saw
+        no newer change on the way (Feed.fill_ok: for a not-found, which has no revision of
+        its own, no change at all), and never over a newer cached revision. A not-found
+        goes in as `absent` where nothing is cached; one that contradicts a cached value
+        (a lagging responder, or a removal no message told of) drops it instead, and so
+        does an answer that may not go in."""
         feed = self.feeds[bc.name]
         cache = feed.cache
         if cache is None or self.in_filters(bc.name, key):
             return
         lk = lmdb_key(key)
-        ok = (entry is not None and entry.value is not None and entry.operation is Operation.PUT
-              and entry.source in (f"main.{bc.name}", "leader") and feed.fill_ok(lk, entry.revision))
+        found = entry is not None and entry.value is not None and entry.operation is Operation.PUT
+        # a value names its source; a not-found (or a deletion's marker) is the responder's
+        own = (entry.source in (f"main.{bc.name}", "leader") if found and entry is not None
+               else answered == f"main.{bc.name}")
+        revision = entry.revision if entry is not None else 0
+        ok = own and feed.fill_ok(lk, revision)
         current = self.replica.cache_get(bc.name, lk) if lk in cache.lru else None
-        if not ok:
-            if current is not None and (entry is None or RECORD.unpack_from(current)[0] < entry.revision):
+        if not found:
+            if current is not None:
+                if revision_of(current) >= revision and (entry is not None or is_absent(current)):
+                    return  # what is cached is as new or newer (absent too)
                 cache.invalidate([lk])
+                if entry is None:  # beside a cached value: a lagging responder, or a removal
+                    return         # no message told of: keep neither
+            if ok:
+                cache.offer(lk, absent(revision))
             return
         assert entry is not None and entry.value is not None
-        if current is not None and RECORD.unpack_from(current)[0] >= entry.revision:
+        if not ok:
+            if current is not None and revision_of(current) < revision:
+                cache.invalidate([lk])
+            return
+        if current is not None and revision_of(current) >= revision:
             return  # what is cached is as new or newer: a lagging responder's answer
         ttl = -1 if entry.expires == NEVER else (entry.expires - entry.created if entry.expires else 0)
         cache.offer(lk, encode_record(key.encode(), lk, entry.value, entry.revision, entry.created, ttl))
 
     # ------------------------------------------------------------------ answers from NATS
 
-    async def remote(self, bc: BucketConfig, key: str, strong: bool = False) -> Entry | None:
-        """The router's answer (peers by latency, or the leader when `strong`)."""
-        return await self.router.get(bc.name, key, strong=strong)
+    async def remote(self, bc: BucketConfig, key: str, strong: bool = False) -> tuple[Entry | None, str]:
+        """The router's answer (peers by latency, or the leader when `strong`), and who gave
+        it (Router.get_from: what `fill` needs)."""
+        return await self.router.get_from(bc.name, key, strong=strong)
 
-    async def remote_many(self, bucket: str, keys: list[str],
-                          budget: ReplyBudget | None = None) -> dict[str, Entry | None]:
-        """One batched read of many keys of a bucket (multi_last), within `budget`."""
-        return await self.router.get_many(bucket, keys, budget)
+    async def remote_many(self, bucket: str, keys: list[str], budget: ReplyBudget | None = None
+                          ) -> tuple[dict[str, Entry | None], dict[str, str]]:
+        """One batched read of many keys of a bucket (multi_last), within `budget`, and who
+        answered each key."""
+        return await self.router.get_many_from(bucket, keys, budget)
 
     def newest(self, bc: BucketConfig, key: str, remote: Entry | None) -> Entry | None:
         """The answer to hand out for a key read from NATS. Higher revision wins. A remote

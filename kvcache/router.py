@@ -172,20 +172,34 @@ class Router:
     # ------------------------------------------------------------------ reads
 
     async def get(self, bucket: str, key: str, strong: bool = False) -> Entry | None:
+        return (await self.get_from(bucket, key, strong))[0]
+
+    async def get_from(self, bucket: str, key: str, strong: bool = False) -> tuple[Entry | None, str]:
+        """`get`, and who answered: the label of the peer whose answer it is, or "" when the
+        first answer was behind and others were asked (_catch_up). A not-found names no
+        source of its own; the near cache keeps one only from the bucket's own stream."""
         ps = self._bucket_peers(bucket, strong)
         self._schedule_probes(ps, key)
         e, by = await self._route(ps, lambda p: p.get(key, self.timeout, leader=strong), hedge=True)
+        answered = by.label
         if not strong and self.floors.behind(bucket, key, e):
             e = (await self._catch_up(bucket, [key], by, ps))[key]
+            answered = ""
         self.floors.saw(bucket, key, e)
-        return e
+        return e, answered
 
     async def get_many(self, bucket: str, keys: list[str],
                        budget: ReplyBudget | None = None) -> dict[str, Entry | None]:
+        return (await self.get_many_from(bucket, keys, budget))[0]
+
+    async def get_many_from(self, bucket: str, keys: list[str], budget: ReplyBudget | None = None
+                            ) -> tuple[dict[str, Entry | None], dict[str, str]]:
         """MGET misses: one peer answers them all (one snapshot); errors fail over. The keys
-        the peer answers older than a revision already read are read again (see _catch_up)."""
+        the peer answers older than a revision already read are read again (see _catch_up).
+        With who answered each key, as `get_from` says it."""
         ps = self._bucket_peers(bucket, False)
         got, by = await self._route(ps, lambda p: p.get_many(keys, self.timeout, budget=budget), hedge=False)
+        answered = dict.fromkeys(got, by.label)
         behind: list[str] = []
         for key, e in got.items():
             if self.floors.behind(bucket, key, e):
@@ -195,8 +209,9 @@ class Router:
         if behind:
             for key, e in (await self._catch_up(bucket, behind, by, ps)).items():
                 got[key] = e
+                answered[key] = ""
                 self.floors.saw(bucket, key, e)
-        return got
+        return got, answered
 
     async def _catch_up(self, bucket: str, keys: list[str], stale: Peer,
                         peers: list[Peer]) -> dict[str, Entry | None]:

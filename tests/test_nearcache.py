@@ -1,5 +1,6 @@
 """The near cache's store (kvcache/nearcache.py) and its frequency sketch (kvcache/sketch.py)
-on a real LMDB replica: bounds, frequency admission, scan resistance, invalidation, a restart.
+on a real LMDB replica: bounds, frequency admission, scan resistance, invalidation, a restart,
+cached not-founds.
 The coherence feed and the read paths that use the store are tested with real servers."""
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import tracemalloc
 
 import pytest
 
-from kvcache.nearcache import ENTRY_OVERHEAD, NearCache
+from kvcache.nearcache import ENTRY_OVERHEAD, NearCache, absent, is_absent, revision_of
 from kvcache.record import encode_record, lkey_of
 from kvcache.replica import Replica
 from kvcache.sketch import MAX_COUNT, FrequencySketch
@@ -125,3 +126,20 @@ def test_plain_lru_admits_everything(replica):
     for i in range(20):
         read(c, b"cold.%d" % i)
     assert not any(k.startswith(b"hot.") for k in c.lru) and c.stats.rejections == 0
+
+
+def test_a_cached_not_found_is_a_revision_alone(replica):
+    """A cached not-found is its revision alone (a deletion's marker, or 0: no message): it
+    costs its key and 8 bytes, a restart finds it, and a stream that dropped every message
+    below a sequence drops it with the records below (its revision says nothing newer)."""
+    cache = NearCache(replica, "b", max_keys=10)
+    assert cache.offer(b"gone", absent(7)) and cache.offer(b"never", absent(0))
+    assert cache.offer(b"kept", rec(b"kept", revision=9))
+    assert is_absent(cache.get(b"gone")) and revision_of(cache.get(b"gone")) == 7
+    assert not is_absent(cache.get(b"kept")) and revision_of(cache.get(b"kept")) == 9
+    assert cache.bytes == 2 * ENTRY_OVERHEAD + len(b"gone") + len(b"never") + 16 + \
+        ENTRY_OVERHEAD + len(b"kept") + len(rec(b"kept"))
+    again = NearCache(replica, "b", max_keys=10)
+    assert again.bytes == cache.bytes and revision_of(again.get(b"gone")) == 7
+    assert again.drop_below(8) == 2  # gone (7) and never (0); kept (9) stays
+    assert again.get(b"gone") is None and again.get(b"never") is None and again.get(b"kept") is not None

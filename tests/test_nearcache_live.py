@@ -242,3 +242,99 @@ def test_consumer_loss_and_recovery(nats_server, tmp_path):
     finally:
         sc.kill()
         proxy.stop()
+
+
+def test_a_missing_key_is_cached_until_it_is_written(env):
+    """A not-found from the bucket's own stream is cached like a value, so a hot missing key
+    costs one Direct Get, not one per read: GET, EXISTS, TTL, MGET and KV.GET answer it from
+    the cache. The write that creates the key reaches the cache through the feed; a deletion's
+    not-found is cached again and the next write reaches that too. Once the written value was
+    read, no read goes back to the not-found."""
+    url = env["url"]
+    r = redis.Redis(unix_socket_path=env["sock"])
+    try:
+        def cached_not_found() -> bool:
+            before = stats(env)
+            assert r.get("big:miss.1") is None
+            after = stats(env)
+            return (after["gets_cached"] - before["gets_cached"],
+                    after["gets_remote"] - before["gets_remote"]) == (1, 0)
+        wait_until(cached_not_found, 10, "the not-found answered by the near cache")
+        before = stats(env)
+        assert r.exists("big:miss.1") == 0
+        assert r.ttl("big:miss.1") == -2
+        assert r.mget(["big:miss.1", "big:miss.1"]) == [None, None]
+        with Client(env["sock"]) as c:
+            assert c.entry("big:miss.1") is None
+        after = stats(env)
+        assert after["gets_remote"] == before["gets_remote"]
+        assert after["gets_cached"] - before["gets_cached"] == 5
+        assert after["gets_notfound"] - before["gets_notfound"] == 5
+
+        def written(value: bytes) -> None:
+            seen = False
+            def reads() -> bool:
+                nonlocal seen
+                got = r.get("big:miss.1")
+                assert not (seen and got != value), f"back to {got!r} after {value!r} was read"
+                seen = seen or got == value
+                return seen
+            wait_until(reads, 10, f"the write of {value!r}")
+            for _ in range(20):
+                assert r.get("big:miss.1") == value
+
+        kv_put(url, "big", "miss.1", b"here")
+        written(b"here")
+        kv_delete(url, "big", "miss.1")
+        wait_until(lambda: r.get("big:miss.1") is None, 10, "the delete")
+        wait_until(cached_not_found, 10, "the deletion's not-found cached")
+        kv_put(url, "big", "miss.1", b"back")
+        written(b"back")
+    finally:
+        r.close()
+
+
+def test_not_founds_from_a_mirror_are_not_cached(nats_server, tmp_path):
+    """Only answers of the bucket's own stream go into the near cache: a mirror (a [[peer]])
+    may lag without bound, and neither its values nor its not-founds are kept. The main
+    connection goes through a proxy 0.3 s each way, so once both are measured the router
+    sends every read to the mirror."""
+    from nats.js.api import StreamConfig, StreamSource
+    from support.topology import DelayProxy
+
+    async def setup(js):
+        kv = await js.create_key_value(bucket="pn", direct=True)
+        await _put_all(kv, {f"w.{i}": b"w%d" % i for i in range(20)})
+        await js.add_stream(StreamConfig(name="KV_pn_m", mirror=StreamSource(name="KV_pn"),
+                                         allow_direct=True))
+    nats_run(nats_server.url, setup)
+    main = DelayProxy(nats_server.port, delay=0.3).start()
+    conf = tmp_path / "kvcache.toml"
+    conf.write_text(f'cache_max_keys = 100\n[nats]\nservers = ["{main.url}"]\n'
+                    '[[bucket]]\nname = "pn"\nkeys = []\n'
+                    f'[[peer]]\nname = "copy"\nservers = ["{nats_server.url}"]\nstream = "KV_pn_m"\n')
+    sc = SidecarProcess(tmp_path / "sc", None, extra=["--config", str(conf)])
+    try:
+        sc.start()
+        r = redis.Redis(unix_socket_path=sc.socket)
+        try:
+            # every peer measured (the first reads go to the unmeasured ones; what the main
+            # connection answered may be cached): then the mirror is cheaper by 0.6 s
+            wait_until(lambda: all(r.get(f"pn:w.{i}") == b"w%d" % i for i in range(10)), 30, "reads")
+
+            def requests() -> dict[str, int]:
+                with sc.client() as c:
+                    return {name: row["requests"] for name, row in c.info("peers")["peers"].items()}
+            before, sent = stats({"sock": sc.socket}), requests()
+            for _ in range(10):
+                assert r.get("pn:nothing") is None
+                assert r.get("pn:w.15") == b"w15"
+            after, now = stats({"sock": sc.socket}), requests()
+            assert now["copy"] - sent["copy"] >= 20  # (a hedge may have gone to main too)
+            assert after["gets_remote"] - before["gets_remote"] == 20
+            assert after["gets_cached"] == before["gets_cached"]
+        finally:
+            r.close()
+    finally:
+        sc.kill()
+        main.stop()
