@@ -20,6 +20,10 @@ sidecar's RSS and replica file size at the end; then for the near cache, the sam
 scan of --scan distinct cold keys (the bucket's tail, read once each, then keys it does not
 hold), for the plain LRU and the near cache.
 
+`--absent N` leaves every Nth key by rank unwritten (ranks N-1, 2N-1, ...), hot ones included:
+a workload where a share of reads, some of them hot, ask for keys the bucket does not hold
+(the near cache keeps not-founds too).
+
 Starts its own nats-server and sidecars (Unix socket); every loop bounded by count and time.
 """
 from __future__ import annotations
@@ -197,14 +201,19 @@ def hotkeys_filters(log_dir: Path, out_dir: Path) -> list[str]:
     raise SystemExit("hotkeys proposed no filter")
 
 
-async def fill(url: str, keys: int) -> None:
+def written(rank: int, absent: int) -> bool:
+    """Is this rank's key in the bucket (--absent leaves every Nth out)?"""
+    return not absent or rank % absent != absent - 1
+
+
+async def fill(url: str, keys: int, absent: int = 0) -> None:
     nc = await nats.connect(url)
     js = nc.jetstream()
     await js.create_key_value(bucket=BUCKET, direct=True)
     value = b"v" * 100
     for i in range(0, keys, 2000):
         await asyncio.gather(*(js.publish(f"$KV.{BUCKET}.{key_of(r)}", value)
-                               for r in range(i, min(keys, i + 2000))))
+                               for r in range(i, min(keys, i + 2000)) if written(r, absent)))
     await nc.close()
 
 
@@ -216,6 +225,7 @@ def main() -> None:
     p.add_argument("--zipf", type=float, default=1.1)
     p.add_argument("--scan", type=int, default=1_000_000)
     p.add_argument("--only", default="none,lru,near,filter")
+    p.add_argument("--absent", type=int, default=0, metavar="N", help="leave every Nth key unwritten")
     args = p.parse_args()
     print(f"native: {native.report()}")
     with tempfile.TemporaryDirectory(prefix="kvnc-") as d:
@@ -223,11 +233,15 @@ def main() -> None:
         server = NatsServer(tmp / "nats").start()
         try:
             t0 = time.monotonic()
-            asyncio.run(fill(server.url, args.keys))
+            asyncio.run(fill(server.url, args.keys, args.absent))
             print(f"bucket {BUCKET}: {args.keys} keys of 100 bytes in {time.monotonic() - t0:.0f} s; "
-                  f"Zipf({args.zipf}) over them, {args.reads} reads; near caches of {args.cache} keys")
+                  f"Zipf({args.zipf}) over them, {args.reads} reads; near caches of {args.cache} keys"
+                  + (f"; every {args.absent}th key absent" if args.absent else ""))
             ranks = zipf_sample(args.keys, args.zipf, args.reads, seed=5)
-            hot = [key_of(r) for r in range(args.cache)]
+            if args.absent:
+                missing = sum(not written(r, args.absent) for r in ranks)
+                print(f"reads of absent keys: {missing} ({missing / len(ranks):.1%})")
+            hot = [key_of(r) for r in range(args.cache) if written(r, args.absent)]
             writer = Writer(server.url, hot, max(1, args.cache // 100))
             writer.start()
             results = []
