@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CommandError, ConfigError
-from .keys import subject_match, valid_filter
+from .keys import FilterSet, valid_filter
 from .keyspace_events import parse_flags
 
 BUCKET_NAME = re.compile(r"^[a-zA-Z0-9_-]+$")
@@ -56,11 +56,17 @@ class BucketConfig:
     # no bound of that kind, both 0 for no cache. None: the top-level setting (Config.cache_bounds).
     cache_max_keys: int | None = None
     cache_max_bytes: int | None = None
+    # (the `keys` list compiled, its FilterSet): replicates() builds it on first use
+    _compiled: tuple[list[str], FilterSet] | None = field(default=None, init=False, repr=False, compare=False)
 
     def replicates(self, key: str) -> bool:
         """Is the key inside the bucket's filters (kept in the replica, not read from NATS
-        or the near cache)? The one rule the feed and the read policy both apply."""
-        return any(subject_match(f, key) for f in self.keys)
+        or the near cache)? The one rule the feed and the read policy both apply. The filters
+        are compiled once (kvcache.keys.FilterSet), again only if `keys` is replaced."""
+        compiled = self._compiled
+        if compiled is None or compiled[0] is not self.keys or len(compiled[1].filters) != len(self.keys):
+            compiled = self._compiled = (self.keys, FilterSet(self.keys))
+        return compiled[1].match(key)
 
 
 @dataclass

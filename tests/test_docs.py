@@ -22,8 +22,9 @@ def _config_keys() -> set[str]:
     keys = set()
     for cls in (config.Config, config.NatsConfig, config.BucketConfig, config.PeerConfig):
         # requirepass: the password itself, from requirepass_file or KVCACHE_REQUIREPASS only
+        # and a field of its own state (`_`: BucketConfig's compiled filters) is no key
         keys |= {f.name for f in dataclasses.fields(cls)
-                 if f.name not in ("nats", "buckets", "peers", "requirepass")}
+                 if f.name not in ("nats", "buckets", "peers", "requirepass") and not f.name.startswith("_")}
     return keys
 
 

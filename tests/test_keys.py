@@ -115,3 +115,27 @@ def test_filters_and_glob():
     assert keys.subject_match("a.*", "a.b") and not keys.subject_match("a.*", "a.b.c")
     assert keys.subject_match("a.>", "a.b.c") and not keys.subject_match("a.>", "a")
     assert keys.glob_matcher("in.k[0-2]")("in.k1") and not keys.glob_matcher("in.k[0-2]")("in.k3")
+
+
+_tokens = st.sampled_from(["a", "b", "c", "ab", "a-b"])
+_keys = st.lists(_tokens, min_size=1, max_size=5).map(".".join)
+_filters = st.lists(st.one_of(_tokens, st.just("*")), min_size=1, max_size=4).flatmap(
+    lambda ts: st.sampled_from([".".join(ts), ".".join([*ts, ">"])])) | st.just(">")
+
+
+@settings(max_examples=2000, deadline=None)
+@given(filters=st.lists(_filters, max_size=8), probes=st.lists(_keys, min_size=1, max_size=8))
+def test_a_filter_set_matches_as_its_filters_one_by_one(filters, probes):
+    """FilterSet (literals a set, `prefix.>` a lookup per token prefix) against subject_match
+    over every filter, on generated filters and keys over a small alphabet (so they meet)."""
+    compiled = keys.FilterSet(filters)
+    for key in probes:
+        assert compiled.match(key) == any(keys.subject_match(f, key) for f in filters), (filters, key)
+
+
+def test_a_filter_set_of_hundreds_of_prefixes():
+    compiled = keys.FilterSet([f"g{i}.>" for i in range(569)] + ["x.y", "m.*.n"])
+    assert compiled.match("g568.1") and compiled.match("g0.a.b") and not compiled.match("g569.1")
+    assert not compiled.match("g5") and compiled.match("x.y") and not compiled.match("x.y.z")
+    assert compiled.match("m.q.n") and not compiled.match("m.q")
+    assert not keys.FilterSet([]).match("a") and keys.FilterSet([">"]).match("a")
