@@ -50,6 +50,9 @@ META_TOUCH_INTERVAL_NS = 1_000_000_000
 # this long beyond the request timeout, at most this many (past it, no fill for that long).
 RECENT_MARGIN_S = 1.0
 RECENT_MAX = 100_000
+# Heartbeats a caught-up feed may miss before its replica counts as behind since the last
+# word heard (Feed.lag_ms); the sidecar warns at start of a max_stale_ms under this many.
+SILENT_HEARTBEATS = 2
 
 
 class Feed(Maintenance):
@@ -75,9 +78,9 @@ class Feed(Maintenance):
         self.replica = replica
         self.heartbeat_s = heartbeat_s
         # A caught-up feed hears from the server at least once a heartbeat (an idle heartbeat
-        # when nothing changes). Silence past twice that is a link that may have stalled
-        # unnoticed: the replica is then only known current as of the last word heard (lag_ms).
-        self._silence_ns = int(2 * heartbeat_s * 1e9)
+        # when nothing changes). Silence past SILENT_HEARTBEATS of them is a link that may have
+        # stalled unnoticed: the replica is then only known current as of the last word heard.
+        self._silence_ns = int(SILENT_HEARTBEATS * heartbeat_s * 1e9)
         self.timeout = timeout
         self.meta = replica.meta(self.bucket)
         self.stream_config: dict = {}

@@ -25,7 +25,7 @@ from .accesslog import AccessLog
 from .commands import Commands
 from .config import BucketConfig, Config, ensure_dirs, strip_url_auth, tls_context, url_auth
 from .errors import BucketNotFound, ConfigError, KvcacheError, UpstreamError
-from .feed import Feed
+from .feed import SILENT_HEARTBEATS, Feed
 from .health import BucketState, readiness
 from .metrics import SidecarCollector, exposition
 from .metrics_http import MetricsServer
@@ -213,12 +213,13 @@ class Sidecar:
         closing. Not an error (the bound still holds on every link that closes or errs), one
         line naming what to change."""
         hb = self.cfg.heartbeat_ms
-        for bound in sorted({b.max_stale_ms for b in self.cfg.buckets if b.max_stale_ms < 2 * hb}):
+        silence = SILENT_HEARTBEATS * hb
+        for bound in sorted({b.max_stale_ms for b in self.cfg.buckets if b.max_stale_ms < silence}):
             names = ", ".join(b.name for b in self.cfg.buckets if b.max_stale_ms == bound)
             log.warning("max_stale_ms %d (%s) is under two heartbeats (heartbeat_ms %d): a NATS link "
                         "that stalls without closing is noticed %d ms after its last word, not %d; "
-                        "heartbeat_ms %d or less keeps the bound", bound, names, hb, 2 * hb, bound,
-                        bound // 2)
+                        "heartbeat_ms %d or less keeps the bound", bound, names, hb, silence, bound,
+                        bound // SILENT_HEARTBEATS)
 
     def _on_signal(self, sig: int) -> None:
         if self._stopping.is_set():
