@@ -52,6 +52,11 @@ native-deps:
 	    && command -v apt-get >/dev/null; then \
 	  $(call APT,gcc python3-dev) || echo "warning: no C compiler or Python headers; the native paths run in Python"; \
 	fi
+	@# NetfilterQueue (the test extra: tests/test_partition.py's packet shaper) builds against it
+	@if [ "$$(uname -s)" = Linux ] && [ ! -f /usr/include/libnetfilter_queue/libnetfilter_queue.h ] \
+	    && command -v apt-get >/dev/null; then \
+	  $(call APT,libnetfilter-queue-dev) || echo "warning: no libnetfilter-queue-dev; pip cannot build NetfilterQueue"; \
+	fi
 
 # redis-server/redis-cli/redis-benchmark are third-party peers in the tests (Debian packages).
 # Java 17 for the Spark jobs' tests (kvcache load / hotkeys), when there is no java at all.
@@ -70,6 +75,13 @@ system-deps:
 	fi
 	@if ! command -v java >/dev/null; then \
 	  $(call APT,openjdk-17-jre-headless); \
+	fi
+	@# ip (iproute2) and iptables: tests/test_partition.py and bench/partition_bench.py put servers
+	@# and the sidecar in network namespaces and cut links between them; libnetfilter-queue-dev:
+	@# their packet shaper (NetfilterQueue, in the test extra)
+	@if ! command -v ip >/dev/null || ! command -v iptables >/dev/null \
+	    || [ ! -f /usr/include/libnetfilter_queue/libnetfilter_queue.h ]; then \
+	  $(call APT,iproute2 iptables libnetfilter-queue-dev); \
 	fi
 	@# Node and npm for the node-redis / ioredis tests
 	@if ! command -v node >/dev/null || ! command -v npm >/dev/null; then \
