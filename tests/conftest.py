@@ -133,7 +133,12 @@ def leaf_servers(tmp_path_factory, nats_cluster: Cluster) -> Iterator[dict[str, 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     """The fault tests' results (test_faults.FAULT_ROWS) as a markdown table; also written
-    to $KVCACHE_FAULT_TABLE when set."""
+    to $KVCACHE_FAULT_TABLE when set. Then the partition tests' (test_partition.PARTITION_ROWS)."""
+    partition = getattr(sys.modules.get("test_partition"), "PARTITION_ROWS", None)
+    if partition:
+        from support.staleness_check import table as partition_table
+        terminalreporter.section("network partitions")
+        terminalreporter.write(partition_table(partition) + "\n")
     rows = getattr(sys.modules.get("test_faults"), "FAULT_ROWS", None)
     if not rows:
         return
