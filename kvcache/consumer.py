@@ -104,6 +104,7 @@ class PullConsumer:
         self._next_cseq = 1
         self._last_activity = time.monotonic()
         self._caught_up = False
+        self.host = ""  # the server the consumer was placed on ('' outside a cluster)
 
     async def run(self) -> None:
         if not isinstance(self.nc, NatsConnection):
@@ -183,6 +184,7 @@ class PullConsumer:
                 _in_background(self._delete_quietly())
                 raise
             if why is None:
+                self.host = jsapi.stream_leader(info)
                 if attempt:
                     log.info("%s: consumer on the stream leader after %d misplaced ones", self.stream, attempt)
                 return info, stream_info

@@ -36,6 +36,7 @@ from .consumer import ConsumerLost, PullConsumer, Run
 from .errors import BucketNotFound, ReplicaError, UpstreamError
 from .natsconn import NatsConnection
 from .nearcache import NearCache
+from .quorum import NO_FENCE, Evidence, Fence, Proofs, evidence, needs_quorum
 from .record import LONG_KEY_PREFIX, RECORD, Item, decode_key
 from .replica import Replica
 from .sweeps import Maintenance
@@ -53,6 +54,10 @@ RECENT_MAX = 100_000
 # Heartbeats a caught-up feed may miss before its replica counts as behind since the last
 # word heard (Feed.lag_ms); the sidecar warns at start of a max_stale_ms under this many.
 SILENT_HEARTBEATS = 2
+# The least max_stale_ms a replicated stream's replica can keep on an idle stream: quorum
+# evidence is up to a raft heartbeat (kvcache.quorum.RAFT_HEARTBEAT_S) plus a state poll
+# (max_stale_ms / 4) old when it arrives; a start warning names buckets below it.
+QUORUM_MIN_STALE_MS = 1500
 
 
 class Feed(Maintenance):
@@ -84,6 +89,19 @@ class Feed(Maintenance):
         self.timeout = timeout
         self.meta = replica.meta(self.bucket)
         self.stream_config: dict = {}
+        # Quorum evidence (kvcache.quorum): a replicated stream's state counts as current only
+        # as of what its leader, heard by a quorum of its group, has shown; heartbeats from the
+        # server hosting the consumer prove nothing (a leader cut off from its peers keeps
+        # sending them). `quorum`: the stream needs such evidence (replicated in a cluster).
+        self.quorum = False
+        self.proofs = Proofs()
+        self._born_ns = time.time_ns()
+        # The last time the consumer said the replica was caught up (the meta's fresh_at_ns is
+        # that moment bounded by the quorum evidence: what LocalReader goes by).
+        self._heard_ns = self.meta.fresh_at_ns
+        self._info_sent_ns = 0  # when the last STREAM.INFO that answered was asked
+        self.anchor = ""  # a key with a message in the stream (the last applied): see Fence
+        self._anchor_task: asyncio.Task | None = None
         self.upstream_seq = 0
         self.caught_up = False
         self.last_msg_ns = 0
@@ -228,8 +246,12 @@ class Feed(Maintenance):
         (a member answering meanwhile may be far behind: a lag would look like a purge)."""
         deadline = time.monotonic() + self.timeout
         while True:
+            sent = time.time_ns()
             try:
-                return await jsapi.stream_info(self.nc, self.stream, self.timeout, need_leader=True)
+                info = await jsapi.stream_info(self.nc, self.stream, self.timeout, need_leader=True)
+                self._info_sent_ns = sent
+                self.note_evidence(info, sent)
+                return info
             except jsapi.NoLeader:
                 if time.monotonic() >= deadline:
                     raise
@@ -269,6 +291,9 @@ class Feed(Maintenance):
         if reason is not None and self.on_renumbered is not None and (
                 reason == "stream was recreated" or reason.startswith("stream sequence went backwards")):
             self.on_renumbered()
+        if reason == "stream was recreated" or (reason or "").startswith("stream sequence went backwards"):
+            self.proofs.clear()  # the old numbering proves nothing; this info's own evidence stays
+            self.note_evidence(info, self._info_sent_ns)
         if self._full:
             if count_it and reason != "first sync":
                 m.resyncs += 1
@@ -339,7 +364,7 @@ class Feed(Maintenance):
             except Exception:  # the connection may be gone already
                 pass
         for task in (self._task, self._reconcile_task, self._sweep_task, self._watch_task,
-                     *self._hint_tasks):
+                     self._anchor_task, *self._hint_tasks):
             if task and not task.done():
                 task.cancel()
                 try:
@@ -389,7 +414,17 @@ class Feed(Maintenance):
         return self.meta.synced
 
     def lag_ms(self) -> int:
-        """0 while caught up and heard from; else the age of the newest state we are sure to hold.
+        """What INFO, readiness and the lag metric show: 0 while caught up, heard from, and
+        (a replicated stream) vouched for by a quorum within max_stale_ms; else the age of the
+        newest state we are sure to hold (`_age_ms`). Decisions use `_age_ms` itself against
+        their own bound (fresh_within): a quorum's evidence is always some hundreds of ms old
+        (polled every max_stale_ms / 4), which is no lag to show while it is within bound."""
+        consumer, evidence = self._ages_ms()
+        return consumer if evidence <= self.cfg.max_stale_ms else max(consumer, evidence)
+
+    def _ages_ms(self) -> tuple[int, int]:
+        """The replica's age by the consumer's word, and by the quorum evidence it reached
+        (0 for a stream with one copy, where the consumer's word is enough).
 
         Caught up counts only while the server keeps saying so: past two heartbeats of silence
         the age runs from the last time it did, so a link that stalls without closing (no
@@ -401,13 +436,92 @@ class Feed(Maintenance):
         stream's past states, and reads that went to the peers during the outage may already
         have served newer revisions; serving an intermediate state locally would take those
         keys back in time (seen in tests/test_faults.py with a stream leader killed during
-        writes: revision 806 read from a peer, then 406 from the catching-up replica)."""
+        writes: revision 806 read from a peer, then 406 from the catching-up replica).
+
+        A replicated stream's consumer may be caught up with a store a partition left behind,
+        its server heartbeating all the while: its age is also that of the newest quorum
+        evidence whose sequence the replica holds (kvcache.quorum)."""
         now = time.time_ns()
+        heard = self._heard_ns
         if self.caught_up:
-            fresh = self.meta.fresh_at_ns
-            return (now - fresh) // 1_000_000 if fresh and now - fresh > self._silence_ns else 0
-        fresh = self.meta.fresh_at_ns if self._interrupted else max(self.meta.fresh_at_ns, self.last_msg_ns)
-        return max(0, (now - fresh) // 1_000_000) if fresh else 0
+            lag = (now - heard) // 1_000_000 if heard and now - heard > self._silence_ns else 0
+        else:
+            fresh = heard if self._interrupted else max(heard, self.last_msg_ns)
+            lag = max(0, (now - fresh) // 1_000_000) if fresh else 0
+        if not self.quorum:
+            return lag, 0
+        best = self.proofs.reached(self.meta.applied_seq)
+        return lag, max(0, (now - (best.as_of_ns if best is not None else self._born_ns)) // 1_000_000)
+
+    def proven_at(self, now: int) -> int:
+        """The moment the replica is known to hold every acknowledged write as of, now that
+        it is caught up at `now`: `now` itself for a stream with one copy, else the newest quorum
+        evidence it has reached (0: none yet)."""
+        return self._proven_with(self.meta.applied_seq, now)
+
+    def proven_within(self, ms: int) -> bool:
+        """Has a quorum shown this stream's state within `ms` (any evidence, reached or not)?
+        Always for a stream with one copy."""
+        return not self.quorum or self.proofs.required(time.time_ns() - ms * 1_000_000) is not None
+
+    def fence(self) -> Fence | None:
+        """What a fallback answer for this bucket must show (Router.fence): a server holding a
+        sequence that a quorum had within max_stale_ms. None when no such evidence exists
+        (every answer would be unproven); NO_FENCE for a stream with one copy."""
+        if not self.quorum:
+            return NO_FENCE
+        ev = self.proofs.required(time.time_ns() - self.cfg.max_stale_ms * 1_000_000)
+        if not self.anchor and not self._anchor_task:
+            self._anchor_task = asyncio.get_running_loop().create_task(self._find_anchor())
+        return None if ev is None else Fence(ev.seq, self.anchor)
+
+    async def _find_anchor(self) -> None:
+        """A key with a message, for Fence.anchor, before the feed applied any: the stream's
+        last message (one leader API request, once)."""
+        try:
+            doc = await jsapi.api_request(self.nc, f"$JS.API.STREAM.MSG.GET.{self.stream}",
+                                          {"last_by_subj": self.prefix + ">"}, self.timeout)
+            subject = (doc.get("message") or {}).get("subject", "")
+            if subject.startswith(self.prefix) and not self.anchor:
+                self.anchor = subject[len(self.prefix):]
+        except Exception as e:  # an empty bucket, or NATS away: asked again on a later read
+            log.debug("bucket %s: no anchor key: %s", self.bucket, e)
+            self._anchor_task = None
+            return
+
+    def _proven_with(self, applied: int, now: int) -> int:
+        """proven_at for a replica at `applied` (a batch not yet made the meta's)."""
+        if not self.quorum:
+            return now
+        best = self.proofs.at(applied)
+        return min(now, best.as_of_ns) if best is not None else 0
+
+    def note_evidence(self, info: dict, sent_ns: int) -> Evidence | None:
+        """A STREAM.INFO (or STREAM.LIST entry) asked at `sent_ns`: keep what it proves. A
+        consumer not on the leader it names reads a store that may have been cut off from the
+        writes the majority acknowledges since (it would report nothing pending and keep
+        heartbeating): it is made again, where the leader is."""
+        quorum = needs_quorum(info)
+        if quorum and not self.quorum and self.cfg.max_stale_ms < QUORUM_MIN_STALE_MS:
+            log.warning("bucket %s: max_stale_ms %d is below %d ms: its stream is replicated, and a "
+                        "quorum's word about it is up to a raft heartbeat (1 s) plus a state poll "
+                        "(max_stale_ms / 4) old, so the replica will often count as stale",
+                        self.bucket, self.cfg.max_stale_ms, QUORUM_MIN_STALE_MS)
+        self.quorum = quorum
+        ev = evidence(info, sent_ns)
+        if ev is None:
+            return None
+        self.proofs.add(ev, self.meta.applied_seq)
+        consumer = self._consumer
+        if (self.quorum and consumer is not None and consumer.host and ev.leader
+                and ev.leader != consumer.host and self.caught_up):
+            consumer.fail(f"the stream leader is now {ev.leader}, the consumer is on {consumer.host}",
+                          "placement")
+        if self.caught_up and self.quorum:
+            fresh = self.proven_at(time.time_ns())
+            if fresh > self.meta.fresh_at_ns:
+                self.meta.fresh_at_ns = fresh
+        return ev
 
     def fresh_enough(self, max_stale_ms: int) -> bool:
         """May reads be answered locally without looking at each key? Fresh within the bound
@@ -418,7 +532,10 @@ class Feed(Maintenance):
     def fresh_within(self, max_stale_ms: int) -> bool:
         """Is the replica fresh enough to answer: synced, and not staler than the bound?
         Whether a given key may then be answered locally is `behind`'s question."""
-        return self.meta.synced and self.lag_ms() <= max_stale_ms
+        if not self.meta.synced:
+            return False
+        consumer, evidence = self._ages_ms()
+        return consumer <= max_stale_ms and evidence <= max_stale_ms
 
     # -------------------------------------------------------------- revisions handed out
 
@@ -551,7 +668,8 @@ class Feed(Maintenance):
         # the feed where it was, so that the next consumer starts at this batch again.
         m = dataclasses.replace(self.meta, applied_seq=top, last_update_ns=now)
         if caught_up:
-            m.fresh_at_ns = now
+            self._heard_ns = now
+            m.fresh_at_ns = max(m.fresh_at_ns, self._proven_with(top, now))
             if self._full and self._seen is None:
                 m.synced = True  # nothing to sweep: the last batch of the sync says so itself
         items = last.items if len(runs) == 1 else [it for r in runs for it in r.items]
@@ -571,6 +689,10 @@ class Feed(Maintenance):
             hub.changed(self.bucket, changes)  # type: ignore[union-attr]  # set with changes
         if self._seen is not None:
             self._seen.update(lk for lk, _ in items)
+        for lk, rec in reversed(last.items):
+            if rec is not None:
+                self.anchor = decode_key(lk, rec)
+                break
         self._last_meta_write = now
         self.last_msg_ns = last.last_ts
         self.upstream_seq = max(self.upstream_seq, top)
@@ -590,10 +712,11 @@ class Feed(Maintenance):
         self.caught_up = True
         now = time.time_ns()
         m = self.meta
-        m.fresh_at_ns = now
         if last_stream_seq > m.applied_seq and not self._full:
             m.applied_seq = last_stream_seq
             self.upstream_seq = max(self.upstream_seq, last_stream_seq)
+        self._heard_ns = now
+        m.fresh_at_ns = max(m.fresh_at_ns, self._proven_with(m.applied_seq, now))
         self._reached_end()
         if now - self._last_meta_write >= META_TOUCH_INTERVAL_NS:
             self._last_meta_write = now

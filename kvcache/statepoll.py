@@ -7,12 +7,15 @@ an idle sidecar. From SHARED_FROM buckets on, one task lists the account's strea
 (STREAM.LIST, up to 256 a page) once per the shortest of their periods, and gives each feed
 its own stream's entry: the same check on the same document, so no bucket's bound is looser.
 A stream missing from the listing, or listed without a leader (a member's state may be far
-behind its leader's: it would look like a purge), is asked about on its own.
+behind its leader's: it would look like a purge), is asked about on its own. Each entry is
+also that feed's quorum evidence (kvcache.quorum): the meta leader gathers it from the
+stream's leader after the page was asked for, so the page's send time bounds it.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -59,7 +62,7 @@ class StatePoll:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.period())
-            if not any(feed.watching() for feed in self.feeds):
+            if not any(feed.watching() or feed.quorum for feed in self.feeds):
                 continue
             try:
                 listed = await self.list_streams()
@@ -69,30 +72,34 @@ class StatePoll:
                 log.warning("stream state poll (STREAM.LIST) failed: %s", e)
                 continue
             for feed in self.feeds:
+                info, sent = listed.get(feed.stream, (None, 0))
                 if not feed.watching():
+                    if feed.quorum and info is not None:  # evidence for fallback reads (Feed.fence)
+                        feed.note_evidence(info, sent)
                     continue
-                info = listed.get(feed.stream)
                 if info is not None and info.get("cluster") is not None and not jsapi.stream_leader(info):
                     info = None  # no leader in the listing: ask the stream itself (it waits for one)
                 try:
-                    await feed.check_state(info=info)
+                    await feed.check_state(info=info, sent_ns=sent)
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:
                     log.warning("bucket %s: stream state check failed: %s", feed.bucket, e)
 
-    async def list_streams(self) -> dict[str, dict]:
-        """Every stream of the account: name -> its info (config, state, cluster)."""
-        out: dict[str, dict] = {}
+    async def list_streams(self) -> dict[str, tuple[dict, int]]:
+        """Every stream of the account: name -> its info (config, state, cluster) and when
+        its page was asked for (time.time_ns())."""
+        out: dict[str, tuple[dict, int]] = {}
         offset = 0
         while True:
+            sent = time.time_ns()
             doc = await jsapi.api_request(self.nc, "$JS.API.STREAM.LIST", {"offset": offset}, self.timeout)
             self.stats.stream_list_requests += 1
             streams = doc.get("streams") or []
             for info in streams:
                 name = (info.get("config") or {}).get("name")
                 if name:
-                    out[name] = info
+                    out[name] = (info, sent)
             offset += len(streams)
             if not streams or offset >= int(doc.get("total", 0)):
                 return out

@@ -30,6 +30,7 @@ from .consumer import PullConsumer, Run
 from .errors import ReplicaError
 from .natsconn import NatsConnection
 from .nearcache import NearCache
+from .quorum import Evidence
 from .record import decode_key
 from .replica import BucketMeta, Replica
 
@@ -64,6 +65,7 @@ class Maintenance:
     cache: NearCache | None
     on_removed: Callable[[int | None], None] | None
     caught_up: bool
+    quorum: bool
     _full: bool
     _deadlines: bool
     _sweep_wake: asyncio.Event  # a deadline may have been filed (see _sweep_loop)
@@ -72,6 +74,7 @@ class Maintenance:
     if TYPE_CHECKING:  # Feed's methods the passes call
         async def _stream_info(self) -> dict: ...
         def _set_deadlines(self, max_age_ns: int, msg_ttl: bool) -> None: ...
+        def note_evidence(self, info: dict, sent_ns: int) -> Evidence | None: ...
         async def wait_applied(self, seq: int, timeout: float) -> bool: ...
         def _clear_cache(self, why: str) -> None: ...
 
@@ -160,23 +163,29 @@ class Maintenance:
         (_on_removal_request). Only while caught up: before that the feed itself plans."""
         while True:
             await asyncio.sleep(self.watch_period())
-            if not self.watching():
-                continue
             try:
+                if not self.watching():
+                    if self.quorum:  # the evidence fallback reads need (Feed.fence) goes on
+                        await self._stream_info()
+                    continue
                 await self.check_state()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the next period tries again; the data is still served
                 log.warning("bucket %s: stream state check failed: %s", self.bucket, e)
 
-    async def check_state(self, force: bool = False, info: dict | None = None) -> int:
+    async def check_state(self, force: bool = False, info: dict | None = None, sent_ns: int = 0) -> int:
         """Look at the stream once and drop what it no longer holds; records removed.
         `force`: after a purge request, look for keys below the first sequence even where
         max_age alone would explain its moving. `info`: the stream's info as the shared
-        poll listed it (kvcache.statepoll), else STREAM.INFO is asked."""
+        poll listed it (kvcache.statepoll) at `sent_ns`, else STREAM.INFO is asked. Either
+        way the look is also the feed's quorum evidence (Feed.note_evidence): this poll is
+        what keeps a replicated stream's replica fresh."""
         self.state_polls += 1
         if info is None:
             info = await self._stream_info()
+        else:
+            self.note_evidence(info, sent_ns)
         config = info.get("config", {})
         max_age = int(config.get("max_age", 0) or 0)
         msg_ttl = bool(config.get("allow_msg_ttl"))
