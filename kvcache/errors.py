@@ -13,6 +13,11 @@ class UpstreamError(KvcacheError):
     """NATS could not answer: unreachable, timed out, or replied with an error status."""
 
 
+class BehindQuorum(UpstreamError):
+    """A server answered, but could not show that it holds every write the bucket's quorum
+    acknowledged within the read's bound (kvcache.quorum): its answer is not used."""
+
+
 class BucketNotFound(KvcacheError):
     """A configured bucket has no stream on the server."""
 

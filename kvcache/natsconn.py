@@ -114,6 +114,7 @@ class NatsConnection(Client):
         self._fast_lock = asyncio.Lock()
         self._fast_tokens = itertools.count(1)
         self._fast_waiting: dict[bytes, asyncio.Future] = {}
+        self._fast_batches: dict[bytes, tuple[list, asyncio.Future]] = {}  # fast_batch's
 
     async def fast_request(self, subject: str, payload: bytes, timeout: float) -> Msg:
         """Request/reply for the sidecar's fallback reads, with nats-py's errors and Msg.
@@ -149,6 +150,60 @@ class NatsConnection(Client):
             raise nats.errors.NoRespondersError
         return Msg(_client=self, subject=ev.subject, reply=ev.reply, data=ev.payload, headers=headers)
 
+    async def fast_batch(self, subject: str, payload: bytes, timeout: float) -> list[Msg]:
+        """A request answered by several messages, up to and including the first with a
+        status (a Direct Get batch: its records, then 204 end-of-batch or 404): fast_request's
+        lane, collecting. While nats-py has anything queued, a subscription serves instead."""
+        if self._fast_inbox is None:
+            await self._fast_setup()
+        transport = self._transport
+        if transport is None or not self.is_connected or self._pending_data_size:
+            return await self._batch_by_subscription(subject, payload, timeout)
+        token = b"%d" % next(self._fast_tokens)
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        got: list = []
+        self._fast_batches[token] = (got, fut)
+        timer = loop.call_later(timeout, _expire, fut)
+        try:
+            transport.write(b"PUB %s %s%s %d\r\n%s\r\n" % (
+                subject.encode(), self._fast_inbox, token, len(payload), payload))
+            await fut
+        finally:
+            timer.cancel()
+            self._fast_batches.pop(token, None)
+        out = []
+        for ev in got:
+            headers = nats_headers(ev) if type(ev) is _HMsg else None
+            if headers and headers.get("Status") == "503" and not ev.payload:
+                raise nats.errors.NoRespondersError
+            out.append(Msg(_client=self, subject=ev.subject, reply=ev.reply, data=ev.payload, headers=headers))
+        return out
+
+    async def _batch_by_subscription(self, subject: str, payload: bytes, timeout: float) -> list[Msg]:
+        inbox = self.new_inbox()
+        sub = await self.subscribe(inbox)
+        try:
+            await self.publish(subject, payload, reply=inbox)
+            deadline = asyncio.get_running_loop().time() + timeout
+            out: list[Msg] = []
+            while True:
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    raise nats.errors.TimeoutError
+                msg = await sub.next_msg(timeout=left)
+                status = (msg.headers or {}).get("Status")
+                if status == "503" and not msg.data:
+                    raise nats.errors.NoRespondersError
+                out.append(msg)
+                if status:
+                    return out
+        finally:
+            try:
+                await sub.unsubscribe()
+            except nats.errors.Error:
+                pass
+
     async def _fast_setup(self) -> None:
         async with self._fast_lock:
             if self._fast_inbox is not None:
@@ -163,9 +218,17 @@ class NatsConnection(Client):
         for ev in batch:
             if type(ev) is _Run:
                 continue  # not a JetStream delivery subject: cannot happen
-            fut = self._fast_waiting.pop(ev.subject.encode()[n:], None)
-            if fut is not None and not fut.done():
-                fut.set_result(ev)
+            token = ev.subject.encode()[n:]
+            fut = self._fast_waiting.pop(token, None)
+            if fut is not None:
+                if not fut.done():
+                    fut.set_result(ev)
+                continue
+            collecting = self._fast_batches.get(token)
+            if collecting is not None and not collecting[1].done():
+                collecting[0].append(ev)
+                if type(ev) is _HMsg and ev.status:  # a status ends the batch (204, 404, ...)
+                    collecting[1].set_result(None)
 
     async def _process_headers(self, headers):
         # The reader has decoded them already (see nats_headers).

@@ -25,8 +25,9 @@ from nats.aio.msg import Msg
 
 from . import jetstream as jsapi
 from .entry import Entry, Operation
-from .errors import ReplyBudget, UpstreamError
+from .errors import BehindQuorum, ReplyBudget, UpstreamError
 from .natsconn import NatsConnection
+from .quorum import NO_FENCE, Fence
 from .record import NEVER, parse_msg_ttl
 
 MULTI_LAST_MAX = 1024
@@ -184,11 +185,19 @@ class Peer:
 
     # ------------------------------------------------------------------ single key
 
-    async def get(self, key: str, timeout: float, leader: bool = False) -> Entry | None:
+    async def get(self, key: str, timeout: float, leader: bool = False,
+                  fence: Fence = NO_FENCE) -> Entry | None:
+        """The key's newest entry as this peer holds it. With a `fence`, a Direct Get answer
+        counts only from a server that shows it holds the fence's sequence (a one-key batch
+        get, whose end-of-batch reply names the server's last sequence)."""
+        fenced = bool(fence.seq) and isinstance(self.nc, NatsConnection)
+        if fence.seq and not fenced and self.direct and not leader:
+            return (await self.get_many([key], timeout, fence=fence))[key]
         if self.direct and not leader:
             rid, start = self._begin()
             try:
-                e = await self.direct_request(key, b"", timeout)
+                e = await (self._fenced_get(key, timeout, fence) if fenced else
+                           self.direct_request(key, b"", timeout))
             except BaseException as exc:
                 err = self._error(rid, exc)
                 if not isinstance(err, nats.errors.NoRespondersError):
@@ -217,6 +226,40 @@ class Peer:
         except nats.errors.TimeoutError:
             raise UpstreamError(f"peer {self.label}: Direct Get timed out after {timeout:.1f}s") from None
         return self._entry_from_msg(msg, key)
+
+    async def _fenced_get(self, key: str, timeout: float, fence: Fence) -> Entry | None:
+        """One key as a one-key batch get (with the fence's anchor key beside it), answered
+        only if the server's end-of-batch names a last sequence at or above the fence's."""
+        subject = jsapi.kv_subject(self.bucket, key)
+        subjects = [subject]
+        if fence.anchor and fence.anchor != key:
+            subjects.append(jsapi.kv_subject(self.bucket, fence.anchor))
+        req = json.dumps({"multi_last": subjects, "batch": len(subjects)}, separators=(",", ":")).encode()
+        assert isinstance(self.nc, NatsConnection)
+        try:
+            msgs = await self.nc.fast_batch(f"{self.api}.DIRECT.GET.{self.stream}", req, timeout)
+        except nats.errors.TimeoutError:
+            raise UpstreamError(f"peer {self.label}: Direct Get timed out after {timeout:.1f}s") from None
+        entry: Entry | None = None
+        for msg in msgs:
+            hdrs = msg.headers or {}
+            status = hdrs.get("Status")
+            if not status:
+                if hdrs.get("Nats-Subject") == subject:
+                    entry = self._entry_from_msg(msg, key)
+                continue
+            if status == "204":
+                tail = int(hdrs.get("Nats-UpTo-Sequence", 0) or 0)
+                if tail < fence.seq:
+                    raise BehindQuorum(f"peer {self.label}: holds the stream up to {tail}, "
+                                       f"below {fence.seq} which a quorum had within max_stale_ms")
+                return entry
+            if status == "404":
+                raise BehindQuorum(f"peer {self.label}: cannot show it holds stream sequence "
+                                   f"{fence.seq} (no key to anchor the read)")
+            raise UpstreamError(f"peer {self.label}: Direct Get failed: {status} "
+                                f"{hdrs.get('Description', '')}".rstrip())
+        raise UpstreamError(f"peer {self.label}: Direct Get batch ended without its end-of-batch")
 
     def _entry_from_msg(self, msg: Msg, key: str | None = None) -> Entry | None:
         hdrs = msg.headers or {}
@@ -259,11 +302,12 @@ class Peer:
     # ------------------------------------------------------------------ many keys
 
     async def get_many(self, keys: list[str], timeout: float, up_to_seq: int | None = None,
-                       budget: ReplyBudget | None = None) -> dict[str, Entry | None]:
+                       budget: ReplyBudget | None = None, fence: Fence = NO_FENCE) -> dict[str, Entry | None]:
         """multi_last batches; one snapshot across batches via the first batch's up-to sequence
         (or `up_to_seq`: the keys as they were at that stream sequence). Values are charged to
         `budget` as they arrive (when this peer's answer is the one used): ReplyTooLarge stops
-        the read."""
+        the read. `fence`: the first batch's server must show it holds the fence's sequence
+        (kvcache.quorum.Fence), or the read fails here (BehindQuorum) and goes elsewhere."""
         attempt = budget.fork() if budget is not None else None
         if not self.direct and up_to_seq is None:
             got: dict[str, Entry | None] = {}
@@ -280,13 +324,14 @@ class Peer:
             with self._accounted():
                 for i in range(0, len(keys), MULTI_LAST_MAX):
                     chunk = keys[i : i + MULTI_LAST_MAX]
-                    up_to = await self._multi_last(chunk, up_to, timeout, out, attempt)
+                    up_to = await self._multi_last(chunk, up_to, timeout, out, attempt,
+                                                   fence if i == 0 else NO_FENCE)
         except nats.errors.NoRespondersError:
             if up_to_seq is not None:
                 raise UpstreamError(f"peer {self.label}: no Direct Get responders "
                                     "(a point-in-time read needs allow_direct)") from None
             self.direct = False
-            return await self.get_many(keys, timeout, budget=budget)
+            return await self.get_many(keys, timeout, budget=budget, fence=fence)
         for k in keys:
             out.setdefault(k, None)
         if budget is not None and attempt is not None:
@@ -294,10 +339,15 @@ class Peer:
         return out
 
     async def _multi_last(self, keys: list[str], up_to: int | None, timeout: float,
-                          out: dict[str, Entry | None], budget: ReplyBudget | None = None) -> int | None:
+                          out: dict[str, Entry | None], budget: ReplyBudget | None = None,
+                          fence: Fence = NO_FENCE) -> int | None:
         remaining = {jsapi.kv_subject(self.bucket, k): k for k in keys}
+        anchor = jsapi.kv_subject(self.bucket, fence.anchor) if fence.seq and fence.anchor else ""
         while remaining:
-            req: dict = {"multi_last": list(remaining), "batch": len(remaining)}
+            subjects = list(remaining)
+            if anchor and anchor not in remaining:
+                subjects.append(anchor)  # its entry is not an answer: only its batch's tail is
+            req: dict = {"multi_last": subjects, "batch": len(subjects)}
             if up_to:
                 req["up_to_seq"] = up_to
             inbox = self.nc.new_inbox()
@@ -321,10 +371,18 @@ class Peer:
                     if status == "503":
                         raise nats.errors.NoRespondersError
                     if status == "204":  # EOB
-                        up_to = up_to or int(hdrs.get("Nats-UpTo-Sequence", 0) or 0) or None
+                        tail = int(hdrs.get("Nats-UpTo-Sequence", 0) or 0)
+                        if fence.seq and tail < fence.seq:
+                            raise BehindQuorum(f"peer {self.label}: holds the stream up to {tail}, "
+                                               f"below {fence.seq} which a quorum had within max_stale_ms")
+                        fence = NO_FENCE
+                        up_to = up_to or tail or None
                         more = int(hdrs.get("Nats-Num-Pending", 0) or 0) > 0
                         break
                     if status == "404":  # none of the subjects has a message
+                        if fence.seq:  # and so no sequence of the server's to check
+                            raise BehindQuorum(f"peer {self.label}: cannot show it holds stream "
+                                               f"sequence {fence.seq} (no key to anchor the read)")
                         break
                     if status:
                         raise UpstreamError(f"peer {self.label}: multi_last failed: {status} "

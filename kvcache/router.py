@@ -31,6 +31,7 @@ from typing import Any
 from .entry import Entry
 from .errors import ReplyBudget, UpstreamError
 from .peer import MULTI_LAST_MAX, Peer, PeerStats
+from .quorum import NO_FENCE, Fence
 from .record import expiry
 
 __all__ = ["MULTI_LAST_MAX", "Peer", "PeerStats", "Policy", "Router"]
@@ -130,6 +131,9 @@ class Router:
         self._tokens = self.policy.hedge_burst
         self._background: set[asyncio.Task] = set()
         self.floors = Floors()
+        # What a bucket's fallback answers must show (kvcache.quorum.Fence; None: nothing can
+        # show it current now). The sidecar points it at the feeds' quorum evidence.
+        self.fence: Callable[[str], Fence | None] = lambda bucket: NO_FENCE
         self.hedges_sent = 0
         self.hedges_won = 0
         self.requests = 0
@@ -179,11 +183,12 @@ class Router:
         first answer was behind and others were asked (_catch_up). A not-found names no
         source of its own; the near cache keeps one only from the bucket's own stream."""
         ps = self._bucket_peers(bucket, strong)
+        fence = self._fence(bucket)
         self._schedule_probes(ps, key)
-        e, by = await self._route(ps, lambda p: p.get(key, self.timeout, leader=strong), hedge=True)
+        e, by = await self._route(ps, lambda p: p.get(key, self.timeout, leader=strong, fence=fence), hedge=True)
         answered = by.label
         if not strong and self.floors.behind(bucket, key, e):
-            e = (await self._catch_up(bucket, [key], by, ps))[key]
+            e = (await self._catch_up(bucket, [key], by, ps, fence))[key]
             answered = ""
         self.floors.saw(bucket, key, e)
         return e, answered
@@ -198,7 +203,9 @@ class Router:
         the peer answers older than a revision already read are read again (see _catch_up).
         With who answered each key, as `get_from` says it."""
         ps = self._bucket_peers(bucket, False)
-        got, by = await self._route(ps, lambda p: p.get_many(keys, self.timeout, budget=budget), hedge=False)
+        fence = self._fence(bucket)
+        got, by = await self._route(ps, lambda p: p.get_many(keys, self.timeout, budget=budget, fence=fence),
+                                    hedge=False)
         answered = dict.fromkeys(got, by.label)
         behind: list[str] = []
         for key, e in got.items():
@@ -207,14 +214,14 @@ class Router:
             else:
                 self.floors.saw(bucket, key, e)
         if behind:
-            for key, e in (await self._catch_up(bucket, behind, by, ps)).items():
+            for key, e in (await self._catch_up(bucket, behind, by, ps, fence)).items():
                 got[key] = e
                 answered[key] = ""
                 self.floors.saw(bucket, key, e)
         return got, answered
 
     async def _catch_up(self, bucket: str, keys: list[str], stale: Peer,
-                        peers: list[Peer]) -> dict[str, Entry | None]:
+                        peers: list[Peer], fence: Fence = NO_FENCE) -> dict[str, Entry | None]:
         """`stale` (a lagging mirror or follower) answered `keys` older than revisions already
         read. The leader has every acknowledged write, but it may be the one peer out of reach
         (a leaf cut off from its hub), while another mirror is caught up. So the keys still
@@ -238,7 +245,7 @@ class Router:
             got: dict[str, Entry | None] = {}
             try:
                 if p is not None:
-                    got = await self._read(p, left)
+                    got = await self._read(p, left, fence)
                     self._succeeded(p)
                 elif leaders:
                     await self._from_leader(leaders, left, got)
@@ -256,10 +263,20 @@ class Router:
         raise UpstreamError(f"bucket {bucket}: every reachable peer was behind a revision already read "
                             f"of key {left[0]}{more}" + (f" (last error: {last})" if last else ""))
 
-    async def _read(self, p: Peer, keys: list[str]) -> dict[str, Entry | None]:
+    async def _read(self, p: Peer, keys: list[str], fence: Fence = NO_FENCE) -> dict[str, Entry | None]:
         if len(keys) == 1:
-            return {keys[0]: await p.get(keys[0], self.timeout)}
-        return await p.get_many(keys, self.timeout)
+            return {keys[0]: await p.get(keys[0], self.timeout, fence=fence)}
+        return await p.get_many(keys, self.timeout, fence=fence)
+
+    def _fence(self, bucket: str) -> Fence:
+        """What an answer for `bucket` must show (kvcache.quorum.Fence); UpstreamError at once
+        when nothing could: no quorum evidence within the bucket's max_stale_ms, so no server's
+        answer can be shown current, and asking one would only hand out an unproven value."""
+        fence = self.fence(bucket)
+        if fence is None:
+            raise UpstreamError(f"bucket {bucket}: no quorum of its servers has shown its state within "
+                                "max_stale_ms (a partition, or no stream leader)")
+        return fence
 
     async def _from_leader(self, leaders: list[Peer], keys: list[str], into: dict[str, Entry | None]) -> None:
         """Read `keys` from the leader into `into`, one at a time (the leader API has no batch
