@@ -48,6 +48,7 @@ class Info:
                 ("socket", cfg.socket_path), ("listen", st.listen), ("nats_url", st.nats_url),
                 ("embedded_nats", int(st.embedded_nats)),
                 ("nats_connected", int(st.nats_connected)),
+                ("nats_server_moves", st.server_moves),
                 ("metrics_listen", st.metrics_listen),
                 ("ready_on_fallback", int(cfg.ready_on_fallback)),
                 ("native", ",".join(f"{k}={v.split()[0]}" for k, v in native.report().items())),

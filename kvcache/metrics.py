@@ -25,7 +25,7 @@ import copy
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 from prometheus_client.core import (
@@ -121,7 +121,7 @@ class Snapshot:
     counters: tuple[int, ...]  # by COUNTERS
     buckets: dict[str, BucketRow] = field(default_factory=dict)
     peers: list[tuple[tuple[str, str, str], int, float, int, tuple[int, ...]]] = field(default_factory=list)
-    nats: list[tuple[str, int, int]] = field(default_factory=list)
+    nats: list[tuple[str, str, int, int]] = field(default_factory=list)
     lmdb: tuple[int, int, int] = (0, 0, 0)  # map size, used, max map size
 
 
@@ -179,7 +179,7 @@ class SidecarCollector:
         for p in router.peers():
             snap.peers.append(((p.name, p.bucket, p.stream), int(router.state(p) == "up"), p.stats.ewma_us / 1e6,
                                p.inflight, tuple(getattr(p.stats, k) for k, _ in PEER_COUNTERS)))
-        snap.nats = [(name, int(nc.is_connected), nc.stats.get("reconnects", 0))
+        snap.nats = [(name, server_of(nc), int(nc.is_connected), nc.stats.get("reconnects", 0))
                      for name, nc in sorted(self.connections().items())]
         map_size, used = policy.replica.usage()
         snap.lmdb = (map_size, used, self.cfg.max_map_size_mb << 20)
@@ -212,12 +212,12 @@ def families(snap: Snapshot) -> Iterator[Metric]:
         yield CounterMetricFamily(name, doc, value=v)
     yield from _replica(snap)
     yield from _peers(snap)
-    connected = GaugeMetricFamily("kvcache_nats_connected", "1 while the NATS connection is up",
-                                  labels=["connection"])
+    connected = GaugeMetricFamily("kvcache_nats_connected", "1 while the NATS connection is up; "
+                                  "server: the one in use (host:port)", labels=["connection", "server"])
     reconnects = CounterMetricFamily("kvcache_nats_reconnects", "Reconnections of the NATS connection",
                                      labels=["connection"])
-    for name, up, n in snap.nats:
-        connected.add_metric([name], up)
+    for name, server, up, n in snap.nats:
+        connected.add_metric([name, server], up)
         reconnects.add_metric([name], n)
     yield connected
     yield reconnects
@@ -340,3 +340,10 @@ async def exposition(snap: Snapshot, accept: str) -> tuple[bytes, str]:
     PlatformCollector(registry=reg)
     parts.append(encoder(reg))
     return b"".join(parts), content_type
+
+
+def server_of(nc: Any) -> str:
+    """The server a NATS connection uses (host:port; '' while it has none): a label, bounded
+    by the configured and discovered servers."""
+    url = getattr(nc, "connected_url", None)
+    return url.netloc.rpartition("@")[2] if url is not None and url.netloc else ""

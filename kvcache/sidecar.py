@@ -33,6 +33,7 @@ from .natsconn import NatsConnection
 from .natsserver import NatsServer
 from .nearcache import NearCache
 from .peerset import PeerConnections, configured_peers, discovered_peers
+from .quorum import NO_FENCE
 from .readpolicy import ReadPolicy
 from .replica import Replica
 from .router import Peer, Router
@@ -52,6 +53,12 @@ EMBEDDED_MAX_FAILURES = 5
 EMBEDDED_WINDOW_S = 60.0
 EMBEDDED_BACKOFF_S = (0.25, 5.0)
 
+# Leaving a server: unanswered pings (nats-py's max_outstanding_pings), the shortest ping
+# interval, and the wait before moving off a server that answers but shows no quorum
+# (HOP_AFTER_STALE x max_stale_ms, at least HOP_MIN_S, doubling up to HOP_MAX_S).
+PINGS_OUTSTANDING = 2
+PING_MIN_S = 0.5
+HOP_AFTER_STALE, HOP_MIN_S, HOP_MAX_S = 2, 3.0, 60.0
 DEMO_BUCKET = "demo"
 DEMO_KEYS = 1000
 
@@ -80,6 +87,7 @@ class Sidecar:
         self.exit_code = 0
         self._stopping = asyncio.Event()
         self._supervisor: asyncio.Task | None = None
+        self._hopper: asyncio.Task | None = None  # _leave_servers_without_quorum
         self._lock_fd: int | None = None
         self._fatal_error: KvcacheError | None = None
         self.embedded_restarts = 0
@@ -129,8 +137,10 @@ class Sidecar:
             self.state_poll = StatePoll(nc, self.feeds.values(), timeout, self.stats)
             self.state_poll.start()
         await self._add_peers(timeout)
+        self._hopper = asyncio.ensure_future(self._leave_servers_without_quorum())
         feeds = self.feeds
         self.router.floors.max_age = lambda bucket: feeds[bucket].max_age_ns if bucket in feeds else 0
+        self.router.fence = lambda bucket: feeds[bucket].fence() if bucket in feeds else NO_FENCE
         policy = ReadPolicy(self.cfg, self.replica, self.feeds, self.router)
         self.commands = Commands(self.cfg, policy, self.stats, AccessLog.from_config(self.cfg))
         for feed in self.feeds.values():  # one hub: every listener, one consumer per bucket
@@ -240,6 +250,10 @@ class Sidecar:
         socket and the data-directory lock must be released all the same. Safe to call twice."""
         self._stopping.set()
         served = self.server is not None
+        if self._hopper is not None:
+            self._hopper.cancel()
+            await asyncio.wait({self._hopper})
+            self._hopper = None
         if self._supervisor is not None:
             self._supervisor.cancel()
             await asyncio.wait({self._supervisor})
@@ -428,6 +442,10 @@ class Sidecar:
         opts: dict = dict(
             servers=urls, name="kvcache", connect_timeout=n.connect_timeout_s,
             max_reconnect_attempts=-1, reconnect_time_wait=0.5, allow_reconnect=True,
+            # A server that stops answering (a cut link, a black-holed route) is left within
+            # (max_outstanding_pings + 1) pings: under the tightest max_stale_ms, not nats-py's
+            # 2-minute default, which left reads waiting on a dead server for minutes.
+            ping_interval=self.ping_interval(), max_outstanding_pings=PINGS_OUTSTANDING,
             error_cb=on_error, disconnected_cb=self._on_disconnect,
             reconnected_cb=self._on_reconnect,
         )
@@ -525,10 +543,51 @@ class Sidecar:
 
     async def _on_reconnect(self) -> None:
         url = self.nc.connected_url if self.nc else None
-        log.info("reconnected to NATS at %s", url.geturl() if url else "?")
+        self.nats_url = self.stats.nats_url = url.geturl() if url else ""
+        log.info("reconnected to NATS at %s", self.nats_url or "?")
         self.stats.nats_connected = True
         for feed in self.feeds.values():
             feed.connection_lost()  # recreate consumers now rather than after the watchdog
+
+    def ping_interval(self) -> float:
+        """Seconds between the main connection's pings: a server that stops answering is left
+        after PINGS_OUTSTANDING + 1 of them, within half the tightest max_stale_ms (0.5 s to
+        30 s between pings)."""
+        tightest = min((b.max_stale_ms for b in self.cfg.buckets), default=5000)
+        return min(30.0, max(PING_MIN_S, tightest / 1000 / (2 * (PINGS_OUTSTANDING + 1))))
+
+    async def _leave_servers_without_quorum(self) -> None:
+        """Move to another server when the one in use answers but cannot show a quorum for
+        any replicated bucket: a server cut off from its peers (its STREAM.INFO names itself
+        leader with silent followers, or no leader at all), while another server of the
+        cluster may reach the majority. After HOP_AFTER_STALE x max_stale_ms without evidence
+        for every such bucket, force a reconnect (nats-py takes the next server of its pool);
+        the feeds recreate their consumers there. When hopping does not help (the whole
+        cluster has no quorum), the wait doubles up to HOP_MAX_S."""
+        feeds = list(self.feeds.values())
+        bound = min((f.cfg.max_stale_ms for f in feeds), default=5000)
+        first = max(HOP_AFTER_STALE * bound / 1000, HOP_MIN_S)
+        wait, since = first, None
+        while True:
+            await asyncio.sleep(max(0.1, bound / 4000))
+            nc = self.nc
+            quorum = [f for f in feeds if f.quorum]
+            if nc is None or not nc.is_connected or not quorum or any(
+                    f.proven_within(f.cfg.max_stale_ms) for f in quorum):
+                since = None
+                if quorum and nc is not None and nc.is_connected and any(
+                        f.proven_within(f.cfg.max_stale_ms) for f in quorum):
+                    wait = first
+                continue
+            now = time.monotonic()
+            since = since or now
+            if now - since < wait:
+                continue
+            log.warning("NATS server %s has shown no quorum for any replicated bucket in %.1fs: "
+                        "moving to another server", self.nats_url or "?", now - since)
+            self.stats.server_moves += 1
+            since, wait = None, min(wait * 2, HOP_MAX_S)
+            await nc.force_reconnect()
 
     async def _ensure_demo_bucket(self, nc: NatsConnection) -> None:
         """First run on the embedded server: a bucket with sample keys so reads work at once."""

@@ -109,7 +109,7 @@ def test_prometheus_scrapes_what_info_shows(nats_server, tmp_path, capsys):
                 'kvcache_replica_applied_sequence{bucket="pm"}': info["buckets"]["pm"]["applied_seq"],
                 'kvcache_replica_synced{bucket="pm"}': 1,
                 'kvcache_cache_hits_total{bucket="pc"}': info["buckets"]["pc"]["cache_hits"],
-                'kvcache_nats_connected{connection="main"}': 1,
+                'sum(kvcache_nats_connected{connection="main"})': 1,
             }
             wait_until(lambda: all(prom.value(q) == v for q, v in expect.items()), 60,
                        "Prometheus to hold what INFO shows",
