@@ -620,8 +620,11 @@ class Feed(Maintenance):
         start = None if self._full else self.meta.applied_seq + 1
         if self._full and not self.cfg.keys:
             # A bucket that replicates nothing has no initial set to sync: its near cache
-            # starts empty, and only what changes from now on matters.
+            # starts empty, and only what changes from now on matters. Its position is the
+            # stream's last sequence at once (not at the first heartbeat, seconds later: INFO
+            # and the lag metric showed every such bucket thousands of messages behind).
             start = self.upstream_seq + 1
+            self.meta.applied_seq = self.upstream_seq
         consumer = PullConsumer(
             self.nc, self.stream, self.prefix, self.filters, start_seq=start,
             headers_only=False, heartbeat_s=self.heartbeat_s,

@@ -338,3 +338,32 @@ def test_not_founds_from_a_mirror_are_not_cached(nats_server, tmp_path):
     finally:
         sc.kill()
         main.stop()
+
+
+def test_a_bucket_replicating_nothing_is_at_the_stream_end_once_synced(nats_server, tmp_path):
+    """`keys = []` syncs nothing: its position is the stream's last sequence from the start,
+    not from the first heartbeat (INFO and kvcache_replica_lag_messages showed such a bucket
+    thousands of messages behind for seconds after every start)."""
+    async def setup(js):
+        kv = await js.create_key_value(bucket="pz", direct=True)
+        await _put_all(kv, {f"z.{i}": b"z" for i in range(300)})
+    nats_run(nats_server.url, setup)
+    conf = tmp_path / "kvcache.toml"
+    conf.write_text(f'cache_max_keys = 100\nheartbeat_ms = 5000\n[nats]\nservers = ["{nats_server.url}"]\n'
+                    '[[bucket]]\nname = "pz"\nkeys = []\n')
+    sc = SidecarProcess(tmp_path / "sc", None, extra=["--config", str(conf)])
+    try:
+        sc.start(wait_synced=False)
+        seen: list[tuple[int, int]] = []
+
+        def synced_row() -> dict | None:
+            with sc.client() as c:
+                row = c.info("buckets")["buckets"]["pz"]
+            if row["synced"]:
+                seen.append((row["applied_seq"], row["upstream_seq"]))
+                return row
+            return None
+        wait_until(synced_row, 30, "the bucket synced")
+        assert seen[0] == (300, 300)  # the heartbeat is 5 s away: this is the position at once
+    finally:
+        sc.kill()
