@@ -20,7 +20,7 @@ import lmdb
 from . import native
 from .entry import Entry, Operation
 from .errors import KvcacheError, ReplicaError
-from .keys import glob_matcher
+from .keys import FilterSet, glob_matcher
 from .readpolicy import meta_fresh, split_address
 from .record import live_value
 from .replica import BUCKETS_KEY, META_DB, BucketMeta, Replica, decode_record, lmdb_key
@@ -33,6 +33,11 @@ PLAN_CACHE = 100_000
 
 class StaleReplica(KvcacheError):
     """The replica is not synced, or the sidecar has not confirmed it recently enough."""
+
+
+class NotReplicated(KvcacheError):
+    """The key is outside its bucket's `keys` filters: the replica does not hold it, whether
+    or not the bucket does (ask the sidecar's socket, which reads such keys from NATS)."""
 
 
 class LocalReader:
@@ -56,6 +61,7 @@ class LocalReader:
         buckets = self.buckets()
         self.default_bucket = bucket or (buckets[0] if buckets else None)
         self._fresh_until: dict[str, float] = {}
+        self._filter_sets: dict[str, FilterSet] = {}  # bucket -> its `keys`, from its meta
         self._plans: dict[str, tuple] = {}  # key -> (bucket, db, lmdb key, value offset or 0)
         # The hot path: reads with a plan and a fresh bucket, else calls the method below.
         self.get = _APP_GET.LocalGet(  # type: ignore[method-assign]  # per instance, on purpose
@@ -70,7 +76,8 @@ class LocalReader:
 
     def get(self, key: str) -> bytes | None:
         """The value of `key` (`bucket:key` names a bucket), None if absent; raises
-        StaleReplica. Each instance replaces this with its LocalGet fast path (see
+        StaleReplica, and NotReplicated for a key outside its bucket's filters (None would
+        say "absent" of a key the bucket may hold). Each instance replaces this with its LocalGet fast path (see
         __init__), which comes back to _get_checked whenever there is checking to do."""
         return self._get_checked(key)
 
@@ -87,6 +94,7 @@ class LocalReader:
         """Check freshness (raises StaleReplica) and work out how to read `key`; None while
         its bucket's database does not exist yet."""
         bucket, name = self._address(key)
+        self._check_replicated(bucket, name)
         db = self._replica.db_ro(Replica.db_name(bucket))
         if db is None:
             return None
@@ -99,6 +107,7 @@ class LocalReader:
 
     def entry(self, key: str) -> Entry | None:
         bucket, name = self._address(key)
+        self._check_replicated(bucket, name)
         lkey = lmdb_key(name)
         raw = self._txn_get(Replica.db_name(bucket), lkey)
         if raw is None or self._replica.expired(bucket, raw):
@@ -136,6 +145,26 @@ class LocalReader:
         self._check_fresh(bucket)
         return bucket, name
 
+    def replicates(self, key: str) -> bool:
+        """Is `key` (`bucket:key` names a bucket) inside its bucket's filters, so that the
+        replica's answer, a value or None, is the bucket's? No freshness check."""
+        bucket, name, _ = split_address(key, self.default_bucket)
+        return self._filters(bucket or self._require_default()).match(name)
+
+    def _check_replicated(self, bucket: str, name: str) -> None:
+        filters = self._filters(bucket)
+        if not filters.match(name):
+            raise NotReplicated(f"key '{name}' is outside bucket '{bucket}''s filters "
+                                f"(keys = {list(filters.filters)}): the replica does not hold it; "
+                                "read it through the sidecar's socket")
+
+    def _filters(self, bucket: str) -> FilterSet:
+        got = self._filter_sets.get(bucket)
+        if got is None:
+            filters = self.meta(bucket).filters
+            got = self._filter_sets[bucket] = FilterSet([">"] if filters is None else filters)
+        return got
+
     def _require_default(self) -> str:
         if not self.default_bucket:
             raise ReplicaError("the replica holds no bucket yet")
@@ -148,6 +177,10 @@ class LocalReader:
         meta = self.meta(bucket)
         if not meta.stream:
             raise ReplicaError(f"bucket '{bucket}' is not replicated here")
+        known = self._filter_sets.get(bucket)
+        if known is not None and list(known.filters) != (meta.filters if meta.filters is not None else [">"]):
+            del self._filter_sets[bucket]  # the sidecar restarted with other filters
+            self._plans.clear()
         if self._replica.max_age.get(bucket, 0) != meta.max_age_ns:
             self._replica.max_age[bucket] = meta.max_age_ns  # plans carry it: make them anew
             self._plans.clear()

@@ -320,6 +320,7 @@ class Feed(Maintenance):
         elif m.whole_bucket:
             self.replica.cache_clear(self.bucket)  # left by a run with a near cache: unwatched now
         m.whole_bucket = self.cache is not None
+        m.filters = list(self.cfg.keys)
         m.stream = self.stream
         m.stream_created = created
         m.max_age_ns = self.max_age_ns

@@ -96,6 +96,9 @@ class BucketMeta:
     # The position covers every key of the bucket (a near cache is on): the cache's records
     # are vouched for up to it. A position of a filtered consumer says nothing about them.
     whole_bucket: bool = False
+    # The bucket's `keys` filters, for readers in other processes (LocalReader tells a key
+    # outside them from an absent one). None: written by a version that did not record them.
+    filters: list[str] | None = None
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()

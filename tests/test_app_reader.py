@@ -9,7 +9,7 @@ import pytest
 from support.sidecar_proc import SidecarProcess
 
 from kvcache import LocalReader
-from kvcache.app_reader import StaleReplica
+from kvcache.app_reader import NotReplicated, StaleReplica
 from kvcache.errors import ReplicaError
 from kvcache.native import native_or_none
 
@@ -169,5 +169,36 @@ def test_expired_records_are_absent(tmp_path, nats_server_module):
                 assert [get(k) for k in keys] == [b"p", None, None, b"never", b"long-liv"], mod
             assert r.entry("short") is None and r.entry(LONG_KEY) is None
             assert sorted(r.keys()) == ["long-lived", "never", "plain"]
+    finally:
+        sc.kill()
+
+
+def test_a_key_outside_the_filters_is_not_read_as_absent(tmp_path, nats_server):
+    """With `keys = ["a.>"]` the replica holds none of `b.*`: the sidecar answers them from
+    NATS, and LocalReader must not say None ("absent") of a key the bucket holds."""
+    async def setup() -> None:
+        nc = await nats.connect(nats_server.url)
+        try:
+            kv = await nc.jetstream().create_key_value(bucket="lf", direct=True)
+            await kv.put("a.1", b"in")
+            await kv.put("b.1", b"out")
+        finally:
+            await nc.close()
+    asyncio.run(setup())
+    conf = tmp_path / "kvcache.toml"
+    conf.write_text(f'[nats]\nservers = ["{nats_server.url}"]\n[[bucket]]\nname = "lf"\nkeys = ["a.>"]\n')
+    sc = SidecarProcess(tmp_path / "sc", None, extra=["--config", str(conf)]).start()
+    try:
+        with sc.client() as c:
+            assert c.get("b.1") == b"out"  # the sidecar reads it from NATS
+        with LocalReader(str(sc.data_dir)) as reader:
+            assert reader.get("a.1") == b"in"
+            assert reader.get("a.404") is None  # inside the filters: absent means absent
+            assert reader.replicates("a.2") and not reader.replicates("b.1")
+            for read in (reader.get, reader.entry, lambda k: reader.mget([k])):
+                with pytest.raises(NotReplicated, match=r"outside bucket 'lf''s filters \(keys = \['a.>'\]\)"):
+                    read("b.1")
+            with pytest.raises(NotReplicated):
+                reader.get("lf:b.404")
     finally:
         sc.kill()
