@@ -24,7 +24,7 @@ from typing import Any
 
 from kvcache.errors import KvcacheError
 
-__all__ = ["ClusterConfig", "NatsServer", "find_binary", "free_port"]
+__all__ = ["ClusterConfig", "NatsServer", "find_binary", "free_port", "port_taken"]
 
 _LOG_TAIL_BYTES = 4000
 _handed_out: set[int] = set()
@@ -61,6 +61,18 @@ def free_port(host: str = "127.0.0.1") -> int:
             _handed_out.add(port)
             return port
     raise KvcacheError(f"no free TCP port found on {host}")
+
+
+def port_taken(host: str, port: int) -> str | None:
+    """Why nats-server could not listen on host:port (a fixed port, `embedded_port`), or None.
+    Probed as nats-server binds (SO_REUSEADDR): only a socket listening there counts."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
 
 
 @dataclass(frozen=True)
