@@ -37,8 +37,9 @@ def main() -> int:
     p.add_argument("--warmup", type=float, default=3.0, help="seconds of reads before each fault")
     p.add_argument("--tail", type=float, default=10.0, help="seconds of reads after each heal")
     p.add_argument("--restart-down", type=float, default=2.0, help="(h): seconds each server stays down")
-    p.add_argument("--faults", default="a,b,c,d,e,f,g,h",
-                   help="comma separated, of: " + "; ".join(f"{k}: {v}" for k, v in FAULTS.items()))
+    p.add_argument("--faults", default="a,b,c,d,e,f,g,h,i",
+                   help="comma separated, of: " + "; ".join(f"{k}: {v}" for k, v in FAULTS.items()
+                                                            ).replace("%", "%%"))
     p.add_argument("--sidecar-src", default=None,
                    help="run the sidecar from this source tree (PYTHONPATH) instead of the installed kvcache")
     p.add_argument("--workdir", default=None, help="keep logs here (default: a temporary directory)")

@@ -32,9 +32,9 @@ PARTITION_ROWS: list[dict[str, str]] = []
 # elected and writes acknowledged by it age past max_stale_ms before the old one is healed).
 SHORT = dict(keys=300, rate=300.0, warmup=1.5, tail=5.0, max_stale_ms=2000, heartbeat_ms=1000,
              read_rate=1000.0)
-HOLD = {"a": 5.0, "b": 5.0, "c": 5.0, "d": 8.0, "e": 5.0, "f": 8.0, "g": 8.0, "h": 0.0}
+HOLD = {"a": 5.0, "b": 5.0, "c": 5.0, "d": 8.0, "e": 5.0, "f": 8.0, "g": 8.0, "h": 0.0, "i": 8.0}
 # Reads after the heal: where the old stream leader rejoins, the cluster itself takes seconds.
-TAIL = {"d": 8.0, "f": 8.0, "g": 8.0}
+TAIL = {"d": 8.0, "f": 8.0, "g": 8.0, "i": 8.0}
 
 
 @pytest.fixture(scope="module")

@@ -656,6 +656,7 @@ FAULTS = {
     "e": "25% reordering + 5% duplication on the sidecar's links",
     "f": "leader cut from the others; sidecar on a majority server",
     "g": "staggered: one follower cut from the leader a few ms before the other",
+    "i": "leader moved off the sidecar's server, then cut; its consumer on a majority server",
     "h": "rolling restart of all three servers",
     "stale-injected": "sidecar with a huge max_stale_ms cut from every server (the checker must see stale reads)",
 }
@@ -691,6 +692,15 @@ def apply_fault(env: PartitionEnv, fault: str, roles: dict[str, str], cfg: RunCo
         for f in followers:
             net.cut(leader, f)
         return lambda: net.heal(leader)
+    if fault == "i":
+        # the consumer was made on the sidecar's server while it led: the new leader is cut
+        # off right after the move, before the feed remakes its consumer there
+        target = next(h for h in SERVERS if h != sc)
+        env.move_leader(roles["stream"], target)
+        for f in (h for h in SERVERS if h != target):
+            net.cut(target, f)
+        notes.append(f"leader moved to {target} and cut")
+        return lambda: net.heal(target)
     if fault == "g":
         t0 = mono()
         net.cut(followers[0], leader)
