@@ -50,6 +50,23 @@ zinterstore zmpop zpopmax zpopmin zrangestore zrem zremrangebylex zremrangebyran
 zremrangebyscore zunionstore sort restore-asking
 """.split())
 
+# Redis 7.4's subcommands of the container commands kvcache has (CLIENT LIST's `cmd` names a
+# subcommand as `client|list`; one Redis does not have is NULL there, as in Redis)
+SUBCOMMANDS: dict[bytes, frozenset[bytes]] = {
+    b"client": frozenset(b"""caching getname getredir help id info kill list no-evict no-touch pause
+                          reply setinfo setname tracking trackinginfo unblock unpause""".split()),
+    b"config": frozenset(b"get help resetstat rewrite set".split()),
+    b"command": frozenset(b"count docs getkeys getkeysandflags help info list".split()),
+    b"pubsub": frozenset(b"channels help numpat numsub shardchannels shardnumsub".split()),
+}
+
+
+def _full_name(name: bytes, args: list[bytes]) -> bytes | None:
+    if len(args) == 1:
+        return name
+    sub = args[1].lower()
+    return name + b"|" + sub if sub in SUBCOMMANDS[name] else None
+
 
 # COMMAND's view of the table: name -> (arity, flags, first key, last key, step, categories),
 # Redis 7's shape, so clients that introspect (redis-py's command(), redis-cli) get real rows.
@@ -230,6 +247,12 @@ class Commands:
         self.stats.commands += 1
         name = args[0].lower()
         handler = self._table.get(name)
+        # CLIENT LIST's cmd: Redis's full name of the command looked up (`client|list`), or
+        # NULL (None) for one it does not know (an unknown command or subcommand)
+        if handler is not None:
+            conn.last_cmd = _full_name(name, args) if name in SUBCOMMANDS else name
+        else:
+            conn.last_cmd = name if name in WRITE_COMMANDS else None
         try:
             if conn.gate and handler is not None:  # unauthenticated, in MULTI, RESP2 subscribed
                 early = self._gate(conn, name, args)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import hmac
 import re
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
 
 from . import __version__, resp
@@ -30,11 +31,17 @@ Reply = bytes | Awaitable[bytes]
 Handler = Callable[["ClientConnection", list[bytes]], Reply]
 
 # CLIENT subcommands kvcache performs -> their exact argument count (Redis's `client|<sub>`
-# arity, checked before the subcommand runs, with Redis's wording). TRACKING takes options.
+# arity, checked before the subcommand runs, with Redis's wording). TRACKING, LIST and KILL
+# take options: CLIENT_MIN_ARITY.
 CLIENT_ARITY = {
     b"setname": 3, b"getname": 2, b"setinfo": 4, b"id": 2, b"info": 2, b"reply": 3,
     b"no-evict": 3, b"no-touch": 3, b"caching": 3, b"getredir": 2, b"trackinginfo": 2,
 }
+CLIENT_MIN_ARITY = {b"tracking": 3, b"list": 2, b"kill": 3}
+# CLIENT LIST TYPE / CLIENT KILL TYPE: Redis's names. kvcache has no master or replica
+# connections: those types are accepted and match none.
+CLIENT_TYPES = {"normal": "normal", "pubsub": "pubsub", "master": "master", "slave": "slave",
+                "replica": "slave"}
 WRONGPASS = "WRONGPASS invalid username-password pair or user is disabled."
 AUTH_WITHOUT_PASSWORD = ("ERR AUTH <password> called without any password configured for the "
                          "default user. Are you sure your configuration is correct?")
@@ -59,6 +66,8 @@ class SessionCommands:
         self.transactions = transactions
         self.run = run
         self.password = cfg.requirepass
+        # Every open connection, oldest first (CLIENT LIST, CLIENT KILL): the server's registry
+        self.clients: Callable[[], Iterable[ClientConnection]] = lambda: ()
 
     def table(self) -> dict[bytes, Handler]:
         return {
@@ -154,7 +163,7 @@ class SessionCommands:
             (b"server", resp.bulk(b"redis" if compat else b"kvcache")),
             (b"version", resp.bulk((REDIS_VERSION if compat else __version__).encode())),
             (b"proto", resp.integer(proto)), (b"id", resp.integer(conn.id)),
-            (b"mode", resp.bulk(b"standalone")), (b"role", resp.bulk(b"replica")),
+            (b"mode", resp.bulk(b"standalone")), (b"role", resp.bulk(b"master")),
             (b"modules", resp.array([], proto)),
         ]
         return resp.map_([(resp.bulk(k), v) for k, v in info], proto)
@@ -193,7 +202,7 @@ class SessionCommands:
             raise CommandError("ERR wrong number of arguments for 'client' command")
         sub = args[1].lower()
         want = CLIENT_ARITY.get(sub)
-        if (want is not None and len(args) != want) or (sub == b"tracking" and len(args) < 3):
+        if (want is not None and len(args) != want) or len(args) < CLIENT_MIN_ARITY.get(sub, 0):
             raise CommandError(f"ERR wrong number of arguments for 'client|{sub.decode(errors='replace')}' command")
         if sub == b"getname":
             return resp.bulk(conn.name or None, conn.proto)
@@ -213,16 +222,26 @@ class SessionCommands:
         if sub == b"id":
             return resp.integer(conn.id)
         if sub == b"info":
-            return resp.verbatim(conn.client_info(), conn.proto)
+            return resp.verbatim(conn.client_info(_argv_mem(args)), conn.proto)
+        if sub == b"list":
+            return self.client_list(conn, args)
+        if sub == b"kill":
+            return self.client_kill(conn, args)
         if sub == b"reply":
             mode = args[2].lower()
             if mode not in (b"on", b"off", b"skip"):
                 raise CommandError("ERR syntax error")
             return conn.set_reply_mode(mode)
         if sub in (b"no-evict", b"no-touch"):
-            # kvcache evicts no client for memory and keeps no LRU/LFU: both are true either way
-            if args[2].lower() not in (b"on", b"off"):
+            # kvcache evicts no client for memory and keeps no LRU/LFU: both are true either
+            # way; the flag is kept only for CLIENT LIST's flags (e, T), as Redis shows it
+            on = args[2].lower()
+            if on not in (b"on", b"off"):
                 raise CommandError("ERR syntax error")
+            if sub == b"no-evict":
+                conn.no_evict = on == b"on"
+            else:
+                conn.no_touch = on == b"on"
             return resp.OK
         if sub == b"tracking":
             tracking = parse_tracking(args, conn, lambda i: self.tracking.connection(i) is not None)
@@ -238,6 +257,92 @@ class SessionCommands:
         if sub == b"trackinginfo":
             return tracking_info(conn)
         raise CommandError(f"ERR unknown subcommand '{args[1].decode(errors='replace')[:64]}'. Try CLIENT HELP.")
+
+    def client_list(self, conn: ClientConnection, args: list[bytes]) -> Reply:
+        """CLIENT LIST [TYPE type | ID id ...], as Redis 7.4 (networking.c): one line per
+        connection, oldest first; IDs that match no connection are left out."""
+        if len(args) == 4 and args[2].lower() == b"type":
+            kind = _client_type(args[3])
+            chosen = [c for c in self.clients() if c.client_type == kind]
+        elif len(args) > 3 and args[2].lower() == b"id":
+            ids = [_integer(a, "ERR Invalid client ID") for a in args[3:]]
+            by_id = {c.id: c for c in self.clients()}
+            chosen = [by_id[i] for i in ids if i in by_id]
+        elif len(args) != 2:
+            raise CommandError("ERR syntax error")
+        else:
+            chosen = list(self.clients())
+        argv_mem = _argv_mem(args)
+        text = "".join(c.client_info(argv_mem if c is conn else 0) for c in chosen)
+        return resp.verbatim(text, conn.proto)
+
+    def client_kill(self, conn: ClientConnection, args: list[bytes]) -> Reply:
+        """CLIENT KILL addr:port (+OK, or `No such client`; the caller may kill itself) or
+        CLIENT KILL <filter> <value> ... (how many were killed; SKIPME yes by default), as
+        Redis 7.4. The caller, when killed, is closed once this reply is written."""
+        addr = laddr = kind = None
+        client_id = max_age = 0
+        skipme = True
+        if len(args) == 3:
+            addr = args[2].decode(errors="replace")
+            skipme = False  # the old form may kill the caller itself
+        else:
+            i = 2
+            while i < len(args):
+                opt = args[i].lower()
+                if i + 1 >= len(args):
+                    raise CommandError("ERR syntax error")
+                value = args[i + 1]
+                if opt == b"id":
+                    client_id = _integer(value, "ERR client-id should be greater than 0")
+                    if client_id < 1:
+                        raise CommandError("ERR client-id should be greater than 0")
+                elif opt == b"maxage":
+                    max_age = _integer(value, "ERR maxage is not an integer or out of range")
+                    if max_age <= 0:
+                        raise CommandError("ERR maxage should be greater than 0")
+                elif opt == b"type":
+                    kind = _client_type(value)
+                elif opt == b"addr":
+                    addr = value.decode(errors="replace")
+                elif opt == b"laddr":
+                    laddr = value.decode(errors="replace")
+                elif opt == b"user":
+                    if value != b"default":  # the one user there is (see AUTH)
+                        raise CommandError(f"ERR No such user '{value.decode(errors='replace')}'")
+                elif opt == b"skipme":
+                    yes_no = value.lower()
+                    if yes_no not in (b"yes", b"no"):
+                        raise CommandError("ERR syntax error")
+                    skipme = yes_no == b"yes"
+                else:
+                    raise CommandError("ERR syntax error")
+                i += 2
+        now = time.monotonic_ns()
+        killed = 0
+        for c in list(self.clients()):
+            if addr is not None or laddr is not None:
+                peer, local = c.addresses()
+                if (addr is not None and peer != addr) or (laddr is not None and local != laddr):
+                    continue
+            if kind is not None and c.client_type != kind:
+                continue
+            if client_id and c.id != client_id:
+                continue
+            if c is conn and skipme:
+                continue
+            if max_age and (now - c.created) // 1_000_000_000 < max_age:
+                continue
+            if c is conn:
+                conn.close_after_reply()  # after this reply, as Redis's CLOSE_AFTER_REPLY
+            else:
+                c.kill()
+            killed += 1
+        if len(args) == 3:
+            if not killed:
+                raise CommandError("ERR No such client")
+            return resp.OK
+        return resp.integer(killed)
 
     # ------------------------------------------------------------------ transactions
 
@@ -256,6 +361,7 @@ class SessionCommands:
             return self.transactions.exec(conn, lambda queued: self.run(conn, queued))
         finally:
             conn.in_exec = False
+            conn.last_cmd = b"exec"  # as Redis: the queued commands do not show as the last one
 
     def discard(self, conn: ClientConnection, args: list[bytes]) -> Reply:
         _arity(args, 1)
@@ -304,6 +410,26 @@ class SessionCommands:
 def _arity(args: list[bytes], n: int) -> None:
     if len(args) != n:
         raise CommandError(f"ERR wrong number of arguments for '{args[0].decode(errors='replace').lower()}' command")
+
+
+def _argv_mem(args: list[bytes]) -> int:
+    """CLIENT LIST's argv-mem of the command running: its arguments' bytes (Redis's
+    argv_len_sum)."""
+    return sum(map(len, args))
+
+
+def _integer(raw: bytes, error: str) -> int:
+    """A 64-bit integer argument as Redis reads one (string2ll), or CommandError(error)."""
+    if not re.fullmatch(rb"0|-?[1-9][0-9]*", raw) or not -(1 << 63) <= int(raw) < 1 << 63:
+        raise CommandError(error)
+    return int(raw)
+
+
+def _client_type(raw: bytes) -> str:
+    kind = CLIENT_TYPES.get(raw.decode(errors="replace").lower())
+    if kind is None:
+        raise CommandError(f"ERR Unknown client type '{raw.decode(errors='replace')}'")
+    return kind
 
 
 def client_attr(value: bytes, what: str) -> bytes:

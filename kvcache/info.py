@@ -20,10 +20,27 @@ if TYPE_CHECKING:
     from .server_tracking import Tracking
     from .stats import Stats
 
-DEFAULT_SECTIONS = frozenset({"server", "clients", "stats", "buckets", "peers"})
+DEFAULT_SECTIONS = frozenset({"server", "clients", "stats", "replication", "buckets", "peers"})
 # The Redis version kvcache answers as: INFO's redis_version, and HELLO's version with
 # compat_identity (client-side caches ask for 7.4: redis-py, Jedis)
 REDIS_VERSION = "7.4.0"
+
+
+# `# Replication` as redis-server 7.x prints it for a master with no replicas (field names and
+# order: server.c, genRedisInfoString). kvcache is a replica of NATS, not of a Redis: no Redis
+# replicates from it and it from none, so to a Redis client it is a master with no replicas,
+# which is what clients that look (valkey-glide asks INFO REPLICATION at connect for
+# `role:master`) must read. Values: docs/info.md.
+NO_REPLID = "0" * 40
+
+
+def _replication(replid: str) -> list[tuple[str, object]]:
+    return [
+        ("role", "master"), ("connected_slaves", 0), ("master_failover_state", "no-failover"),
+        ("master_replid", replid), ("master_replid2", NO_REPLID), ("master_repl_offset", 0),
+        ("second_repl_offset", -1), ("repl_backlog_active", 0), ("repl_backlog_size", 0),
+        ("repl_backlog_first_byte_offset", 0), ("repl_backlog_histlen", 0),
+    ]
 
 
 class Info:
@@ -37,6 +54,8 @@ class Info:
         self.access = access
         self.tracking = tracking
         self.pubsub = pubsub
+        # As Redis makes one at start: 40 random hex digits, new with every process
+        self.replid = os.urandom(20).hex()
 
     def sections(self) -> dict[str, list[tuple[str, object]]]:
         st, cfg, policy = self.stats, self.cfg, self.policy
@@ -78,6 +97,7 @@ class Info:
                 *(self.pubsub.info() if self.pubsub else []),
                 ("notify_keyspace_events", self.pubsub.flags if self.pubsub else ""),
             ],
+            "replication": _replication(self.replid),
             "buckets": [(name, _fields(
                 synced=int(f.synced), keys=policy.replica.count(name), applied_seq=f.meta.applied_seq,
                 upstream_seq=max(f.upstream_seq, f.meta.applied_seq), lag_ms=f.lag_ms(),

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, cast
 
 from . import native, resp
 from .errors import KvcacheError, ProtocolError
-from .server_get import FLUSH_AT
+from .server_get import FLUSH_AT, GET_CMD
 
 if TYPE_CHECKING:
     from .commands import Commands
@@ -64,6 +64,7 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
     reader, proto and the flags) is GetConnection's, in C when built; the rest is here."""
 
     __slots__ = (
+        "_busy_argv",
         "_drop_busy",
         "_in_process",
         "_pushq",
@@ -75,6 +76,7 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         "after_reply",
         "authenticated",
         "channels",
+        "created",
         "exec_keys",
         "gate",
         "id",
@@ -85,6 +87,8 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         "multi_failed",
         "name",
         "needs_auth",
+        "no_evict",
+        "no_touch",
         "patterns",
         "srv",
         "tracking",
@@ -97,6 +101,7 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
                          WIRE.RequestReader(srv.cfg.max_request_bytes, srv.cfg.max_args))
         self.srv = srv
         self.id = conn_id
+        self.created = time.monotonic_ns()  # CLIENT LIST's age
         self.name = b""
         self.lib_name = b""  # CLIENT SETINFO
         self.lib_ver = b""
@@ -132,6 +137,8 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         self._reply_off = self._skip = self._skip_next = False
         self._drop_busy = False  # the reply of the command in flight is to be dropped
         self._muted = self.gate
+        self.no_evict = self.no_touch = False  # CLIENT NO-EVICT / NO-TOUCH: shown, nothing more
+        self._busy_argv = 0  # argument bytes of the command waiting for NATS (argv-mem)
 
     @property
     def subscribed(self) -> bool:
@@ -185,16 +192,37 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         srv.gets.defer = len(srv.connections) >= DEFER_FROM
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._unregister()
+        self._closing = True
+        self._disarm_stall()
+        if self._busy is not None:
+            self._busy.cancel()
+
+    def _unregister(self) -> None:
+        """Out of the server's registry (CLIENT LIST, REDIRECT targets, max_clients) and the
+        command layer's state (tracking, subscriptions, WATCH); once only."""
         srv = self.srv
         if srv.by_id.pop(self.id, None) is not None:
             srv.commands.forget(self)
         srv.connections.discard(self)
         srv.stats.connected_clients = len(srv.connections)
         srv.gets.defer = len(srv.connections) >= DEFER_FROM
+
+    def kill(self) -> None:
+        """CLIENT KILL of another connection, as Redis's freeClient: gone from the registry
+        at once (a CLIENT LIST after it in the same pipeline does not show it), nothing more
+        read or answered (a reply waiting for NATS is dropped), then closed by the usual path
+        (connection_lost follows). Output still queued is discarded, as Redis does, so a
+        client that reads nothing cannot hold the connection open."""
+        if self._closing and self.id not in self.srv.by_id:
+            return
         self._closing = True
-        self._disarm_stall()
-        if self._busy is not None:
-            self._busy.cancel()
+        self._unregister()
+        transport = self.transport
+        if transport.get_write_buffer_size():
+            transport.abort()
+        else:
+            transport.close()
 
     def eof_received(self) -> bool:
         # Keep the write side open: a client may half-close after its last request and still
@@ -289,6 +317,7 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
                     if answered:
                         local += answered
                         notfound += nf
+                        self.last_cmd = GET_CMD
                         out.append(replies)
                         size += len(replies)
                         if size >= FLUSH_AT:
@@ -339,6 +368,7 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
                     self.transport.write(b"".join(out))
                     out.clear()
                 self.transport.pause_reading()
+                self._busy_argv = sum(map(len, args))  # held until it is answered (argv-mem)
                 # the command itself is the task (not a wrapper awaiting it), so cancelling it
                 # on connection_lost, even before it started, closes the coroutine
                 busy = self._busy = asyncio.ensure_future(cast("Awaitable[bytes]", reply))
@@ -361,6 +391,8 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         it), read again."""
         if self._busy is task:
             self._busy = None
+        self._busy_argv = 0
+        self._last_io = time.monotonic_ns()  # a reply written: Redis's lastinteraction too
         drop, self._drop_busy = self._drop_busy, False
         if task.cancelled():  # by connection_lost, or (a bug) from inside: say so, go on
             reply = resp.error("ERR request cancelled")
@@ -422,15 +454,65 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         self._drop_busy = True
         return reply
 
-    def client_info(self) -> str:
-        """CLIENT INFO's line: the fields of Redis's that kvcache knows, in Redis's format."""
-        addr = laddr = f"{self.srv.path}:0"
-        if self.needs_auth and self.transport is not None:  # TCP
-            peer, local = (self.transport.get_extra_info(k) for k in ("peername", "sockname"))
-            addr, laddr = f"{peer[0]}:{peer[1]}", f"{local[0]}:{local[1]}"
-        return (f"id={self.id} addr={addr} laddr={laddr} "
-                f"name={self.name.decode()} db=0 resp={self.proto} "
-                f"lib-name={self.lib_name.decode()} lib-ver={self.lib_ver.decode()}\n")
+    # ------------------------------------------------------------------ CLIENT LIST / INFO / KILL
+
+    @property
+    def unix(self) -> bool:
+        return not self.needs_auth  # (needs_auth: a TCP connection, whatever AUTH says)
+
+    @property
+    def client_type(self) -> str:
+        """Redis's client type (CLIENT LIST TYPE, CLIENT KILL TYPE): `pubsub` with at least
+        one subscription (in either protocol, as Redis's CLIENT_PUBSUB), else `normal`."""
+        return "pubsub" if (self.channels or self.patterns) else "normal"
+
+    def addresses(self) -> tuple[str, str]:
+        """(addr, laddr) as Redis shows them: `ip:port` for TCP, `<socket path>:0` for both
+        ends of a Unix socket connection."""
+        if self.unix or self.transport is None:
+            path = f"{self.srv.path}:0"
+            return path, path
+        peer, local = (self.transport.get_extra_info(k) for k in ("peername", "sockname"))
+        return _tcp_address(peer), _tcp_address(local)
+
+    def client_info(self, argv_mem: int = 0) -> str:
+        """This connection's CLIENT LIST / CLIENT INFO line: Redis 7.4's fields in its order
+        (networking.c, catClientInfoString), each as docs/commands.md says kvcache fills it.
+        `argv_mem`: the arguments of the command running now (the caller's own CLIENT LIST)."""
+        now = time.monotonic_ns()
+        addr, laddr = self.addresses()
+        transport = self.transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        fd = sock.fileno() if sock is not None else -1
+        pending = transport.get_write_buffer_size() if transport is not None else 0
+        qbuf = self.reader.buffered
+        # Redis's measure of a queued transaction: argument bytes and a pointer per argument
+        multi_mem = sum(sum(map(len, cmd)) + 8 * len(cmd) for cmd in self.multi) if self.multi is not None else 0
+        argv_mem = argv_mem or self._busy_argv
+        t = self.tracking
+        events = ("r" if transport is not None and not self._closing and transport.is_reading() else "") + (
+            "w" if pending else "")
+        name = self.name.decode()
+        cmd = self.last_cmd.decode() if self.last_cmd is not None else "NULL"
+        return (f"id={self.id} addr={addr} laddr={laddr} fd={fd} name={name} "
+                f"age={(now - self.created) // 1_000_000_000} "
+                f"idle={max(0, now - self._last_io) // 1_000_000_000} flags={self._flags()} db=0 "
+                f"sub={len(self.channels)} psub={len(self.patterns)} ssub=0 "
+                f"multi={len(self.multi) if self.multi is not None else -1} watch={len(self.watching)} "
+                f"qbuf={qbuf} qbuf-free=0 argv-mem={argv_mem} multi-mem={multi_mem} rbs=0 rbp=0 "
+                f"obl=0 oll=0 omem={pending} tot-mem={qbuf + argv_mem + multi_mem + pending} "
+                f"events={events} cmd={cmd} user=default redir={t.redirect if t is not None else -1} "
+                f"resp={self.proto} lib-name={self.lib_name.decode()} lib-ver={self.lib_ver.decode()}\n")
+
+    def _flags(self) -> str:
+        """Redis's flag letters, in its order, for the states kvcache has (N: none)."""
+        t = self.tracking
+        flags = "".join(letter for letter, on in (
+            ("P", self.channels or self.patterns), ("x", self.multi is not None),
+            ("t", t is not None), ("R", t is not None and t.broken), ("B", t is not None and t.bcast),
+            ("d", self.watch_dirty), ("c", self._closing), ("U", self.unix),
+            ("e", self.no_evict), ("T", self.no_touch)) if on)
+        return flags or "N"
 
     def _protocol_error(self, e: ProtocolError) -> None:
         """Framing is lost: say why, then close, as Redis does."""
@@ -481,6 +563,8 @@ class RespServer:
         self.connections: set[ClientConnection] = set()
         self.by_id: dict[int, ClientConnection] = {}  # REDIRECT targets, by CLIENT ID
         commands.tracking.connection = self.by_id.get
+        # CLIENT LIST / KILL: every connection, oldest first (ids grow), as Redis lists them
+        commands.session.clients = self.by_id.values
         self.push_limit = cfg.pubsub_max_output_bytes
         self._tcp: asyncio.Server | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -571,6 +655,12 @@ class RespServer:
                 os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def _tcp_address(addr: tuple) -> str:
+    """`ip:port` as Redis writes it (anetFormatAddr): `[ip]:port` for IPv6."""
+    host = addr[0]
+    return f"[{host}]:{addr[1]}" if ":" in host else f"{host}:{addr[1]}"
 
 
 def _no_plan(key: bytes) -> bool:

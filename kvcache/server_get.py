@@ -56,6 +56,8 @@ FRESH_VERDICT_S = 0.001
 BULK_HEADER = [b"$%d\r\n" % n for n in range(10_000)]
 
 _monotonic = time.monotonic
+_monotonic_ns = time.monotonic_ns
+GET_CMD = b"get"  # CLIENT LIST's cmd after GETs this path answered
 
 Planner = Callable[[bytes], "Plan | Literal[False]"]
 # kvcache.keys.KEY_RE over bytes, at most MAX_LMDB_KEY long (a longer key is stored under a
@@ -234,9 +236,11 @@ class GetConnection:
         "_closing",
         "_draining",
         "_eof",
+        "_last_io",
         "_muted",
         "_paused_writing",
         "gets",
+        "last_cmd",
         "proto",
         "reader",
         "stats",
@@ -257,10 +261,15 @@ class GetConnection:
         # CLIENT REPLY OFF or SKIP in force: replies are dropped per command, which only the
         # generic loop (_process) counts, so this path answers nothing itself meanwhile
         self._muted = False
+        # CLIENT LIST's idle and cmd: when the client last sent anything (monotonic ns), and
+        # the last command run (GET here; the generic path sets the others)
+        self._last_io = _monotonic_ns()
+        self.last_cmd: bytes | None = None
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
             return
+        self._last_io = _monotonic_ns()
         if self._busy is not None or self._paused_writing or self._draining:
             self.reader.feed(data)
             return
@@ -272,6 +281,7 @@ class GetConnection:
         replies, local, notfound, more = self.gets.answer(self.reader, data, self.proto, FLUSH_AT)
         if local:
             self._count(local, notfound)
+            self.last_cmd = GET_CMD
         if replies:
             self.transport.write(replies)
         if t0 and local:

@@ -593,7 +593,7 @@ def test_info(env, r, kc):
     st = r.info("stats")
     assert {"gets_local", "gets_remote", "gets_notfound", "remote_errors"} <= set(st)
     assert "main" not in st and "connected_clients" not in st
-    assert set(kc.info()) == {"server", "clients", "stats", "buckets", "peers"}
+    assert set(kc.info()) == {"server", "clients", "stats", "replication", "buckets", "peers"}
     assert kc.info("buckets")["buckets"]["main"]["synced"] == 1
 
 

@@ -212,7 +212,7 @@ def test_bucket_in_nats_but_not_configured(one_bucket_sidecar):
 def test_info_unknown_section(one_bucket_sidecar):
     sc = one_bucket_sidecar
     one_line_error(run_cli("info", "--socket", sc.socket, "nosuchsection"), 2,
-                   "no INFO section 'nosuchsection'", "server, clients, stats, buckets, peers")
+                   "no INFO section 'nosuchsection'", "server, clients, stats, replication, buckets, peers")
     result = run_cli("info", "--socket", sc.socket, "buckets")
     assert result.returncode == 0 and "configured:synced=1" in result.stdout
 
