@@ -120,11 +120,14 @@ cdef class _Plan:
 
 
 cdef inline bint _kv_key(const unsigned char* k, Py_ssize_t n) noexcept nogil:
-    """kvcache.keys.KEY_RE in C (tests/test_keys.py holds them equal): dot-separated tokens of [-/_=a-zA-Z0-9]; at most 511 bytes
-    (a longer key is stored under a digest: the planner handles it)."""
+    """kvcache.keys.readable_key in C (tests/test_keys.py holds them equal): dot-separated
+    tokens of [-/_=a-zA-Z0-9], not starting with the reserved `_kv`; at most 511 bytes (a
+    longer key is stored under a digest: the planner handles it)."""
     cdef Py_ssize_t i
     cdef unsigned char c
     if n == 0 or n > 511 or k[0] == 46 or k[n - 1] == 46:
+        return False
+    if n >= 3 and k[0] == 95 and k[1] == 107 and k[2] == 118:  # `_kv`: reserved (ADR-8)
         return False
     for i in range(n):
         c = k[i]

@@ -21,7 +21,7 @@ from .config import BucketConfig, Config
 from .entry import Entry, Operation
 from .errors import CommandError, KvcacheError, ReplyBudget, ReplyTooLarge
 from .info import Info
-from .keys import glob_matcher
+from .keys import glob_matcher, reserved_key
 from .keyspace_events import parse_flags
 from .latency import Latency
 from .readpolicy import STALE_SOURCE, ReadPolicy
@@ -699,7 +699,7 @@ class Commands:
         bucket, glob, shown = self._pattern_target(args[1])
         match = glob_matcher(glob)
         out = [resp.bulk((shown + k).encode(), conn.proto)
-               for _, k in self.replica.iter_keys(bucket, live=True) if match(k)]
+               for _, k in self.replica.iter_keys(bucket, live=True) if match(k) and not reserved_key(k)]
         return resp.array(out, conn.proto)
 
     @arity(2, exact=False)
@@ -728,7 +728,7 @@ class Commands:
         for lkey, key in self.replica.iter_keys(bucket, after=after, limit=count, live=True):
             last = lkey
             n += 1
-            if match(key):
+            if match(key) and not reserved_key(key):  # (a reserved key reads as an error)
                 found.append(resp.bulk((shown + key).encode(), conn.proto))
         next_cursor = 0
         if n == count and last is not None:

@@ -18,11 +18,26 @@ TOKEN = f"[{TOKEN_CHARS}]+"
 # would end the NATS protocol line of the Direct Get request built from it.
 KEY_RE = re.compile(rf"{TOKEN}(?:\.{TOKEN})*")
 KEY_TOKEN_RE = re.compile(TOKEN)
+# ADR-8: keys starting with `_kv` are for NATS's own use. kvcache reads none (every read
+# command answers an error naming the rule; KEYS and SCAN list none), so a key an application
+# should not have written reads the same everywhere instead of nil here and a value there.
+RESERVED_PREFIX = "_kv"
 
 
 def valid_key(key: str) -> bool:
     """Is `key` a KV key (ADR-8)?"""
     return KEY_RE.fullmatch(key) is not None
+
+
+def reserved_key(key: str) -> bool:
+    """Does `key` start with ADR-8's reserved `_kv`?"""
+    return key.startswith(RESERVED_PREFIX)
+
+
+def readable_key(key: str) -> bool:
+    """May a read name `key`: a KV key, not reserved (the GET fast path's C check is held
+    to this: tests/test_keys.py)."""
+    return KEY_RE.fullmatch(key) is not None and not key.startswith(RESERVED_PREFIX)
 
 
 def valid_filter(f: str) -> bool:

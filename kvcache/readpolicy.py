@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from .entry import Entry, Operation
 from .errors import CommandError, KvcacheError, ReplyBudget, UpstreamError
-from .keys import KEY_RE
+from .keys import KEY_RE, RESERVED_PREFIX
 from .nearcache import absent, is_absent, revision_of
 from .record import LONG_KEY_PREFIX, NEVER, RECORD, Record, decode_record, encode_record, expiry, lmdb_key
 
@@ -109,6 +109,9 @@ class ReadPolicy:
         if not KEY_RE.fullmatch(key):
             raise CommandError(f"ERR invalid key '{key[:64]}': KV keys use A-Z a-z 0-9 - / _ = "
                                "and dots between tokens")
+        if key.startswith(RESERVED_PREFIX):
+            raise CommandError(f"ERR invalid key '{key[:64]}': keys starting with {RESERVED_PREFIX} are "
+                               "reserved for NATS's own use (ADR-8)")
         return bc, key
 
     def _in_filters(self, bucket: str, key: str) -> bool:

@@ -36,7 +36,7 @@ from bisect import bisect_left
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal, cast
 
-from .keys import TOKEN_CHARS
+from .keys import RESERVED_PREFIX, TOKEN_CHARS
 from .latency import BOUNDS_NS
 from .readpolicy import Plan
 from .record import MAX_LMDB_KEY, RECORD, live_value
@@ -60,9 +60,11 @@ _monotonic_ns = time.monotonic_ns
 GET_CMD = b"get"  # CLIENT LIST's cmd after GETs this path answered
 
 Planner = Callable[[bytes], "Plan | Literal[False]"]
-# kvcache.keys.KEY_RE over bytes, at most MAX_LMDB_KEY long (a longer key is stored under a
-# digest: the planner handles it); the C twin is server_get.pyx's _kv_key
-_DIRECT_KEY = re.compile(rb"[%s]+(?:\.[%s]+)*" % (TOKEN_CHARS.encode(), TOKEN_CHARS.encode()))
+# kvcache.keys.readable_key over bytes (KEY_RE, not starting with the reserved `_kv`), at most
+# MAX_LMDB_KEY long (a longer key is stored under a digest: the planner handles it); the C
+# twin is server_get.pyx's _kv_key
+_DIRECT_KEY = re.compile(rb"(?!%s)[%s]+(?:\.[%s]+)*" % (
+    RESERVED_PREFIX.encode(), TOKEN_CHARS.encode(), TOKEN_CHARS.encode()))
 
 
 class LocalGets:

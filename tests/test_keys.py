@@ -25,15 +25,17 @@ pytestmark = pytest.mark.skipif(native_get is None or native_resp is None,
 # dots everywhere, and the 511-byte LMDB limit the fast path stops at.
 EDGES = ([bytes([b]) for b in range(256)] + [b"a" + bytes([b]) + b"b" for b in range(256)]
          + [b"", b".", b"..", b"a.", b".a", b"a..b", b"a.b", b"a.b.c", b"-/_=", b"*", b">", b"a.*",
-            b"a" * 511, b"a" * 512, b"a." * 200 + b"a", "ключ".encode(), b"a:b"])
-_ALPHABET = b"abzAZ09-/_=.:*> \r\n\x00\xff"
+            b"a" * 511, b"a" * 512, b"a." * 200 + b"a", "ключ".encode(), b"a:b",
+            # ADR-8's reserved prefix, and keys near it
+            b"_kv", b"_kv.x", b"_kvx", b"_kv_", b"_k", b"_k.v", b"_KV.x", b"_kV", b"a._kv", b"x_kv", b"__kv"])
+_ALPHABET = b"abzAZ09-/_=.:*> \r\n\x00\xffkv"
 generated = st.one_of(st.binary(max_size=40), st.lists(st.sampled_from(list(_ALPHABET)), max_size=40).map(bytes))
 
 
 def python_valid(raw: bytes) -> bool:
-    """keys.valid_key on a raw key, as the server's planner sees it (UTF-8 or invalid)."""
+    """keys.readable_key on a raw key, as the server's planner sees it (UTF-8 or invalid)."""
     try:
-        return keys.valid_key(raw.decode())
+        return keys.readable_key(raw.decode())
     except UnicodeDecodeError:
         return False
 
