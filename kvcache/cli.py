@@ -3,20 +3,30 @@ non-zero exit on any failure."""
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import sys
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__, logformat
 from .config import Config, load, validate_nats_auth
 from .errors import ConfigError, KvcacheError
 
+if TYPE_CHECKING:
+    from .client import Client
+
 EXIT_CONFIG = 2
 EXIT_RUNTIME = 1
 
 
+class _NoCommand(Exception):
+    """`kvcache` with no subcommand: main() lists them."""
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # argparse exits 2 with usage; keep it to one line
+        if message == "the following arguments are required: command":
+            raise _NoCommand
         # main() prints "kvcache: error: ..."; name the subcommand's help, not a second prefix
         raise ConfigError(f"{message} (see {self.prog} --help)")
 
@@ -194,9 +204,36 @@ def build_parser() -> argparse.ArgumentParser:
 _NOT_CONFIG = {"command", "config", "key", "entry", "section", "ready"}
 
 
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def _command_list(parser: argparse.ArgumentParser) -> str:
+    """What bare `kvcache` prints: each subcommand and what it does, one line each."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {a.dest: a.help or "" for a in sub._choices_actions}
+    width = max(map(len, helps))
+    rows = [f"  {name:<{width}}  {text}" for name, text in helps.items()]
+    return "\n".join(["usage: kvcache <command> [options]", "", "commands:", *rows, "",
+                      "`kvcache <command> --help` lists a command's options; `kvcache --version` "
+                      "prints the version."])
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The arguments; a mistake raises ConfigError naming the help of the subcommand it was
+    made in (`kvcache serve --nosuch`: see kvcache serve --help, not kvcache --help)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        where = _subcommands(parser).get(args.command, parser)
+        where.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        args = _parse(argv)
         if args.command in ("load", "hotkeys"):
             _require_spark(args.command)  # before anything is done (load creates buckets)
             from .pipeline import hotkeys
@@ -205,14 +242,57 @@ def main(argv: list[str] | None = None) -> int:
         overrides = {k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}
         cfg = load(args.config, overrides=overrides)
         return {"serve": _serve, "get": _get, "info": _info, "health": _health}[args.command](cfg, args)
+    except _NoCommand:
+        given = sys.argv[1:] if argv is None else argv
+        if given:  # options but no command: say what was not understood, then the list
+            print(f"kvcache: error: no command in: {' '.join(given)}", file=sys.stderr)
+        print(_command_list(build_parser()), file=sys.stderr)
+        return EXIT_CONFIG
     except ConfigError as e:
         print(f"kvcache: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     except KvcacheError as e:
-        print(f"kvcache: error: {e}", file=sys.stderr)
+        print(f"kvcache: error: {_server_words(e)}", file=sys.stderr)
         return EXIT_RUNTIME
     except KeyboardInterrupt:
         return 130
+
+
+def _server_words(e: KvcacheError) -> str:
+    """An error reply of the sidecar without Redis's `ERR ` code: after `kvcache: error:` it
+    would say error twice (`kvcache: error: ERR invalid key ...`)."""
+    text = str(e)
+    from .client import ResponseError
+    if isinstance(e, ResponseError) and text.startswith("ERR "):
+        return text[4:]
+    return text
+
+
+def _unreachable(e: Exception, path: str) -> KvcacheError:
+    """The sidecar's socket could not be opened: why, and what to check."""
+    cause = e.__cause__ if isinstance(e.__cause__, OSError) else e
+    why = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
+    code = cause.errno if isinstance(cause, OSError) else None
+    if code in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK):
+        return KvcacheError(f"cannot connect to the sidecar: {why}; is the sidecar running? (socket {path}: "
+                            "--socket, --data-dir or KVCACHE_SOCKET choose it)")
+    if code in (errno.EACCES, errno.EPERM):
+        return KvcacheError(f"cannot connect to the sidecar: {why}; may this user open its socket? "
+                            f"(socket {path}: its mode is the sidecar's socket_mode)")
+    return KvcacheError(str(e))
+
+
+def _client(path: str, timeout: float | None = 5.0) -> Client:
+    """A connected kvcache.client.Client, or one line saying why there is none."""
+    from .client import Client, ConnectionFailed
+
+    c = Client(path, timeout=timeout)
+    try:
+        c.ping()
+    except ConnectionFailed as e:
+        c.close()
+        raise _unreachable(e, path) from None
+    return c
 
 
 def _require_spark(command: str) -> None:
@@ -245,9 +325,7 @@ def _serve(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def _get(cfg: Config, args: argparse.Namespace) -> int:
-    from .client import Client
-
-    with Client(cfg.socket_path) as c:
+    with _client(cfg.socket_path) as c:
         if args.entry:
             e = c.entry(args.key)
             if e is None:
@@ -265,9 +343,7 @@ def _get(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def _info(cfg: Config, args: argparse.Namespace) -> int:
-    from .client import Client
-
-    with Client(cfg.socket_path) as c:
+    with _client(cfg.socket_path) as c:
         text = c.execute("INFO", *([args.section] if args.section else []))
         text = text.decode() if isinstance(text, bytes) else text
         if args.section and not text.strip():

@@ -120,7 +120,8 @@ def test_nats_without_a_bucket(tmp_path, nats_server):
     (["--access-log-files", "-1"], ["access_log_files not negative"]),
     (["--socket-mode", "999"], ["not an octal file mode: 999"]),
     (["--max-clients", "many"], ["argument --max-clients: invalid int value: 'many'", "kvcache serve --help"]),
-    (["--no-such-flag"], ["unrecognized arguments: --no-such-flag"]),
+    (["--no-such-flag"], ["unrecognized arguments: --no-such-flag", "(see kvcache serve --help)"]),
+    (["--buckets", "x"], ["unrecognized arguments: --buckets x", "(see kvcache serve --help)"]),
     (["--socket", "/tmp/" + "s" * 120 + ".sock"], ["socket path is too long"]),
     (["--log-level", "loud"], ["log_level must be"]),
 ])
@@ -158,11 +159,33 @@ def test_socket_path_taken_by_a_file(tmp_path):
     assert taken.read_text() == "mine"
 
 
+def test_bare_kvcache_lists_the_subcommands():
+    """No subcommand: the list of them, one line each, not argparse's 'the following
+    arguments are required: command'; exit 2 (a usage mistake)."""
+    result = run_cli()
+    assert result.returncode == 2 and result.stdout == ""
+    assert "Traceback" not in result.stderr and "required" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[0] == "usage: kvcache <command> [options]"
+    names = ["serve", "get", "info", "health", "load", "hotkeys"]
+    rows = [line.split() for line in lines if line.startswith("  ")]
+    assert [r[0] for r in rows] == names
+    assert all(len(r) > 2 for r in rows)  # each with what it does
+    assert "kvcache <command> --help" in result.stderr
+    # options but no command: what was not understood, then the same list
+    result = run_cli("--nosuch")
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[0] == "kvcache: error: no command in: --nosuch"
+    assert [line.split()[0] for line in result.stderr.splitlines() if line.startswith("  ")] == names
+
+
 def test_argparse_errors_have_one_prefix():
     line = one_line_error(run_cli("serve", "--max-clients"), 2, "argument --max-clients: expected one argument")
     assert "kvcache serve:" not in line
     one_line_error(run_cli("nosuchcommand"), 2, "invalid choice: 'nosuchcommand'")
     one_line_error(run_cli("get"), 2, "the following arguments are required: key", "kvcache get --help")
+    one_line_error(run_cli("get", "k", "--nosuch"), 2, "unrecognized arguments: --nosuch", "(see kvcache get --help)")
+    one_line_error(run_cli("info", "--entry"), 2, "unrecognized arguments: --entry", "(see kvcache info --help)")
 
 
 # ---------------------------------------------------------------------- load / hotkeys without Spark
@@ -218,6 +241,29 @@ def test_info_unknown_section(one_bucket_sidecar):
 
 
 def test_get_and_info_without_a_sidecar(tmp_path):
-    one_line_error(run_cli("get", "--socket", str(tmp_path / "none.sock"), "k"), 1, "none.sock")
-    one_line_error(run_cli("info", "--data-dir", str(tmp_path)), 1, "kvcache.sock")
+    sock = tmp_path / "none.sock"
+    one_line_error(run_cli("get", "--socket", str(sock), "k"), 1, "none.sock",
+                   "No such file or directory", f"is the sidecar running? (socket {sock}")
+    one_line_error(run_cli("info", "--data-dir", str(tmp_path)), 1, "kvcache.sock",
+                   f"is the sidecar running? (socket {tmp_path / 'kvcache.sock'}")
     assert not os.path.exists(tmp_path / "kvcache.sock")
+    # a socket file nothing listens on (a sidecar that was killed): the same hint
+    import socket
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(sock))
+    stale.close()
+    one_line_error(run_cli("get", "--socket", str(sock), "k"), 1, "Connection refused",
+                   f"is the sidecar running? (socket {sock}")
+
+
+@pytest.mark.parametrize("key, fragments", [
+    ("bad key", ["invalid key 'bad key': KV keys use A-Z a-z 0-9"]),
+    ("a..b", ["invalid key 'a..b'"]),
+    ("_kv.x", ["invalid key '_kv.x': keys starting with _kv are reserved"]),
+    ("configured:_kvx", ["invalid key '_kvx'", "reserved"]),
+])
+def test_get_refused_key_one_clear_line(one_bucket_sidecar, key, fragments):
+    """The sidecar's refusal, said once: no Redis `ERR` code after `kvcache: error:`."""
+    line = one_line_error(run_cli("get", "--socket", one_bucket_sidecar.socket, key), 1, *fragments)
+    assert line.startswith("kvcache: error: invalid key"), line
+    assert "ERR" not in line
