@@ -12,7 +12,8 @@ A row whose ack is an error, a 503 (no JetStream responder: a server restarting)
 arrive in time is sent again after an exponential backoff with jitter, up to `retries` times;
 then it is counted as failed with an example. A row sent twice (a lost ack) is stored twice
 with the same value: the key's final value is the same, which is what makes reruns and
-retries safe. Invalid keys (ADR-8) and null values are counted with examples, never written.
+retries safe. Invalid keys (ADR-8), null values and rows the reader could not read (an optional
+third column holding the unreadable record's text) are counted with examples, never written.
 """
 from __future__ import annotations
 
@@ -207,12 +208,14 @@ class PartitionWriter:
     # ------------------------------------------------------------------ rows
 
     def _accept(self, batch: Any) -> tuple[Any, Any]:
-        """Count the batch; set aside (counted, with examples) rows with an invalid key, a null
-        value or a value over the server's max_payload. Returns the (keys, values) to send."""
+        """Count the batch; set aside (counted, with examples) rows the reader could not read
+        (a non-null third column), rows with an invalid key, a null value or a value over the
+        server's max_payload. Returns the (keys, values) to send."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
         keys, values = batch.column(0), batch.column(1)
+        unreadable = batch.column(2) if batch.num_columns > 2 else None
         if not pa.types.is_binary(values.type) and not pa.types.is_large_binary(values.type):
             values = pc.cast(values, pa.binary())
         r = self.result
@@ -220,10 +223,17 @@ class PartitionWriter:
         ok = pc.and_kleene(pc.match_substring_regex(keys, KEY_RE2),
                            pc.invert(pc.starts_with(keys, RESERVED_PREFIX)))
         ok = pc.and_(pc.fill_null(ok, False), pc.is_valid(values))
+        if unreadable is not None and unreadable.null_count < len(unreadable):
+            ok = pc.and_(ok, pc.is_null(unreadable))
         bad = pc.indices_nonzero(pc.invert(ok))
         if len(bad):
             r.invalid += len(bad)
             for i in bad.to_pylist()[: max(0, self.opts.examples - len(r.invalid_examples))]:
+                record = unreadable[i].as_py() if unreadable is not None else None
+                if record is not None:
+                    text = record if len(record) <= 100 else record[:100] + "..."
+                    r.invalid_examples.append(f"unreadable input row {text!r}")
+                    continue
                 key = keys[i].as_py()
                 r.invalid_examples.append(f"{key!r}: {key_problem(key) or 'null value'}")
         if self.nc is not None:
@@ -431,8 +441,8 @@ def run_partition(opts: WriteOptions, batches: Iterable[Any]) -> PartitionResult
 
 
 def arrow_partition_fn(opts: WriteOptions) -> Callable[[Iterator[Any]], Iterator[Any]]:
-    """The function `DataFrame.mapInArrow` runs per partition: Arrow batches of (key, value)
-    in, one row of counts out."""
+    """The function `DataFrame.mapInArrow` runs per partition: Arrow batches of (key, value[,
+    unreadable]) in, one row of counts out."""
     def write_batches(batches: Iterator[Any]) -> Iterator[Any]:
         import pyarrow as pa
 
