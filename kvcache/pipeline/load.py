@@ -63,9 +63,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttl", type=float, default=0, metavar="S", help="new bucket: value lifetime, 0 = forever")
     p.add_argument("--replicas", type=int, default=1, help="new bucket: stream replicas (1-5)")
     p.add_argument("--skip-invalid", action="store_true",
-                   help="rows with invalid keys are reported but do not make the exit code non-zero")
+                   help="invalid rows (a bad key, a null value, input Spark could not read) are "
+                        "reported but do not make the exit code non-zero")
     p.add_argument("--delimiter", metavar="C", help="CSV field separator (default ',' or tab for .tsv)")
     p.add_argument("--infer-schema", action="store_true", help="CSV: infer column types (default: text)")
+    p.add_argument("--csv-single-line", action="store_true",
+                   help="CSV: no field holds a line break, so Spark may split files across tasks "
+                        "(default: quoted fields may span lines; each file is read by one task)")
     p.add_argument("--multiline", action="store_true", help="JSON: documents span lines (default: JSON lines)")
     p.add_argument("--progress", type=float, default=5.0, metavar="S",
                    help="seconds between progress lines on stderr, 0 = none (default 5)")
@@ -145,7 +149,8 @@ def load(args: argparse.Namespace, err: TextIO | None = None) -> Summary:
     spark, owned = sparkio.session(args.master, "kvcache load")
     try:
         df = sparkio.read(spark, args.inputs, fmt, delimiter=args.delimiter,
-                          infer_schema=args.infer_schema, multiline=args.multiline)
+                          infer_schema=args.infer_schema, multiline=args.multiline,
+                          csv_single_line=args.csv_single_line)
         kv = key_value_frame(df, key, args.value, json_cols)
         want = args.partitions or spark.sparkContext.defaultParallelism
         have = kv.rdd.getNumPartitions()
@@ -159,7 +164,7 @@ def load(args: argparse.Namespace, err: TextIO | None = None) -> Summary:
     except ConfigError:
         raise
     except Exception as e:  # Spark/Py4J: one line, not a JVM stack trace
-        raise UpstreamError(f"load failed: {sparkio.first_line(e)}") from None
+        raise UpstreamError(f"load failed: {sparkio.read_error(e)}") from None
     finally:
         if owned:
             spark.stop()
@@ -185,23 +190,28 @@ def _json_columns(spec: str | None) -> list[str] | None:
 
 def key_value_frame(df: DataFrame, key: KeySpec, value: str | None,
                     json_cols: list[str] | None) -> DataFrame:
-    """Two columns, `key` (string) and `value` (binary), computed by Spark."""
+    """Three columns computed by Spark: `key` (string), `value` (binary) and `unreadable`
+    (string: the input record when Spark could not read the row, else null; see
+    sparkio.UNREADABLE). The writer counts unreadable rows as invalid and never writes them."""
     from pyspark.sql import functions as F
 
+    columns = [c for c in df.columns if c != sparkio.UNREADABLE]
     missing = [c for c in key.columns + ([value] if value else []) + (json_cols or [])
-               if c not in df.columns]
+               if c not in columns]
     if missing:
         raise ConfigError(f"no column {', '.join(repr(c) for c in missing)} in the input "
-                          f"(columns: {', '.join(df.columns)})")
+                          f"(columns: {', '.join(columns)})")
     parts = [F.col(sparkio.quote(t)).cast("string") if is_col else F.lit(t) for t, is_col in key.parts]
     key_col = parts[0] if len(parts) == 1 else F.concat(*parts)
     if value:
         value_col = _as_binary(df, value)
     else:
-        cols = json_cols or df.columns
+        cols = json_cols or columns
         value_col = F.to_json(F.struct(*[F.col(sparkio.quote(c)) for c in cols]),
                               {"ignoreNullFields": "false"}).cast("binary")
-    return df.select(key_col.alias("key"), value_col.alias("value"))
+    unreadable = (F.col(sparkio.UNREADABLE) if sparkio.UNREADABLE in df.columns
+                  else F.lit(None).cast("string"))
+    return df.select(key_col.alias("key"), value_col.alias("value"), unreadable.alias("unreadable"))
 
 
 def _as_binary(df: DataFrame, column: str) -> Column:
