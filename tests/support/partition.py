@@ -646,6 +646,9 @@ class FaultResult:
     t_end: float
     notes: list[str] = field(default_factory=list)
     sidecar_log: str = ""
+    # when the cluster itself was whole again after the heal (the stream led, every replica
+    # current), from the control client: the floor the sidecar's recovery cannot beat
+    t_current: float | None = None
 
 
 FAULTS = {
@@ -776,7 +779,13 @@ def run_fault(env: PartitionEnv, fault: str, cfg: RunConfig, log: Callable[[str]
             time.sleep(cfg.hold)
         heal()
         t_heal = mono()
-        time.sleep(cfg.tail)
+        t_current = None
+        while mono() < t_heal + cfg.tail:
+            if t_current is None:
+                with contextlib.suppress(Exception):
+                    if env.current(stream):
+                        t_current = mono()
+            time.sleep(0.25)
         t_end = mono()
         stop_proc(readers)
         stop_proc(writer)
@@ -794,7 +803,7 @@ def run_fault(env: PartitionEnv, fault: str, cfg: RunConfig, log: Callable[[str]
         env.delete_bucket(bucket)
     check = cfg.check_stale_ms if cfg.check_stale_ms is not None else cfg.max_stale_ms
     verdict = judge(read_acks(wlog), read_reads(rlog), check, (t_fault, t_end), t_heal)
-    return FaultResult(fault, verdict, t_fault, t_heal, t_end, notes, sidecar_log)
+    return FaultResult(fault, verdict, t_fault, t_heal, t_end, notes, sidecar_log, t_current)
 
 
 def _readline(p: subprocess.Popen, timeout: float) -> str:
@@ -819,6 +828,8 @@ def describe(r: FaultResult) -> str:
     if v.failures:
         out.append(f"  failed reads: {v.failures}")
     out += [f"  note: {n}" for n in r.notes]
+    whole = ("not within the tail" if r.t_current is None else f"{r.t_current - r.t_heal:.1f}s after the heal")
+    out.append(f"  cluster whole again (stream led, replicas current): {whole}")
     out.append(f"  (times relative to the fault; healed at +{r.t_heal - r.t_fault:.1f}s; sidecar log {r.sidecar_log})")
     return "\n".join(out)
 
