@@ -1,46 +1,60 @@
 # The two commands a new user needs (README.md): `make demo` and `make test`.
-# Both install what they need first: into the active virtualenv, or into python3 itself when
-# pip may install there (pyenv, conda, a container's Python); a system Python that refuses
-# pip (Debian's, Homebrew's: PEP 668 "externally-managed-environment") gets ./.venv instead,
-# made here. PYTHON=... chooses the interpreter outright.
+# Both install what they need first, into a virtualenv: the one already active (VIRTUAL_ENV
+# set), or else this project's own ./.venv, made here with $(HOST_PYTHON) -m venv (so a pyenv,
+# conda or system python3 shared with other projects is left alone). PYTHON=... chooses the
+# interpreter outright (and installs into it). The install runs again only when what it builds
+# from changed (pyproject.toml, setup.py, ext/: a stamp under build/stamps); kvcache is
+# installed editable, so a change to kvcache/*.py needs no install at all.
 HOST_PYTHON ?= python3
 VENV ?= .venv
 PYTEST_ARGS ?=
-NEEDS_VENV := $(shell $(HOST_PYTHON) -c 'import os, sys, sysconfig; \
-  managed = os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")); \
-  print(int(sys.prefix == sys.base_prefix and managed))' 2>/dev/null || echo 1)
-ifeq ($(NEEDS_VENV),1)
-PYTHON ?= $(VENV)/bin/python
+ifeq ($(origin PYTHON),undefined)
+ifneq ($(VIRTUAL_ENV),)
+PYTHON := $(VIRTUAL_ENV)/bin/python
 else
-PYTHON ?= $(HOST_PYTHON)
+PYTHON := $(VENV)/bin/python
+endif
 endif
 ifeq ($(PYTHON),$(VENV)/bin/python)
 # the recipes run as in an activated venv: Spark's workers and `kvcache` come from it too
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
+# (its pyvenv.cfg, not bin/python: a symlink, whose time is the base interpreter's)
+VENV_MADE := $(VENV)/pyvenv.cfg
 endif
 
-.PHONY: demo test quick lint typecheck debug install install-test python-env native-deps system-deps clean
+# What an install builds from: a newer one (or a new ./.venv) installs again.
+INSTALL_INPUTS := pyproject.toml setup.py MANIFEST.in $(wildcard ext/*.pyx ext/*.pxd ext/*.h)
+# one stamp per interpreter installed into
+STAMPS := build/stamps/$(shell printf '%s' '$(abspath $(PYTHON))' | cksum | cut -d' ' -f1)
+
+.PHONY: demo test quick lint typecheck debug install install-test native-deps system-deps clean
 
 APT = if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq $(1) >/dev/null; \
       else sudo apt-get update -qq && sudo apt-get install -y -qq $(1) >/dev/null; fi
 
-install: native-deps python-env
-	$(PYTHON) -m pip install -q -e .
+install: $(STAMPS)/install
+install-test: $(STAMPS)/install-test
 
-install-test: native-deps python-env
+$(STAMPS)/install: $(INSTALL_INPUTS) $(VENV_MADE)
+	@$(MAKE) --no-print-directory native-deps
+	$(PYTHON) -m pip install -q -e .
+	@mkdir -p $(@D) && touch $@
+
+# the test extra includes the package itself: `make demo` after `make test` installs nothing
+$(STAMPS)/install-test: $(INSTALL_INPUTS) $(VENV_MADE) tests/node/package-lock.json
+	@$(MAKE) --no-print-directory native-deps
 	$(PYTHON) -m pip install -q -e ".[test]"
 	@# node-redis and ioredis, pinned in tests/node/package-lock.json (tests/test_node_clients.py)
 	@if command -v npm >/dev/null; then npm ci --prefix tests/node --no-audit --no-fund --loglevel=error; fi
+	@mkdir -p $(@D) && touch $@ $(@D)/install
 
-# ./.venv when PYTHON points into it (Debian's python3 needs python3-venv for that).
-python-env:
-	@if [ "$(PYTHON)" = "$(VENV)/bin/python" ] && [ ! -x "$(VENV)/bin/python" ]; then \
-	  echo "kvcache: $(HOST_PYTHON) is externally managed: installing into $(VENV)"; \
-	  $(HOST_PYTHON) -m venv $(VENV) >/dev/null 2>&1 || { rm -rf $(VENV); \
-	    $(call APT,python3-venv) && $(HOST_PYTHON) -m venv $(VENV); } || exit 1; \
-	  $(VENV)/bin/python -m pip install -q --upgrade pip; \
-	fi
+# ./.venv (Debian's python3 needs python3-venv for it: installed when missing)
+$(VENV)/pyvenv.cfg:
+	@echo "kvcache: making $(VENV), this project's virtualenv, with $(HOST_PYTHON)"
+	@$(HOST_PYTHON) -m venv $(VENV) >/dev/null 2>&1 || { rm -rf $(VENV); \
+	  $(call APT,python3-venv) && $(HOST_PYTHON) -m venv $(VENV); } || exit 1
+	@$(VENV)/bin/python -m pip install -q --upgrade pip
 
 # A C compiler and the Python headers build the native paths (LMDB, for the GET path, is
 # compiled in from the `lmdb` sdist: no system library); without them setup.py skips the
@@ -73,6 +87,10 @@ system-deps:
 	@if ! command -v systemd-analyze >/dev/null; then \
 	  $(call APT,systemd); \
 	fi
+	@# curl: README.md's metrics snippet (tests/test_readme.py runs it)
+	@if ! command -v curl >/dev/null; then \
+	  $(call APT,curl); \
+	fi
 	@if ! command -v java >/dev/null; then \
 	  $(call APT,openjdk-17-jre-headless); \
 	fi
@@ -89,6 +107,7 @@ system-deps:
 	fi
 
 # The sidecar on an embedded nats-server with a demo bucket; Ctrl-C stops it.
+# (KVCACHE_EMBEDDED_PORT=4222 make demo: the embedded server on a port the `nats` CLI can name.)
 demo: install
 	@if [ "$(PYTHON)" = "$(VENV)/bin/python" ]; then \
 	  echo "kvcache is installed in $(VENV): '. $(VENV)/bin/activate' puts the kvcache command on PATH"; fi
@@ -101,21 +120,22 @@ test: system-deps install-test
 	KVCACHE_NO_EXTENSIONS=1 $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_server.py tests/test_commands.py tests/test_client.py tests/test_hostile.py tests/test_tracking.py
 
 # The habits `make test` runs first, on their own: ruff (rules in pyproject.toml), mypy on kvcache/.
-lint:
+lint: install-test
 	$(PYTHON) -m ruff check kvcache tests bench setup.py
 
-typecheck:
+typecheck: install-test
 	$(PYTHON) -m mypy kvcache
 
 # The tests that start no server (nats-server, redis-server, a sidecar, Spark): seconds, not minutes.
-quick:
+quick: install-test
 	$(PYTHON) -m pytest -q -p no:cacheprovider -m quick $(PYTEST_ARGS)
 
 # The Cython extensions rebuilt for gdb/valgrind: -O0 -g3, bounds and wraparound checks on,
-# annotated HTML next to each .pyx (ext/*.html). `make install` (or this with DEBUG=0) rebuilds
-# the optimized ones.
+# annotated HTML next to each .pyx (ext/*.html). The next `make install` (or `make demo`) rebuilds
+# the optimized ones: this drops the install stamps.
 debug:
 	KVCACHE_DEBUG_BUILD=1 $(PYTHON) setup.py build_ext --inplace --force
+	rm -f $(STAMPS)/install $(STAMPS)/install-test
 
 clean:
 	rm -rf build dist *.egg-info kvcache-data ext/*.c ext/*.html kvcache/_native/*.so $(VENV)
