@@ -8,22 +8,28 @@ evaluates the rules and the dashboard against a live sidecar.)"""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
+from support.poll import wait_until
 
 from kvcache import config
+from kvcache.client import Client
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 MANIFEST = DEPLOY / "kubernetes" / "deployment.yaml"
 UNIT = DEPLOY / "systemd" / "kvcache.service"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+UNIT_KVCACHE = "/opt/kvcache/bin/kvcache"  # where deploy/README.md's systemd recipe installs it
 K8S_VERSION = "1.30.0"  # native sidecars (restartPolicy: Always on an init container) are 1.29+
 
 
@@ -88,10 +94,16 @@ def test_kubernetes_sidecar_is_wired_to_kvcache():
     assert spec["terminationGracePeriodSeconds"] >= 10
 
 
+def _kvcache_command() -> str | None:
+    """The `kvcache` command of this interpreter (its venv's bin), else the one on PATH."""
+    beside = Path(sys.executable).with_name("kvcache")
+    return str(beside) if beside.exists() else shutil.which("kvcache")
+
+
 @pytest.mark.servers  # runs systemd-analyze: a process, so not in the quick tier
 def test_systemd_unit_verifies():
     exe = shutil.which("systemd-analyze")
-    kvcache = shutil.which("kvcache")
+    kvcache = _kvcache_command()
     if exe is None or kvcache is None:
         pytest.skip("systemd-analyze or the kvcache command is not installed")
     text = UNIT.read_text()
@@ -99,7 +111,7 @@ def test_systemd_unit_verifies():
 
     def verify(unit_text: str, tmp: Path) -> subprocess.CompletedProcess:
         unit = tmp / "kvcache.service"  # ExecStart must name an executable that exists here
-        unit.write_text(unit_text.replace("/usr/local/bin/kvcache", kvcache))
+        unit.write_text(unit_text.replace(UNIT_KVCACHE, kvcache))
         return subprocess.run([exe, "verify", "--man=no", str(unit)], capture_output=True, text=True, timeout=60)
 
     import tempfile
@@ -109,6 +121,162 @@ def test_systemd_unit_verifies():
         assert r.returncode == 0 and "kvcache.service" not in r.stdout + r.stderr, r.stdout + r.stderr
         r = verify(text.replace("ProtectSystem=strict", "ProtectSystem=strictly"), Path(d))
         assert "protect system value" in r.stderr  # the check can fail
+
+
+def _recipe(heading: str) -> str:
+    """The first ```sh block under a `## heading` of deploy/README.md."""
+    text = (DEPLOY / "README.md").read_text()
+    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return section.split("```sh\n", 1)[1].split("```", 1)[0]
+
+
+def _commands(script: str) -> list[str]:
+    """A shell block's commands: continuation lines joined, comments dropped."""
+    joined = script.replace("\\\n", " ")
+    return [re.sub(r"\s+#.*$", "", line).strip() for line in joined.splitlines() if line.strip()]
+
+
+def _tree_copy(dest: Path) -> Path:
+    """The repository's files as a clone has them (tracked and new, not ignored), at dest."""
+    names = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for name in names:
+        if (ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    return dest
+
+
+def _scratch_etc(root: Path) -> None:
+    """A scratch /etc that groupadd/useradd --prefix can write: this host's user database."""
+    (root / "etc").mkdir(parents=True)
+    for name in ("passwd", "group", "shadow", "gshadow", "login.defs"):
+        if Path("/etc", name).exists():
+            shutil.copy(Path("/etc", name), root / "etc" / name)
+
+
+def _run(cmd: str, cwd: Path) -> None:
+    r = subprocess.run(["bash", "-euo", "pipefail", "-c", cmd], cwd=cwd, capture_output=True, text=True,
+                       timeout=900, env={k: v for k, v in os.environ.items() if not k.startswith("KVCACHE_")})
+    assert r.returncode == 0, f"{cmd}\n{r.stdout[-3000:]}{r.stderr[-3000:]}"
+
+
+@pytest.mark.servers  # builds kvcache into a virtualenv: a minute, processes
+@pytest.mark.slow
+def test_systemd_recipe_in_a_scratch_root(tmp_path):
+    """deploy/README.md's systemd install, command by command, into a scratch root: /opt and
+    /etc under it, groupadd/useradd with --prefix (this host's users are left alone), the
+    group `kvcache` in `install -g` as this process's (no such group here), apt-get skipped.
+    Then the venv's kvcache runs and systemd-analyze verifies the unit as installed."""
+    if os.geteuid() != 0 or shutil.which("useradd") is None:
+        pytest.skip("the recipe runs as root with useradd (shadow's --prefix)")
+    root, clone = tmp_path / "root", _tree_copy(tmp_path / "clone")
+    _scratch_etc(root)
+    ran = []
+    for cmd in _commands(_recipe("systemd, on a Debian host")):
+        if cmd.startswith("apt-get "):
+            continue
+        cmd = cmd.replace("/opt/", f"{root}/opt/").replace(" /etc/", f" {root}/etc/")
+        if cmd.startswith(("groupadd ", "useradd ")):
+            cmd = cmd.replace(" ", f" --prefix {shlex.quote(str(root))} ", 1)
+        cmd = cmd.replace("-g kvcache ", f"-g {os.getgid()} ")
+        (root / "etc" / "systemd" / "system").mkdir(parents=True, exist_ok=True)
+        _run(cmd, clone)
+        ran.append(cmd.split()[0])
+    assert ran[:3] == ["python3", f"{root}/opt/kvcache/bin/pip", "groupadd"], ran
+    kvcache = root / "opt" / "kvcache" / "bin" / "kvcache"
+    r = subprocess.run([str(kvcache), "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("kvcache "), r.stderr
+    assert re.search(r"^kvcache:x:\d+:\d+::/var/lib/kvcache:/usr/sbin/nologin$",
+                     (root / "etc" / "passwd").read_text(), re.M)
+    assert re.search(r"^kvcache:x:\d+:$", (root / "etc" / "group").read_text(), re.M)
+    config.load(str(root / "etc" / "kvcache" / "kvcache.toml"), env={})
+    unit = (root / "etc" / "systemd" / "system" / "kvcache.service").read_text()
+    assert f"ExecStart={UNIT_KVCACHE} " in unit
+    exe = shutil.which("systemd-analyze")
+    if exe:
+        check = tmp_path / "kvcache.service"
+        check.write_text(unit.replace(UNIT_KVCACHE, str(kvcache)))
+        r = subprocess.run([exe, "verify", "--man=no", str(check)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and "kvcache.service" not in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def _dockerfile_stages() -> list[list[str]]:
+    """The Dockerfile's instructions (continuations joined, comments dropped), by stage."""
+    text = (ROOT / "Dockerfile").read_text()
+    lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    stages: list[list[str]] = []
+    for instr in "\n".join(lines).replace("\\\n", " ").splitlines():
+        if instr.startswith("FROM "):
+            stages.append([])
+        if instr.strip() and stages:
+            stages[-1].append(" ".join(instr.split()))
+    return stages
+
+
+@pytest.mark.servers  # builds wheels and starts a sidecar
+@pytest.mark.slow
+def test_dockerfile_steps_outside_docker(tmp_path):
+    """The Dockerfile's steps that need no base image, run here (there is no Docker daemon):
+    the build stage's COPYs and `pip wheel` (in a fresh venv standing in for python:3.11-slim's
+    Python), the runtime stage's RUN (its pip install into another fresh venv, the nkeys check,
+    groupadd/useradd --prefix into a scratch root, the directories under it), then the installed
+    kvcache serving the demo with the image's ENV, its socket mode 660."""
+    if os.geteuid() != 0 or shutil.which("useradd") is None:
+        pytest.skip("the image's steps run as root with useradd (shadow's --prefix)")
+    build, run = _dockerfile_stages()
+    src, root = tmp_path / "src", tmp_path / "root"
+    _scratch_etc(root)
+    for instr in build:
+        if instr.startswith("COPY "):
+            *sources, _ = instr.split()[1:]
+            for name in sources:
+                target = src / name
+                if (ROOT / name).is_dir():
+                    shutil.copytree(ROOT / name, target, ignore=shutil.ignore_patterns(
+                        "__pycache__", "*.so", "*.c", "*.html"))  # as .dockerignore keeps them out
+                else:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(ROOT / name, target)
+    (wheel_cmd,) = [i.removeprefix("RUN ") for i in build if i.startswith("RUN pip wheel")]
+    for venv in ("build-venv", "run-venv"):
+        subprocess.run([sys.executable, "-m", "venv", str(tmp_path / venv)], check=True, timeout=120)
+    wheels = root / "wheels"
+    _run(wheel_cmd.replace("pip ", f"{tmp_path}/build-venv/bin/python -m pip ", 1)
+         .replace("/wheels", str(wheels)), src)
+    (install,) = [i.removeprefix("RUN ") for i in run if i.startswith("RUN pip install")]
+    for part in (p.strip() for p in install.split("&&")):
+        if part.startswith("pip "):
+            part = part.replace("pip ", f"{tmp_path}/run-venv/bin/python -m pip ", 1)
+        elif part.startswith("python "):
+            part = part.replace("python ", f"{tmp_path}/run-venv/bin/python ", 1)
+        elif part.startswith(("groupadd ", "useradd ")):
+            _run(part.replace(" ", f" --prefix {shlex.quote(str(root))} ", 1), tmp_path)
+            continue
+        part = re.sub(r"(?<![\w/])/(wheels|var/lib/kvcache|run/kvcache)", lambda m: f"{root}/{m.group(1)}", part)
+        _run(part, tmp_path)
+    assert re.search(r"^kvcache:x:10001:10001::/var/lib/kvcache:/usr/sbin/nologin$",
+                     (root / "etc" / "passwd").read_text(), re.M)
+    for d in ("var/lib/kvcache", "run/kvcache"):
+        st = (root / d).stat()
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (10001, 10001, 0o750), d
+    assert "USER 10001:10001" in run
+    env = dict(re.findall(r"(KVCACHE_\w+)=(\S+)", " ".join(i for i in run if i.startswith("ENV "))))
+    assert env == {"KVCACHE_DATA_DIR": "/var/lib/kvcache", "KVCACHE_SOCKET": "/run/kvcache/kvcache.sock"}
+    data, sock = tmp_path / "data", tmp_path / "sock" / "kvcache.sock"  # (root-owned here: not 10001's dirs)
+    proc = subprocess.Popen([str(tmp_path / "run-venv" / "bin" / "kvcache"), "serve"], cwd=tmp_path,
+                            env={**os.environ, "KVCACHE_DATA_DIR": str(data), "KVCACHE_SOCKET": str(sock)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def serves() -> bool:
+            assert proc.poll() is None, "kvcache serve exited"
+            with Client(str(sock), timeout=2) as c:
+                return c.get("greeting") == b"hello from kvcache"
+        wait_until(serves, 60, "the image's kvcache serve to answer")
+        assert sock.stat().st_mode & 0o777 == 0o660
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
 
 
 def test_systemd_example_configuration_loads():
