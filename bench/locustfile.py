@@ -1,14 +1,25 @@
 """locust load over the sidecar's Unix socket: an application's read mix, not a GET loop.
 
+Against `make demo` (run from the repository, in another terminal; locust is in the test and
+bench extras), as is: the demo bucket holds the keys read here, and the socket's default is
+the demo's (kvcache-data/kvcache.sock):
+
+    locust -f bench/locustfile.py --headless -u 5 -r 5 -t 10s
+
+Against a sidecar of your own, on a bucket you load with compare.py's keys:
+
     locust -f bench/locustfile.py --headless -u 50 -r 10 -t 30s --csv bench/results/locust \
-        --kv-socket /path/to/kvcache.sock
+        --kv-socket /path/to/kvcache.sock --kv-hot-keys 10000 --kv-cold-keys 10000
 
 (`python bench/compare.py --only locust` starts nats-server and the sidecar with a loaded
-bucket, runs exactly this, stops everything and prints the summary.)
+bucket, runs exactly this, stops everything and prints the summary. tests/test_readme.py runs
+it for 5 s against the demo and expects no failure.)
 
-The bucket holds `hot.<NNNNNN>` keys, which the sidecar replicates (bucket filter `hot.>`),
-and `cold.<NNNNNN>` keys, which it does not: reading those goes to NATS (Direct Get). Each
-simulated user has its own connection and, between requests, waits --kv-wait-ms on average:
+The bucket holds `hot.<NNNNNN>` keys, which the sidecar replicates (compare.py's bucket filter
+`hot.>`), and `cold.<NNNNNN>` keys, which it does not there: reading those goes to NATS (Direct
+Get). The demo bucket (kvcache.sidecar.demo_entries: 100 of each, the defaults below)
+replicates every key, so against it cold reads are answered locally too. Each simulated user
+has its own connection and, between requests, waits --kv-wait-ms on average:
 
 | weight | request | what |
 |---:|---|---|
@@ -17,7 +28,8 @@ simulated user has its own connection and, between requests, waits --kv-wait-ms 
 | 10 | `GET cold (remote)` | a key outside the replicated filter: the sidecar's Direct Get |
 | 5 | `GET missing` | a key inside the filter that does not exist: nil, answered locally |
 
-Values are checked (`value-<key>-xxx...`, 100 bytes, as compare.py writes them); a wrong value is a failure.
+Values are checked (`value-<key>-xxx...`, 100 bytes, as compare.py and the demo write them); a
+wrong value is a failure.
 
 kvcache.client.Client uses only the `socket` module, so under locust (gevent monkeypatches
 `socket`) it is cooperative: a user blocked on a reply lets the others run. locust's own
@@ -53,9 +65,10 @@ def _options(parser) -> None:
     group = parser.add_argument_group("kvcache")
     group.add_argument("--kv-socket", default="kvcache-data/kvcache.sock", env_var="KVBENCH_SOCKET",
                        help="the sidecar's Unix socket")
-    group.add_argument("--kv-hot-keys", type=int, default=10_000, env_var="KVBENCH_HOT_KEYS",
+    # the defaults: the demo bucket's (kvcache.sidecar.DEMO_HOT_KEYS, DEMO_COLD_KEYS)
+    group.add_argument("--kv-hot-keys", type=int, default=100, env_var="KVBENCH_HOT_KEYS",
                        help="hot.000000.. keys the sidecar replicates")
-    group.add_argument("--kv-cold-keys", type=int, default=10_000, env_var="KVBENCH_COLD_KEYS",
+    group.add_argument("--kv-cold-keys", type=int, default=100, env_var="KVBENCH_COLD_KEYS",
                        help="cold.000000.. keys it does not (read remotely)")
     group.add_argument("--kv-zipf", type=float, default=1.1, env_var="KVBENCH_ZIPF",
                        help="Zipf exponent of the hot-key popularity")

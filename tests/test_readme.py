@@ -1,0 +1,180 @@
+"""README.md's code blocks, run against the demo `make demo` starts, so they cannot drift from it;
+and bench/locustfile.py, headless for a few seconds against the same demo.
+
+The demo is started as `make demo` starts it, `python -m kvcache serve --data-dir DIR` (an
+embedded nats-server and the `demo` bucket), with DIR = <work>/kvcache-data: each block runs in
+<work>, where `kvcache-data/kvcache.sock` is the demo's socket, as in a clone after `make demo`.
+
+How a block is treated, by its fence's info string and its first line:
+
+- marked: a block whose first line is a comment starting `example:` (`# example: <what it
+  needs>`, `// example: ...` in JavaScript) is for another setup (a NATS cluster, Docker, a
+  tool the demo does not have) and is not run. The comment says what it needs, for the reader.
+- `sh`: run by `bash -euo pipefail` with the `kvcache` command of this interpreter first on
+  PATH (as in an activated ./.venv); `python`: run by this interpreter; `toml`: loaded with
+  kvcache's configuration loader (parsed and validated, as `kvcache serve --config` does).
+  Each must succeed with no error reply (`(error)`, `ERR`) and no traceback in its output.
+- any other block must be marked: the test fails on one it cannot run.
+
+Ports: the README names the demo's optional fixed ports, 127.0.0.1:4222 (the embedded
+nats-server, `KVCACHE_EMBEDDED_PORT=4222 make demo`) and 127.0.0.1:9464 (the metrics listener,
+`KVCACHE_METRICS_LISTEN=127.0.0.1:9464 make demo`). The demo here runs with both set to free
+ports this test chooses, substituted for those two in the blocks before they run.
+
+`pytest -s tests/test_readme.py` prints the blocks run and the blocks marked (line, kind, first line).
+"""
+from __future__ import annotations
+
+import csv
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from support.sidecar_proc import SidecarProcess
+
+from kvcache import config
+from kvcache.natsserver import free_port
+
+pytestmark = pytest.mark.servers  # starts a demo sidecar, its nats-server and locust
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+RUNNABLE = ("sh", "python", "toml")
+MARKER = re.compile(r"^\s*(#|//)\s*example:")
+NATS_PORT, METRICS_PORT = "127.0.0.1:4222", "127.0.0.1:9464"
+FAILURE = re.compile(r"\(error\)|^ERR |Traceback \(most recent call last\)", re.M)
+
+
+@dataclass
+class Block:
+    line: int  # of the opening fence, 1-based
+    lang: str
+    text: str
+
+    @property
+    def marked(self) -> bool:
+        first = self.text.lstrip("\n").split("\n", 1)[0]
+        return bool(MARKER.match(first))
+
+    @property
+    def title(self) -> str:
+        return f"README.md:{self.line} [{self.lang or 'text'}] {self.text.strip().splitlines()[0][:90]}"
+
+
+def blocks(text: str) -> list[Block]:
+    """Every fenced block (``` at the start of a line), in order."""
+    out: list[Block] = []
+    lines = text.split("\n")
+    i = 0
+    while i < len(lines):
+        m = re.match(r"^```(\S*)", lines[i])
+        if m:
+            start, lang, body = i, m.group(1), []
+            i += 1
+            while not lines[i].startswith("```"):
+                body.append(lines[i])
+                i += 1
+            out.append(Block(start + 1, lang, "\n".join(body) + "\n"))
+        i += 1
+    return out
+
+
+def test_the_block_parser_sees_every_block():
+    text = "a\n```sh\necho 1\n```\n\n```\n# example: x\nplain\n```\n```python\nprint(1)\n```\n"
+    got = blocks(text)
+    assert [(b.line, b.lang, b.marked) for b in got] == [(2, "sh", False), (6, "", True), (10, "python", False)]
+    assert len(blocks(README.read_text())) == README.read_text().count("\n```") // 2
+
+
+def test_every_block_runs_or_is_marked():
+    """Every block is in a language the test runs, or marked; and the marker and the list are
+    not vacuous."""
+    all_blocks = blocks(README.read_text())
+    unrunnable = [b.title for b in all_blocks if not b.marked and b.lang not in RUNNABLE]
+    assert unrunnable == [], "mark these `# example: <what they need>` or make them runnable"
+    run = [b for b in all_blocks if not b.marked]
+    print("\nREADME.md blocks run against the demo:")
+    for b in run:
+        print("  run    " + b.title)
+    print("README.md blocks marked as examples for another setup (not run):")
+    for b in all_blocks:
+        if b.marked:
+            print("  marked " + b.title)
+    assert len(run) >= 8 and len(run) < len(all_blocks)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The demo, as `make demo` starts it, with fixed ports of the test's choosing."""
+    work = tmp_path_factory.mktemp("readme")
+    ports = {NATS_PORT: f"127.0.0.1:{free_port()}", METRICS_PORT: f"127.0.0.1:{free_port()}"}
+    env = {"KVCACHE_EMBEDDED_PORT": ports[NATS_PORT].rsplit(":", 1)[1], "KVCACHE_METRICS_LISTEN": ports[METRICS_PORT]}
+    sc = SidecarProcess(work / "kvcache-data", None, env=env)
+    sc.args = [sys.executable, "-m", "kvcache", "serve", "--data-dir", str(sc.data_dir)]
+    assert sc.socket == str(work / "kvcache-data" / "kvcache.sock")  # the sidecar's default
+    sc.start()
+    with sc.client() as c:
+        assert c.info("server")["server"]["nats_url"] == "nats://" + ports[NATS_PORT]
+    yield work, ports, sc
+    assert sc.stop() == 0
+
+
+def _env() -> dict[str, str]:
+    """This interpreter's scripts (kvcache, locust) first on PATH: an activated venv."""
+    bindir = str(Path(sys.executable).parent)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHE_")}
+    return {**env, "PATH": bindir + os.pathsep + env.get("PATH", "")}
+
+
+def _runnable() -> list[Block]:
+    return [b for b in blocks(README.read_text()) if not b.marked and b.lang in RUNNABLE]
+
+
+@pytest.mark.parametrize("block", _runnable(), ids=lambda b: f"line{b.line}-{b.lang}")
+def test_readme_block(block: Block, demo):
+    work, ports, sc = demo
+    text = block.text
+    for written, actual in ports.items():
+        text = text.replace(written, actual)
+    if block.lang == "toml":
+        f = work / f"readme-{block.line}.toml"
+        f.write_text(text)
+        config.load(str(f), env={})  # a ConfigError (invalid TOML, unknown key, bad value) fails
+        return
+    if block.lang == "sh":
+        if "redis-cli" in text and shutil.which("redis-cli") is None:
+            pytest.skip("redis-cli is not installed (make test installs Debian's redis-tools)")
+        cmd = ["bash", "-euo", "pipefail", "-c", text]
+    else:
+        cmd = [sys.executable, "-c", text]
+    r = subprocess.run(cmd, cwd=work, env=_env(), capture_output=True, text=True, timeout=60)
+    out = r.stdout + r.stderr
+    print(f"{block.title}\n{out}")
+    assert r.returncode == 0, f"{block.title} exited {r.returncode}:\n{out}"
+    assert not FAILURE.search(out), f"{block.title} answered an error:\n{out}"
+    assert "Traceback" not in sc.log()
+
+
+def test_locustfile_against_the_demo(demo):
+    """bench/locustfile.py as its docstring says to run it against `make demo`: no failure."""
+    work, _, sc = demo
+    if shutil.which("locust", path=str(Path(sys.executable).parent)) is None:
+        pytest.fail("locust is not installed: it is in the test extra (make test installs it)")
+    prefix = work / "locust"
+    r = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", str(ROOT / "bench" / "locustfile.py"), "--headless",
+         "-u", "5", "-r", "5", "--run-time", "5s", "--stop-timeout", "5", "--only-summary",
+         "--loglevel", "WARNING", "--csv", str(prefix), "--kv-socket", sc.socket],
+        cwd=work, env=_env(), capture_output=True, text=True, timeout=120)
+    out = r.stdout[-4000:] + r.stderr[-4000:]
+    rows = {row["Name"]: row for row in csv.DictReader(open(f"{prefix}_stats.csv"))}
+    total = rows["Aggregated"]
+    print(f"locust: {total['Request Count']} requests, {total['Failure Count']} failures")
+    assert r.returncode == 0, out
+    assert int(total["Request Count"]) > 100 and int(total["Failure Count"]) == 0, out
+    assert {"GET hot (zipf)", "MGET 8 hot (zipf)", "GET cold (remote)", "GET missing"} <= set(rows), rows.keys()
