@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--bucket", metavar="NAME[:FILTER,...]", action="append", dest="buckets",
                        help="bucket to replicate, optionally with key filters (repeatable); "
                             "NAME: replicates no key (its near cache serves it)")
+    serve.add_argument("--embedded-port", type=int, dest="embedded_port", metavar="PORT",
+                       help="with no NATS URL: the embedded nats-server's client port on 127.0.0.1; "
+                            "0: a free one each start")
     serve.add_argument("--max-stale-ms", type=int, dest="max_stale_ms", metavar="MS",
                        help="a replica cut off longer than this is not served: reads go to peers; "
                        "every bucket")

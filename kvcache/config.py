@@ -116,7 +116,7 @@ class Config:
     tracking_table_max_keys: int = 1_000_000  # keys remembered for tracking clients (Redis's default)
     pubsub_max_output_bytes: int = 32 * 1024 * 1024  # a subscriber with more pending output is cut off
     # The embedded nats-server's client port (no NATS URL given); 0 = a free port each start.
-    # A TOML key and KVCACHE_EMBEDDED_PORT, not (yet) a flag: see _EMBEDDED_PORT.
+    # --embedded-port, KVCACHE_EMBEDDED_PORT.
     embedded_port: int = 0
     nats: NatsConfig = field(default_factory=NatsConfig)
     buckets: list[BucketConfig] = field(default_factory=list)
@@ -169,11 +169,7 @@ class Config:
 
 # ---------------------------------------------------------------------------- sources
 
-# embedded_port is read by hand (_from_mapping, _apply_env, _apply_overrides): _SCALARS are the
-# settings `kvcache serve` has a flag for, and the flag --embedded-port belongs to cli.py.
-_EMBEDDED_PORT = "embedded_port"
-_SCALARS = {f.name: f for f in fields(Config)
-            if f.name not in ("nats", "buckets", "peers", "requirepass", _EMBEDDED_PORT)}
+_SCALARS = {f.name: f for f in fields(Config) if f.name not in ("nats", "buckets", "peers", "requirepass")}
 PASSWORD_ENV = "KVCACHE_REQUIREPASS"
 _NATS_SCALARS = {f.name: f for f in fields(NatsConfig)}
 
@@ -304,8 +300,6 @@ def _from_mapping(raw: dict[str, Any], where: str) -> Config:
         elif key == "peer":
             _expect(value, list, f"{where}: [[peer]]")
             cfg.peers = [_peer_from(p, where) for p in value]
-        elif key == _EMBEDDED_PORT:
-            cfg.embedded_port = _typed(value, int, f"{where}: {key}")
         else:
             _set_field(cfg, _SCALARS, key, value, where)
     return cfg
@@ -349,7 +343,7 @@ def _peer_from(raw: Any, where: str) -> PeerConfig:
 
 ENV_PREFIX = "KVCACHE_"
 # Settings that are not fields of Config or NatsConfig but have a flag and a variable.
-_ENV_EXTRA = ("config", "buckets", "max_stale_ms", _EMBEDDED_PORT)
+_ENV_EXTRA = ("config", "buckets", "max_stale_ms")
 
 
 def env_var(setting: str) -> str | None:
@@ -371,8 +365,6 @@ def default_of(setting: str) -> Any:
         return getattr(NatsConfig(), setting[5:])
     if setting == "max_stale_ms":
         return BucketConfig(name="").max_stale_ms
-    if setting == _EMBEDDED_PORT:
-        return Config().embedded_port
     return None
 
 
@@ -405,8 +397,6 @@ def _apply_env(cfg: Config, env: Mapping[str, str]) -> None:
             cfg.nats.servers = _split_list(value)
         else:
             setattr(cfg.nats, name, _parse_scalar(value, str(f.type), var))
-    if (value := env.get(var := _env_name(_EMBEDDED_PORT))) is not None:
-        cfg.embedded_port = _parse_scalar(value, "int", var)
     if env.get(var := _env_name("buckets")):
         cfg.buckets = [parse_bucket_spec(s) for s in env[var].split()]
     if env.get(var := _env_name("max_stale_ms")):
@@ -444,7 +434,7 @@ def _apply_overrides(cfg: Config, overrides: Mapping[str, Any]) -> None:
                 setattr(b, key, value)
         elif key.startswith("nats_") and key[5:] in _NATS_SCALARS:
             setattr(cfg.nats, key[5:], value)
-        elif key in _SCALARS or key == _EMBEDDED_PORT:
+        elif key in _SCALARS:
             setattr(cfg, key, value)
         else:
             raise ConfigError(f"unknown setting '{key}'")

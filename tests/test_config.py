@@ -195,7 +195,7 @@ def test_cli_missing_bucket(tmp_path, nats_server):
 @pytest.mark.servers  # starts a process
 def test_cli_get_without_sidecar(tmp_path):
     result = run_cli("get", "k", "--socket", str(tmp_path / "none.sock"))
-    assert_one_line_error(result, "kvcache at", 1)
+    assert_one_line_error(result, "is the sidecar running? (socket " + str(tmp_path / "none.sock"), 1)
 
 
 def test_every_config_key_has_a_flag() -> None:
