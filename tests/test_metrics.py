@@ -209,7 +209,7 @@ def test_exposition_in_chunks_is_the_exposition_in_one_go():
             tuple(i % 2 for _ in RECREATION_REASONS),
             None if i % 3 else (i, 64 * i, *range(len(metrics.CACHE_COUNTERS))))
         snap.peers.append(((f"p{i}", f"b{i:04d}", f"KV_b{i:04d}"), i % 2, 0.0004, 0, (1, 2, 3, 4, 5)))
-    snap.nats = [("main", 1, 2)]
+    snap.nats = [("main", "127.0.0.1:4222", 1, 2)]
     assert max(len(f.samples) for f in metrics.families(snap)) > 4 * metrics.CHUNK
 
     class All:
