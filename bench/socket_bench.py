@@ -151,16 +151,21 @@ async def load_bucket(url: str, value: bytes, keys: int = NKEYS) -> None:
 
 
 def start_sidecar(work: Path, url: str, keys: int = NKEYS, installed: bool = False,
-                  name: str = "kvcache", extra: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+                  name: str = "kvcache", extra: list[str] | None = None,
+                  src: Path | None = None) -> tuple[subprocess.Popen, str]:
     """`python -m kvcache serve`: this checkout's kvcache, or with `installed` the one this
-    Python has installed (started outside the checkout, so the checkout is not on its path)."""
+    Python has installed (started outside the checkout, so the checkout is not on its path),
+    or with `src` the kvcache of that source tree (another checkout or a git worktree, its
+    native modules built or copied in: started there, with it on PYTHONPATH)."""
     sock = str(work / f"{name}.sock")
     log = open(work / f"{name}.log", "ab")
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvcache", "serve", "--nats", url, "--bucket", BUCKET,
          "--data-dir", str(work / ("data" if name == "kvcache" else f"data-{name}")), "--socket", sock,
          "--log-level", "warning", *(extra or [])],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=work if installed else ROOT,
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        cwd=src if src is not None else work if installed else ROOT,
+        env={**os.environ, "PYTHONPATH": str(src)} if src is not None else None,
         preexec_fn=die_with_parent)
     log.close()
 
@@ -405,7 +410,8 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
         timeout: float = 600, profile_seconds: int | None = None, keys: int = NKEYS,
         reads_over: list[int] | None = None,
         variants: list[tuple[str, list[str]]] | None = None, floor: bool = False,
-        installed: bool = False, metrics: bool = False, control: bool = False) -> GetBench:
+        installed: bool = False, metrics: bool = False, control: bool = False,
+        other_src: Path | None = None) -> GetBench:
     """Start nats-server, kvcache and redis-server under `work` with `keys` keys, run every
     variant over every key space `repeat` times against both (alternating), stop everything (by
     PID) and return the figures."""
@@ -433,9 +439,12 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
             pids["floor"] = floor_proc.pid
         if metrics:
             metered, socks[METRICS] = start_sidecar(work, nats_srv.url, keys, installed, "kvcache-metrics",
-                                                    [] if control else ["--metrics-listen", "127.0.0.1:0"])
+                                                    [] if control else ["--metrics-listen", "127.0.0.1:0"],
+                                                    src=other_src)
             pids[METRICS] = metered.pid
-            if control:
+            if other_src is not None:
+                bench.metrics = f"CONTROL: no listener, not scraped; OTHER SOURCE: the kvcache of {other_src}"
+            elif control:
                 bench.metrics = "CONTROL: no listener, not scraped"
             else:
                 with Client(socks[METRICS]) as c:
@@ -528,6 +537,10 @@ def main() -> int:
     ap.add_argument("--control", action="store_true",
                     help="with --metrics: the second sidecar without the listener, unscraped (the noise floor "
                          "between two identical sidecars)")
+    ap.add_argument("--other-src", type=Path, default=None, metavar="DIR",
+                    help="with --metrics: the second sidecar runs the kvcache of source tree DIR (e.g. a git "
+                         "worktree of an earlier commit, native modules built or copied in), without the "
+                         "listener: the ratios are DIR's over this checkout's, same run (implies --control)")
     ap.add_argument("--scale", action="store_true",
                     help=f"{SCALE_KEYS:,} keys of 100 bytes, -r 10000 and -r {SCALE_KEYS}, -P 16 and -P 1")
     args = ap.parse_args()
@@ -546,7 +559,9 @@ def main() -> int:
     with work_dir("kvcache-socket-bench-", lambda: args.keep) as work:
         bench = run(work, args.requests, value_size, args.repeat, args.timeout,
                     args.profile_seconds if args.profile else None, keys, reads_over,
-                    variants, args.floor, args.installed, args.metrics, args.control)
+                    variants, args.floor, args.installed, args.metrics or args.other_src is not None,
+                    args.control or args.other_src is not None,
+                    args.other_src.resolve() if args.other_src is not None else None)
         print("\n" + bench.table())
         args.keep = args.keep or bool(bench.problems)
         return 1 if bench.problems else 0
