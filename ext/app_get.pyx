@@ -11,9 +11,15 @@ from cpython.ref cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM
 from libc.time cimport timespec
 
-from kvcache.record import RECORD
+from kvcache.record import FLAG_TTL, KLEN_MASK, RECORD, TTL_BIT, TTL_BYTE
 
 assert RECORD.format == "<QQI" and RECORD.size == 20, "record layout changed: update LocalGet"
+# kvcache.record's FLAG_TTL (the record carries its own expiry), as the u32's bit and as the
+# bit of its top byte (record.TTL_BYTE / TTL_BIT), and the key length's mask: taken from there
+cdef unsigned int _FLAG_TTL = FLAG_TTL
+cdef unsigned int _KLEN_MASK = KLEN_MASK
+cdef Py_ssize_t _TTL_BYTE = TTL_BYTE
+cdef unsigned char _TTL_BIT = TTL_BIT
 
 cdef extern from "<time.h>" nogil:
     int clock_gettime(int clk_id, timespec* tp)
@@ -42,7 +48,7 @@ cdef inline bint _expired(const unsigned char* r, unsigned long long max_age) no
     """kvcache.record.deadline passed? (r has 28 bytes when FLAG_TTL is set)"""
     cdef unsigned long long due = 0, created = _u64le(r + 8)
     cdef timespec ts
-    if r[19] & 0x80:
+    if r[_TTL_BYTE] & _TTL_BIT:
         due = _u64le(r + 20)
         if due == 0xFFFFFFFFFFFFFFFFULL:
             return False
@@ -103,12 +109,12 @@ cdef class LocalGet:
         if n < 20:
             raise ValueError("replica record is truncated")
         klen = r[16] | (r[17] << 8) | (r[18] << 16) | (<unsigned int>r[19] << 24)
-        offset = 20 + (klen & 0x7FFFFFFF)
-        if klen & 0x80000000:
+        offset = 20 + (klen & _KLEN_MASK)
+        if klen & _FLAG_TTL:
             offset += 8
             if n < 28:
                 raise ValueError("replica record is truncated")
-        if (klen & 0x80000000 or max_age) and _expired(r, max_age):
+        if (klen & _FLAG_TTL or max_age) and _expired(r, max_age):
             return None
         if offset > n:
             raise ValueError("replica record is truncated")

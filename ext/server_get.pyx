@@ -35,12 +35,19 @@ import os
 
 from kvcache.errors import ReplicaError
 from kvcache.latency import BOUNDS_NS
-from kvcache.server_get import FLUSH_AT, FRESH_VERDICT_S, PLAN_CACHE
-from kvcache.record import RECORD
+from kvcache.readpolicy import PLAN_CACHE
+from kvcache.server_get import FLUSH_AT, FRESH_VERDICT_S
+from kvcache.record import FLAG_TTL, KLEN_MASK, RECORD, TTL_BIT, TTL_BYTE
 from kvcache.replica import MAX_DBS
 from kvcache.resp import GET_LEN
 
 assert RECORD.format == "<QQI" and RECORD.size == 20, "record layout changed: update serve()"
+# kvcache.record's FLAG_TTL (the record carries its own expiry), as the u32's bit and as the
+# bit of its top byte (record.TTL_BYTE / TTL_BIT), and the key length's mask: taken from there
+cdef unsigned int _FLAG_TTL = FLAG_TTL
+cdef unsigned int _KLEN_MASK = KLEN_MASK
+cdef Py_ssize_t _TTL_BYTE = TTL_BYTE
+cdef unsigned char _TTL_BIT = TTL_BIT
 
 log = logging.getLogger("kvcache.server")
 
@@ -97,7 +104,7 @@ LMDB_VERSION = mdb_version(NULL, NULL, NULL).decode()
 cdef class _Bucket:
     cdef object feed
     cdef object max_stale
-    cdef long long fresh_until_ns  # feed.fresh_enough said yes: believed until then
+    cdef long long fresh_until_ns  # feed.fresh_for_all said yes: believed until then
     cdef unsigned long long max_age_ns  # the stream's max_age (0: none), read with the verdict
     cdef str name
     cdef bytes prefix      # b"<name>:"
@@ -191,7 +198,7 @@ cdef inline unsigned long long _realtime_ns() noexcept nogil:
 cdef inline unsigned long long _deadline(const unsigned char* rec, unsigned long long max_age) noexcept nogil:
     """kvcache.record.deadline in C (rec has at least 28 bytes when FLAG_TTL is set): 0 never."""
     cdef unsigned long long created = _u64le(rec + 8), expires
-    if rec[19] & 0x80:
+    if rec[_TTL_BYTE] & _TTL_BIT:
         expires = _u64le(rec + 20)
         if expires == 0xFFFFFFFFFFFFFFFFULL:
             return 0
@@ -595,7 +602,7 @@ cdef class LocalGets:
             if self._now == 0:
                 self._now = _now_ns()
             if b.fresh_until_ns <= self._now:
-                if not b.feed.fresh_enough(b.max_stale):
+                if not b.feed.fresh_for_all(b.max_stale):
                     return 0
                 b.fresh_until_ns = self._now + FRESH_VERDICT_NS
                 b.max_age_ns = b.feed.max_age_ns
@@ -663,12 +670,12 @@ cdef class LocalGets:
             if v.mv_size < 20:
                 raise ReplicaError("replica record is truncated")
             rk = _u32le(rec + 16)
-            off = 20 + (rk & 0x7FFFFFFF)
-            if rk & 0x80000000:
+            off = 20 + (rk & _KLEN_MASK)
+            if rk & _FLAG_TTL:
                 off += 8
                 if v.mv_size < 28:
                     raise ReplicaError("replica record is truncated")
-            if rk & 0x80000000 or b.max_age_ns:
+            if rk & _FLAG_TTL or b.max_age_ns:
                 due = _deadline(rec, b.max_age_ns)
                 if due:
                     if self._real == 0:

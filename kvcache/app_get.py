@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from .record import RECORD, live_value
+from .record import stored_value
 
 _monotonic = time.monotonic
 
@@ -41,6 +41,4 @@ class LocalGet:
             return self.slow(key)
         if raw is None:
             return None
-        if raw[19] >= 0x80 or plan[3]:  # a deadline: its own TTL, or the bucket's max_age
-            return live_value(raw, time.time_ns(), plan[3])
-        return raw[RECORD.size + RECORD.unpack_from(raw)[2]:]
+        return stored_value(raw, None, plan[3])  # (a deadline: its own TTL, or max_age)

@@ -20,10 +20,9 @@ import lmdb
 from . import native
 from .entry import Entry, Operation
 from .errors import KvcacheError, ReplicaError
-from .keys import FilterSet, glob_matcher
-from .readpolicy import meta_fresh, split_address
+from .keys import FilterSet, glob_matcher, split_address
 from .record import live_value
-from .replica import BUCKETS_KEY, META_DB, BucketMeta, Replica, decode_record, lmdb_key
+from .replica import BUCKETS_KEY, META_DB, BucketMeta, Replica, decode_record, lmdb_key, meta_fresh
 
 _APP_GET = native.load("app_get")
 

@@ -1,8 +1,10 @@
-"""The RESP command set (docs/commands.md): decode arguments, ask the read policy where each
-read is answered (kvcache.readpolicy), count and log it, encode the reply.
+"""The RESP command set (docs/commands.md): decode arguments, hand each read to kvcache.reads
+(which carries it out: replica, near cache or NATS, counted and logged), encode the reply.
 
 A handler returns the encoded reply as bytes when it can answer at once (the common case: a
 local read), or a coroutine when it must ask NATS; the server keeps replies in request order.
+The parts it uses (reads, tracking, pub/sub, transactions, INFO) are built and wired by the
+sidecar (kvcache.sidecar) and passed in.
 """
 from __future__ import annotations
 
@@ -10,23 +12,20 @@ import asyncio
 import functools
 import re
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any, cast
 
 from . import resp
-from .accesslog import AccessLog
-from .changes import ChangeHub
 from .commands_session import NO_AUTH, NOAUTH, SessionCommands
-from .config import BucketConfig, Config
-from .entry import Entry, Operation
-from .errors import CommandError, KvcacheError, ReplyBudget, ReplyTooLarge
+from .config import Config
+from .entry import Entry
+from .errors import CommandError, ReplyBudget, ReplyTooLarge
 from .info import Info
 from .keys import glob_matcher, reserved_key
 from .keyspace_events import parse_flags
 from .latency import Latency
-from .readpolicy import STALE_SOURCE, ReadPolicy
-from .record import Record, expiry, live_value
-from .replica import RECORD
+from .reads import Reads
+from .record import expiry
 from .scan import ScanCursors
 from .server_multi import CONTROL, QUEUED, Transactions
 from .server_pubsub import SUBSCRIBED_OK, PubSub
@@ -175,29 +174,26 @@ def arity(n: int, exact: bool = True):
 
 
 class Commands:
-    """The command table: Redis's read commands and KV.GET over the read policy. Handlers
+    """The command table: Redis's read commands and KV.GET over kvcache.reads. Handlers
     return the encoded reply, or a coroutine when NATS must answer (the server keeps replies
     in request order); a CommandError becomes the RESP error reply."""
 
-    def __init__(self, cfg: Config, policy: ReadPolicy, stats: Stats,
-                 access: AccessLog | None = None) -> None:
+    def __init__(self, cfg: Config, reads: Reads, stats: Stats, tracking: Tracking, pubsub: PubSub,
+                 transactions: Transactions, info: Info,
+                 clients: Callable[[], Iterable[Session]] = lambda: ()) -> None:
         self.cfg = cfg
-        self.policy = policy
-        self.replica = policy.replica
+        self.reads = reads
+        self.replica = reads.replica
         self.stats = stats
-        self.access = access if access is not None else AccessLog.from_config(cfg)
+        self.access = reads.access
         self._cursors = ScanCursors()
-        # What the server builds on the feeds' changes (kvcache.changes): one hub, its listeners
-        self.hub = ChangeHub()
-        self.tracking = Tracking(cfg.tracking_table_max_keys, cfg.default_bucket, lambda _id: None)
-        self.pubsub = PubSub(cfg.notify_keyspace_events, cfg.default_bucket)
-        self.transactions = Transactions(policy)
-        self.info_source = Info(cfg, stats, policy, self.access, self.tracking, self.pubsub)
-        for listener in (self.tracking, self.pubsub, self.transactions):
-            self.hub.add(listener)
-        self.tracking.on_first = self.hub.wake
+        self.tracking = tracking
+        self.pubsub = pubsub
+        self.transactions = transactions
+        self.info_source = info
         self.timing: dict[bytes, Latency] | None = None  # per command, once time_commands() is called
-        self.session = SessionCommands(cfg, self.tracking, self.pubsub, self.transactions, self.dispatch)
+        # `clients`: every open connection, oldest first (CLIENT LIST, CLIENT KILL)
+        self.session = SessionCommands(cfg, tracking, pubsub, transactions, self.dispatch, clients)
         self._table: dict[bytes, Callable[[Session, list[bytes]], Reply]] = {
             b"get": self.get, b"mget": self.mget, b"exists": self.exists,
             b"kv.get": self.kv_get, b"keys": self.keys, b"scan": self.scan,
@@ -321,282 +317,33 @@ class Commands:
     @arity(2)
     def get(self, conn: Session, args: list[bytes]) -> Reply:
         proto = conn.proto
-        return self._one(conn, args[1], "GET",
-                         lambda bc, found: resp.bulk(found.value if found else None, proto))
-
-    def _cached(self, bc: BucketConfig, key: str, t0: int, command: str,
-                max_stale_ms: int | None = None, min_rev: int | None = None) -> Entry | None:
-        """The near cache's answer for a key outside the filters (ReadPolicy.cached), counted
-        and logged (source `cache`); None: ask NATS. A cached not-found has no value.
-        `min_rev` (KV.GET's MINREV): only a value at that revision or above answers."""
-        entry = self.policy.cached(bc, key, max_stale_ms)
-        if entry is not None and min_rev is not None and (entry.value is None or entry.revision < min_rev):
-            entry = None
-        if entry is not None:
-            hit = entry.value is not None
-            self.stats.gets_cached += 1
-            self.stats.read(bc.name, "cache", hit)
-            self._log(t0, bc.name, key, "cache", hit, command)
-            if not hit:
-                self.stats.gets_notfound += 1
-        return entry
-
-    def _t0(self) -> int:
-        """Start time for the access log's latency; 0 (no clock read) when the log is off."""
-        return time.perf_counter_ns() if self.access.enabled else 0
-
-    def _log(self, t0: int, bucket: str, key: str, source: str, hit: bool, command: str) -> None:
-        """One read into the access log, if sampled."""
-        if t0 and self.access.sampled():
-            self._record(t0, bucket, key, source, hit, command)
-
-    def _record(self, t0: int, bucket: str, key: str, source: str, hit: bool, command: str) -> None:
-        self.access.record(bucket, key, source, hit, (time.perf_counter_ns() - t0) // 1000, command)
-
-    async def remote_entry(self, bc: BucketConfig, key: str, strong: bool = False, t0: int = 0,
-                           command: str = "KV.GET", max_stale_ms: int | None = None) -> Entry | None:
-        """A fallback read; the replica's copy wins when it is newer (reads never go back).
-        When no peer can answer, a stale replica may (see _stale_entry)."""
-        self.stats.gets_remote += 1
-        source = "remote"
-        try:
-            entry, answered = await self.policy.remote(bc, key, strong=strong)
-        except KvcacheError as e:
-            self.stats.remote_errors += 1
-            try:
-                entry = self.policy.stale_entry(bc, key, e, strong, max_stale_ms)  # or CommandError
-            except CommandError:
-                self.stats.read_failed(bc.name)
-                raise
-            source = STALE_SOURCE
-            self.stats.gets_stale += 1
-        else:
-            entry = self.policy.newest(bc, key, entry)
-            self.policy.fill(bc, key, entry, answered)
-        hit = entry is not None and entry.operation is Operation.PUT
-        self.stats.read(bc.name, _read_source(entry, source), hit)
-        self._log(t0, bc.name, key, entry.source if entry else source, hit, command)
-        if not hit:
-            self.stats.gets_notfound += 1
-            return None
-        return entry
-
-    def _lookup(self, raw_keys: list[bytes], t0: int = 0, command: str = "MGET",
-                budget: ReplyBudget | None = None) -> tuple[list[bytes | None], dict[str, list[tuple[int, str]]],
-                                                            dict[str, list[tuple[int, str, int]]]]:
-        """Local values for the keys the replica may answer (one read transaction for all),
-        and the rest grouped by bucket; among the rest, the keys the replica could answer
-        once it reaches a revision already handed out from NATS (with that sequence: see
-        _gate). An invalid key fails the whole command, and so do values beyond `budget`
-        (ReplyTooLarge)."""
-        values: list[bytes | None] = [None] * len(raw_keys)
-        misses: dict[str, list[tuple[int, str]]] = {}
-        gated: dict[str, list[tuple[int, str, int]]] = {}
-        plan_of = self.policy.plan
-        txn = None
-        local = notfound = 0
-        try:
-            for i, raw in enumerate(raw_keys):
-                plan = plan_of(raw)
-                if not plan or not plan.feed.fresh_within(plan.max_stale_ms):
-                    bc, key = self.policy.resolve(raw)  # raises for an invalid key
-                    hit = None if plan else self._cached(bc, key, t0, command)
-                    if hit is not None:
-                        if budget is not None and hit.value is not None:
-                            budget.spend(len(hit.value))
-                        values[i] = hit.value
-                        continue
-                    misses.setdefault(bc.name, []).append((i, key))
-                    continue
-                feed, _, _, lkey, db, offset = plan
-                if txn is None:
-                    txn = self.replica.env.begin()
-                rec = txn.get(lkey, None, db)
-                if feed.floor_seq:
-                    bucket, key, want = self.policy.gated(raw, feed, rec)
-                    if want:
-                        gated.setdefault(bucket, []).append((i, key, want))
-                        continue
-                if rec is not None and (rec[19] >= 0x80 or feed.max_age_ns):
-                    rec, offset = live_value(rec, time.time_ns(), feed.max_age_ns), 0
-                local += 1
-                self.stats.read(plan[2], "local", rec is not None)
-                if t0 and self.access.sampled():  # resolved again only when sampled
-                    bc, key = self.policy.resolve(raw)
-                    self._record(t0, bc.name, key, "local", rec is not None, command)
-                if rec is None:
-                    notfound += 1
-                else:
-                    start = offset if offset is not None else RECORD.size + RECORD.unpack_from(rec)[2]
-                    if budget is not None:
-                        budget.spend(len(rec) - start)
-                    values[i] = rec[start:]
-        finally:
-            if txn is not None:
-                txn.abort()
-            self.stats.gets_local += local
-            self.stats.gets_notfound += notfound
-        for bucket, items in gated.items():  # NATS answers those the replica does not
-            misses.setdefault(bucket, []).extend((i, key) for i, key, _ in items)
-        return values, misses, gated
-
-    async def _gated_many(self, values: list[bytes | None], misses: dict[str, list[tuple[int, str]]],
-                          gated: dict[str, list[tuple[int, str, int]]], budget: ReplyBudget | None,
-                          t0: int = 0, command: str = "MGET") -> None:
-        """MGET/EXISTS keys the replica could not answer without going back (see _gate):
-        wait once per bucket (up to readpolicy.MINREV_WAIT_S) for the replica to reach them, answer
-        those it may answer then, and leave the others in `misses`, for NATS."""
-        for bucket, items in gated.items():
-            bc = self.cfg.bucket(bucket)
-            assert bc is not None  # gated keys were resolved
-            await self.policy.wait_applied(bucket, max(w for _, _, w in items))
-            local = 0
-            answered: set[int] = set()
-            for i, key, _ in items:
-                ok, rec = self.policy.local_now(bc, key)
-                if not ok:
-                    continue
-                answered.add(i)
-                local += 1
-                self.stats.read(bucket, "local", rec is not None)
-                self._log(t0, bucket, key, "local", rec is not None, command)
-                if rec is None:
-                    self.stats.gets_notfound += 1
-                    continue
-                if budget is not None:
-                    budget.spend(len(rec.value))
-                values[i] = rec.value
-            self.stats.gets_local += local
-            rest = [(i, key) for i, key in misses[bucket] if i not in answered]
-            if rest:
-                misses[bucket] = rest
-            else:
-                del misses[bucket]
+        return self.reads.one(args[1], "GET", lambda e: resp.bulk(e.value if e else None, proto))
 
     @arity(2, exact=False)
     def mget(self, conn: Session, args: list[bytes]) -> Reply:
-        t0 = self._t0()
-        budget = ReplyBudget(self.cfg.max_reply_bytes)
-        values, misses, gated = self._lookup(args[1:], t0, "MGET", budget)
-        if not misses:
-            return _values_reply(values, conn.proto)
-        return self._remote_many(values, misses, lambda: _values_reply(values, conn.proto), t0, "MGET",
-                                 budget, gated)
+        proto = conn.proto
+        return self.reads.many(args[1:], "MGET", lambda values: _values_reply(values, proto),
+                               ReplyBudget(self.cfg.max_reply_bytes))
 
     @arity(2, exact=False)
     def exists(self, conn: Session, args: list[bytes]) -> Reply:
-        t0 = self._t0()
-        values, misses, gated = self._lookup(args[1:], t0, "EXISTS")
-        def count():
-            return resp.integer(sum(v is not None for v in values))
-        return self._remote_many(values, misses, count, t0, "EXISTS", gated=gated) if misses else count()
-
-    async def _remote_many(self, values: list[bytes | None], misses: dict[str, list[tuple[int, str]]],
-                           reply: Callable[[], bytes], t0: int = 0, command: str = "MGET",
-                           budget: ReplyBudget | None = None,
-                           gated: dict[str, list[tuple[int, str, int]]] | None = None) -> bytes:
-        """Fill the misses with one batched multi_last read per bucket, then encode. Keys
-        in `gated` (also in `misses`) may still be answered by the replica (_gated_many)."""
-        if gated:
-            await self._gated_many(values, misses, gated, budget, t0, command)
-        for bucket, wanted in misses.items():
-            bc = self.cfg.bucket(bucket)
-            assert bc is not None  # misses are grouped by buckets resolve() found
-            keys = list(dict.fromkeys(k for _, k in wanted))
-            self.stats.gets_remote += len(keys)
-            source = "remote"
-            answered: dict[str, str] = {}
-            try:
-                found, answered = await self.policy.remote_many(bucket, keys, budget)
-            except ReplyTooLarge:
-                raise
-            except KvcacheError as e:
-                self.stats.remote_errors += 1
-                # every key from the stale replica, or the command fails (_stale_entry)
-                try:
-                    found = {k: self.policy.stale_entry(bc, k, e) for k in keys}
-                except CommandError:
-                    self.stats.read_failed(bucket, len(wanted))
-                    raise
-                source = STALE_SOURCE
-                self.stats.gets_stale += len(keys)
-            if source != STALE_SOURCE:
-                for key in keys:
-                    self.policy.fill(bc, key, found.get(key), answered.get(key, ""))
-            for i, key in wanted:
-                entry = found[key] if source == STALE_SOURCE else self.policy.newest(bc, key, found.get(key))
-                self.stats.read(bucket, _read_source(entry, source),
-                                entry is not None and entry.operation is Operation.PUT)
-                self._log(t0, bucket, key, entry.source if entry else source,
-                          entry is not None and entry.operation is Operation.PUT, command)
-                if entry is None or entry.operation is not Operation.PUT:
-                    self.stats.gets_notfound += 1
-                else:
-                    if source == STALE_SOURCE and budget is not None and entry.value:
-                        budget.spend(len(entry.value))  # peers charged what they answered
-                    values[i] = entry.value
-        return reply()
-
-    # ------------------------------------------------------------------ one key's facts
-
-    def _one(self, conn: Session, raw: bytes, command: str,
-             answer: Callable[[BucketConfig, Found | None], bytes]) -> Reply:
-        """A read of one key whose reply is worked out from what the key holds (`answer`
-        gets None for a missing key): GET on the generic path, TTL and its kin, TYPE,
-        STRLEN, GETRANGE. The replica when it may answer (waiting for a gated key), else the
-        near cache, else NATS."""
-        bc, key = self.policy.resolve(raw)
-        t0 = self._t0()
-        if self.policy.local_ok(bc, key):
-            rec = self.replica.get(bc.name, key)
-            want = self.policy.behind(bc, key, rec)
-            if not want:
-                return answer(bc, self._local_found(bc, key, rec, t0, command))
-            return self._one_gated(bc, key, want, t0, command, answer)
-        cached = self._cached(bc, key, t0, command)
-        if cached is not None:
-            return answer(bc, None if cached.value is None else Found(cached.value, cached.created, cached.expires))
-        return self._one_remote(bc, key, t0, command, answer)
-
-    def _local_found(self, bc: BucketConfig, key: str, rec: Record | None, t0: int,
-                     command: str) -> Found | None:
-        self.stats.gets_local += 1
-        self.stats.read(bc.name, "local", rec is not None)
-        self._log(t0, bc.name, key, "local", rec is not None, command)
-        if rec is None:
-            self.stats.gets_notfound += 1
-            return None
-        return Found(rec.value, rec.created, rec.expires)
-
-    async def _one_gated(self, bc: BucketConfig, key: str, want: int, t0: int, command: str,
-                         answer: Callable[[BucketConfig, Found | None], bytes]) -> bytes:
-        local, rec = await self.policy.local_after(bc, key, want)
-        if local:
-            return answer(bc, self._local_found(bc, key, rec, t0, command))
-        return await self._one_remote(bc, key, t0, command, answer)
-
-    async def _one_remote(self, bc: BucketConfig, key: str, t0: int, command: str,
-                          answer: Callable[[BucketConfig, Found | None], bytes]) -> bytes:
-        entry = await self.remote_entry(bc, key, t0=t0, command=command)
-        if entry is None or entry.value is None:
-            return answer(bc, None)
-        return answer(bc, Found(entry.value, entry.created, entry.expires))
+        return self.reads.many(args[1:], "EXISTS",
+                               lambda values: resp.integer(sum(v is not None for v in values)))
 
     def _ttl(self, conn: Session, args: list[bytes], ms: bool, absolute: bool) -> Reply:
         if len(args) != 2:
             name = args[0].decode(errors="replace").lower()
             raise CommandError(f"ERR wrong number of arguments for '{name}' command")
 
-        def answer(bc: BucketConfig, found: Found | None) -> bytes:
+        def answer(found: Entry | None) -> bytes:
             if found is None:
                 return resp.integer(-2)
-            feed = self.policy.feeds.get(bc.name)
-            due = expiry(found.created, found.expires, feed.max_age_ns if feed else 0)
+            due = expiry(found.created, found.expires, self.reads.max_age_ns(found.bucket))
             if not due:
                 return resp.integer(-1)
             left = due // 1_000_000 if absolute else max(0, (due - time.time_ns()) // 1_000_000)
             return resp.integer(left if ms else (left + 500) // 1000)
-        return self._one(conn, args[1], args[0].decode(errors="replace").upper(), answer)
+        return self.reads.one(args[1], args[0].decode(errors="replace").upper(), answer)
 
     def ttl(self, conn: Session, args: list[bytes]) -> Reply:
         return self._ttl(conn, args, ms=False, absolute=False)
@@ -612,75 +359,35 @@ class Commands:
 
     @arity(2)
     def type(self, conn: Session, args: list[bytes]) -> Reply:
-        return self._one(conn, args[1], "TYPE",
-                         lambda bc, found: STRING_TYPE if found is not None else NONE_TYPE)
+        return self.reads.one(args[1], "TYPE", lambda e: STRING_TYPE if e is not None else NONE_TYPE)
 
     @arity(2)
     def strlen(self, conn: Session, args: list[bytes]) -> Reply:
-        return self._one(conn, args[1], "STRLEN",
-                         lambda bc, found: resp.integer(len(found.value) if found else 0))
+        return self.reads.one(args[1], "STRLEN",
+                              lambda e: resp.integer(len(e.value) if e and e.value else 0))
 
     @arity(4)
     def getrange(self, conn: Session, args: list[bytes]) -> Reply:
         start, end = _int_arg(args[2]), _int_arg(args[3])
         proto = conn.proto
-        return self._one(conn, args[1], "GETRANGE",
-                         lambda bc, found: resp.bulk(_range(found.value if found else b"", start, end), proto))
+        return self.reads.one(args[1], "GETRANGE",
+                              lambda e: resp.bulk(_range((e.value or b"") if e else b"", start, end), proto))
 
     @arity(2, exact=False)
     def kv_get(self, conn: Session, args: list[bytes]) -> Reply:
-        bc, key = self.policy.resolve(args[1])
-        opts = _options(args[2:], {b"consistency": str, b"maxstale": int, b"minrev": int})
-        consistency = opts.get(b"consistency", "local").lower()
-        if consistency not in ("local", "strong"):
-            raise CommandError("ERR CONSISTENCY must be local or strong")
-        max_stale = opts.get(b"maxstale")
-        min_rev = opts.get(b"minrev")
-        t0 = self._t0()
-        if consistency == "local" and min_rev is None and self.policy.local_ok(bc, key, max_stale):
-            rec = self.replica.get(bc.name, key)
-            want = self.policy.behind(bc, key, rec)
-            if not want:
-                return self._local_entry(conn, bc, key, rec, t0)
-            return self._gated_entry(conn, bc, key, want, max_stale, t0)
-        if consistency == "local":
-            cached = self._cached(bc, key, t0, "KV.GET", max_stale, min_rev)
-            if cached is not None:
-                return resp.null(conn.proto) if cached.value is None else _entry_reply(cached, conn.proto)
-        return self._kv_get_remote(conn, bc, key, consistency == "strong", max_stale, min_rev, t0)
-
-    async def _gated_entry(self, conn: Session, bc: BucketConfig, key: str, want: int,
-                           max_stale: int | None, t0: int = 0) -> bytes:
-        """KV.GET of a key whose newer revision was handed out from NATS (see _local_after)."""
-        local, rec = await self.policy.local_after(bc, key, want, max_stale)
-        if local:
-            return self._local_entry(conn, bc, key, rec, t0)
-        return await self._kv_get_remote(conn, bc, key, False, max_stale, None, t0)
-
-    def _local_entry(self, conn: Session, bc: BucketConfig, key: str, rec: Record | None,
-                     t0: int = 0) -> bytes:
-        self.stats.gets_local += 1
-        self.stats.read(bc.name, "local", rec is not None)
-        self._log(t0, bc.name, key, "local", rec is not None, "KV.GET")
-        if rec is None:
-            self.stats.gets_notfound += 1
-            return resp.null(conn.proto)
-        return _entry_reply(Entry(bc.name, key, rec.value, rec.revision, rec.created), conn.proto)
-
-    async def _kv_get_remote(self, conn: Session, bc: BucketConfig, key: str, strong: bool,
-                             max_stale: int | None, min_rev: int | None, t0: int = 0) -> bytes:
-        if min_rev is not None and not strong:
-            # A replicated key is served locally once the replica reaches the revision; any
-            # other goes to the leader at once instead of waiting for sequences never applied.
-            if self.policy.in_filters(bc.name, key):
-                local, rec = await self.policy.local_after(bc, key, min_rev, max_stale)
-                if local:
-                    return self._local_entry(conn, bc, key, rec, t0)
-            strong = True  # the replica is behind the revision asked for: the leader has it
-        entry = await self.remote_entry(bc, key, strong=strong, t0=t0, max_stale_ms=max_stale)
-        if entry is None:
-            return resp.null(conn.proto)
-        return _entry_reply(entry, conn.proto)
+        try:
+            opts = _options(args[2:], {b"consistency": str, b"maxstale": int, b"minrev": int})
+            consistency = opts.get(b"consistency", "local").lower()
+            if consistency not in ("local", "strong"):
+                raise CommandError("ERR CONSISTENCY must be local or strong")
+        except CommandError:
+            self.reads.policy.resolve(args[1])  # an invalid key is the error named first
+            raise
+        proto = conn.proto
+        return self.reads.one(args[1], "KV.GET",
+                              lambda e: resp.null(proto) if e is None else _entry_reply(e, proto),
+                              strong=consistency == "strong", max_stale_ms=opts.get(b"maxstale"),
+                              min_rev=opts.get(b"minrev"))
 
     # ------------------------------------------------------------------ key listing
 
@@ -812,14 +519,6 @@ class Commands:
 
 # ---------------------------------------------------------------------- helpers
 
-class Found(NamedTuple):
-    """What a one-key read found: the value, its creation and own expiry (Record.expires)."""
-
-    value: bytes
-    created: int
-    expires: int
-
-
 STRING_TYPE = b"+string\r\n"
 NONE_TYPE = b"+none\r\n"
 
@@ -912,12 +611,3 @@ def _options(args: list[bytes], spec: dict[bytes, type]) -> dict[bytes, Any]:
         else:
             out[name] = raw
     return out
-
-
-def _read_source(entry: Entry | None, source: str) -> str:
-    """A remote read's source as the metrics name it: `leader` (its non-direct read), `stale`,
-    or `peer` for a Direct Get's answer, a key NATS reports absent, and a replica copy that
-    turned out newer (the read went to NATS all the same, as INFO's gets_remote counts it)."""
-    if source == STALE_SOURCE:
-        return STALE_SOURCE
-    return "leader" if entry is not None and entry.source == "leader" else "peer"

@@ -59,7 +59,8 @@ class SessionCommands:
     dispatch (EXEC runs the queue through it)."""
 
     def __init__(self, cfg: Config, tracking: Tracking, pubsub: PubSub, transactions: Transactions,
-                 run: Callable[[ClientConnection, list[bytes]], Reply]) -> None:
+                 run: Callable[[ClientConnection, list[bytes]], Reply],
+                 clients: Callable[[], Iterable[ClientConnection]] = lambda: ()) -> None:
         self.cfg = cfg
         self.tracking = tracking
         self.pubsub = pubsub
@@ -67,7 +68,7 @@ class SessionCommands:
         self.run = run
         self.password = cfg.requirepass
         # Every open connection, oldest first (CLIENT LIST, CLIENT KILL): the server's registry
-        self.clients: Callable[[], Iterable[ClientConnection]] = lambda: ()
+        self.clients = clients
 
     def table(self) -> dict[bytes, Handler]:
         return {

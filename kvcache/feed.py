@@ -9,7 +9,7 @@ This module holds the sync itself: planning a start (resume from the stored sequ
 full resync when the stream no longer holds it, was recreated or rewound), applying each
 socket read's deliveries in one LMDB transaction together with the last applied stream
 sequence, freshness (`fresh_within`, `lag_ms`) and the floors that keep reads from going back
-(`handed_out`, `behind`). The passes that keep the replica equal when no message says so
+(`handed_out`, `held_until`). The passes that keep the replica equal when no message says so
 (expiry, removals, reconcile) are in kvcache.sweeps.
 
 Two facts about the server shape the bookkeeping here:
@@ -35,7 +35,7 @@ from .config import BucketConfig
 from .consumer import ConsumerLost, PullConsumer, Run
 from .errors import BucketNotFound, ReplicaError, UpstreamError
 from .natsconn import NatsConnection
-from .nearcache import NearCache
+from .nearcache import NearCache, drop_store
 from .quorum import NO_FENCE, Evidence, Fence, Proofs, evidence, needs_quorum
 from .record import LONG_KEY_PREFIX, RECORD, Item, decode_key
 from .replica import Replica
@@ -67,7 +67,11 @@ class Feed(Maintenance):
 
     def __init__(self, nc: NatsConnection, bucket: BucketConfig, replica: Replica, *,
                  heartbeat_s: float = 2.0, timeout: float = 5.0,
-                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+                 on_fatal: Callable[[BaseException], None] | None = None,
+                 on_hold: Callable[[], None] | None = None,
+                 on_renumbered: Callable[[], None] | None = None,
+                 on_removed: Callable[[int | None], None] | None = None,
+                 hub: ChangeHub | None = None) -> None:
         self.nc = nc
         self.on_fatal = on_fatal
         self.cfg = bucket
@@ -137,19 +141,19 @@ class Feed(Maintenance):
         self.ahead: dict[str, int] = {}
         self.floor_seq = 0
         self._ahead_overflow = False  # AHEAD_MAX reached: every key waits for floor_seq
-        # Called when the first key is gated: the server drops the GET path's cached verdicts
+        # Called when the first key is held: the server drops the GET path's cached verdicts
         # (LocalGets.forget_fresh), which would otherwise answer from the replica for a while.
-        self.on_gated: Callable[[], None] | None = None
+        self.on_hold = on_hold
         # Called when the stream was recreated or rewound (its revisions start again): the
         # router forgets the bucket's floors (Router.floors.forget).
-        self.on_renumbered: Callable[[], None] | None = None
+        self.on_renumbered = on_renumbered
         # Called when messages went with no marker: `first` when the stream dropped everything
         # below it, None after a purge or message delete request (which keys is unknown). The
         # router forgets the floors those removals make moot (Router.floors.forget).
-        self.on_removed: Callable[[int | None], None] | None = None
+        self.on_removed = on_removed
         # Where the changes this feed applies go (kvcache.changes): tracking clients'
-        # invalidations, keyspace notifications, WATCH. Set by the sidecar.
-        self.hub: ChangeHub | None = None
+        # invalidations, keyspace notifications, WATCH (the sidecar's one hub).
+        self.hub = hub
         if self.meta.synced:
             self._synced_event.set()
 
@@ -318,7 +322,7 @@ class Feed(Maintenance):
             elif first > 1:
                 self.cache.drop_below(first)
         elif m.whole_bucket:
-            self.replica.cache_clear(self.bucket)  # left by a run with a near cache: unwatched now
+            drop_store(self.replica, self.bucket)  # left by a run with a near cache: unwatched now
         m.whole_bucket = self.cache is not None
         m.filters = list(self.cfg.keys)
         m.stream = self.stream
@@ -524,15 +528,16 @@ class Feed(Maintenance):
                 self.meta.fresh_at_ns = fresh
         return ev
 
-    def fresh_enough(self, max_stale_ms: int) -> bool:
-        """May reads be answered locally without looking at each key? Fresh within the bound
-        (fresh_within), and no key is gated (see handed_out): the GET fast path asks this
-        alone, so while a key is gated its GETs go to the command layer, which asks per key."""
+    def fresh_for_all(self, max_stale_ms: int) -> bool:
+        """May every key be answered locally without looking at it? Fresh within the bound
+        (fresh_within), and no key is held (see handed_out): the GET fast path asks this
+        alone, so while a key is held its GETs go to the command layer, which asks per key
+        (fresh_within, then held_until)."""
         return not self.floor_seq and self.fresh_within(max_stale_ms)
 
     def fresh_within(self, max_stale_ms: int) -> bool:
         """Is the replica fresh enough to answer: synced, and not staler than the bound?
-        Whether a given key may then be answered locally is `behind`'s question."""
+        Whether a given key may then be answered locally is `held_until`'s question."""
         if not self.meta.synced:
             return False
         consumer, evidence = self._ages_ms()
@@ -544,8 +549,8 @@ class Feed(Maintenance):
         """An answer for `key` at `revision` (a value, or a deletion's marker) was handed out
         from NATS. A replica that has not reached it yet may lag within max_stale_ms, and its
         older record must not answer the key's next read (a strong read, then a plain one):
-        until the replica reaches the revision the key is gated (`behind`), and the GET fast
-        path, which does not look per key, stands aside (fresh_enough). An unsynced replica's
+        until the replica reaches the revision the key is held (`held_until`), and the GET fast
+        path, which does not look per key, stands aside (fresh_for_all). An unsynced replica's
         position says nothing (a full sync comes in subject order): every revision counts."""
         if revision <= self.meta.applied_seq and self.meta.synced:
             return
@@ -557,13 +562,14 @@ class Feed(Maintenance):
             self._ahead_overflow = True
         if revision > self.floor_seq:
             self.floor_seq = revision
-        if opened and self.on_gated is not None:
-            self.on_gated()
+        if opened and self.on_hold is not None:
+            self.on_hold()
 
-    def behind(self, key: str, revision: int | None) -> int:
+    def held_until(self, key: str, revision: int | None) -> int:
         """0 when the replica may answer `key` without going back in time: its record's
         `revision` (None: it has none) is not below a revision of the key already handed out
-        from NATS, or the replica has reached that. Else the stream sequence to wait for."""
+        from NATS, or the replica has reached that. Else the key is held: the stream sequence
+        to wait for."""
         if not self.floor_seq:
             return 0
         want = self.floor_seq if self._ahead_overflow else self.ahead.get(key, 0)
@@ -573,11 +579,11 @@ class Feed(Maintenance):
         return want
 
     def _release(self) -> None:
-        """The replica reached every revision handed out ahead of it: no key is gated now."""
+        """The replica reached every revision handed out ahead of it: no key is held now."""
         if self.meta.synced and self.meta.applied_seq >= self.floor_seq:
-            self._clear_gate()
+            self._clear_holds()
 
-    def _clear_gate(self) -> None:
+    def _clear_holds(self) -> None:
         self.ahead.clear()
         self.floor_seq = 0
         self._ahead_overflow = False
@@ -640,8 +646,8 @@ class Feed(Maintenance):
             self._sync_started = time.monotonic()
             # Nothing is read locally until the sync ends, and then the replica holds every
             # revision handed out before it began; those of a stream since recreated (lower
-            # sequences) would otherwise keep their keys gated for good.
-            self._clear_gate()
+            # sequences) would otherwise keep their keys held for good.
+            self._clear_holds()
         return consumer
 
     async def _check_identity(self, info: dict) -> None:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from .accesslog import AccessLog
     from .config import Config
     from .readpolicy import ReadPolicy
+    from .router import Router
     from .server_pubsub import PubSub
     from .server_tracking import Tracking
     from .stats import Stats
@@ -46,11 +47,12 @@ def _replication(replid: str) -> list[tuple[str, object]]:
 class Info:
     """Builds INFO's text on demand (nothing is computed between INFO calls)."""
 
-    def __init__(self, cfg: Config, stats: Stats, policy: ReadPolicy, access: AccessLog,
+    def __init__(self, cfg: Config, stats: Stats, policy: ReadPolicy, router: Router, access: AccessLog,
                  tracking: Tracking | None = None, pubsub: PubSub | None = None) -> None:
         self.cfg = cfg
         self.stats = stats
         self.policy = policy
+        self.router = router
         self.access = access
         self.tracking = tracking
         self.pubsub = pubsub
@@ -58,8 +60,7 @@ class Info:
         self.replid = os.urandom(20).hex()
 
     def sections(self) -> dict[str, list[tuple[str, object]]]:
-        st, cfg, policy = self.stats, self.cfg, self.policy
-        router = policy.router
+        st, cfg, policy, router = self.stats, self.cfg, self.policy, self.router
         return {
             "server": [
                 ("kvcache_version", __version__), ("redis_version", REDIS_VERSION),

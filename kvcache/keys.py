@@ -4,7 +4,7 @@ ADR-8: a key is tokens of `[-/_=a-zA-Z0-9]` joined by single dots (no empty toke
 either end); a key filter may use `*` for one token and `>` for the rest (last). Every Python
 check of a key or a filter uses this module; the C copies (ext/resp_get.pxd, the server's GET
 path) are tested against it on generated keys (tests/test_keys.py). A RESP key may carry a
-`bucket:` prefix (kvcache.readpolicy.split_address) before the KV key checked here.
+`bucket:` prefix (split_address) before the KV key checked here.
 """
 from __future__ import annotations
 
@@ -138,3 +138,13 @@ def glob_matcher(pattern: str) -> Callable[[str], bool]:
         i += 1
     rx = re.compile("".join(out), re.DOTALL)
     return lambda s: rx.fullmatch(s) is not None
+
+
+def split_address(text: str, default: str | None) -> tuple[str, str, bool]:
+    """`bucket:key` names the bucket; a bare key reads the default (first) bucket:
+    (bucket, key, whether the bucket was named). The one addressing rule of the socket and
+    of LocalReader."""
+    bucket, sep, key = text.partition(":")
+    if not sep:
+        return default or "", text, False
+    return bucket, key, True

@@ -135,7 +135,7 @@ class SidecarCollector:
         self.cfg = cfg
         self.stats = stats
         self.commands = commands
-        self.policy = commands.policy
+        self.policy = commands.reads.policy
         self.gets = gets
         self.connections = connections
 
@@ -156,7 +156,7 @@ class SidecarCollector:
             copy.add(h.counts, h.sum_ns)
         get = latency.setdefault("get", Latency())
         get.add(*self.gets.latency())
-        router = policy.router
+        router = cmds.reads.router
         snap = Snapshot(
             build={"version": __version__, **{k: v.split()[0] for k, v in native.report().items()},
                    "lmdb": native.lmdb_version()},

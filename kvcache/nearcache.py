@@ -17,20 +17,27 @@ at (a deletion's marker, or 0 for a key with no message), so a hot missing key c
 Direct Get, not one per read. The bucket's feed invalidates it when the key is written, like
 any cached key. Every record starts with its revision (REVISION), absent or not.
 
-This module keeps the store; whether a cached record may answer a read (the bucket's
-invalidation feed fresh within max_stale_ms, the floors) is the read policy's question, and
-removing what the bucket changed is the invalidation feed's job.
+This module owns the store and its format: the records in the bucket's `n:<bucket>` database
+(the replica lends its LMDB environment and that database's handle, nothing more), what a
+cached record holds (`CachedRecord`, `absent`) and how an answer is encoded into one
+(`offer_entry`). Whether a cached record may answer a read (the bucket's invalidation feed
+fresh within max_stale_ms, the floors) and whether an answer may go in are the read policy's
+questions (kvcache.readpolicy), and removing what the bucket changed is the invalidation
+feed's job.
 """
 from __future__ import annotations
 
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
+from .record import NEVER, decode_record, encode_record
 from .sketch import FrequencySketch
 
 if TYPE_CHECKING:
+    import lmdb
+
     from .replica import Replica
 
 # What a cached key costs beyond its key and record: the LRU entry and LMDB's node header
@@ -52,6 +59,30 @@ def revision_of(raw: bytes) -> int:
     return REVISION.unpack_from(raw)[0]
 
 
+class CachedRecord(NamedTuple):
+    """A cached record decoded: a value (None: a cached not-found, known at `revision`), its
+    revision, creation time and own expiry (kvcache.record.Record.expires)."""
+
+    value: bytes | None
+    revision: int
+    created: int = 0
+    expires: int = 0
+
+
+def decode(lkey: bytes, raw: bytes) -> CachedRecord:
+    """A stored cached record (kvcache.record's format, or `absent`) decoded."""
+    if is_absent(raw):
+        return CachedRecord(None, revision_of(raw))
+    rec = decode_record(lkey, raw)
+    return CachedRecord(rec.value, rec.revision, rec.created, rec.expires)
+
+
+def drop_store(replica: Replica, bucket: str) -> None:
+    """Drop what a run with a near cache left for `bucket` (this run has none for it)."""
+    db = replica.cache_db(bucket)
+    replica.write(f"bucket {bucket} cache", lambda txn: txn.drop(db, delete=False))
+
+
 @dataclass
 class CacheStats:
     """INFO's per-bucket near-cache counters."""
@@ -71,7 +102,11 @@ class NearCache:
                  admission: str = "frequency") -> None:
         if max_keys <= 0 and max_bytes <= 0:
             raise ValueError("a near cache needs cache_max_keys or cache_max_bytes")
-        self.replica = replica
+        # What the replica lends: its environment, the bucket's cache database, and its write
+        # step (one write transaction, the map grown when full)
+        self._env = replica.env
+        self._db = replica.cache_db(bucket)
+        self._write_txn = replica.write
         self.bucket = bucket
         self.max_keys = max_keys
         self.max_bytes = max_bytes
@@ -84,9 +119,36 @@ class NearCache:
         self.sketch = FrequencySketch(max_keys or max(1, max_bytes // 256))
         self._load()
 
+    # ------------------------------------------------------------------ the store (LMDB)
+
+    def _read(self, lkey: bytes) -> bytes | None:
+        with self._env.begin(db=self._db, buffers=False) as txn:
+            return txn.get(lkey)
+
+    def sizes(self) -> list[tuple[bytes, int]]:
+        """(lkey, record size) of every stored record."""
+        with self._env.begin(db=self._db, buffers=True) as txn:
+            return [(bytes(k), len(v)) for k, v in txn.cursor()]
+
+    def _items(self) -> list[tuple[bytes, bytes]]:
+        """(lkey, record) of every stored record (bounded by the cache's own bounds)."""
+        with self._env.begin(db=self._db, buffers=False) as txn:
+            return list(txn.cursor())
+
+    def _store(self, puts: list[tuple[bytes, bytes]], deletes: list[bytes]) -> None:
+        db = self._db
+
+        def write(txn: lmdb.Transaction) -> None:
+            for lk in deletes:
+                txn.delete(lk, db=db)
+            for lk, rec in puts:
+                txn.put(lk, rec, db=db)
+
+        self._write_txn(f"bucket {self.bucket} cache", write)
+
     def _load(self) -> None:
         """What a previous run cached, within today's bounds (the excess is dropped)."""
-        for lkey, size in self.replica.cache_sizes(self.bucket):
+        for lkey, size in self.sizes():
             self.lru[lkey] = size + len(lkey) + ENTRY_OVERHEAD
             self.bytes += self.lru[lkey]
         extra = []
@@ -95,10 +157,16 @@ class NearCache:
             self.bytes -= size
             extra.append(lkey)
         if extra:
-            self.replica.cache_write(self.bucket, [], extra)
+            self._store([], extra)
 
     def __len__(self) -> int:
         return len(self.lru)
+
+    def __contains__(self, lkey: bytes) -> bool:
+        return lkey in self.lru
+
+    def keys(self) -> list[bytes]:
+        return list(self.lru)
 
     def _over(self, adding: int) -> bool:
         n = len(self.lru) + (1 if adding else 0)
@@ -107,13 +175,31 @@ class NearCache:
 
     # ------------------------------------------------------------------ reads
 
+    def count(self, lkey: bytes) -> None:
+        """A read of the key the cache may not answer (its feed is not fresh): counted towards
+        its admission all the same."""
+        self.sketch.increment(lkey)
+
+    def lookup(self, lkey: bytes) -> CachedRecord | None:
+        """The cached record of a key, decoded (counted as a read); None when not cached."""
+        raw = self.get(lkey)
+        return None if raw is None else decode(lkey, raw)
+
+    def current_revision(self, lkey: bytes) -> tuple[int, bool] | None:
+        """(revision, is a not-found) of what is cached for the key, None when nothing is; not
+        counted as a read."""
+        if lkey not in self.lru:
+            return None
+        raw = self._read(lkey)
+        return None if raw is None else (revision_of(raw), is_absent(raw))
+
     def get(self, lkey: bytes) -> bytes | None:
-        """The cached record of a key (counted as a read), None when not cached."""
+        """The cached record of a key as stored (counted as a read), None when not cached."""
         self.sketch.increment(lkey)
         if lkey not in self.lru:
             self.stats.misses += 1
             return None
-        raw = self.replica.cache_get(self.bucket, lkey)
+        raw = self._read(lkey)
         if raw is None:  # gone from LMDB behind our back: forget it
             self.bytes -= self.lru.pop(lkey)
             self.stats.misses += 1
@@ -123,6 +209,16 @@ class NearCache:
         return raw
 
     # ------------------------------------------------------------------ writes
+
+    def offer_entry(self, key: str, lkey: bytes, value: bytes, revision: int, created: int,
+                    expires: int) -> bool:
+        """Offer a value read from NATS (`expires`: its own TTL's moment, NEVER, or 0)."""
+        ttl = -1 if expires == NEVER else (expires - created if expires else 0)
+        return self.offer(lkey, encode_record(key.encode(), lkey, value, revision, created, ttl))
+
+    def offer_absent(self, lkey: bytes, revision: int) -> bool:
+        """Offer a not-found known at `revision` (0: no message at all)."""
+        return self.offer(lkey, absent(revision))
 
     def offer(self, lkey: bytes, record: bytes) -> bool:
         """A fallback read's answer for a key: keep it if it is hot enough. True if kept."""
@@ -143,7 +239,7 @@ class NearCache:
             victim, vsize = self.lru.popitem(last=False)
             self.bytes -= vsize
             evicted.append(victim)
-        self.replica.cache_write(self.bucket, [(lkey, record)], evicted)
+        self._store([(lkey, record)], evicted)
         self.lru[lkey] = size
         self.bytes += size
         self.stats.evictions += len(evicted)
@@ -157,21 +253,22 @@ class NearCache:
         if gone:
             for lk in gone:
                 self.bytes -= self.lru.pop(lk)
-            self.replica.cache_write(self.bucket, [], gone)
+            self._store([], gone)
             self.stats.invalidations += len(gone)
         return len(gone)
 
     def drop_below(self, first_seq: int) -> int:
         """The stream dropped every message below `first_seq` (its limits, a purge): cached
         records older than that have no message left. How many went."""
-        gone = [lk for lk, raw in self.replica.cache_items(self.bucket)
+        gone = [lk for lk, raw in self._items()
                 if revision_of(raw) < first_seq]
         return self.invalidate(gone) if gone else 0
 
     def clear(self) -> int:
         """Everything goes (the bucket was purged or recreated, or its position was lost)."""
         n = len(self.lru)
-        self.replica.cache_clear(self.bucket)
+        db = self._db
+        self._write_txn(f"bucket {self.bucket} cache", lambda txn: txn.drop(db, delete=False))
         self.lru.clear()
         self.bytes = 0
         self.stats.invalidations += n

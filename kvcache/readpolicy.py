@@ -1,4 +1,4 @@
-"""Where a read is answered: the one place that decides it, for every path that hands out a value.
+"""Where a read is answered: the decisions, for every path that hands out a value.
 
 A key is answered by the replica when it is inside its bucket's filters, the replica is fresh
 within the bound the read allows (`max_stale_ms`, or KV.GET's MAXSTALE), and the replica's
@@ -6,11 +6,19 @@ record does not go back below a revision already handed out from NATS (the feed'
 otherwise by NATS through the router (peers, then the leader), and the newer of the two
 answers wins; when NATS cannot answer, a stale replica may (the bucket's `serve_stale`).
 
-Users of the policy: the RESP command layer (kvcache.commands), the server's GET fast path,
-which plans each raw key once through `ReadPolicy.plan` and asks only freshness per batch
-(kvcache.server_get and its C twin), and LocalReader in an application's process, which shares
-the addressing (`split_address`) and the freshness rule for a replica read from its files
-(`meta_fresh`). See docs/architecture.md, "Consistency".
+This module decides and does nothing else: it reads the replica, the feeds' positions, the
+near cache and the router's floors to answer a question, and never counts, logs, waits or asks
+NATS. The questions: where may this key be answered (`local`, `held`, `local_now`, `cached`),
+which answer is handed out (`newest`), may it fill the near cache (`fill`), and, when NATS
+fails, a stale answer or an error (`stale_entry`).
+
+Users: kvcache.reads, which carries out every read of the RESP command layer in that order
+(replica, wait for a held key, near cache, NATS, fill) and counts and logs it; the server's
+GET fast path (kvcache.server_get and its C twin), which plans each raw key once through
+`ReadPolicy.plan` and asks per batch only the feed's `fresh_for_all`; and LocalReader in an
+application's process, which shares the addressing (kvcache.keys.split_address) and the
+freshness rule for a replica read from its files (kvcache.replica.meta_fresh), and loads
+nothing of this module. See docs/architecture.md, "Consistency".
 """
 from __future__ import annotations
 
@@ -19,21 +27,22 @@ import time
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from .entry import Entry, Operation
-from .errors import CommandError, KvcacheError, ReplyBudget, UpstreamError
-from .keys import KEY_RE, RESERVED_PREFIX
-from .nearcache import absent, is_absent, revision_of
-from .record import LONG_KEY_PREFIX, NEVER, RECORD, Record, decode_record, encode_record, expiry, lmdb_key
+from .errors import CommandError, KvcacheError, UpstreamError
+from .keys import KEY_RE, RESERVED_PREFIX, split_address
+from .record import LONG_KEY_PREFIX, RECORD, Record, expiry, lmdb_key
 
 if TYPE_CHECKING:
     from .config import BucketConfig, Config
     from .feed import Feed
-    from .replica import BucketMeta, Replica
-    from .router import Router
+    from .replica import Replica
+    from .router import Floors
 
-# How long a read that the replica could not answer without going back waits for it to reach
-# the revision already handed out (MINREV waits the same) before asking NATS.
+# How long a read of a held key (the replica could not answer it without going back) waits
+# for the replica to reach the revision already handed out (MINREV waits the same) before
+# asking NATS.
 MINREV_WAIT_S = 0.25
-# Plans kept (raw key -> Plan); cleared whole when full. Issue 15 revisits this bound.
+# Plans kept (raw key -> Plan), here and in the GET fast path's own map (kvcache.server_get
+# and its C twin); each is cleared whole when full. Issue 15 revisits this bound.
 PLAN_CACHE = 100_000
 # KV.GET's source for an answer from a replica too stale to be trusted, given because no peer
 # could answer and the bucket has serve_stale on (config.py keeps it from naming a peer).
@@ -42,9 +51,11 @@ STALE_SOURCE = "stale"
 
 class Plan(NamedTuple):
     """How the replica answers one raw key, worked out once per distinct key: the bucket's
-    feed (asked whether it is fresh enough, per batch), the bound, the bucket's name and LMDB
-    database, the key as stored, and where the value starts in its record (None for a long
-    key stored under a digest: read the record's own key length)."""
+    feed (asked per batch whether it is fresh for every key, `Feed.fresh_for_all`, or per
+    key), the bound, the bucket's name and LMDB database, the key as stored, and where the
+    value starts in its record (None for a long key stored under a digest: read the record's
+    own key length). The one plan type of every local read: the GET fast path (both twins),
+    MGET and EXISTS (kvcache.reads)."""
 
     feed: Feed
     max_stale_ms: int
@@ -54,33 +65,17 @@ class Plan(NamedTuple):
     offset: int | None
 
 
-def split_address(text: str, default: str | None) -> tuple[str, str, bool]:
-    """`bucket:key` names the bucket; a bare key reads the default (first) bucket:
-    (bucket, key, whether the bucket was named). The one addressing rule of the socket and
-    of LocalReader."""
-    bucket, sep, key = text.partition(":")
-    if not sep:
-        return default or "", text, False
-    return bucket, key, True
-
-
-def meta_fresh(meta: BucketMeta, max_stale_ms: int, now_ns: int) -> tuple[bool, float]:
-    """For a reader of the replica's files (no feed in its process): the replica may answer
-    when synced and confirmed current by the sidecar within `max_stale_ms`: (ok, age in ms)."""
-    age_ms = (now_ns - meta.fresh_at_ns) / 1e6
-    return bool(meta.synced) and age_ms <= max_stale_ms, age_ms
-
-
 class ReadPolicy:
-    """The read policy of one sidecar: its configuration, replica, feeds and router, and the
-    decisions made from them (see the module docstring). It answers questions and keeps the
-    plan cache; counting, logging and encoding replies stay with the callers."""
+    """The read decisions of one sidecar, made from its configuration, replica, feeds (and
+    their near caches) and the router's floors (see the module docstring). It answers
+    questions and keeps the plan cache; carrying a read out (waiting, asking NATS, counting,
+    logging) is kvcache.reads's."""
 
-    def __init__(self, cfg: Config, replica: Replica, feeds: dict[str, Feed], router: Router) -> None:
+    def __init__(self, cfg: Config, replica: Replica, feeds: dict[str, Feed], floors: Floors) -> None:
         self.cfg = cfg
         self.replica = replica
         self.feeds = feeds
-        self.router = router
+        self.floors = floors
         self._plans: dict[bytes, Plan | Literal[False]] = {}
         self.in_filters = functools.lru_cache(maxsize=65536)(self._in_filters)
 
@@ -145,81 +140,72 @@ class ReadPolicy:
 
     # ------------------------------------------------------------------ may the replica answer?
 
-    def local_ok(self, bc: BucketConfig, key: str, max_stale_ms: int | None = None) -> bool:
-        """Is the key replicated, and the replica fresh within the bound? Whether its record
-        may answer without going back in time is asked apart (`behind`)."""
+    def local(self, bc: BucketConfig, key: str, max_stale_ms: int | None = None) -> bool:
+        """Is the key replicated, and the replica fresh within the bound (the bucket's
+        max_stale_ms, or the read's own)? Whether its record may answer without going back
+        in time is asked apart (`held`)."""
         return self.in_filters(bc.name, key) and self.feeds[bc.name].fresh_within(
             bc.max_stale_ms if max_stale_ms is None else max_stale_ms)
 
-    def behind(self, bc: BucketConfig, key: str, rec: Record | None) -> int:
-        """0 when the replica's record (None: it has none) may answer the key; else the
-        stream sequence it must reach first (a newer revision was handed out from NATS)."""
-        return self.feeds[bc.name].behind(key, None if rec is None else rec.revision)
+    def held(self, bc: BucketConfig, key: str, rec: Record | None) -> int:
+        """0 when the replica's record (None: it has none) may answer the key; else the key is
+        held: the stream sequence the replica must reach first (a newer revision was handed
+        out from NATS, Feed.handed_out)."""
+        return self.feeds[bc.name].held_until(key, None if rec is None else rec.revision)
 
     def local_now(self, bc: BucketConfig, key: str,
                   max_stale_ms: int | None = None) -> tuple[bool, Record | None]:
         """(True, the key's record or None) when the replica may answer the key now: fresh
-        within the bound and not behind a revision handed out from NATS; else (False, None)."""
-        if self.local_ok(bc, key, max_stale_ms):
+        within the bound and the key not held; else (False, None)."""
+        if self.local(bc, key, max_stale_ms):
             rec = self.replica.get(bc.name, key)
-            if not self.behind(bc, key, rec):
+            if not self.held(bc, key, rec):
                 return True, rec
         return False, None
 
-    async def local_after(self, bc: BucketConfig, key: str, want: int,
-                          max_stale_ms: int | None = None) -> tuple[bool, Record | None]:
-        """A read the replica could not answer without going back in time: wait (up to
-        MINREV_WAIT_S) for it to reach stream sequence `want`, as MINREV does. Then
-        (True, the key's record or None) if the replica may answer it now; else (False,
-        None), and the caller reads NATS (the router's floors keep that answer at or above
-        what was handed out)."""
-        if await self.feeds[bc.name].wait_applied(want, MINREV_WAIT_S):
-            return self.local_now(bc, key, max_stale_ms)
-        return False, None
-
-    async def wait_applied(self, bucket: str, seq: int) -> bool:
-        """Wait (up to MINREV_WAIT_S) for the bucket's replica to reach stream sequence `seq`."""
-        return await self.feeds[bucket].wait_applied(seq, MINREV_WAIT_S)
-
-    def gated(self, raw: bytes, feed: Feed, rec: bytes | None) -> tuple[str, str, int]:
-        """For a batch read while some key is gated (Feed.behind): (bucket, key, the sequence
-        the replica must reach first, 0 when its raw record `rec` may answer now)."""
+    def held_raw(self, raw: bytes, feed: Feed, rec: bytes | None) -> tuple[str, str, int]:
+        """For a batch read while some key of the feed's bucket is held (Feed.floor_seq):
+        (bucket, key, the sequence the replica must reach first, 0 when its stored record
+        `rec` may answer now)."""
         bc, key = self.resolve(raw)
         revision = None
         if rec is not None and not self.replica.expired(bc.name, rec):
             revision = RECORD.unpack_from(rec)[0]
-        return bc.name, key, feed.behind(key, revision)
+        return bc.name, key, feed.held_until(key, revision)
 
     # ------------------------------------------------------------------ the near cache
 
-    def cached(self, bc: BucketConfig, key: str, max_stale_ms: int | None = None) -> Entry | None:
+    def cached(self, bc: BucketConfig, key: str, max_stale_ms: int | None = None,
+               min_rev: int | None = None) -> Entry | None:
         """The near cache's answer (source `cache`) for a key outside the filters, or None
         when it has none it may give: not cached, expired, the bucket's feed not fresh within
-        the bound (the replica's own rule), or a newer revision already handed out from NATS
-        (the router's floors). A cached not-found is an Entry with no value (operation DEL,
-        the revision it is known at). Every ask counts towards the key's admission."""
+        the bound (the replica's own rule), a newer revision already handed out from NATS
+        (the router's floors), or below `min_rev` (KV.GET's MINREV: only a value at that
+        revision or above). A cached not-found is an Entry with no value (operation DEL, the
+        revision it is known at). Every ask counts towards the key's admission."""
         feed = self.feeds[bc.name]
         cache = feed.cache
         if cache is None or self.in_filters(bc.name, key):
             return None
         lk = lmdb_key(key)
         if not feed.fresh_within(bc.max_stale_ms if max_stale_ms is None else max_stale_ms):
-            cache.sketch.increment(lk)
+            cache.count(lk)
             return None
-        raw = cache.get(lk)
-        if raw is None:
+        rec = cache.lookup(lk)
+        if rec is None:
             return None
-        if is_absent(raw):
-            gone = Entry(bc.name, key, None, revision_of(raw), 0, 0, Operation.DEL, "cache")
-            return None if self.router.floors.behind(bc.name, key, gone) else gone
-        rec = decode_record(lk, raw)
-        due = expiry(rec.created, rec.expires, feed.max_age_ns)
-        if due and time.time_ns() >= due:
-            cache.invalidate([lk])
+        if rec.value is None:
+            entry = Entry(bc.name, key, None, rec.revision, 0, 0, Operation.DEL, "cache")
+        else:
+            due = expiry(rec.created, rec.expires, feed.max_age_ns)
+            if due and time.time_ns() >= due:
+                cache.invalidate([lk])
+                return None
+            entry = Entry(bc.name, key, rec.value, rec.revision, rec.created, 0, Operation.PUT, "cache",
+                          rec.expires)
+        if self.floors.below(bc.name, key, entry):
             return None
-        entry = Entry(bc.name, key, rec.value, rec.revision, rec.created, 0, Operation.PUT, "cache",
-                      rec.expires)
-        if self.router.floors.behind(bc.name, key, entry):
+        if min_rev is not None and (entry.value is None or entry.revision < min_rev):
             return None
         return entry
 
@@ -230,9 +216,9 @@ class ReadPolicy:
         a mirror may lag without bound), only while the feed vouches for the bucket and saw
         no newer change on the way (Feed.fill_ok: for a not-found, which has no revision of
         its own, no change at all), and never over a newer cached revision. A not-found
-        goes in as `absent` where nothing is cached; one that contradicts a cached value
-        (a lagging responder, or a removal no message told of) drops it instead, and so
-        does an answer that may not go in."""
+        goes in as a cached not-found where nothing is cached; one that contradicts a cached
+        value (a lagging responder, or a removal no message told of) drops it instead, and
+        so does an answer that may not go in."""
         feed = self.feeds[bc.name]
         cache = feed.cache
         if cache is None or self.in_filters(bc.name, key):
@@ -244,39 +230,27 @@ class ReadPolicy:
                else answered == f"main.{bc.name}")
         revision = entry.revision if entry is not None else 0
         ok = own and feed.fill_ok(lk, revision)
-        current = self.replica.cache_get(bc.name, lk) if lk in cache.lru else None
+        current = cache.current_revision(lk)  # (revision, a not-found) or None
         if not found:
             if current is not None:
-                if revision_of(current) >= revision and (entry is not None or is_absent(current)):
-                    return  # what is cached is as new or newer (absent too)
+                if current[0] >= revision and (entry is not None or current[1]):
+                    return  # what is cached is as new or newer (a not-found too)
                 cache.invalidate([lk])
                 if entry is None:  # beside a cached value: a lagging responder, or a removal
                     return         # no message told of: keep neither
             if ok:
-                cache.offer(lk, absent(revision))
+                cache.offer_absent(lk, revision)
             return
         assert entry is not None and entry.value is not None
         if not ok:
-            if current is not None and revision_of(current) < revision:
+            if current is not None and current[0] < revision:
                 cache.invalidate([lk])
             return
-        if current is not None and revision_of(current) >= revision:
+        if current is not None and current[0] >= revision:
             return  # what is cached is as new or newer: a lagging responder's answer
-        ttl = -1 if entry.expires == NEVER else (entry.expires - entry.created if entry.expires else 0)
-        cache.offer(lk, encode_record(key.encode(), lk, entry.value, entry.revision, entry.created, ttl))
+        cache.offer_entry(key, lk, entry.value, entry.revision, entry.created, entry.expires)
 
     # ------------------------------------------------------------------ answers from NATS
-
-    async def remote(self, bc: BucketConfig, key: str, strong: bool = False) -> tuple[Entry | None, str]:
-        """The router's answer (peers by latency, or the leader when `strong`), and who gave
-        it (Router.get_from: what `fill` needs)."""
-        return await self.router.get_from(bc.name, key, strong=strong)
-
-    async def remote_many(self, bucket: str, keys: list[str], budget: ReplyBudget | None = None
-                          ) -> tuple[dict[str, Entry | None], dict[str, str]]:
-        """One batched read of many keys of a bucket (multi_last), within `budget`, and who
-        answered each key."""
-        return await self.router.get_many_from(bucket, keys, budget)
 
     def newest(self, bc: BucketConfig, key: str, remote: Entry | None) -> Entry | None:
         """The answer to hand out for a key read from NATS. Higher revision wins. A remote
@@ -315,7 +289,7 @@ class ReadPolicy:
         bound = bc.max_stale_ms if max_stale_ms is None else max_stale_ms
         if not feed.synced:
             why = "replica not synced"
-        elif feed.fresh_within(bound):  # the key was gated (Feed.behind), the replica is fresh
+        elif feed.fresh_within(bound):  # the key was held (Feed.held_until), the replica is fresh
             why = "replica behind a revision of the key already read from NATS"
         else:
             why = f"replica stale ({feed.lag_ms() / 1000:.1f}s behind, max_stale_ms {bound})"
@@ -328,8 +302,14 @@ class ReadPolicy:
         if entry is None and not feed.synced:
             raise CommandError(f"{message}; not serving stale: the key may exist, the replica "
                                "has not finished its sync")
-        if self.router.floors.behind(bc.name, key, entry) or feed.behind(
+        if self.floors.below(bc.name, key, entry) or feed.held_until(
                 key, None if entry is None else entry.revision):
             raise CommandError(f"{message}; not serving stale: a newer revision of the key "
                                "was already read from a peer")
         return entry
+
+    def vouched(self, bucket: str) -> bool:
+        """Does the bucket's feed vouch for its replica now: fresh within its max_stale_ms?
+        (EXEC with WATCHed keys of the bucket asks.)"""
+        feed = self.feeds[bucket]
+        return feed.fresh_within(feed.cfg.max_stale_ms)

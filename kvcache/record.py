@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
+import time
 from dataclasses import dataclass
 
 RECORD = struct.Struct("<QQI")
@@ -31,6 +32,16 @@ LONG_KEY_PREFIX = b"\x00#"
 FLAG_TTL = 0x8000_0000      # in the u32: an expires_ns field follows the header
 KLEN_MASK = 0x7FFF_FFFF
 NEVER = 0xFFFF_FFFF_FFFF_FFFF  # expires_ns of `Nats-TTL: never`: exempt from max_age too
+# FLAG_TTL as the byte it lives in (the u32 is little-endian: its top byte is the record's 20th):
+# `raw[TTL_BYTE] >= TTL_BIT` is `has_ttl(raw)`, spelled out where a call costs too much
+# (ext/server_get.pyx and ext/app_get.pyx name the same byte and bit)
+TTL_BYTE = 19
+TTL_BIT = 0x80
+
+
+def has_ttl(raw: bytes) -> bool:
+    """Does this stored record carry an expiry of its own (FLAG_TTL: an expires_ns field)?"""
+    return raw[TTL_BYTE] >= TTL_BIT
 
 
 @dataclass(slots=True)
@@ -113,12 +124,22 @@ def deadline(raw: bytes, max_age_ns: int = 0) -> int:
 
 def live_value(raw: bytes, now_ns: int, max_age_ns: int = 0) -> bytes | None:
     """The record's value, or None once it has expired (see deadline)."""
-    if raw[19] < 0x80 and not max_age_ns:
+    if raw[TTL_BYTE] < TTL_BIT and not max_age_ns:
         return raw[RECORD.size + RECORD.unpack_from(raw)[2]:]
     due = deadline(raw, max_age_ns)
     if due and now_ns >= due:
         return None
     return raw[value_offset(raw):]
+
+
+def stored_value(raw: bytes, offset: int | None, max_age_ns: int) -> bytes | None:
+    """The value a record read through a plan (kvcache.readpolicy.Plan) answers with: from
+    `offset` (None: after the record's own key), or None once expired (see deadline). The
+    GET path's twin (kvcache.server_get), MGET and EXISTS (kvcache.reads) and LocalReader's
+    twin (kvcache.app_get) read records this one way."""
+    if raw[TTL_BYTE] >= TTL_BIT or max_age_ns:
+        return live_value(raw, time.time_ns(), max_age_ns)
+    return raw[offset:] if offset is not None else raw[RECORD.size + RECORD.unpack_from(raw)[2]:]
 
 
 Item = tuple  # (LMDB key, record), or (LMDB key, None) for a delete

@@ -44,6 +44,7 @@ from .record import (
     decode_key,
     decode_record,
     encode_record,
+    has_ttl,
     live_value,
     lkey_of,
     lmdb_key,
@@ -109,6 +110,13 @@ class BucketMeta:
             return cls()
         data = json.loads(raw)
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+def meta_fresh(meta: BucketMeta, max_stale_ms: int, now_ns: int) -> tuple[bool, float]:
+    """For a reader of the replica's files (no feed in its process): the replica may answer
+    when synced and confirmed current by the sidecar within `max_stale_ms`: (ok, age in ms)."""
+    age_ms = (now_ns - meta.fresh_at_ns) / 1e6
+    return bool(meta.synced) and age_ms <= max_stale_ms, age_ms
 
 
 class Replica:
@@ -200,7 +208,7 @@ class Replica:
                         "will be rebuilt from NATS", self.path, fmt.decode(errors="replace"),
                         FORMAT_VERSION)
             self.wipe()
-        self._write("format", lambda txn: txn.put(FORMAT_KEY, str(FORMAT_VERSION).encode(), db=self._meta))
+        self.write("format", lambda txn: txn.put(FORMAT_KEY, str(FORMAT_VERSION).encode(), db=self._meta))
 
     def wipe(self) -> None:
         """Drop every bucket and all meta (the format marker too)."""
@@ -212,7 +220,7 @@ class Replica:
                 txn.drop(self.env.open_db(name, txn=txn), delete=True)
             txn.drop(self._meta, delete=False)
 
-        self._write("wipe", write)
+        self.write("wipe", write)
         self._dbs = {META_DB: self._meta}
 
     def db_ro(self, name: bytes):
@@ -226,7 +234,7 @@ class Replica:
 
     def set_buckets(self, names: list[str]) -> None:
         raw = json.dumps(names).encode()
-        self._write("meta", lambda txn: txn.put(BUCKETS_KEY, raw, db=self._meta))
+        self.write("meta", lambda txn: txn.put(BUCKETS_KEY, raw, db=self._meta))
 
     @staticmethod
     def db_name(bucket: str) -> bytes:
@@ -240,40 +248,12 @@ class Replica:
         """The bucket's expiry index (writer only)."""
         return self._open_rw(b"x:" + bucket.encode())
 
-    # ------------------------------------------------------------------ near cache (nearcache.py)
+    # ------------------------------------------------------------------ lent to the near cache
 
-    def _cache(self, bucket: str):
-        """The bucket's near cache: records of keys outside its filters (writer only)."""
+    def cache_db(self, bucket: str):
+        """The handle of the bucket's near-cache database (`n:<bucket>`, writer only), lent
+        with `env` and `write` to kvcache.nearcache, which owns what is stored in it."""
         return self._open_rw(b"n:" + bucket.encode())
-
-    def cache_get(self, bucket: str, lkey: bytes) -> bytes | None:
-        with self.env.begin(db=self._cache(bucket), buffers=False) as txn:
-            return txn.get(lkey)
-
-    def cache_sizes(self, bucket: str) -> list[tuple[bytes, int]]:
-        """(lkey, record size) of every cached record."""
-        with self.env.begin(db=self._cache(bucket), buffers=True) as txn:
-            return [(bytes(k), len(v)) for k, v in txn.cursor()]
-
-    def cache_write(self, bucket: str, puts: list[tuple[bytes, bytes]], deletes: list[bytes]) -> None:
-        db = self._cache(bucket)
-
-        def write(txn: lmdb.Transaction) -> None:
-            for lk in deletes:
-                txn.delete(lk, db=db)
-            for lk, rec in puts:
-                txn.put(lk, rec, db=db)
-
-        self._write(f"bucket {bucket} cache", write)
-
-    def cache_items(self, bucket: str) -> list[tuple[bytes, bytes]]:
-        """(lkey, record) of every cached record (bounded by the cache's own bounds)."""
-        with self.env.begin(db=self._cache(bucket), buffers=False) as txn:
-            return list(txn.cursor())
-
-    def cache_clear(self, bucket: str) -> None:
-        db = self._cache(bucket)
-        self._write(f"bucket {bucket} cache", lambda txn: txn.drop(db, delete=False))
 
     # ------------------------------------------------------------------ reads
 
@@ -323,7 +303,7 @@ class Replica:
     def expired(self, bucket: str, raw: bytes, now_ns: int = 0) -> bool:
         """Has this record of `bucket` passed its deadline (record.deadline)?"""
         max_age = self.max_age.get(bucket, 0)
-        if raw[19] < 0x80 and not max_age:
+        if not has_ttl(raw) and not max_age:
             return False
         due = deadline(raw, max_age)
         return bool(due) and (now_ns or time.time_ns()) >= due
@@ -449,7 +429,7 @@ class Replica:
 
     # ------------------------------------------------------------------ writes
 
-    def _write(self, what: str, fn: Callable[[lmdb.Transaction], T]) -> T:
+    def write(self, what: str, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run `fn` in one write transaction, growing the map (and retrying) when it is full."""
         while True:
             try:
@@ -492,7 +472,7 @@ class Replica:
                 txn.delete(lmdb_key(key), db=db)
             txn.put(meta_key, meta_raw, db=self._meta)
 
-        self._write(f"bucket {bucket}", write)
+        self.write(f"bucket {bucket}", write)
 
     def apply_items(self, bucket: str, items: Sequence[Item], meta: BucketMeta,
                     deletes: bool = True, deadlines: bool = True) -> None:
@@ -525,14 +505,14 @@ class Replica:
                     cur.putmulti(run)
             txn.put(meta_key, meta_raw, db=self._meta)
 
-        self._write(f"bucket {bucket}", write)
+        self.write(f"bucket {bucket}", write)
 
     def _due_entries(self, bucket: str, items: Sequence[Item]) -> list[tuple[bytes, bytes]]:
         """Expiry index entries for the records among `items` that have a deadline."""
         max_age = self.max_age.get(bucket, 0)
         out = []
         for lk, rec in items:
-            if rec is not None and (max_age or rec[19] >= 0x80):
+            if rec is not None and (max_age or has_ttl(rec)):
                 due = deadline(rec, max_age)
                 if due:
                     out.append((_due_key(due, lk), lk))
@@ -560,7 +540,7 @@ class Replica:
                 txn.cursor(db=index).putmulti(due)
             return last if ok else None
 
-        return self._write(f"bucket {bucket} expiry", write)
+        return self.write(f"bucket {bucket} expiry", write)
 
     def next_due(self, bucket: str) -> int | None:
         """The earliest deadline in the bucket's expiry index (ns), None when it is empty."""
@@ -603,7 +583,7 @@ class Replica:
                 txn.put(k, v, db=index)
             return removed, ok
 
-        return self._write(f"bucket {bucket} expiry", write)
+        return self.write(f"bucket {bucket} expiry", write)
 
     def delete_lkeys(self, bucket: str, lkeys: Iterable[bytes]) -> int:
         db = self.db(bucket)
@@ -612,11 +592,11 @@ class Replica:
         def write(txn: lmdb.Transaction) -> int:
             return sum(1 for lk in lkeys if txn.delete(lk, db=db))
 
-        return self._write(f"bucket {bucket}", write)
+        return self.write(f"bucket {bucket}", write)
 
     def put_meta(self, bucket: str, meta: BucketMeta) -> None:
         raw = meta.encode()
-        self._write("meta", lambda txn: txn.put(bucket.encode(), raw, db=self._meta))
+        self.write("meta", lambda txn: txn.put(bucket.encode(), raw, db=self._meta))
 
     def clear_bucket(self, bucket: str) -> None:
         db, index = self.db(bucket), self._index(bucket)
@@ -625,7 +605,7 @@ class Replica:
             txn.drop(db, delete=False)
             txn.drop(index, delete=False)
 
-        self._write(f"bucket {bucket}", write)
+        self.write(f"bucket {bucket}", write)
 
     def _grow(self, what: str = "") -> None:
         size = self.env.info()["map_size"]

@@ -34,11 +34,11 @@ from .peer import MULTI_LAST_MAX, Peer, PeerStats
 from .quorum import NO_FENCE, Fence
 from .record import expiry
 
-__all__ = ["MULTI_LAST_MAX", "Peer", "PeerStats", "Policy", "Router"]
+__all__ = ["MULTI_LAST_MAX", "HedgePolicy", "Peer", "PeerStats", "Router"]
 
 
 @dataclass
-class Policy:
+class HedgePolicy:
     """The routing knobs; the defaults suit a sidecar reading at up to tens of thousands/s."""
 
     hedge_ratio: float = 0.10       # hedged requests allowed per ordinary request
@@ -73,16 +73,16 @@ class Floors:
     """The highest revision read so far per key (the most recent FLOORS_MAX keys), so that
     reads of a key never go back in time when peers of different lag answer them."""
 
-    def __init__(self, size: int = FLOORS_MAX) -> None:
+    def __init__(self, size: int = FLOORS_MAX, max_age: Callable[[str], int] | None = None) -> None:
         # (bucket, key) -> (revision, the moment that revision leaves the bucket, 0: never)
         self._rev: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()
         self._by_bucket: dict[str, set[str]] = {}  # the keys with a floor, per bucket (forget)
         self._size = size
-        # A bucket's max_age in ns (the sidecar points this at its feeds): a revision read
-        # may expire, and a not-found after that is the bucket's current state, not a lag.
-        self.max_age: Callable[[str], int] = lambda bucket: 0
+        # A bucket's max_age in ns (the sidecar's feeds say): a revision read may expire, and
+        # a not-found after that is the bucket's current state, not a lag.
+        self.max_age: Callable[[str], int] = max_age or (lambda bucket: 0)
 
-    def behind(self, bucket: str, key: str, e: Entry | None) -> bool:
+    def below(self, bucket: str, key: str, e: Entry | None) -> bool:
         """Is this answer older than one already read (a not-found after a read value, too,
         unless that value has expired since: its own TTL or the bucket's max_age)?"""
         floor = self._rev.get((bucket, key))
@@ -122,18 +122,20 @@ class Floors:
 class Router:
     """Chooses peers for fallback reads, hedges slow ones and ejects failing ones."""
 
-    def __init__(self, timeout: float, policy: Policy | None = None, rng: random.Random | None = None) -> None:
+    def __init__(self, timeout: float, policy: HedgePolicy | None = None, rng: random.Random | None = None,
+                 max_age: Callable[[str], int] | None = None,
+                 fence: Callable[[str], Fence | None] | None = None) -> None:
         self.timeout = timeout
-        self.policy = policy or Policy()
+        self.policy = policy or HedgePolicy()
         self._peers: dict[str, list[Peer]] = {}
         self.health: dict[Peer, PeerHealth] = {}  # the router's view of each peer
         self._rng = rng or random.Random()
         self._tokens = self.policy.hedge_burst
         self._background: set[asyncio.Task] = set()
-        self.floors = Floors()
+        self.floors = Floors(max_age=max_age)
         # What a bucket's fallback answers must show (kvcache.quorum.Fence; None: nothing can
-        # show it current now). The sidecar points it at the feeds' quorum evidence.
-        self.fence: Callable[[str], Fence | None] = lambda bucket: NO_FENCE
+        # show it current now): the sidecar passes the feeds' quorum evidence.
+        self.fence: Callable[[str], Fence | None] = fence or (lambda bucket: NO_FENCE)
         self.hedges_sent = 0
         self.hedges_won = 0
         self.requests = 0
@@ -187,7 +189,7 @@ class Router:
         self._schedule_probes(ps, key)
         e, by = await self._route(ps, lambda p: p.get(key, self.timeout, leader=strong, fence=fence), hedge=True)
         answered = by.label
-        if not strong and self.floors.behind(bucket, key, e):
+        if not strong and self.floors.below(bucket, key, e):
             e = (await self._catch_up(bucket, [key], by, ps, fence))[key]
             answered = ""
         self.floors.saw(bucket, key, e)
@@ -209,7 +211,7 @@ class Router:
         answered = dict.fromkeys(got, by.label)
         behind: list[str] = []
         for key, e in got.items():
-            if self.floors.behind(bucket, key, e):
+            if self.floors.below(bucket, key, e):
                 behind.append(key)
             else:
                 self.floors.saw(bucket, key, e)
@@ -254,7 +256,7 @@ class Router:
                 if p is not None:
                     self._failed(p)
             for key, e in got.items():
-                if not self.floors.behind(bucket, key, e):
+                if not self.floors.below(bucket, key, e):
                     found[key] = e
             left = [key for key in left if key not in found]
             if not left:

@@ -32,6 +32,9 @@ from .server_get import FLUSH_AT, GET_CMD
 if TYPE_CHECKING:
     from .commands import Commands
     from .config import Config
+    from .feed import Feed
+    from .readpolicy import ReadPolicy
+    from .server_get import LocalGets
     from .stats import Stats
     from .tracking_mode import ClientTracking
 
@@ -545,26 +548,17 @@ class RespServer:
     max_clients, shares the GET fast path and the command table among them, and stops
     gracefully (requests in flight finish, the socket file is removed)."""
 
-    def __init__(self, cfg: Config, commands: Commands, stats: Stats) -> None:
+    def __init__(self, cfg: Config, commands: Commands, stats: Stats, gets: LocalGets,
+                 by_id: dict[int, ClientConnection]) -> None:
         self.cfg = cfg
         self.commands = commands
         self.stats = stats
-        policy = commands.policy
-        # With the access log on, every GET must reach the command layer (to be logged): the
-        # fast path then plans nothing.
-        self.gets = SERVER_GET.LocalGets(policy.replica, _no_plan if commands.access.enabled else policy.plan)
-        for feed in policy.feeds.values():  # a gated key must not ride a cached verdict
-            feed.on_gated = self.gets.forget_fresh
-        if not commands.access.enabled:
-            feeds = policy.feeds
-            self.gets.set_buckets([(b.name, feeds[b.name], b.max_stale_ms, list(b.keys) == [">"])
-                                   for b in cfg.buckets], cfg.default_bucket)
+        self.gets = gets  # the GET fast path (local_gets)
         self.path = os.path.abspath(cfg.socket_path)
         self.connections: set[ClientConnection] = set()
-        self.by_id: dict[int, ClientConnection] = {}  # REDIRECT targets, by CLIENT ID
-        commands.tracking.connection = self.by_id.get
-        # CLIENT LIST / KILL: every connection, oldest first (ids grow), as Redis lists them
-        commands.session.clients = self.by_id.values
+        # REDIRECT targets and CLIENT LIST / KILL, by CLIENT ID (oldest first: ids grow); the
+        # sidecar hands the same registry to tracking and the session commands
+        self.by_id = by_id
         self.push_limit = cfg.pubsub_max_output_bytes
         self._tcp: asyncio.Server | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -665,6 +659,20 @@ def _tcp_address(addr: tuple) -> str:
 
 def _no_plan(key: bytes) -> bool:
     return False
+
+
+def local_gets(cfg: Config, policy: ReadPolicy, every_get_to_commands: bool) -> LocalGets:
+    """The GET fast path (kvcache.server_get, in C when built) over the read policy's plans.
+    `every_get_to_commands` (the access log is on: every GET must be logged): it plans
+    nothing. Call `direct_buckets` once the feeds exist."""
+    return SERVER_GET.LocalGets(policy.replica, _no_plan if every_get_to_commands else policy.plan)
+
+
+def direct_buckets(gets: LocalGets, cfg: Config, feeds: dict[str, Feed]) -> None:
+    """Tell the fast path each bucket's feed and bound, and which replicate every key (their
+    keys need no plan); not with the access log on (local_gets)."""
+    gets.set_buckets([(b.name, feeds[b.name], b.max_stale_ms, list(b.keys) == [">"])
+                      for b in cfg.buckets], cfg.default_bucket)
 
 
 def raise_fd_limit(wanted: int) -> int:

@@ -23,9 +23,12 @@ server's generic loop takes over from there).
 the generic path must answer it. A valid key of a bucket that replicates every key (see
 set_buckets) needs no planner: its plan is worked out from the key itself, with no per-key
 state, so reading over a million keys costs what reading over ten thousand does. Other keys'
-plans are cached (a bounded dict, for filtered buckets and keys the generic path answers);
-freshness (`feed.fresh_enough(max_stale_ms)`) is asked at most once per feed per call, and a
-yes is believed for FRESH_VERDICT_S.
+plans are cached (a bounded dict, readpolicy.PLAN_CACHE, for filtered buckets and keys the
+generic path answers); freshness (`feed.fresh_for_all(max_stale_ms)`: fresh within the bound
+and no key held) is asked at most once per feed per call, and a yes is believed for
+FRESH_VERDICT_S. The decisions are the read policy's (kvcache.readpolicy): its plan, the
+feed's verdict, and the record read the one way every local read reads it
+(record.stored_value).
 """
 from __future__ import annotations
 
@@ -38,8 +41,8 @@ from typing import TYPE_CHECKING, Literal, cast
 
 from .keys import RESERVED_PREFIX, TOKEN_CHARS
 from .latency import BOUNDS_NS
-from .readpolicy import Plan
-from .record import MAX_LMDB_KEY, RECORD, live_value
+from .readpolicy import PLAN_CACHE, Plan
+from .record import MAX_LMDB_KEY, RECORD, stored_value
 from .replica import Replica
 from .resp import GET_LEN, NIL2, NIL3
 
@@ -47,7 +50,6 @@ if TYPE_CHECKING:
     from .resp import RequestReader
     from .stats import Stats
 
-PLAN_CACHE = 65536
 FLUSH_AT = 256 * 1024  # write out what a batch has answered once it is this big
 # How long a feed's "fresh enough" verdict is reused. The bound a read promises is
 # max_stale_ms (seconds, typically); reusing the answer for a millisecond saves a Python
@@ -81,10 +83,9 @@ class LocalGets:
         # and `call_soon` are taken and unused, `flush` has nothing to do.
         self.defer = False
         self.call_soon: Callable | None = None
-        # set_buckets: `name` -> (feed, max_stale_ms, name, database) of buckets that replicate
-        # every key
-        self._direct: dict[bytes, tuple] = {}
-        self._default: tuple | None = None
+        # set_buckets: `name` -> the plan of the buckets that replicate every key, less its key
+        self._direct: dict[bytes, Plan] = {}
+        self._default: Plan | None = None
         self._reads: dict[str, list[int]] = {}  # bucket -> [found, not found] (bucket_reads)
         # the latency histogram (kvcache.latency), kept while `timed` (the metrics listener is on)
         self.timed = False
@@ -108,7 +109,7 @@ class LocalGets:
 
     def forget_fresh(self) -> None:
         """Drop every cached "fresh enough" verdict: the next GET of each feed asks again. A
-        feed asks for this when a key becomes gated (Feed.on_gated): a verdict reused for
+        feed asks for this when a key becomes held (Feed.on_hold): a verdict reused for
         FRESH_VERDICT_S would answer that key from the replica, below a revision already
         handed out from NATS."""
         self._fresh_until.clear()
@@ -122,7 +123,7 @@ class LocalGets:
         without asking the planner: the same plan the planner would make, worked out from the
         key. Call it only when the planner would plan such keys (not with the access log on,
         where every GET must reach the command layer)."""
-        self._direct = {name.encode(): (feed, max_stale, name, self.replica.db(name))
+        self._direct = {name.encode(): Plan(feed, max_stale, name, b"", self.replica.db(name), RECORD.size)
                         for name, feed, max_stale, every in buckets if every}
         self._default = self._direct.get(default.encode()) if default is not None else None
         self.plans.clear()
@@ -131,14 +132,13 @@ class LocalGets:
         """The plan of a valid key of a bucket that replicates every key; None otherwise."""
         bucket, sep, name = key.partition(b":")
         target = self._direct.get(bucket) if sep else self._default
-        if target is None or target[3] is None:  # (no database yet: the planner's to judge)
+        if target is None or target.db is None:  # (no database yet: the planner's to judge)
             return None
         if not sep:
             name = key
         if len(name) > MAX_LMDB_KEY or _DIRECT_KEY.fullmatch(name) is None:
             return None
-        feed, max_stale, bucket_name, db = target
-        return Plan(feed, max_stale, bucket_name, name, db, RECORD.size)
+        return target._replace(lkey=name)
 
     def _plan(self, key: bytes) -> Plan | Literal[False]:
         plan = self.planner(key)
@@ -195,7 +195,7 @@ class LocalGets:
                 if feed is not fresh:
                     now = _monotonic()
                     if self._fresh_until.get(feed, 0.0) <= now:
-                        if not feed.fresh_enough(max_stale):
+                        if not feed.fresh_for_all(max_stale):
                             break
                         self._fresh_until[feed] = now + FRESH_VERDICT_S
                     fresh = feed
@@ -203,19 +203,16 @@ class LocalGets:
                     txn = self.replica.env.begin()
                 raw = txn.get(lkey, None, db)
                 answered += 1
-                if raw is not None and (raw[19] >= 0x80 or max_age):
-                    raw, offset = live_value(raw, time.time_ns(), max_age), 0
+                value = None if raw is None else stored_value(raw, offset, max_age)
                 counts = self._reads.get(bucket)
                 if counts is None:
                     counts = self._reads[bucket] = [0, 0]
-                counts[raw is None] += 1
-                if raw is None:
+                counts[value is None] += 1
+                if value is None:
                     notfound += 1
                     append(nil)
                     size += len(nil)
                 else:
-                    value = raw[offset:] if offset is not None else \
-                        raw[RECORD.size + RECORD.unpack_from(raw)[2]:]
                     n = len(value)
                     header = BULK_HEADER[n] if n < 10_000 else b"$%d\r\n" % n
                     append(header)

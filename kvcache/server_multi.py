@@ -110,12 +110,8 @@ class Transactions:
         """No watched key changed, and every watched bucket is still vouched for now."""
         if conn.watch_dirty:
             return False
-        feeds = self.policy.feeds
-        for bucket in {b for b, _ in conn.watching}:
-            feed = feeds[bucket]
-            if not feed.fresh_within(feed.cfg.max_stale_ms):
-                return False
-        return True
+        vouched = self.policy.vouched
+        return all(vouched(bucket) for bucket in {b for b, _ in conn.watching})
 
     def exec(self, conn: ClientConnection, run: Callable[[list[bytes]], bytes | Awaitable[bytes]]
              ) -> bytes | Awaitable[bytes]:

@@ -11,7 +11,7 @@ to drop everything (the null invalidation, Redis's answer to FLUSHALL).
 What is vouched for: a value read from the replica while it is fresh within max_stale_ms, in
 the same event-loop step as the read that answered it, so no change can slip in between. A
 key answered by a peer or the stream leader has no feed watching it (outside the bucket's
-filters), and a reply that had to wait (NATS, a gated key, a transaction with such a read) was
+filters), and a reply that had to wait (NATS, a held key, a transaction with such a read) was
 read in an earlier step than the one that writes it: kvcache cannot promise to invalidate
 either, so their keys are invalidated right after the reply. A client may then use the value
 it just read, but never caches it past that moment. The price is a re-read of such keys, the
@@ -65,7 +65,8 @@ class Tracking:
     the feed's changes (kvcache.changes) turn into. A ChangeHub listener."""
 
     def __init__(self, max_keys: int, default_bucket: str | None,
-                 connection: Callable[[int], ClientConnection | None]) -> None:
+                 connection: Callable[[int], ClientConnection | None],
+                 on_first: Callable[[], None] | None = None) -> None:
         self.max_keys = max_keys
         self.default_bucket = default_bucket
         self.connection = connection  # id -> live connection (REDIRECT targets)
@@ -73,7 +74,7 @@ class Tracking:
         self.bcast: dict[bytes, set[ClientConnection]] = {}
         self.clients: set[ClientConnection] = set()
         self.invalidations = 0  # invalidation messages sent (a flush counts one)
-        self.on_first: Callable[[], None] | None = None  # the hub's staleness watch wakes
+        self.on_first = on_first  # the first tracking client: the hub's staleness watch wakes
 
     # ------------------------------------------------------------------ Listener
 

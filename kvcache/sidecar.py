@@ -24,11 +24,13 @@ import nats.js.kv
 from . import jetstream as jsapi
 from . import native
 from .accesslog import AccessLog
+from .changes import ChangeHub
 from .commands import Commands
 from .config import BucketConfig, Config, ensure_dirs, strip_url_auth, tls_context, url_auth
 from .errors import BucketNotFound, ConfigError, KvcacheError, UpstreamError
 from .feed import SILENT_HEARTBEATS, Feed
 from .health import BucketState, readiness
+from .info import Info
 from .metrics import SidecarCollector, exposition
 from .metrics_http import MetricsServer
 from .natsconn import NatsConnection
@@ -37,9 +39,13 @@ from .nearcache import NearCache
 from .peerset import PeerConnections, configured_peers, discovered_peers
 from .quorum import NO_FENCE
 from .readpolicy import ReadPolicy
+from .reads import Reads
 from .replica import Replica
 from .router import Peer, Router
-from .server import RespServer, claim_socket_path
+from .server import ClientConnection, RespServer, claim_socket_path, direct_buckets, local_gets
+from .server_multi import Transactions
+from .server_pubsub import PubSub
+from .server_tracking import Tracking
 from .statepoll import SHARED_FROM, StatePoll
 from .stats import Stats
 
@@ -101,7 +107,13 @@ class Sidecar:
         self.replica: Replica | None = None
         self.feeds: dict[str, Feed] = {}
         self.state_poll: StatePoll | None = None  # with SHARED_FROM buckets or more
-        self.router = Router(cfg.nats.request_timeout_ms / 1000)
+        feeds = self.feeds
+        # A bucket's max_age and what its fallback answers must show, from its feed (the
+        # feeds dict fills as each bucket starts)
+        self.router = Router(cfg.nats.request_timeout_ms / 1000,
+                             max_age=lambda bucket: feeds[bucket].max_age_ns if bucket in feeds else 0,
+                             fence=lambda bucket: feeds[bucket].fence() if bucket in feeds else NO_FENCE)
+        self.hub = ChangeHub()  # the feeds' changes, to tracking, pub/sub and WATCH
         self.peer_conns: PeerConnections | None = None
         self.server: RespServer | None = None
         self.metrics: MetricsServer | None = None  # with metrics_listen
@@ -142,11 +154,20 @@ class Sidecar:
         self.replica.set_buckets([b.name for b in self.cfg.buckets])
         timeout = self.cfg.nats.request_timeout_ms / 1000
         shared_watch = len(self.cfg.buckets) >= SHARED_FROM
+        # The parts, built and wired here and nowhere else: the read decisions and the GET
+        # fast path over the feeds (the `feeds` dict fills as each bucket starts), the change
+        # hub and its listeners, the reads, the command table, the server.
+        access = AccessLog.from_config(self.cfg)
+        floors = self.router.floors
+        policy = ReadPolicy(self.cfg, self.replica, self.feeds, floors)
+        gets = local_gets(self.cfg, policy, every_get_to_commands=access.enabled)
+        hub = self.hub
         for b in self.cfg.buckets:
             feed = Feed(nc, b, self.replica, heartbeat_s=self.cfg.heartbeat_ms / 1000,
-                        timeout=timeout, on_fatal=self._fatal)
-            feed.on_renumbered = functools.partial(self.router.floors.forget, b.name)
-            feed.on_removed = functools.partial(self.router.floors.forget, b.name)
+                        timeout=timeout, on_fatal=self._fatal,
+                        on_hold=gets.forget_fresh,  # a held key must not ride a cached verdict
+                        on_renumbered=functools.partial(floors.forget, b.name),
+                        on_removed=functools.partial(floors.forget, b.name), hub=hub)
             max_keys, max_bytes = self.cfg.cache_bounds(b)
             if (max_keys or max_bytes) and ">" not in b.keys:
                 feed.set_cache(NearCache(self.replica, b.name, max_keys, max_bytes, self.cfg.cache_admission))
@@ -162,15 +183,21 @@ class Sidecar:
             self.state_poll.start()
         await self._add_peers(timeout)
         self._hopper = asyncio.ensure_future(self._leave_servers_without_quorum())
-        feeds = self.feeds
-        self.router.floors.max_age = lambda bucket: feeds[bucket].max_age_ns if bucket in feeds else 0
-        self.router.fence = lambda bucket: feeds[bucket].fence() if bucket in feeds else NO_FENCE
-        policy = ReadPolicy(self.cfg, self.replica, self.feeds, self.router)
-        self.commands = Commands(self.cfg, policy, self.stats, AccessLog.from_config(self.cfg))
-        for feed in self.feeds.values():  # one hub: every listener, one consumer per bucket
-            feed.hub = self.commands.hub
-        self.commands.hub.start_watch(self.feeds.values())
-        self.server = RespServer(self.cfg, self.commands, self.stats)
+        if not access.enabled:
+            direct_buckets(gets, self.cfg, self.feeds)
+        clients: dict[int, ClientConnection] = {}  # the server's registry, by CLIENT ID
+        tracking = Tracking(self.cfg.tracking_table_max_keys, self.cfg.default_bucket, clients.get,
+                            on_first=hub.wake)
+        pubsub = PubSub(self.cfg.notify_keyspace_events, self.cfg.default_bucket)
+        transactions = Transactions(policy)
+        for listener in (tracking, pubsub, transactions):  # one hub: one consumer per bucket
+            hub.add(listener)
+        reads = Reads(self.cfg, policy, self.router, self.stats, access)
+        info = Info(self.cfg, self.stats, policy, self.router, access, tracking, pubsub)
+        self.commands = Commands(self.cfg, reads, self.stats, tracking, pubsub, transactions, info,
+                                 clients.values)
+        hub.start_watch(self.feeds.values())
+        self.server = RespServer(self.cfg, self.commands, self.stats, gets, clients)
         await self.server.start()
         if self.cfg.metrics_address is not None:
             await self._start_metrics(*self.cfg.metrics_address)
@@ -294,7 +321,7 @@ class Sidecar:
             await _step("metrics listener", self.metrics.stop(), STOP_STEP_S)
             self.metrics = None
         if self.commands is not None:
-            await _step("staleness watch", self.commands.hub.stop(), STOP_STEP_S)
+            await _step("staleness watch", self.hub.stop(), STOP_STEP_S)
         await _step("router", self.router.close(), STOP_STEP_S)
         if self.peer_conns:
             await _step("peer connections", self.peer_conns.close(), STOP_STEP_S)

@@ -314,7 +314,7 @@ class Maintenance:
         live: set[bytes] = set()
         consumer: PullConsumer | None = None
         cache = self.cache
-        cached = set(cache.lru) if cache is not None else set()
+        cached = set(cache.keys()) if cache is not None else set()
 
         def collect(runs: list[Run]) -> bool:
             for r in runs:

@@ -96,8 +96,8 @@ def test_hits_invalidation_and_restart(replica, tmp_path):
     assert set(again.lru) == {b"a", b"c"} and again.bytes == c.bytes
     assert again.get(b"c") == rec(b"c")
     smaller = NearCache(replica, "b", max_keys=1)
-    assert len(smaller) == 1 and len(replica.cache_sizes("b")) == 1
-    assert smaller.clear() == 1 and replica.cache_sizes("b") == []
+    assert len(smaller) == 1 and len(smaller.sizes()) == 1
+    assert smaller.clear() == 1 and smaller.sizes() == []
 
 
 def test_a_million_distinct_cold_keys_grow_nothing(replica):

@@ -23,7 +23,7 @@ from support.topology import DelayProxy, add_hub_mirror, nats_run
 from kvcache import jetstream as jsapi
 from kvcache.natsconn import NatsConnection
 from kvcache.natsserver import NatsServer
-from kvcache.router import Peer, Policy, Router
+from kvcache.router import HedgePolicy, Peer, Router
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,7 +83,7 @@ async def router_of():
     made: list[Router] = []
 
     def make(peers: list[Peer], timeout: float = TIMEOUT, **policy) -> Router:
-        r = Router(timeout, Policy(**policy))
+        r = Router(timeout, HedgePolicy(**policy))
         for p in peers:
             r.add(p)
         made.append(r)

@@ -3,7 +3,7 @@
 Both must give byte-identical replies, stop at the same request and count the same misses,
 on vectors and on generated runs; the native one must also follow the writer's map growth
 and databases created after it opened. The feed here is a stand-in with only what the GET
-path asks of it (`fresh_enough`), so that staleness can be switched at will.
+path asks of it (`fresh_for_all`), so that staleness can be switched at will.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class Feed:
         self.asked = 0
         self.max_age_ns = 0  # the stream's max_age: records older than it are absent
 
-    def fresh_enough(self, max_stale_ms: int) -> bool:
+    def fresh_for_all(self, max_stale_ms: int) -> bool:
         self.asked += 1
         return self.fresh
 
@@ -182,7 +182,7 @@ def test_stale_replica_is_not_served_and_freshness_is_asked_once_per_call(mod, e
 @pytest.mark.parametrize("mod", IMPLS)
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "planned"])
 def test_forget_fresh_drops_the_cached_verdicts_at_once(mod, env, direct):
-    """A feed whose key became gated (Feed.on_gated) says so at once: the verdict believed
+    """A feed whose key became held (Feed.on_hold) says so at once: the verdict believed
     for FRESH_VERDICT_S must not answer another GET from the replica."""
     replica, feeds = env
     gets, _ = make(mod, replica, feeds, direct)
