@@ -27,7 +27,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import nats
 from support.sidecar_proc import SidecarProcess
 
-from kvcache.natsserver import NatsServer, free_port
+from kvcache.natsio.server import NatsServer, free_port
 
 
 async def make_buckets(url: str, n: int, keys: int) -> None:
@@ -114,7 +114,7 @@ def scrape_times(sc: SidecarProcess, n: int = 10) -> str:
 
     def pings(seconds: float) -> subprocess.Popen:
         """A client in a process of its own (this one's GIL is busy reading the scrapes)."""
-        code = ("import sys, time; from kvcache.client import Client; out = []\n"
+        code = ("import sys, time; from kvcache.app.client import Client; out = []\n"
                 f"c = Client({sc.socket!r}); end = time.monotonic() + {seconds}\n"
                 "while time.monotonic() < end:\n"
                 "    t0 = time.perf_counter(); c.ping(); out.append(time.perf_counter() - t0)\n"

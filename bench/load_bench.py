@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from support.topology import start_single
 
-from kvcache import jetstream as jsapi
+from kvcache.natsio import jetstream as jsapi
 
 VALUE_BYTES = 64
 

@@ -31,7 +31,7 @@ has its own connection and, between requests, waits --kv-wait-ms on average:
 Values are checked (`value-<key>-xxx...`, 100 bytes, as compare.py and the demo write them); a
 wrong value is a failure.
 
-kvcache.client.Client uses only the `socket` module, so under locust (gevent monkeypatches
+kvcache.app.client.Client uses only the `socket` module, so under locust (gevent monkeypatches
 `socket`) it is cooperative: a user blocked on a reply lets the others run. locust's own
 percentiles round to whole milliseconds, too coarse here, so every response time is also kept
 and, with --kv-latency-out, written as microsecond percentiles per request name (JSON) when
@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # the keyspace as compare.py loads it (importing compare puts this checkout's kvcache first)
 from compare import COLD_PREFIX, HOT_PREFIX, key_name, percentiles, value_of
 
-from kvcache.client import Client
+from kvcache.app.client import Client
 
 
 def zipf_cum_weights(n: int, s: float) -> list[float]:

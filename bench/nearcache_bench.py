@@ -48,8 +48,8 @@ from support.checkers import percentile
 from support.sidecar_proc import SidecarProcess
 
 from kvcache import native
-from kvcache.client import Client, ResponseError
-from kvcache.natsserver import NatsServer
+from kvcache.app.client import Client, ResponseError
+from kvcache.natsio.server import NatsServer
 
 BUCKET = "zipf"
 MAX_STALE_MS = 5000

@@ -39,7 +39,7 @@ from support.checkers import percentile
 from support.sidecar_proc import SidecarProcess
 from support.topology import ProxyHost, add_hub_mirror, nats_run, start_cluster, start_leaf
 
-from kvcache.client import AsyncClient, KvcacheError
+from kvcache.app.client import AsyncClient, KvcacheError
 
 BUCKET = "rb"
 KEYS = 100

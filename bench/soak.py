@@ -42,7 +42,7 @@ from support.checkers import SETTLING, MonotonicReads, differences, lag_probe, p
 from support.sidecar_proc import SidecarProcess
 from support.topology import ProxyHost, start_cluster
 
-from kvcache.client import AsyncClient, KvcacheError
+from kvcache.app.client import AsyncClient, KvcacheError
 
 BUCKET = "soak"
 HEARTBEAT_MS = 1000

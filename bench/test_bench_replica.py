@@ -15,7 +15,7 @@ import time
 import pytest
 
 from kvcache import LocalReader
-from kvcache.replica import BucketMeta, Replica, lmdb_key
+from kvcache.store.replica import BucketMeta, Replica, lmdb_key
 
 N = 10_000
 KEYS = [f"user.{i:05d}" for i in range(N)]

@@ -47,9 +47,9 @@ from support.checkers import percentile
 from support.sidecar_proc import SidecarProcess
 
 from kvcache import LocalReader, native
-from kvcache.client import Client
-from kvcache.client import encode_command as encode
-from kvcache.natsserver import NatsServer
+from kvcache.app.client import Client
+from kvcache.app.client import encode_command as encode
+from kvcache.natsio.server import NatsServer
 
 BUCKET = "trk"
 

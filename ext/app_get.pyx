@@ -1,4 +1,4 @@
-"""LocalReader.get's hot path in C: same API and behaviour as kvcache/app_get.py.
+"""LocalReader.get's hot path in C: same API and behaviour as kvcache/app/get.py.
 
 The plan and freshness lookups, the clock read and the value copy happen here; the read
 itself stays with py-lmdb (a short read transaction of the reader's environment), so locking
@@ -11,10 +11,10 @@ from cpython.ref cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM
 from libc.time cimport timespec
 
-from kvcache.record import FLAG_TTL, KLEN_MASK, RECORD, TTL_BIT, TTL_BYTE
+from kvcache.store.record import FLAG_TTL, KLEN_MASK, RECORD, TTL_BIT, TTL_BYTE
 
 assert RECORD.format == "<QQI" and RECORD.size == 20, "record layout changed: update LocalGet"
-# kvcache.record's FLAG_TTL (the record carries its own expiry), as the u32's bit and as the
+# kvcache.store.record's FLAG_TTL (the record carries its own expiry), as the u32's bit and as the
 # bit of its top byte (record.TTL_BYTE / TTL_BIT), and the key length's mask: taken from there
 cdef unsigned int _FLAG_TTL = FLAG_TTL
 cdef unsigned int _KLEN_MASK = KLEN_MASK
@@ -45,7 +45,7 @@ cdef inline unsigned long long _u64le(const unsigned char* p) noexcept nogil:
 
 
 cdef inline bint _expired(const unsigned char* r, unsigned long long max_age) noexcept nogil:
-    """kvcache.record.deadline passed? (r has 28 bytes when FLAG_TTL is set)"""
+    """kvcache.store.record.deadline passed? (r has 28 bytes when FLAG_TTL is set)"""
     cdef unsigned long long due = 0, created = _u64le(r + 8)
     cdef timespec ts
     if r[_TTL_BYTE] & _TTL_BIT:

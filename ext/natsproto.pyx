@@ -1,6 +1,6 @@
-"""NATS client protocol reader in Cython: same API, events and errors as kvcache/natsproto.py.
+"""NATS client protocol reader in Cython: same API, events and errors as kvcache/natsio/proto.py.
 
-The event types, AckMeta and ProtocolError are the twin's own (imported from kvcache.natsproto),
+The event types, AckMeta and ProtocolError are the twin's own (imported from kvcache.natsio.proto),
 so both implementations return equal, same-typed events. Parsing works on C pointers into the
 fed bytes (or the retained tail), integers are parsed by hand, and Python objects are created
 only for what is returned. Header names are interned in a small per-reader cache, so a dict
@@ -18,10 +18,10 @@ from libc.string cimport memchr, memcmp, memcpy
 import json
 
 from kvcache.errors import ProtocolError
-from kvcache.natsproto import (
+from kvcache.natsio.proto import (
     MAX_CONTROL_LINE, MAX_PAYLOAD, RUN_FIELDS, AckMeta, Err, HMsg, Info, Msg, OK, PING, PONG,
 )
-from kvcache.record import MAX_LMDB_KEY, RECORD, item as _py_item, parse_msg_ttl as _parse_msg_ttl
+from kvcache.store.record import MAX_LMDB_KEY, RECORD, item as _py_item, parse_msg_ttl as _parse_msg_ttl
 
 cdef extern from "Python.h":
     ctypedef object (*allocfunc)(object, Py_ssize_t)   # a new reference, NULL on error
@@ -92,7 +92,7 @@ cdef inline int _digits(const unsigned char* p, Py_ssize_t n, unsigned long long
 cdef int _ack_scan(const unsigned char* p, Py_ssize_t n, unsigned long long* nums,
                    Py_ssize_t* names) noexcept nogil:
     """A JetStream ack subject → 0, the five integers in nums and the stream and consumer
-    spans in names[0..3]; -1 when it is not one (see kvcache.natsproto.parse_ack)."""
+    spans in names[0..3]; -1 when it is not one (see kvcache.natsio.proto.parse_ack)."""
     cdef Py_ssize_t i, start
     cdef Py_ssize_t offs[24]
     cdef Py_ssize_t ntok, t0
@@ -130,7 +130,7 @@ cdef int _ack_scan(const unsigned char* p, Py_ssize_t n, unsigned long long* num
 
 
 def parse_ack(reply):
-    """See kvcache.natsproto.parse_ack: same rules, no Python string splitting."""
+    """See kvcache.natsio.proto.parse_ack: same rules, no Python string splitting."""
     cdef const unsigned char* p
     cdef Py_ssize_t n
     cdef Py_ssize_t names[4]
@@ -156,7 +156,7 @@ def parse_ack(reply):
 
 
 cdef class Run:
-    """See kvcache.natsproto.Run (the same fields; equal to a twin Run with equal fields)."""
+    """See kvcache.natsio.proto.Run (the same fields; equal to a twin Run with equal fields)."""
     cdef readonly long sid
     cdef readonly unsigned long long first_cseq, last_cseq, top_sseq, last_ts, last_pending
     cdef readonly list items
@@ -184,7 +184,7 @@ cdef inline void _le64(char* o, unsigned long long v) noexcept nogil:
 
 cdef object _record(unsigned long long rev, unsigned long long created,
                     const unsigned char* value, Py_ssize_t vn):
-    """kvcache.record's `<QQI` header (no long key) + value, built in place."""
+    """kvcache.store.record's `<QQI` header (no long key) + value, built in place."""
     rec = PyBytes_FromStringAndSize_NULL(NULL, 20 + vn)
     cdef char* o = PyBytes_AS_STRING_W(rec)
     _le64(o, rev)
@@ -275,7 +275,7 @@ cdef inline object _utf8(const unsigned char* p, Py_ssize_t n):
 
 
 cdef class NatsReader:
-    """Push-style NATS protocol reader; see kvcache.natsproto."""
+    """Push-style NATS protocol reader; see kvcache.natsio.proto."""
     cdef readonly Py_ssize_t max_control_line
     cdef readonly Py_ssize_t max_payload
     cdef bytearray _buf
@@ -315,7 +315,7 @@ cdef class NatsReader:
         self._lane_key = None
 
     def add_lane(self, long sid, Py_ssize_t prefix_len):
-        """See kvcache.natsproto.NatsReader.add_lane."""
+        """See kvcache.natsio.proto.NatsReader.add_lane."""
         self._lanes[sid] = prefix_len
 
     def remove_lane(self, long sid):

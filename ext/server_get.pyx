@@ -1,4 +1,4 @@
-"""The server's per-request GET path in C: same API and replies as kvcache/server_get.py.
+"""The server's per-request GET path in C: same API and replies as kvcache/serve/get.py.
 
 Per GET: a plan looked up in a dict (the key's bytes come from take_gets), `mdb_get` on a
 read transaction of our own, and the bulk reply copied straight from the memory map into one
@@ -34,15 +34,15 @@ import logging
 import os
 
 from kvcache.errors import ReplicaError
-from kvcache.latency import BOUNDS_NS
-from kvcache.readpolicy import PLAN_CACHE
-from kvcache.server_get import FLUSH_AT, FRESH_VERDICT_S
-from kvcache.record import FLAG_TTL, KLEN_MASK, RECORD, TTL_BIT, TTL_BYTE
-from kvcache.replica import MAX_DBS
+from kvcache.ops.latency import BOUNDS_NS
+from kvcache.read.policy import PLAN_CACHE
+from kvcache.serve.get import FLUSH_AT, FRESH_VERDICT_S
+from kvcache.store.record import FLAG_TTL, KLEN_MASK, RECORD, TTL_BIT, TTL_BYTE
+from kvcache.store.replica import MAX_DBS
 from kvcache.resp import GET_LEN
 
 assert RECORD.format == "<QQI" and RECORD.size == 20, "record layout changed: update serve()"
-# kvcache.record's FLAG_TTL (the record carries its own expiry), as the u32's bit and as the
+# kvcache.store.record's FLAG_TTL (the record carries its own expiry), as the u32's bit and as the
 # bit of its top byte (record.TTL_BYTE / TTL_BIT), and the key length's mask: taken from there
 cdef unsigned int _FLAG_TTL = FLAG_TTL
 cdef unsigned int _KLEN_MASK = KLEN_MASK
@@ -117,7 +117,7 @@ cdef class _Bucket:
     cdef unsigned long long root_txn
     cdef bint walkable     # a plain database lmdb_walk can search (else mdb_get)
     # GETs this path answered for the bucket, found and not: read at scrape time by
-    # kvcache.metrics (bucket_reads), so counting costs a C increment per key
+    # kvcache.ops.metrics (bucket_reads), so counting costs a C increment per key
     cdef unsigned long long hits, misses
 
 
@@ -157,7 +157,7 @@ cdef extern from "<time.h>" nogil:
 
 cdef long long FRESH_VERDICT_NS = FRESH_VERDICT_S * 1_000_000_000
 
-# kvcache.latency.BOUNDS_NS, for the fast path's latency histogram (LocalGets.timed)
+# kvcache.ops.latency.BOUNDS_NS, for the fast path's latency histogram (LocalGets.timed)
 cdef enum:
     _LAT_MAX = 32
 cdef long long _LAT_BOUNDS[_LAT_MAX]
@@ -196,7 +196,7 @@ cdef inline unsigned long long _realtime_ns() noexcept nogil:
 
 
 cdef inline unsigned long long _deadline(const unsigned char* rec, unsigned long long max_age) noexcept nogil:
-    """kvcache.record.deadline in C (rec has at least 28 bytes when FLAG_TTL is set): 0 never."""
+    """kvcache.store.record.deadline in C (rec has at least 28 bytes when FLAG_TTL is set): 0 never."""
     cdef unsigned long long created = _u64le(rec + 8), expires
     if rec[_TTL_BYTE] & _TTL_BIT:
         expires = _u64le(rec + 20)
@@ -248,7 +248,7 @@ cdef class LocalGets:
     cdef bint _scheduled
     cdef const char* _nil
     cdef Py_ssize_t _nil_len
-    # The latency histogram (kvcache.latency), kept while `timed` (the metrics listener is on)
+    # The latency histogram (kvcache.ops.latency), kept while `timed` (the metrics listener is on)
     cdef public bint timed
     cdef unsigned long long _lat[_LAT_MAX]
     cdef unsigned long long _lat_sum_ns
@@ -293,7 +293,7 @@ cdef class LocalGets:
         self._closed = True
 
     def forget_fresh(self):
-        """See kvcache.server_get.LocalGets.forget_fresh: every bucket asks its feed again."""
+        """See kvcache.serve.get.LocalGets.forget_fresh: every bucket asks its feed again."""
         for b in self._buckets.values():
             (<_Bucket>b).fresh_until_ns = 0
 
@@ -309,15 +309,15 @@ cdef class LocalGets:
         self._lat_sum_ns += ns * n
 
     def observe(self, long long ns, Py_ssize_t n):
-        """See kvcache.server_get.LocalGets.observe."""
+        """See kvcache.serve.get.LocalGets.observe."""
         self._count_ns(ns, n)
 
     def latency(self):
-        """See kvcache.server_get.LocalGets.latency."""
+        """See kvcache.serve.get.LocalGets.latency."""
         return [self._lat[i] for i in range(_LAT_NB + 1)], self._lat_sum_ns
 
     def bucket_reads(self):
-        """See kvcache.server_get.LocalGets.bucket_reads."""
+        """See kvcache.serve.get.LocalGets.bucket_reads."""
         return {name: ((<_Bucket>b).hits, (<_Bucket>b).misses) for name, b in self._buckets.items()}
 
     def set_buckets(self, buckets, default):
@@ -456,7 +456,7 @@ cdef class LocalGets:
 
     cdef object _plan(self, bytes key):
         cdef _Plan p
-        plan = self.planner(key)  # a kvcache.readpolicy.Plan, or False
+        plan = self.planner(key)  # a kvcache.read.policy.Plan, or False
         if plan:
             p = _Plan.__new__(_Plan)
             p.bucket = self._bucket(plan.bucket)
@@ -491,7 +491,7 @@ cdef class LocalGets:
         return 0
 
     def answer(self, reader, data, int proto, Py_ssize_t budget):
-        """See kvcache.server_get.LocalGets.answer. When the reader holds nothing, the GETs at
+        """See kvcache.serve.get.LocalGets.answer. When the reader holds nothing, the GETs at
         the front of `data` are served from `data` itself and only the rest is fed."""
         cdef Py_ssize_t answered = 0, notfound = 0
         cdef bint more = False
@@ -705,7 +705,7 @@ cdef class LocalGets:
         return 1
 
     def serve(self, list lengths, list keys, int proto, Py_ssize_t budget):
-        """See kvcache.server_get.LocalGets.serve."""
+        """See kvcache.serve.get.LocalGets.serve."""
         cdef Py_ssize_t i, n = PyList_GET_SIZE(keys), klen
         cdef Py_ssize_t answered = 0
         cdef int taken
@@ -787,7 +787,7 @@ cdef bytes _GET_CMD = b"get"  # CLIENT LIST's cmd after GETs this path answered
 
 
 cdef class GetConnection:
-    """See kvcache.server_get.GetConnection: the same attributes and data_received, in C.
+    """See kvcache.serve.get.GetConnection: the same attributes and data_received, in C.
     `transport.write` is looked up once, when the transport is set."""
     cdef public LocalGets gets
     cdef public object stats, reader, _busy
@@ -863,7 +863,7 @@ cdef class GetConnection:
         self._add(local, notfound)
 
     def _process(self):
-        raise NotImplementedError  # the generic request loop: kvcache.server.ClientConnection
+        raise NotImplementedError  # the generic request loop: kvcache.serve.server.ClientConnection
 
 
 # A read of more GETs than this is answered at once: its own GETs overlap their misses

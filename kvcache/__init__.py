@@ -3,15 +3,16 @@ __version__ = "0.1.0"
 
 from .entry import Entry, Operation
 
-__all__ = ["AsyncClient", "Client", "Entry", "LocalReader", "Operation", "__version__"]
+__all__ = ["AsyncClient", "Client", "Entry", "LocalReader", "NotReplicated", "Operation", "StaleReplica",
+           "__version__"]
 
 
 def __getattr__(name: str):
     # Lazy, so `import kvcache` stays cheap for the CLI and for processes that only read LMDB.
     if name in ("Client", "AsyncClient"):
-        from . import client
+        from .app import client
         return getattr(client, name)
-    if name == "LocalReader":
-        from .app_reader import LocalReader
-        return LocalReader
+    if name in ("LocalReader", "StaleReplica", "NotReplicated"):
+        from .app import reader
+        return getattr(reader, name)
     raise AttributeError(name)

@@ -8,12 +8,13 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from . import __version__, logformat
+from . import __version__
 from .config import Config, load, validate_nats_auth
 from .errors import ConfigError, KvcacheError
+from .ops import logformat
 
 if TYPE_CHECKING:
-    from .client import Client
+    from .app.client import Client
 
 EXIT_CONFIG = 2
 EXIT_RUNTIME = 1
@@ -265,7 +266,7 @@ def _server_words(e: KvcacheError) -> str:
     """An error reply of the sidecar without Redis's `ERR ` code: after `kvcache: error:` it
     would say error twice (`kvcache: error: ERR invalid key ...`)."""
     text = str(e)
-    from .client import ResponseError
+    from .app.client import ResponseError
     if isinstance(e, ResponseError) and text.startswith("ERR "):
         return text[4:]
     return text
@@ -286,8 +287,8 @@ def _unreachable(e: Exception, path: str) -> KvcacheError:
 
 
 def _client(path: str, timeout: float | None = 5.0) -> Client:
-    """A connected kvcache.client.Client, or one line saying why there is none."""
-    from .client import Client, ConnectionFailed
+    """A connected kvcache.app.client.Client, or one line saying why there is none."""
+    from .app.client import Client, ConnectionFailed
 
     c = Client(path, timeout=timeout)
     try:
@@ -363,8 +364,8 @@ def _health(cfg: Config, args: argparse.Namespace) -> int:
     """For liveness and readiness probes: one line saying why, exit 0 (yes) or 1 (no).
     Live: the sidecar answers PING on its socket. Ready: also every bucket synced and its
     replica within max_stale_ms, as INFO reports them."""
-    from .client import Client
-    from .health import BucketState, readiness
+    from .app.client import Client
+    from .ops.health import BucketState, readiness
 
     try:
         with Client(cfg.socket_path, timeout=5) as c:

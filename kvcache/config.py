@@ -19,7 +19,7 @@ from typing import Any
 
 from .errors import CommandError, ConfigError
 from .keys import FilterSet, valid_filter
-from .keyspace_events import parse_flags
+from .serve.keyspace_events import parse_flags
 
 BUCKET_NAME = re.compile(r"^[a-zA-Z0-9_-]+$")
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the terminating NUL
@@ -52,7 +52,7 @@ class BucketConfig:
     # Stale replica and no peer answering: serve the replica's last known value (True) or an
     # error (False). None: the top-level `serve_stale` decides (Config.serves_stale).
     serve_stale: bool | None = None
-    # The near cache of keys outside `keys` (kvcache.nearcache): bounds in keys and bytes, 0 for
+    # The near cache of keys outside `keys` (kvcache.store.nearcache): bounds in keys and bytes, 0 for
     # no bound of that kind, both 0 for no cache. None: the top-level setting (Config.cache_bounds).
     cache_max_keys: int | None = None
     cache_max_bytes: int | None = None
@@ -95,7 +95,7 @@ class Config:
     map_size_mb: int = 1024
     max_map_size_mb: int = 1024 * 1024
     log_level: str = "info"
-    log_format: str = "text"  # or "json": one object per line (kvcache.logformat)
+    log_format: str = "text"  # or "json": one object per line (kvcache.ops.logformat)
     access_log_rate: float = 0.0  # share of reads recorded for `kvcache hotkeys`; 0 = off
     access_log_dir: str | None = None  # default: <data_dir>/access-logs
     access_log_max_bytes: int = 64 * 1024 * 1024  # rotate access.log at this size

@@ -15,7 +15,7 @@ class UpstreamError(KvcacheError):
 
 class BehindQuorum(UpstreamError):
     """A server answered, but could not show that it holds every write the bucket's quorum
-    acknowledged within the read's bound (kvcache.quorum): its answer is not used."""
+    acknowledged within the read's bound (kvcache.feed.quorum): its answer is not used."""
 
 
 class BucketNotFound(KvcacheError):

@@ -19,13 +19,13 @@ from types import ModuleType
 from .errors import KvcacheError
 
 # The one table of implementations: each extension in kvcache/_native (built from ext/<name>.pyx)
-# -> its pure-Python twin in kvcache/, and what it does. Modules ask `load(name)`; nothing else
+# -> its pure-Python twin under kvcache/, and what it does. Modules ask `load(name)`; nothing else
 # chooses.
 EXTENSIONS = {
     "resp": "resp",              # the server's RESP request reader and the client's reply reader
-    "natsproto": "natsproto",    # the NATS protocol reader under the feeds' and peers' connections
-    "server_get": "server_get",  # the server's GET fast path over the replica
-    "app_get": "app_get",        # LocalReader.get in an application's process
+    "natsproto": "natsio.proto",  # the NATS protocol reader under the feeds' and peers' connections
+    "server_get": "serve.get",   # the server's GET fast path over the replica
+    "app_get": "app.get",        # LocalReader.get in an application's process
 }
 
 NO_EXTENSIONS = os.environ.get("KVCACHE_NO_EXTENSIONS", "") not in ("", "0")

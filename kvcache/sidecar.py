@@ -21,33 +21,33 @@ import nats.errors
 import nats.js.errors
 import nats.js.kv
 
-from . import jetstream as jsapi
 from . import native
-from .accesslog import AccessLog
-from .changes import ChangeHub
-from .commands import Commands
 from .config import BucketConfig, Config, ensure_dirs, strip_url_auth, tls_context, url_auth
 from .errors import BucketNotFound, ConfigError, KvcacheError, UpstreamError
-from .feed import SILENT_HEARTBEATS, Feed
-from .health import BucketState, readiness
-from .info import Info
-from .metrics import SidecarCollector, exposition
-from .metrics_http import MetricsServer
-from .natsconn import NatsConnection
-from .natsserver import NatsServer, port_taken
-from .nearcache import NearCache
-from .peerset import PeerConnections, configured_peers, discovered_peers
-from .quorum import NO_FENCE
-from .readpolicy import ReadPolicy
-from .reads import Reads
-from .replica import Replica
-from .router import Peer, Router
-from .server import ClientConnection, RespServer, claim_socket_path, direct_buckets, local_gets
-from .server_multi import Transactions
-from .server_pubsub import PubSub
-from .server_tracking import Tracking
-from .statepoll import SHARED_FROM, StatePoll
-from .stats import Stats
+from .feed.changes import ChangeHub
+from .feed.feed import SILENT_HEARTBEATS, Feed
+from .feed.quorum import NO_FENCE
+from .feed.statepoll import SHARED_FROM, StatePoll
+from .natsio import jetstream as jsapi
+from .natsio.connection import NatsConnection
+from .natsio.server import NatsServer, port_taken
+from .ops.accesslog import AccessLog
+from .ops.health import BucketState, readiness
+from .ops.metrics import SidecarCollector, exposition
+from .ops.metrics_http import MetricsServer
+from .ops.stats import Stats
+from .read.peerset import PeerConnections, configured_peers, discovered_peers
+from .read.policy import ReadPolicy
+from .read.reads import Reads
+from .read.router import Peer, Router
+from .serve.commands import Commands
+from .serve.info import Info
+from .serve.multi import Transactions
+from .serve.pubsub import PubSub
+from .serve.server import ClientConnection, RespServer, claim_socket_path, direct_buckets, local_gets
+from .serve.tracking import Tracking
+from .store.nearcache import NearCache
+from .store.replica import Replica
 
 log = logging.getLogger("kvcache")
 
@@ -244,7 +244,7 @@ class Sidecar:
             raise self._fatal_error
 
     async def _start_metrics(self, host: str, port: int) -> None:
-        """The metrics listener, and command latency timed from now on (kvcache.latency)."""
+        """The metrics listener, and command latency timed from now on (kvcache.ops.latency)."""
         assert self.commands is not None and self.server is not None
         self.commands.time_commands()
         self.server.gets.timed = True
@@ -261,7 +261,7 @@ class Sidecar:
         return conns
 
     def readiness(self) -> tuple[bool, str]:
-        """/readyz's answer: kvcache.health's rule over the feeds as they are now."""
+        """/readyz's answer: kvcache.ops.health's rule over the feeds as they are now."""
         if self._stopping.is_set():
             return False, "not ready: shutting down"
         return readiness((BucketState(name, f.synced, f.lag_ms(), f.cfg.max_stale_ms)

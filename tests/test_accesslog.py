@@ -11,9 +11,9 @@ import redis
 from support.sidecar_proc import SidecarProcess
 from support.topology import nats_run
 
-from kvcache.accesslog import FIELDS, AccessLog
 from kvcache.config import load as load_config
 from kvcache.errors import ConfigError
+from kvcache.ops.accesslog import FIELDS, AccessLog
 
 
 def read_records(directory: Path) -> list[dict[str, str]]:

@@ -23,8 +23,8 @@ import pytest
 from support.natsauth import Operator, have_openssl, make_pki, new_key, public, seed
 from support.sidecar_proc import SidecarProcess, run_cli
 
-from kvcache.client import ResponseError
-from kvcache.natsserver import NatsServer
+from kvcache.app.client import ResponseError
+from kvcache.natsio.server import NatsServer
 
 pytestmark = pytest.mark.servers  # each test starts its own servers or sidecar process
 

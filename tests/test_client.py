@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvcache.client import (
+from kvcache.app.client import (
     AsyncClient,
     Client,
     ConnectionFailed,

@@ -23,8 +23,8 @@ from support.redis_ref import redis_server
 from support.sidecar_proc import SidecarProcess
 from support.topology import nats_run
 
-from kvcache.client import ReplyReader
-from kvcache.client import encode_command as encode
+from kvcache.app.client import ReplyReader
+from kvcache.app.client import encode_command as encode
 from kvcache.resp import ReplyError
 
 VALUES = {"k1": b"v1", "k2": b"v2"}

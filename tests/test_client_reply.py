@@ -20,7 +20,7 @@ from support.redis_ref import redis_server
 from support.sidecar_proc import SidecarProcess
 from support.topology import nats_run
 
-from kvcache.client import encode_command as encode
+from kvcache.app.client import encode_command as encode
 
 VALUES = {f"in.k{i}": b"v%d" % i for i in range(10)}
 VALUES |= {"in.big": b"B" * (300 * 1024), "out.r1": b"remote1", "out.r2": b"remote2"}

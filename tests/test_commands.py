@@ -24,8 +24,8 @@ from support.kvdata import _put_all, read_until
 from support.sidecar_proc import SidecarProcess
 from support.topology import nats_run
 
-from kvcache.client import Client, ResponseError
-from kvcache.client import encode_command as encode
+from kvcache.app.client import Client, ResponseError
+from kvcache.app.client import encode_command as encode
 from kvcache.entry import Operation
 
 LONG_KEY = "in." + "k" * 300 + "." + "y" * 300          # 606 bytes: stored under a digest

@@ -22,7 +22,7 @@ import yaml
 from support.poll import wait_until
 
 from kvcache import config
-from kvcache.client import Client
+from kvcache.app.client import Client
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from kvcache import cli, config
-from kvcache.commands import COMMAND_SPECS
+from kvcache.serve.commands import COMMAND_SPECS
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 KVCACHE = Path(__file__).resolve().parent.parent / "kvcache"
@@ -43,9 +43,9 @@ def test_every_command_is_documented():
 
 def _info_fields() -> set[str]:
     """Field names INFO prints: the literal (name, value) rows and _fields(...) keywords of
-    kvcache/info.py, and the router's routing rows."""
+    kvcache/serve/info.py, and the router's routing rows."""
     names: set[str] = set()
-    for path in (KVCACHE / "info.py", KVCACHE / "router.py"):
+    for path in (KVCACHE / "serve" / "info.py", KVCACHE / "read" / "router.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Tuple) and len(node.elts) == 2 and isinstance(node.elts[0], ast.Constant) \

@@ -37,7 +37,7 @@ from support.checkers import (
 from support.sidecar_proc import SidecarProcess
 from support.topology import DelayProxy
 
-from kvcache.replica import FORMAT_KEY, META_DB
+from kvcache.store.replica import FORMAT_KEY, META_DB
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -25,11 +25,11 @@ from support.sidecar_proc import SidecarProcess
 from support.topology import start_single
 
 from kvcache import LocalReader
-from kvcache import jetstream as jsapi
-from kvcache.consumer import PullConsumer
 from kvcache.errors import UpstreamError
-from kvcache.natsconn import NatsConnection
-from kvcache.replica import Replica
+from kvcache.feed.consumer import PullConsumer
+from kvcache.natsio import jetstream as jsapi
+from kvcache.natsio.connection import NatsConnection
+from kvcache.store.replica import Replica
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -653,7 +653,7 @@ async def test_a_leaderless_stream_ends_consumer_placement_at_once(nats_cluster)
     creations back to back. The leaderless stream: R2, one of its two servers killed (no
     quorum: it stays so until the server is back), in a cluster that keeps its meta leader.
     A misplaced consumer is still made again: test_consumers_are_made_on_the_stream_leader."""
-    from kvcache.consumer import PLACEMENT_TRIES, ConsumerLost
+    from kvcache.feed.consumer import PLACEMENT_TRIES, ConsumerLost
     b = new_bucket()
     stream = f"KV_{b}"
     setup = await nats.connect(servers=nats_cluster.urls, connect_timeout=5)

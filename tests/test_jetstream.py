@@ -1,4 +1,4 @@
-"""kvcache.jetstream's helpers on their own: the time parser every fallback read goes through,
+"""kvcache.natsio.jetstream's helpers on their own: the time parser every fallback read goes through,
 and the reading of cluster info the feed relies on to trust a consumer."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta, timezone
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvcache.jetstream import misplaced, parse_time_ns, stream_leader
+from kvcache.natsio.jetstream import misplaced, parse_time_ns, stream_leader
 
 
 def reference_ns(dt: datetime, nanos: int) -> int:

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from kvcache import keys
 from kvcache import resp as twin_resp
 from kvcache.native import native_or_none
-from kvcache.replica import BucketMeta, Replica
 from kvcache.resp import GET_LEN
+from kvcache.store.replica import BucketMeta, Replica
 
 native_get = native_or_none("server_get")
 native_resp = native_or_none("resp")

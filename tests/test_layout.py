@@ -9,8 +9,9 @@ import sys
 import pytest
 from support.modgraph import cycles, graph
 
-SERVER_SIDE = {"kvcache.server", "kvcache.commands", "kvcache.sidecar", "kvcache.feed", "kvcache.router",
-               "kvcache.server_get", "kvcache.consumer", "kvcache.sweeps", "kvcache.info", "kvcache.peer"}
+SERVER_SIDE = {"kvcache.serve.server", "kvcache.serve.commands", "kvcache.sidecar", "kvcache.feed.feed",
+               "kvcache.read.router", "kvcache.serve.get", "kvcache.feed.consumer", "kvcache.feed.sweeps",
+               "kvcache.serve.info", "kvcache.read.peer"}
 
 
 def test_no_import_cycle():
@@ -25,11 +26,11 @@ def test_a_cycle_is_found_when_there_is_one():
 
 @pytest.mark.servers  # a fresh interpreter: a process
 def test_the_application_side_does_not_load_the_server():
-    """`import kvcache.client` / `kvcache.app_reader` (what an application imports) loads none of
+    """`import kvcache.app.client` / `kvcache.app.reader` (what an application imports) loads none of
     the server side: a read from the application costs no import of the sidecar."""
-    code = ("import sys, kvcache.client, kvcache.app_reader; "
+    code = ("import sys, kvcache.app.client, kvcache.app.reader; "
             "print(' '.join(sorted(m for m in sys.modules if m.startswith('kvcache'))))")
     loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                 check=True).stdout.split())
-    assert "kvcache.app_reader" in loaded
+    assert "kvcache.app.reader" in loaded
     assert loaded & SERVER_SIDE == set()

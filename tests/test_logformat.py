@@ -9,7 +9,7 @@ import re
 from support.sidecar_proc import SidecarProcess
 from support.topology import nats_run
 
-from kvcache.logformat import JsonFormatter
+from kvcache.ops.logformat import JsonFormatter
 
 
 def test_json_formatter_fields():

@@ -191,9 +191,9 @@ def test_exposition_in_chunks_is_the_exposition_in_one_go():
 
     from prometheus_client.exposition import choose_encoder
 
-    from kvcache import metrics
-    from kvcache.feed import RECREATION_REASONS, RESYNC_REASONS
-    from kvcache.latency import Latency
+    from kvcache.feed.feed import RECREATION_REASONS, RESYNC_REASONS
+    from kvcache.ops import metrics
+    from kvcache.ops.latency import Latency
 
     n = 1200
     latency = {"get": Latency(), "mget": Latency()}
@@ -340,12 +340,12 @@ def test_every_consumer_loss_has_its_reason():
     failure a consumer records, carries one of RECREATION_REASONS."""
     import ast
 
-    from kvcache.consumer import ConsumerLost
     from kvcache.errors import BucketNotFound, UpstreamError
-    from kvcache.feed import RECREATION_REASONS, _recreation_reason
+    from kvcache.feed.consumer import ConsumerLost
+    from kvcache.feed.feed import RECREATION_REASONS, _recreation_reason
 
     reasons: list[str] = []
-    for f in ("consumer.py", "feed.py"):
+    for f in ("feed/consumer.py", "feed/feed.py"):
         for node in ast.walk(ast.parse((ROOT / "kvcache" / f).read_text())):
             call = isinstance(node, ast.Call) and (getattr(node.func, "id", None) == "ConsumerLost"
                                                    or getattr(node.func, "attr", None) == "fail")

@@ -21,8 +21,8 @@ from support.redis_ref import redis_server
 from support.sidecar_proc import SidecarProcess
 from support.topology import nats_run
 
-from kvcache.client import Client
-from kvcache.client import encode_command as encode
+from kvcache.app.client import Client
+from kvcache.app.client import encode_command as encode
 
 VALUES = {"in.a": b"alpha", "in.b": b"Hello, World", "in.e": b""}
 

@@ -1,7 +1,7 @@
-"""kvcache.natsconn.NatsConnection: nats-py with kvcache's wire reader, against a real server.
+"""kvcache.natsio.connection.NatsConnection: nats-py with kvcache's wire reader, against a real server.
 
 What nats-py's own client sees and what NatsConnection sees must be the same messages; the fast
-lane must turn a real consumer's deliveries into the replica items kvcache.record builds.
+lane must turn a real consumer's deliveries into the replica items kvcache.store.record builds.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 from support.checkers import new_bucket
 
 from kvcache import native
-from kvcache.natsconn import NatsConnection
-from kvcache.record import item
+from kvcache.natsio.connection import NatsConnection
+from kvcache.store.record import item
 
 NATIVE_OR_TWIN = "native" if native.is_native(native.load("natsproto")) else "twin"
 
@@ -116,7 +116,7 @@ async def test_fast_lane_gets_runs_of_replica_items(pair):
     items = [it for r in runs for it in r.items]
     assert runs[0].first_cseq == 1 and runs[-1].last_cseq == 300
     assert all(a.last_cseq + 1 == b.first_cseq for a, b in itertools.pairwise(runs))
-    # every put is exactly the record kvcache.record builds; the delete is (key, None)
+    # every put is exactly the record kvcache.store.record builds; the delete is (key, None)
     by_key = {lk: rec for lk, rec in items}
     assert by_key[b"k.007"] is None
     rec = by_key[b"k.008"]
@@ -143,7 +143,7 @@ async def test_fast_lane_gets_runs_of_replica_items(pair):
 def test_reader_in_use_is_the_one_native_py_picks():
     nc = NatsConnection()
     assert type(nc._ps.reader).__module__.endswith(
-        "_native.natsproto" if NATIVE_OR_TWIN == "native" else "kvcache.natsproto")
+        "_native.natsproto" if NATIVE_OR_TWIN == "native" else "kvcache.natsio.proto")
 
 
 async def test_fast_request_answers_like_natspy_request(pair):

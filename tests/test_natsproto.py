@@ -18,12 +18,12 @@ from nats.aio.client import Client as _NatsClient
 from nats.protocol.parser import Parser as _NatsParser
 from support.nats_vectors import ACK, ACK_LONG, VECTORS, hmsg_frame, msg_frame
 
-from kvcache import natsproto as twin
 from kvcache.entry import Operation
 from kvcache.errors import ProtocolError
 from kvcache.native import native_or_none
-from kvcache.natsproto import AckMeta, HMsg, Msg
-from kvcache.record import item, parse_msg_ttl
+from kvcache.natsio import proto as twin
+from kvcache.natsio.proto import AckMeta, HMsg, Msg
+from kvcache.store.record import item, parse_msg_ttl
 
 # not built: the native half of every test is skipped (fails with KVCACHE_REQUIRE_EXTENSIONS=1)
 native = native_or_none("natsproto")
@@ -506,7 +506,7 @@ def lane_stream(draw) -> bytes:
 
 def lane_reference(wire: bytes) -> list:
     """What the lane must produce, computed from the ordinary events of a reader without
-    lanes: one item per delivery, by kvcache.record.item and Operation.of."""
+    lanes: one item per delivery, by kvcache.store.record.item and Operation.of."""
     out: list = []
     for e in twin.NatsReader().feed(wire):
         ack = twin.parse_ack(e.reply) if e.sid == LANE_SID else None

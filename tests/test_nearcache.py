@@ -1,4 +1,4 @@
-"""The near cache's store (kvcache/nearcache.py) and its frequency sketch (kvcache/sketch.py)
+"""The near cache's store (kvcache/store/nearcache.py) and its frequency sketch (kvcache/store/sketch.py)
 on a real LMDB replica: bounds, frequency admission, scan resistance, invalidation, a restart,
 cached not-founds.
 The coherence feed and the read paths that use the store are tested with real servers."""
@@ -9,10 +9,10 @@ import tracemalloc
 
 import pytest
 
-from kvcache.nearcache import ENTRY_OVERHEAD, NearCache, absent, is_absent, revision_of
-from kvcache.record import encode_record, lkey_of
-from kvcache.replica import Replica
-from kvcache.sketch import MAX_COUNT, FrequencySketch
+from kvcache.store.nearcache import ENTRY_OVERHEAD, NearCache, absent, is_absent, revision_of
+from kvcache.store.record import encode_record, lkey_of
+from kvcache.store.replica import Replica
+from kvcache.store.sketch import MAX_COUNT, FrequencySketch
 
 
 def rec(key: bytes, value: bytes = b"v" * 100, revision: int = 1) -> bytes:

@@ -17,7 +17,7 @@ from support.poll import wait_until
 from support.sidecar_proc import SidecarProcess
 from support.topology import nats_run
 
-from kvcache.client import Client
+from kvcache.app.client import Client
 
 CACHE_KEYS = 50
 

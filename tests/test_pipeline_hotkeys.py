@@ -10,8 +10,8 @@ import pytest
 from support.sidecar_proc import run_cli
 
 from kvcache import cli
-from kvcache.accesslog import AccessLog
 from kvcache.keys import valid_filter as valid_key_filter
+from kvcache.ops.accesslog import AccessLog
 from kvcache.pipeline.cover import Filter, cover_filters, group_of
 
 # ---------------------------------------------------------------------------- the algorithm

@@ -15,8 +15,8 @@ from support.poll import wait_until
 from support.sidecar_proc import SidecarProcess
 from support.topology import nats_run
 
-from kvcache.client import Client
-from kvcache.client import encode_command as encode
+from kvcache.app.client import Client
+from kvcache.app.client import encode_command as encode
 
 put = kv_put
 

@@ -1,4 +1,4 @@
-"""Quorum evidence (kvcache.quorum) on stream infos shaped as nats-server answers them.
+"""Quorum evidence (kvcache.feed.quorum) on stream infos shaped as nats-server answers them.
 
 The documents are nats-server's STREAM.INFO `cluster` sections as tests/test_partition.py's
 cluster returns them (names, `active` in ns); the arithmetic is the argument in the module
@@ -6,7 +6,7 @@ docstring and docs/architecture.md, "Freshness under a partition".
 """
 from __future__ import annotations
 
-from kvcache.quorum import Evidence, Proofs, evidence, needs_quorum
+from kvcache.feed.quorum import Evidence, Proofs, evidence, needs_quorum
 
 S = 1_000_000_000
 

@@ -1,6 +1,6 @@
-"""The read decisions (kvcache/readpolicy.py), each branch on its own: a real LMDB replica and
+"""The read decisions (kvcache/read/policy.py), each branch on its own: a real LMDB replica and
 near cache in a temporary directory, the router's real floors, and a stand-in feed with only
-what the policy asks of kvcache.feed.Feed (fresh within a bound? is this key held? may this
+what the policy asks of kvcache.feed.feed.Feed (fresh within a bound? is this key held? may this
 answer fill the cache?), so that each answer can be set at will. No process is started: the
 quick tier. The reads that carry these decisions out are tested end to end with real servers
 (tests/test_commands.py, test_monotonic.py, test_nearcache_live.py, test_staleness.py)."""
@@ -14,18 +14,18 @@ import pytest
 from kvcache.config import BucketConfig, Config
 from kvcache.entry import Entry, Operation
 from kvcache.errors import CommandError, KvcacheError, UpstreamError
-from kvcache.nearcache import NearCache
-from kvcache.readpolicy import PLAN_CACHE, STALE_SOURCE, Plan, ReadPolicy
-from kvcache.record import LONG_KEY_PREFIX, NEVER, RECORD, item
-from kvcache.replica import BucketMeta, Replica
-from kvcache.router import Floors
+from kvcache.read.policy import PLAN_CACHE, STALE_SOURCE, Plan, ReadPolicy
+from kvcache.read.router import Floors
+from kvcache.store.nearcache import NearCache
+from kvcache.store.record import LONG_KEY_PREFIX, NEVER, RECORD, item
+from kvcache.store.replica import BucketMeta, Replica
 
 NOW = time.time_ns()
 LONG = "rep.long." + "k" * 600
 
 
 class Feed:
-    """What ReadPolicy asks of kvcache.feed.Feed, each answer settable."""
+    """What ReadPolicy asks of kvcache.feed.feed.Feed, each answer settable."""
 
     def __init__(self, cfg: BucketConfig, cache: NearCache | None = None) -> None:
         self.cfg = cfg
@@ -111,7 +111,7 @@ def test_plan_is_made_once_for_keys_the_replica_holds(env):
 
 
 def test_plan_cache_is_bounded(env, monkeypatch):
-    monkeypatch.setattr("kvcache.readpolicy.PLAN_CACHE", 2)
+    monkeypatch.setattr("kvcache.read.policy.PLAN_CACHE", 2)
     p = env.policy
     for k in (b"rep.1", b"rep.2", b"rep.3"):
         p.plan(k)

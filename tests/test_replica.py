@@ -8,8 +8,8 @@ import pytest
 
 from kvcache.entry import Operation
 from kvcache.errors import ReplicaError
-from kvcache.record import item
-from kvcache.replica import (
+from kvcache.store.record import item
+from kvcache.store.replica import (
     FORMAT_KEY,
     FORMAT_VERSION,
     LONG_KEY_PREFIX,

@@ -12,7 +12,7 @@ from support.kvdata import _put_all, read_until
 from support.sidecar_proc import SidecarProcess
 from support.topology import nats_run
 
-from kvcache.client import encode_command as encode
+from kvcache.app.client import encode_command as encode
 
 VALUES = {"_kv.x": b"hidden", "_kvx": b"hidden too", "ok.k": b"v", "a._kv": b"not reserved"}
 RESERVED = ["_kv.x", "_kvx", "rk:_kv.x", "_kv.nosuch"]

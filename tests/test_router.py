@@ -1,4 +1,4 @@
-"""kvcache.router.Peer against a real nats-server: Direct Get (ADR-31) in its single-key,
+"""kvcache.read.router.Peer against a real nats-server: Direct Get (ADR-31) in its single-key,
 payload and multi_last forms, the leader API fallback, and how each reply status maps.
 
 The error statuses are provoked for real: the server answers 408 to a subject-appended Direct
@@ -16,7 +16,7 @@ from support.topology import nats_run
 
 from kvcache.entry import Operation
 from kvcache.errors import UpstreamError
-from kvcache.router import MULTI_LAST_MAX, Peer, Router
+from kvcache.read.router import MULTI_LAST_MAX, Peer, Router
 
 BIG = 1100     # > 1024 subjects under `big.>`
 MANY = 1500

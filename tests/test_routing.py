@@ -1,4 +1,4 @@
-"""kvcache.router.Router against real nats-servers, with latency put in by DelayProxy.
+"""kvcache.read.router.Router against real nats-servers, with latency put in by DelayProxy.
 
 Each peer is its own kvcache NatsConnection through its own proxy to the same server (or to one
 member of a cluster), so the peers differ only in what the proxy does to them: a delay, a
@@ -20,10 +20,10 @@ from support.poll import wait_until
 from support.sidecar_proc import SidecarProcess, write_config
 from support.topology import DelayProxy, add_hub_mirror, nats_run
 
-from kvcache import jetstream as jsapi
-from kvcache.natsconn import NatsConnection
-from kvcache.natsserver import NatsServer
-from kvcache.router import HedgePolicy, Peer, Router
+from kvcache.natsio import jetstream as jsapi
+from kvcache.natsio.connection import NatsConnection
+from kvcache.natsio.server import NatsServer
+from kvcache.read.router import HedgePolicy, Peer, Router
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -25,7 +25,7 @@ from support.poll import wait_until
 from support.sidecar_proc import SidecarProcess, run_cli
 from support.topology import nats_run
 
-from kvcache.client import Client, encode_command
+from kvcache.app.client import Client, encode_command
 
 NKEYS = 200
 VALUE = b"v" * 100

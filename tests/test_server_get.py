@@ -14,12 +14,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcache import server_get as twin
 from kvcache.native import native_or_none
-from kvcache.readpolicy import Plan
-from kvcache.record import LONG_KEY_PREFIX, RECORD, item, lmdb_key
-from kvcache.replica import BucketMeta, Replica
+from kvcache.read.policy import Plan
 from kvcache.resp import GET_LEN
+from kvcache.serve import get as twin
+from kvcache.store.record import LONG_KEY_PREFIX, RECORD, item, lmdb_key
+from kvcache.store.replica import BucketMeta, Replica
 
 native = native_or_none("server_get")  # None: not built (an error with KVCACHE_REQUIRE_EXTENSIONS=1)
 
@@ -37,7 +37,7 @@ OTHER = {"a": b"other a", "only.here": b"o"}
 
 
 class Feed:
-    """What the GET path asks of kvcache.feed.Feed: may the replica answer now?"""
+    """What the GET path asks of kvcache.feed.feed.Feed: may the replica answer now?"""
 
     def __init__(self, bucket: str) -> None:
         self.bucket = bucket
@@ -291,9 +291,9 @@ def test_counts_reads_per_bucket(mod, env):
 
 @pytest.mark.parametrize("mod", IMPLS)
 def test_latency_histogram_bounds(mod, env):
-    """kvcache.latency's buckets: a time equal to a bound falls in it (Prometheus's `le`),
-    past the last in +Inf; both twins agree with kvcache.latency.Latency."""
-    from kvcache.latency import BOUNDS_NS, Latency
+    """kvcache.ops.latency's buckets: a time equal to a bound falls in it (Prometheus's `le`),
+    past the last in +Inf; both twins agree with kvcache.ops.latency.Latency."""
+    from kvcache.ops.latency import BOUNDS_NS, Latency
     replica, feeds = env
     gets, _ = make(mod, replica, feeds)
     ref = Latency()

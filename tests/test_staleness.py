@@ -22,7 +22,7 @@ from support.poll import until
 from support.sidecar_proc import SidecarProcess
 from support.topology import DelayProxy
 
-from kvcache.client import AsyncClient, ResponseError
+from kvcache.app.client import AsyncClient, ResponseError
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -15,7 +15,7 @@ from nats.js.api import ExternalStream, StreamConfig, StreamSource
 from support.topology import Cluster
 
 from kvcache.errors import KvcacheError
-from kvcache.natsserver import NatsServer, find_binary, free_port
+from kvcache.natsio.server import NatsServer, find_binary, free_port
 
 T = TypeVar("T")
 

@@ -22,8 +22,8 @@ from support.resp_conn import RespConn
 from support.sidecar_proc import SidecarProcess
 from support.topology import nats_run
 
-from kvcache.client import Client
-from kvcache.client import encode_command as encode
+from kvcache.app.client import Client
+from kvcache.app.client import encode_command as encode
 
 PASSWORD = "s3cret-pass"
 

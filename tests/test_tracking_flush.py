@@ -13,8 +13,8 @@ from support.resp_conn import RespConn
 from support.sidecar_proc import SidecarProcess
 from support.topology import DelayProxy, nats_run
 
-from kvcache.client import Client
-from kvcache.client import encode_command as encode
+from kvcache.app.client import Client
+from kvcache.app.client import encode_command as encode
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -21,8 +21,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
-from ..accesslog import FIELDS, FILE_NAME
 from ..errors import ConfigError, UpstreamError
+from ..ops.accesslog import FIELDS, FILE_NAME
 from . import spark as sparkio
 from .cover import Filter, cover_filters
 

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, TextIO
 import nats
 import nats.errors
 
-from .. import jetstream as jsapi
 from ..config import BUCKET_NAME
 from ..errors import BucketNotFound, ConfigError, UpstreamError
+from ..natsio import jetstream as jsapi
 from . import spark as sparkio
 from .keys import KeySpec
 from .writer import (

@@ -22,8 +22,8 @@ import nats.errors
 import nats.js.errors
 
 from kvcache import LocalReader
-from kvcache.app_reader import StaleReplica
-from kvcache.client import AsyncClient, KvcacheError
+from kvcache.app.client import AsyncClient, KvcacheError
+from kvcache.app.reader import StaleReplica
 from support.poll import until
 
 State = dict[str, tuple[bytes, int]]   # key -> (value, revision) of every live key

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from kvcache.client import Client
+from kvcache.app.client import Client
 from support.topology import nats_run
 
 

@@ -45,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvcache.natsserver import ClusterConfig, NatsServer, die_with_parent, find_binary
+from kvcache.natsio.server import ClusterConfig, NatsServer, die_with_parent, find_binary
 from support.poll import wait_until
 from support.sidecar_proc import SidecarProcess
 from support.staleness_check import Verdict, judge, read_acks, read_reads

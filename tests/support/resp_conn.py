@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from kvcache.client import encode_command as encode
+from kvcache.app.client import encode_command as encode
 
 
 class RespConn:

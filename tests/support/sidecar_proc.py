@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvcache.client import Client
-from kvcache.natsserver import die_with_parent
+from kvcache.app.client import Client
+from kvcache.natsio.server import die_with_parent
 from support.poll import WaitTimeout, wait_until
 
 

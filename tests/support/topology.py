@@ -14,7 +14,7 @@ from pathlib import Path
 import nats
 from nats.js.api import ExternalStream, StreamConfig, StreamSource
 
-from kvcache.natsserver import ClusterConfig, NatsServer, free_port
+from kvcache.natsio.server import ClusterConfig, NatsServer, free_port
 from support.poll import until, wait_until
 
 HOST = "127.0.0.1"

@@ -1,0 +1,789 @@
+"""The feed: keeps one bucket's replica equal to its stream.
+
+It manages its own consumer (kvcache.feed.consumer) instead of nats-py's `watch()`: a push watch
+with nats-py's default pending limits drops messages as a slow consumer on big buckets and
+never recovers. Here the consumer is pull-based, so nothing can be dropped and memory stays
+bounded by one pull window.
+
+This module holds the sync itself: planning a start (resume from the stored sequence, or a
+full resync when the stream no longer holds it, was recreated or rewound), applying each
+socket read's deliveries in one LMDB transaction together with the last applied stream
+sequence, freshness (`fresh_within`, `lag_ms`) and the floors that keep reads from going back
+(`handed_out`, `held_until`). The passes that keep the replica equal when no message says so
+(expiry, removals, reconcile) are in kvcache.feed.sweeps.
+
+Two facts about the server shape the bookkeeping here:
+- `last_per_subject` delivers the initial set in subject order, not stream order, so while a
+  full sync runs the highest sequence seen says nothing about which keys are still to come. An
+  interrupted full sync therefore starts over; only a finished one yields a resumable position.
+- A pull request can end in several ways (408 expired, 409 "Batch Completed", 409 "Message
+  Size Exceeds MaxBytes", ...); only the ones listed in consumer.REQUEST_ENDED are harmless.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+
+from ..config import BucketConfig
+from ..errors import BucketNotFound, ReplicaError, UpstreamError
+from ..natsio import jetstream as jsapi
+from ..natsio.connection import NatsConnection
+from ..store.nearcache import NearCache, drop_store
+from ..store.record import LONG_KEY_PREFIX, RECORD, Item, decode_key
+from ..store.replica import Replica
+from .changes import ChangeHub
+from .consumer import ConsumerLost, PullConsumer, Run
+from .quorum import NO_FENCE, Evidence, Fence, Proofs, evidence, needs_quorum
+from .sweeps import Maintenance
+
+log = logging.getLogger("kvcache.feed")
+
+# Keys remembered as handed out from NATS ahead of the replica (Feed.ahead); past this many,
+# every key waits for the replica instead (slower, still right) rather than one being forgotten.
+AHEAD_MAX = 100_000
+META_TOUCH_INTERVAL_NS = 1_000_000_000
+# Keys outside the filters changed recently (the near cache's fill guard, Feed.fill_ok): kept
+# this long beyond the request timeout, at most this many (past it, no fill for that long).
+RECENT_MARGIN_S = 1.0
+RECENT_MAX = 100_000
+# Heartbeats a caught-up feed may miss before its replica counts as behind since the last
+# word heard (Feed.lag_ms); the sidecar warns at start of a max_stale_ms under this many.
+SILENT_HEARTBEATS = 2
+# The least max_stale_ms a replicated stream's replica can keep on an idle stream: quorum
+# evidence is up to a raft heartbeat (kvcache.feed.quorum.RAFT_HEARTBEAT_S) plus a state poll
+# (max_stale_ms / 4) old when it arrives; a start warning names buckets below it.
+QUORUM_MIN_STALE_MS = 1500
+
+
+class Feed(Maintenance):
+    """Keeps one bucket's replica in step with its stream; owns its position and health, and
+    answers what the read policy asks: synced?, fresh within a bound?, may this record
+    answer this key?"""
+
+    def __init__(self, nc: NatsConnection, bucket: BucketConfig, replica: Replica, *,
+                 heartbeat_s: float = 2.0, timeout: float = 5.0,
+                 on_fatal: Callable[[BaseException], None] | None = None,
+                 on_hold: Callable[[], None] | None = None,
+                 on_renumbered: Callable[[], None] | None = None,
+                 on_removed: Callable[[int | None], None] | None = None,
+                 hub: ChangeHub | None = None) -> None:
+        self.nc = nc
+        self.on_fatal = on_fatal
+        self.cfg = bucket
+        self.bucket = bucket.name
+        self.stream = jsapi.kv_stream(bucket.name)
+        self.prefix = f"$KV.{bucket.name}."
+        self.filters = [self.prefix + k for k in bucket.keys]
+        # The near cache of keys outside the filters (set_cache): with one, the consumer
+        # covers the whole bucket, and changes outside the filters invalidate the cache.
+        self.cache: NearCache | None = None
+        self._recent: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
+        self._recent_full_until = 0.0
+        self.replica = replica
+        self.heartbeat_s = heartbeat_s
+        # A caught-up feed hears from the server at least once a heartbeat (an idle heartbeat
+        # when nothing changes). Silence past SILENT_HEARTBEATS of them is a link that may have
+        # stalled unnoticed: the replica is then only known current as of the last word heard.
+        self._silence_ns = int(SILENT_HEARTBEATS * heartbeat_s * 1e9)
+        self.timeout = timeout
+        self.meta = replica.meta(self.bucket)
+        self.stream_config: dict = {}
+        # Quorum evidence (kvcache.feed.quorum): a replicated stream's state counts as current only
+        # as of what its leader, heard by a quorum of its group, has shown; heartbeats from the
+        # server hosting the consumer prove nothing (a leader cut off from its peers keeps
+        # sending them). `quorum`: the stream needs such evidence (replicated in a cluster).
+        self.quorum = False
+        self.proofs = Proofs()
+        self._born_ns = time.time_ns()
+        # The last time the consumer said the replica was caught up (the meta's fresh_at_ns is
+        # that moment bounded by the quorum evidence: what LocalReader goes by).
+        self._heard_ns = self.meta.fresh_at_ns
+        self._info_sent_ns = 0  # when the last STREAM.INFO that answered was asked
+        self.anchor = ""  # a key with a message in the stream (the last applied): see Fence
+        self._anchor_task: asyncio.Task | None = None
+        self.upstream_seq = 0
+        self.caught_up = False
+        self.last_msg_ns = 0
+        # Catching up after an interruption (start, lost consumer, reconnect): see lag_ms.
+        self._interrupted = True
+        self.consumers_created = 0
+        # since start, by reason (metrics labels: a few fixed words, never a message)
+        self.resync_reasons: Counter[str] = Counter()  # RESYNC_REASONS
+        self.recreations: Counter[str] = Counter()  # RECREATION_REASONS (_recreation_reason)
+        self._full = False
+        self._seen: set[bytes] | None = None
+        self._reconcile_pending = False
+        self._reconnected = False
+        self._consumer: PullConsumer | None = None
+        self._task: asyncio.Task | None = None
+        self._reconcile_task: asyncio.Task | None = None
+        self._sweep_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
+        self._hint_tasks: set[asyncio.Task] = set()
+        self._api_subs: list = []
+        self.max_age_ns = 0       # the stream's max_age: applied at every read (record.deadline)
+        self._deadlines = True    # may records have a deadline (max_age, per-message TTLs)?
+        self._sweep_wake = asyncio.Event()  # see Maintenance._sweep_loop
+        self.first_seq = 0        # the stream's first sequence when last looked at
+        self.removed_upstream = 0  # records removed with no message: expiry, limits, purges
+        self.state_polls = 0      # looks at the stream's state for such removals
+        self._synced_event = asyncio.Event()
+        self._last_meta_write = 0
+        self._sync_started = 0.0
+        self._waiters: list[tuple[int, asyncio.Future]] = []
+        # Revisions handed out from NATS that the replica has not reached (see handed_out):
+        # key -> the highest such revision, and the highest of all (0: none, the common case).
+        self.ahead: dict[str, int] = {}
+        self.floor_seq = 0
+        self._ahead_overflow = False  # AHEAD_MAX reached: every key waits for floor_seq
+        # Called when the first key is held: the server drops the GET path's cached verdicts
+        # (LocalGets.forget_fresh), which would otherwise answer from the replica for a while.
+        self.on_hold = on_hold
+        # Called when the stream was recreated or rewound (its revisions start again): the
+        # router forgets the bucket's floors (Router.floors.forget).
+        self.on_renumbered = on_renumbered
+        # Called when messages went with no marker: `first` when the stream dropped everything
+        # below it, None after a purge or message delete request (which keys is unknown). The
+        # router forgets the floors those removals make moot (Router.floors.forget).
+        self.on_removed = on_removed
+        # Where the changes this feed applies go (kvcache.feed.changes): tracking clients'
+        # invalidations, keyspace notifications, WATCH (the sidecar's one hub).
+        self.hub = hub
+        if self.meta.synced:
+            self._synced_event.set()
+
+    # -------------------------------------------------------------- near cache
+
+    def set_cache(self, cache: NearCache) -> None:
+        """Before start: keys outside the filters are cached (kvcache.store.nearcache), and this
+        feed keeps them true: its consumer reads the whole bucket from now on."""
+        self.cache = cache
+        self.filters = [self.prefix + ">"]
+
+    def _split(self, items: list[Item], seq: int) -> tuple[list[Item], list[tuple[str, str]]]:
+        """With a near cache: the items for the replica (keys inside the filters, and every
+        delete: a long key's digest does not say where it belongs), and the changes outside
+        the filters, which invalidate the cache (and are noted for the fill guard)."""
+        cache = self.cache
+        assert cache is not None
+        keep: list[Item] = []
+        outside: list[bytes] = []
+        seqs: list[int] = []
+        changes: list[tuple[str, str]] = []
+        for lk, rec in items:
+            if rec is None:
+                keep.append((lk, rec))
+                outside.append(lk)
+                seqs.append(seq)  # a delete's own sequence is not in the item: the batch's top
+                if not lk.startswith(LONG_KEY_PREFIX):
+                    key = lk.decode()
+                    if not self.cfg.replicates(key):
+                        changes.append((key, "del"))
+                continue
+            key = decode_key(lk, rec)
+            if self.cfg.replicates(key):
+                keep.append((lk, rec))
+            else:
+                outside.append(lk)
+                seqs.append(RECORD.unpack_from(rec)[0])
+                changes.append((key, "set"))
+        if outside:
+            self._note_recent(outside, seqs)
+            cache.invalidate(outside)
+        return keep, changes
+
+    def _note_recent(self, lkeys: list[bytes], seqs: list[int]) -> None:
+        now = time.monotonic()
+        recent = self._recent
+        for lk, seq in zip(lkeys, seqs, strict=True):
+            if seq > recent.get(lk, (0, 0.0))[0]:
+                recent[lk] = (seq, now)
+                recent.move_to_end(lk)
+        horizon = now - self.timeout * 2 - RECENT_MARGIN_S
+        while recent:
+            first = next(iter(recent.values()))
+            if first[1] >= horizon:
+                break
+            recent.popitem(last=False)
+        if len(recent) > RECENT_MAX:  # too many to remember: no fills for a while instead
+            recent.clear()
+            self._recent_full_until = now + self.timeout * 2 + RECENT_MARGIN_S
+
+    def fill_ok(self, lkey: bytes, revision: int) -> bool:
+        """May a fallback read's answer (at `revision`) go into the near cache? Only while
+        this feed vouches for the bucket (fresh within max_stale_ms), and only if it saw no
+        newer change of the key while the read was on its way (a change it sees later
+        invalidates the record as usual)."""
+        if not self.fresh_within(self.cfg.max_stale_ms) or time.monotonic() < self._recent_full_until:
+            return False
+        seen = self._recent.get(lkey)
+        return seen is None or seen[0] <= revision
+
+    def _clear_cache(self, why: str) -> None:
+        if self.cache is not None and len(self.cache):
+            log.info("bucket %s: near cache cleared (%d keys): %s", self.bucket, self.cache.clear(), why)
+
+    # -------------------------------------------------------------- lifecycle
+
+    async def start(self, watch: bool = True) -> None:
+        """Check the bucket exists and choose resume or full resync; raises BucketNotFound.
+        `watch=False`: the stream's state is watched by the sidecar's shared poll
+        (kvcache.feed.statepoll), not by a loop of this feed's own."""
+        info = await self._stream_info()
+        self._plan(info, reconcile=True)
+        self._task = asyncio.create_task(self._run(), name=f"feed:{self.bucket}")
+        self._task.add_done_callback(self._task_done)
+        self._sweep_task = asyncio.create_task(self._sweep_loop(), name=f"expiry:{self.bucket}")
+        if watch:
+            self._watch_task = asyncio.create_task(self._watch_loop(), name=f"removals:{self.bucket}")
+        for op in ("PURGE", "MSG.DELETE"):  # requests that remove messages without a marker
+            self._api_subs.append(await self.nc.subscribe(
+                f"$JS.API.STREAM.{op}.{self.stream}", cb=self._on_removal_request))
+
+    async def _stream_info(self) -> dict:
+        """The stream as its leader sees it, waiting up to the request timeout for a leader
+        (a member answering meanwhile may be far behind: a lag would look like a purge)."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            sent = time.time_ns()
+            try:
+                info = await jsapi.stream_info(self.nc, self.stream, self.timeout, need_leader=True)
+                self._info_sent_ns = sent
+                self.note_evidence(info, sent)
+                return info
+            except jsapi.NoLeader:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.1)
+
+    def _plan(self, info: dict, reconcile: bool = False) -> None:
+        """Resume or resync. `reconcile`: also check, once caught up, for keys that vanished
+        without a trace in the stream (after a process start or a reconnect, when that is
+        likely)."""
+        self.stream_config = info.get("config", {})
+        self._set_deadlines(int(self.stream_config.get("max_age", 0) or 0),
+                          bool(self.stream_config.get("allow_msg_ttl")))
+        state = info.get("state", {})
+        first, last = state.get("first_seq", 0), state.get("last_seq", 0)
+        self.first_seq = first
+        created = info.get("created", "")
+        m = self.meta
+        reason = kind = None
+        count_it = bool(m.applied_seq)
+        if not m.stream:
+            reason = "first sync"
+        elif not m.synced:
+            # Also a crash or a lost consumer in the middle of a full sync: the initial set
+            # comes in subject order, so its progress cannot be resumed.
+            reason, kind = "previous full sync did not finish", "unfinished"
+            count_it = False
+        elif m.stream_created and created and m.stream_created != created:
+            reason, kind = "stream was recreated", "recreated"
+        elif last < m.applied_seq:
+            reason, kind = f"stream sequence went backwards ({last} < {m.applied_seq})", "rewound"
+        elif first > m.applied_seq + 1:
+            reason = f"stream no longer holds sequence {m.applied_seq + 1} (first is {first})"
+            kind = "truncated"
+        if kind is not None:
+            self.resync_reasons[kind] += 1
+        self._full = reason is not None
+        if reason is not None and self.on_renumbered is not None and (
+                reason == "stream was recreated" or reason.startswith("stream sequence went backwards")):
+            self.on_renumbered()
+        if reason == "stream was recreated" or (reason or "").startswith("stream sequence went backwards"):
+            self.proofs.clear()  # the old numbering proves nothing; this info's own evidence stays
+            self.note_evidence(info, self._info_sent_ns)
+        if self._full:
+            if count_it and reason != "first sync":
+                m.resyncs += 1
+            if m.stream:
+                log.warning("bucket %s: full resync: %s", self.bucket, reason)
+            m.synced = False
+            m.applied_seq = 0
+            self.upstream_seq = last
+            self._synced_event.clear()
+            self._reconcile_pending = False
+            if self._reconcile_task and not self._reconcile_task.done():
+                self._reconcile_task.cancel()
+        else:
+            self.upstream_seq = max(self.upstream_seq, last)
+            log.info("bucket %s: resuming after sequence %d", self.bucket, m.applied_seq)
+            self._reconcile_pending = self._reconcile_pending or reconcile
+        if self.cache is not None:
+            if self._full:
+                self._clear_cache("full resync")
+            elif not m.whole_bucket:
+                self._clear_cache("the previous run did not watch the whole bucket")
+            elif first > 1:
+                self.cache.drop_below(first)
+        elif m.whole_bucket:
+            drop_store(self.replica, self.bucket)  # left by a run with a near cache: unwatched now
+        m.whole_bucket = self.cache is not None
+        m.filters = list(self.cfg.keys)
+        m.stream = self.stream
+        m.stream_created = created
+        m.max_age_ns = self.max_age_ns
+        self.replica.put_meta(self.bucket, m)
+
+    def _set_deadlines(self, max_age_ns: int, msg_ttl: bool) -> None:
+        """The stream's max_age, where every reader applies it (LocalReader: in the meta),
+        and whether it takes per-message TTLs. A new max_age moves every record's deadline,
+        and per-message TTLs turned on may have come before this saw it: the expiry index is
+        filed anew."""
+        deadlines = bool(max_age_ns or msg_ttl)
+        changed = max_age_ns != self.meta.max_age_ns or (deadlines and not self._deadlines)
+        self._deadlines = deadlines
+        if deadlines:
+            self._sweep_wake.set()
+        self.max_age_ns = max_age_ns
+        self.replica.max_age[self.bucket] = max_age_ns
+        self.meta.max_age_ns = max_age_ns
+        if changed and deadlines and self.replica.count(self.bucket):
+            t = asyncio.get_running_loop().create_task(self._refile(), name=f"refile:{self.bucket}")
+            self._hint_tasks.add(t)
+            t.add_done_callback(self._hint_tasks.discard)
+
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        """The loop retries every failure it knows; if it ends anyway, that is a bug, and a
+        replica nobody updates must not go on being served as fresh: say so and let the
+        owner stop the process (its supervisor restarts it, and the restart resumes)."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.critical("bucket %s: feed stopped", self.bucket, exc_info=exc)
+            self.caught_up = False
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
+
+    async def stop(self) -> None:
+        for sub in self._api_subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # the connection may be gone already
+                pass
+        for task in (self._task, self._reconcile_task, self._sweep_task, self._watch_task,
+                     self._anchor_task, *self._hint_tasks):
+            if task and not task.done():
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
+
+    async def wait_synced(self, timeout: float | None = None) -> None:
+        await asyncio.wait_for(self._synced_event.wait(), timeout)
+
+    async def wait_applied(self, seq: int, timeout: float) -> bool:
+        """True once the replica holds stream sequence `seq` (MINREV), False on timeout."""
+        if self.meta.synced and self.meta.applied_seq >= seq:
+            return True
+        fut = asyncio.get_running_loop().create_future()
+        item = (seq, fut)
+        self._waiters.append(item)
+        try:
+            await asyncio.wait_for(fut, timeout)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            if item in self._waiters:
+                self._waiters.remove(item)
+
+    def _wake_waiters(self) -> None:
+        if not self.meta.synced:
+            return
+        applied = self.meta.applied_seq
+        for seq, fut in self._waiters:
+            if seq <= applied and not fut.done():
+                fut.set_result(None)
+
+    def connection_lost(self) -> None:
+        """Called on disconnect: stop claiming freshness, and start over on reconnect."""
+        self.caught_up = False
+        self._interrupted = True
+        self._reconnected = True
+        if self._consumer:
+            self._consumer.fail("connection lost", "connection")
+
+    # -------------------------------------------------------------- health
+
+    @property
+    def synced(self) -> bool:
+        return self.meta.synced
+
+    def lag_ms(self) -> int:
+        """What INFO, readiness and the lag metric show: 0 while caught up, heard from, and
+        (a replicated stream) vouched for by a quorum within max_stale_ms; else the age of the
+        newest state we are sure to hold (`_age_ms`). Decisions use `_age_ms` itself against
+        their own bound (fresh_within): a quorum's evidence is always some hundreds of ms old
+        (polled every max_stale_ms / 4), which is no lag to show while it is within bound."""
+        consumer, evidence = self._ages_ms()
+        return consumer if evidence <= self.cfg.max_stale_ms else max(consumer, evidence)
+
+    def _ages_ms(self) -> tuple[int, int]:
+        """The replica's age by the consumer's word, and by the quorum evidence it reached
+        (0 for a stream with one copy, where the consumer's word is enough).
+
+        Caught up counts only while the server keeps saying so: past two heartbeats of silence
+        the age runs from the last time it did, so a link that stalls without closing (no
+        disconnect, no error: the consumer is declared lost only after three heartbeats) turns
+        the replica stale max_stale_ms after the last word, not three heartbeats later.
+
+        While catching up after an interruption, the age counts from the last time we were
+        caught up, not from the newest message applied: the replica then passes through the
+        stream's past states, and reads that went to the peers during the outage may already
+        have served newer revisions; serving an intermediate state locally would take those
+        keys back in time (seen in tests/test_faults.py with a stream leader killed during
+        writes: revision 806 read from a peer, then 406 from the catching-up replica).
+
+        A replicated stream's consumer may be caught up with a store a partition left behind,
+        its server heartbeating all the while: its age is also that of the newest quorum
+        evidence whose sequence the replica holds (kvcache.feed.quorum)."""
+        now = time.time_ns()
+        heard = self._heard_ns
+        if self.caught_up:
+            lag = (now - heard) // 1_000_000 if heard and now - heard > self._silence_ns else 0
+        else:
+            fresh = heard if self._interrupted else max(heard, self.last_msg_ns)
+            lag = max(0, (now - fresh) // 1_000_000) if fresh else 0
+        if not self.quorum:
+            return lag, 0
+        best = self.proofs.reached(self.meta.applied_seq)
+        return lag, max(0, (now - (best.as_of_ns if best is not None else self._born_ns)) // 1_000_000)
+
+    def proven_at(self, now: int) -> int:
+        """The moment the replica is known to hold every acknowledged write as of, now that
+        it is caught up at `now`: `now` itself for a stream with one copy, else the newest quorum
+        evidence it has reached (0: none yet)."""
+        return self._proven_with(self.meta.applied_seq, now)
+
+    def proven_within(self, ms: int) -> bool:
+        """Has a quorum shown this stream's state within `ms` (any evidence, reached or not)?
+        Always for a stream with one copy."""
+        return not self.quorum or self.proofs.required(time.time_ns() - ms * 1_000_000) is not None
+
+    def fence(self) -> Fence | None:
+        """What a fallback answer for this bucket must show (Router.fence): a server holding a
+        sequence that a quorum had within max_stale_ms. None when no such evidence exists
+        (every answer would be unproven); NO_FENCE for a stream with one copy."""
+        if not self.quorum:
+            return NO_FENCE
+        ev = self.proofs.required(time.time_ns() - self.cfg.max_stale_ms * 1_000_000)
+        if not self.anchor and not self._anchor_task:
+            self._anchor_task = asyncio.get_running_loop().create_task(self._find_anchor())
+        return None if ev is None else Fence(ev.seq, self.anchor)
+
+    async def _find_anchor(self) -> None:
+        """A key with a message, for Fence.anchor, before the feed applied any: the stream's
+        last message (one leader API request, once)."""
+        try:
+            doc = await jsapi.api_request(self.nc, f"$JS.API.STREAM.MSG.GET.{self.stream}",
+                                          {"last_by_subj": self.prefix + ">"}, self.timeout)
+            subject = (doc.get("message") or {}).get("subject", "")
+            if subject.startswith(self.prefix) and not self.anchor:
+                self.anchor = subject[len(self.prefix):]
+        except Exception as e:  # an empty bucket, or NATS away: asked again on a later read
+            log.debug("bucket %s: no anchor key: %s", self.bucket, e)
+            self._anchor_task = None
+            return
+
+    def _proven_with(self, applied: int, now: int) -> int:
+        """proven_at for a replica at `applied` (a batch not yet made the meta's)."""
+        if not self.quorum:
+            return now
+        best = self.proofs.at(applied)
+        return min(now, best.as_of_ns) if best is not None else 0
+
+    def note_evidence(self, info: dict, sent_ns: int) -> Evidence | None:
+        """A STREAM.INFO (or STREAM.LIST entry) asked at `sent_ns`: keep what it proves. A
+        consumer not on the leader it names reads a store that may have been cut off from the
+        writes the majority acknowledges since (it would report nothing pending and keep
+        heartbeating): it is made again, where the leader is."""
+        quorum = needs_quorum(info)
+        if quorum and not self.quorum and self.cfg.max_stale_ms < QUORUM_MIN_STALE_MS:
+            log.warning("bucket %s: max_stale_ms %d is below %d ms: its stream is replicated, and a "
+                        "quorum's word about it is up to a raft heartbeat (1 s) plus a state poll "
+                        "(max_stale_ms / 4) old, so the replica will often count as stale",
+                        self.bucket, self.cfg.max_stale_ms, QUORUM_MIN_STALE_MS)
+        self.quorum = quorum
+        ev = evidence(info, sent_ns)
+        if ev is None:
+            return None
+        self.proofs.add(ev, self.meta.applied_seq)
+        consumer = self._consumer
+        if (self.quorum and consumer is not None and consumer.host and ev.leader
+                and ev.leader != consumer.host and self.caught_up):
+            consumer.fail(f"the stream leader is now {ev.leader}, the consumer is on {consumer.host}",
+                          "placement")
+        if self.caught_up and self.quorum:
+            fresh = self.proven_at(time.time_ns())
+            if fresh > self.meta.fresh_at_ns:
+                self.meta.fresh_at_ns = fresh
+        return ev
+
+    def fresh_for_all(self, max_stale_ms: int) -> bool:
+        """May every key be answered locally without looking at it? Fresh within the bound
+        (fresh_within), and no key is held (see handed_out): the GET fast path asks this
+        alone, so while a key is held its GETs go to the command layer, which asks per key
+        (fresh_within, then held_until)."""
+        return not self.floor_seq and self.fresh_within(max_stale_ms)
+
+    def fresh_within(self, max_stale_ms: int) -> bool:
+        """Is the replica fresh enough to answer: synced, and not staler than the bound?
+        Whether a given key may then be answered locally is `held_until`'s question."""
+        if not self.meta.synced:
+            return False
+        consumer, evidence = self._ages_ms()
+        return consumer <= max_stale_ms and evidence <= max_stale_ms
+
+    # -------------------------------------------------------------- revisions handed out
+
+    def handed_out(self, key: str, revision: int) -> None:
+        """An answer for `key` at `revision` (a value, or a deletion's marker) was handed out
+        from NATS. A replica that has not reached it yet may lag within max_stale_ms, and its
+        older record must not answer the key's next read (a strong read, then a plain one):
+        until the replica reaches the revision the key is held (`held_until`), and the GET fast
+        path, which does not look per key, stands aside (fresh_for_all). An unsynced replica's
+        position says nothing (a full sync comes in subject order): every revision counts."""
+        if revision <= self.meta.applied_seq and self.meta.synced:
+            return
+        opened = not self.floor_seq
+        if key in self.ahead or len(self.ahead) < AHEAD_MAX:
+            if revision > self.ahead.get(key, 0):
+                self.ahead[key] = revision
+        else:
+            self._ahead_overflow = True
+        if revision > self.floor_seq:
+            self.floor_seq = revision
+        if opened and self.on_hold is not None:
+            self.on_hold()
+
+    def held_until(self, key: str, revision: int | None) -> int:
+        """0 when the replica may answer `key` without going back in time: its record's
+        `revision` (None: it has none) is not below a revision of the key already handed out
+        from NATS, or the replica has reached that. Else the key is held: the stream sequence
+        to wait for."""
+        if not self.floor_seq:
+            return 0
+        want = self.floor_seq if self._ahead_overflow else self.ahead.get(key, 0)
+        if not want or (revision is not None and revision >= want) or (
+                self.meta.synced and self.meta.applied_seq >= want):
+            return 0
+        return want
+
+    def _release(self) -> None:
+        """The replica reached every revision handed out ahead of it: no key is held now."""
+        if self.meta.synced and self.meta.applied_seq >= self.floor_seq:
+            self._clear_holds()
+
+    def _clear_holds(self) -> None:
+        self.ahead.clear()
+        self.floor_seq = 0
+        self._ahead_overflow = False
+
+    # -------------------------------------------------------------- consumer loop
+
+    async def _run(self) -> None:
+        backoff = 0.1
+        planned = True
+        while True:
+            if planned:
+                consumer = self._new_consumer()
+                progressed = True
+                try:
+                    self.consumers_created += 1
+                    await consumer.run()
+                except asyncio.CancelledError:
+                    raise
+                except ReplicaError as e:
+                    # Nothing past the failed batch is applied, so nothing is skipped: the
+                    # next consumer starts again right after the last batch that made it.
+                    log.error("bucket %s: %s; retrying", self.bucket, e)
+                    progressed = False
+                    self.recreations["replica_error"] += 1
+                except (ConsumerLost, UpstreamError, BucketNotFound) as e:
+                    log.warning("bucket %s: recreating consumer: %s", self.bucket, e)
+                    self.recreations[_recreation_reason(e)] += 1
+                    self._flush("consumer")
+                except Exception:
+                    log.exception("bucket %s: feed failed; recreating consumer", self.bucket)
+                    self.recreations["error"] += 1
+                if progressed and consumer.delivered:
+                    backoff = 0.1
+            self.caught_up = False
+            self._interrupted = True
+            await asyncio.sleep(backoff * (0.5 + random.random()))
+            backoff = min(backoff * 2, 5.0)
+            planned = await self._replan()
+
+    def _new_consumer(self) -> PullConsumer:
+        start = None if self._full else self.meta.applied_seq + 1
+        if self._full and not self.cfg.keys:
+            # A bucket that replicates nothing has no initial set to sync: its near cache
+            # starts empty, and only what changes from now on matters. Its position is the
+            # stream's last sequence at once (not at the first heartbeat, seconds later: INFO
+            # and the lag metric showed every such bucket thousands of messages behind).
+            start = self.upstream_seq + 1
+            self.meta.applied_seq = self.upstream_seq
+        consumer = PullConsumer(
+            self.nc, self.stream, self.prefix, self.filters, start_seq=start,
+            headers_only=False, heartbeat_s=self.heartbeat_s,
+            on_batch=self._on_batch, on_idle=self._on_idle, after_create=self._check_identity,
+            timeout=self.timeout,
+        )
+        self._consumer = consumer
+        if self._full:
+            self._flush("resync")
+            # Keys the sync does not deliver must go at the end; an empty replica has none.
+            self._seen = set() if self.replica.count(self.bucket) else None
+            self._sync_started = time.monotonic()
+            # Nothing is read locally until the sync ends, and then the replica holds every
+            # revision handed out before it began; those of a stream since recreated (lower
+            # sequences) would otherwise keep their keys held for good.
+            self._clear_holds()
+        return consumer
+
+    async def _check_identity(self, info: dict) -> None:
+        """Right after creating a consumer: is it on the stream we planned for? The stream may
+        have been deleted and recreated between our look at it and the consumer's creation."""
+        created = info.get("created", "")
+        if created and self.meta.stream_created and created != self.meta.stream_created:
+            raise ConsumerLost("the stream was recreated while the consumer was being created", "stream_recreated")
+
+    async def _replan(self) -> bool:
+        """Before recreating, check the stream: it may have been purged or recreated meanwhile.
+        False when the stream cannot be looked at (gone, or NATS unreachable): try again later."""
+        try:
+            info = await self._stream_info()
+        except (UpstreamError, BucketNotFound) as e:  # keep trying, serve what we have
+            log.warning("bucket %s: %s", self.bucket, e)
+            return False
+        reconnected, self._reconnected = self._reconnected, False
+        self._plan(info, reconcile=reconnected)
+        return True
+
+    def _on_batch(self, runs: list[Run]) -> bool:
+        last = runs[-1]
+        top = max(self.meta.applied_seq, max(r.top_sseq for r in runs))
+        now = time.time_ns()
+        caught_up = last.last_pending == 0
+        # The new position is ours only once the batch is written: a failed write must leave
+        # the feed where it was, so that the next consumer starts at this batch again.
+        m = dataclasses.replace(self.meta, applied_seq=top, last_update_ns=now)
+        if caught_up:
+            self._heard_ns = now
+            m.fresh_at_ns = max(m.fresh_at_ns, self._proven_with(top, now))
+            if self._full and self._seen is None:
+                m.synced = True  # nothing to sweep: the last batch of the sync says so itself
+        items = last.items if len(runs) == 1 else [it for r in runs for it in r.items]
+        hub = self.hub
+        outside: list[tuple[str, str]] = []
+        if self.cache is not None:
+            items, outside = self._split(items, top)
+        changes = self.replica.changes_of(self.bucket, items) if hub is not None and hub.active else None
+        if outside and changes is not None:
+            changes += outside
+        self.replica.apply_items(self.bucket, items, m, deletes=any(r.deletes for r in runs),
+                                 deadlines=self._deadlines)
+        if self._deadlines:
+            self._sweep_wake.set()
+        self.meta = m
+        if changes:
+            hub.changed(self.bucket, changes)  # type: ignore[union-attr]  # set with changes
+        if self._seen is not None:
+            self._seen.update(lk for lk, _ in items)
+        for lk, rec in reversed(last.items):
+            if rec is not None:
+                self.anchor = decode_key(lk, rec)
+                break
+        self._last_meta_write = now
+        self.last_msg_ns = last.last_ts
+        self.upstream_seq = max(self.upstream_seq, top)
+        self.caught_up = caught_up
+        if caught_up:
+            self._reached_end()
+        if self.floor_seq:
+            self._release()
+        if self._waiters:
+            self._wake_waiters()
+        return False
+
+    def _on_idle(self, last_stream_seq: int) -> None:
+        """Caught up and the server has nothing more. `last_stream_seq` (from a heartbeat,
+        0 if unknown) is how far the consumer has looked: every matching message up to it
+        was delivered, so the position may advance to it (keeps filtered buckets resumable)."""
+        self.caught_up = True
+        now = time.time_ns()
+        m = self.meta
+        if last_stream_seq > m.applied_seq and not self._full:
+            m.applied_seq = last_stream_seq
+            self.upstream_seq = max(self.upstream_seq, last_stream_seq)
+        self._heard_ns = now
+        m.fresh_at_ns = max(m.fresh_at_ns, self._proven_with(m.applied_seq, now))
+        self._reached_end()
+        if now - self._last_meta_write >= META_TOUCH_INTERVAL_NS:
+            self._last_meta_write = now
+            self.replica.put_meta(self.bucket, m)
+        if self.floor_seq:
+            self._release()
+        if self._waiters:
+            self._wake_waiters()
+
+    def _flush(self, why: str) -> None:
+        """What was handed out from this bucket can no longer be vouched for (kvcache.feed.changes)."""
+        if self.hub is not None:
+            self.hub.flushed(self.bucket, why)
+
+    def _reached_end(self) -> None:
+        """End of initial data: finish a full resync's sweep, or start a resume's reconcile."""
+        self._interrupted = False
+        m = self.meta
+        if self._full:
+            self._full = False
+            removed = self._sweep(self._seen) if self._seen is not None else 0
+            self._seen = None
+            m.synced = True
+            self.replica.put_meta(self.bucket, m)
+            log.info("bucket %s: synced %d keys in %.2fs (%d stale keys removed)",
+                     self.bucket, self.replica.count(self.bucket),
+                     time.monotonic() - self._sync_started, removed)
+        elif not m.synced:
+            m.synced = True
+            self.replica.put_meta(self.bucket, m)
+        self._synced_event.set()
+        if self._reconcile_pending:
+            self._reconcile_pending = False
+            if self._reconcile_task and not self._reconcile_task.done():
+                self._reconcile_task.cancel()
+            self._reconcile_task = asyncio.get_running_loop().create_task(
+                self._reconcile(), name=f"reconcile:{self.bucket}")
+
+
+    # -------------------------------------------------------------- removals with no message
+
+
+    # -------------------------------------------------------------- reconcile
+
+
+
+
+# The reasons metrics give full resyncs and consumer recreations by (every one is exported
+# from the start, at 0, so that increase() sees the first)
+RESYNC_REASONS = ("unfinished", "recreated", "rewound", "truncated")
+RECREATION_REASONS = ("heartbeat", "gap", "connection", "placement", "ended", "stream_recreated",
+                      "bucket_missing", "upstream", "replica_error", "error")
+
+
+def _recreation_reason(e: Exception) -> str:
+    """Why a consumer was recreated, as one of RECREATION_REASONS (a metrics label): a lost
+    consumer's own reason, `bucket_missing`, or `upstream` (a JetStream API error)."""
+    if isinstance(e, BucketNotFound):
+        return "bucket_missing"
+    return e.reason if isinstance(e, ConsumerLost) else "upstream"

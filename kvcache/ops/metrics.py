@@ -1,0 +1,349 @@
+"""Prometheus metrics: the sidecar's own counters, read when Prometheus scrapes.
+
+Nothing is counted for the metrics (command latency aside, kvcache.ops.latency): a scrape reads
+the parts that already count (Stats, the GET fast path, the feeds, the router and its peers,
+the replica, the NATS connections). It does so in two steps, because a sidecar with 1,000
+buckets exports some 25,000 series (1.6 MB) and formatting them takes longer than a read
+may wait:
+
+- `SidecarCollector.snapshot()` copies the numbers between two callbacks of the event loop
+  (so every number comes from one state and no lock is needed): plain tuples;
+- `exposition(snapshot, accept)` builds each metric family from the copy only when its turn
+  comes and formats it at most CHUNK samples at a time, giving the loop back in between.
+  (A worker thread would not spare the loop: formatting is Python code, and the thread
+  would hold the GIL the loop needs.)
+
+Names follow Prometheus's conventions (`_total` counters, base units: seconds and bytes) and
+what comparable sidecars export (Envoy's redis proxy, the NATS exporter, client-go's
+informers). Labels are bounded by the configuration: bucket, peer, stream, command and a few
+fixed words; never a key. Every metric is documented in docs/metrics.md.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import choose_encoder
+
+from .. import __version__, native
+from ..feed.feed import RECREATION_REASONS, RESYNC_REASONS
+from .latency import BOUNDS_NS, Latency
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as NATS
+
+    from ..config import Config
+    from ..serve.commands import Commands
+    from .stats import Stats
+
+# Samples formatted between two returns to the event loop: with 1,000 buckets a family has
+# up to 4,000, and formatting them in one go held the loop 20-40 ms (bench/README.md, Metrics)
+CHUNK = 500
+T = TypeVar("T")
+EOF = b"# EOF\n"  # OpenMetrics ends the whole exposition with it: once, at the end
+# kvcache.ops.latency's bounds as Prometheus's `le` labels (seconds), +Inf last
+LE = [f"{b / 1e9:g}" for b in BOUNDS_NS] + ["+Inf"]
+# kvcache_reads_total's series every bucket has from the start (others appear when counted):
+# the local ones, and the stale ones an alert's increase() must see go up from 0
+INITIAL_READS = (("local", "hit"), ("local", "miss"), ("stale", "hit"), ("stale", "miss"))
+CACHE_COUNTERS = (
+    ("hits", "Reads of keys outside the filters the near cache answered"),
+    ("misses", "Reads of keys outside the filters it did not"),
+    ("admissions", "Answers from NATS taken in"),
+    ("rejections", "Answers refused as colder than the key they would evict"),
+    ("evictions", "Keys evicted to make room"),
+    ("invalidations", "Keys dropped because the bucket changed them"))
+PEER_COUNTERS = (
+    ("requests", "Direct Get (or leader) requests sent to the peer"),
+    ("errors", "Of those, failed (errors and timeouts)"),
+    ("hedges", "Hedged second requests sent to the peer"),
+    ("hedges_won", "Hedged requests whose answer came first"),
+    ("ejections", "Times the router ejected the peer"))
+CLIENT_GAUGES = (
+    ("kvcache_clients", "Open client connections"),
+    ("kvcache_max_clients", "max_clients: connections over it are refused"),
+    ("kvcache_tracking_clients", "Connections with CLIENT TRACKING on"),
+    ("kvcache_tracking_keys", "Key names in the tracking table"),
+    ("kvcache_pubsub_clients", "Connections with at least one subscription"))
+COUNTERS = (  # name (without _total), help
+    ("kvcache_commands", "Commands processed (the GET fast path's included)"),
+    ("kvcache_remote_errors", "Fallback reads that failed at every peer and the leader"),
+    ("kvcache_reads_gathered", "GET-only socket reads of several clients answered together"),
+    ("kvcache_stream_list_requests", "STREAM.LIST pages asked by the shared stream-state poll"),
+    ("kvcache_access_log_records", "Lines written to the access log"),
+    ("kvcache_connections", "Connections accepted or refused"),
+    ("kvcache_connections_rejected", "Connections refused (over max_clients, or shutting down)"),
+    ("kvcache_clients_cut_off", "Clients disconnected for not reading their replies or pushes"),
+    ("kvcache_subscribers_cut_off", "Of those, over pubsub_max_output_bytes of pushed output"),
+    ("kvcache_protocol_errors", "Connections closed for malformed RESP"),
+    ("kvcache_tracking_invalidations", "Invalidation messages sent to tracking clients"),
+    ("kvcache_pubsub_messages", "Pub/sub messages delivered (one per subscriber)"),
+    ("kvcache_routed_requests", "Fallback reads routed to peers"))
+
+
+@dataclass
+class BucketRow:
+    """One bucket's numbers at the scrape."""
+
+    synced: bool
+    keys: int
+    applied: int
+    upstream: int
+    lag_s: float
+    max_stale_s: float
+    removed: int
+    polls: int
+    resyncs: tuple[int, ...]  # by RESYNC_REASONS
+    recreations: tuple[int, ...]  # by RECREATION_REASONS
+    cache: tuple[int, ...] | None  # keys, bytes, then CACHE_COUNTERS; None: no near cache
+
+
+@dataclass
+class Snapshot:
+    """Every number a scrape exports, copied on the event loop (SidecarCollector.snapshot)."""
+
+    build: dict[str, str]
+    reads: dict[tuple[str, str, str], int]
+    latency: dict[str, Latency]
+    client_gauges: tuple[int, ...]  # by CLIENT_GAUGES
+    counters: tuple[int, ...]  # by COUNTERS
+    buckets: dict[str, BucketRow] = field(default_factory=dict)
+    peers: list[tuple[tuple[str, str, str], int, float, int, tuple[int, ...]]] = field(default_factory=list)
+    nats: list[tuple[str, str, int, int]] = field(default_factory=list)
+    lmdb: tuple[int, int, int] = (0, 0, 0)  # map size, used, max map size
+
+
+class SidecarCollector:
+    """Takes a Snapshot of the sidecar's parts. `gets` is the server's GET fast path
+    (kvcache.serve.get.LocalGets or its C twin); `connections` names the NATS connections
+    in use (main, and one per configured peer server set)."""
+
+    def __init__(self, cfg: Config, stats: Stats, commands: Commands, gets,
+                 connections: Callable[[], dict[str, NATS]]) -> None:
+        self.cfg = cfg
+        self.stats = stats
+        self.commands = commands
+        self.policy = commands.reads.policy
+        self.gets = gets
+        self.connections = connections
+
+    def snapshot(self) -> Snapshot:
+        """Copy the numbers (on the event loop: see the module docstring)."""
+        st, cmds, policy = self.stats, self.commands, self.policy
+        reads = dict(st.reads)
+        for bucket, (found, absent) in self.gets.bucket_reads().items():
+            for result, n in (("hit", found), ("miss", absent)):
+                if n:
+                    reads[(bucket, "local", result)] = reads.get((bucket, "local", result), 0) + n
+        for bucket in policy.feeds:
+            for series in INITIAL_READS:
+                reads.setdefault((bucket, *series), 0)
+        latency: dict[str, Latency] = {}
+        for command, h in (cmds.timing or {}).items():
+            copy = latency[command.decode(errors="replace")] = Latency()
+            copy.add(h.counts, h.sum_ns)
+        get = latency.setdefault("get", Latency())
+        get.add(*self.gets.latency())
+        router = cmds.reads.router
+        snap = Snapshot(
+            build={"version": __version__, **{k: v.split()[0] for k, v in native.report().items()},
+                   "lmdb": native.lmdb_version()},
+            reads=reads, latency=latency,
+            client_gauges=(st.connected_clients, self.cfg.max_clients, len(cmds.tracking.clients),
+                           len(cmds.tracking.table), cmds.pubsub.clients()),
+            counters=(st.commands, st.remote_errors, st.reads_gathered, st.stream_list_requests,
+                      cmds.access.records, st.connections_received, st.rejected_connections,
+                      st.clients_cut_off, st.subscribers_cut_off, st.protocol_errors,
+                      cmds.tracking.invalidations, cmds.pubsub.messages, router.requests))
+        counts = policy.replica.counts(policy.feeds)
+        for name, f in policy.feeds.items():
+            m, c = f.meta, f.cache
+            snap.buckets[name] = BucketRow(
+                f.synced, counts[name], m.applied_seq, max(f.upstream_seq, m.applied_seq), f.lag_ms() / 1000,
+                f.cfg.max_stale_ms / 1000, f.removed_upstream, f.state_polls,
+                tuple(f.resync_reasons[r] for r in RESYNC_REASONS),
+                tuple(f.recreations[r] for r in RECREATION_REASONS),
+                None if c is None else (len(c), c.bytes, *(getattr(c.stats, k) for k, _ in CACHE_COUNTERS)))
+        for p in router.peers():
+            snap.peers.append(((p.name, p.bucket, p.stream), int(router.state(p) == "up"), p.stats.ewma_us / 1e6,
+                               p.inflight, tuple(getattr(p.stats, k) for k, _ in PEER_COUNTERS)))
+        snap.nats = [(name, server_of(nc), int(nc.is_connected), nc.stats.get("reconnects", 0))
+                     for name, nc in sorted(self.connections().items())]
+        map_size, used = policy.replica.usage()
+        snap.lmdb = (map_size, used, self.cfg.max_map_size_mb << 20)
+        return snap
+
+
+def families(snap: Snapshot) -> Iterator[Metric]:
+    """The metric families of a snapshot (any thread)."""
+    yield InfoMetricFamily("kvcache_build", "kvcache's version and the implementation serving each "
+                           "native module (native or twin)", value=snap.build)
+    reads = CounterMetricFamily("kvcache_reads_total", "Keys read, by bucket, the source that answered "
+                                "(local, cache, peer, leader, stale) and the result (hit, miss, error)",
+                                labels=["bucket", "source", "result"])
+    for (bucket, source, result), n in sorted(snap.reads.items()):
+        reads.add_metric([bucket, source, result], n)
+    yield reads
+    hist = HistogramMetricFamily("kvcache_command_duration_seconds", "Time from a command's request to "
+                                 "its reply, by command (kept while the metrics listener is on)",
+                                 labels=["command"])
+    for name, h in sorted(snap.latency.items()):
+        cumulative, buckets = 0, []
+        for le, c in zip(LE, h.counts, strict=True):
+            cumulative += c
+            buckets.append((le, cumulative))
+        hist.add_metric([name], buckets, h.sum_ns / 1e9)
+    yield hist
+    for (name, doc), v in zip(CLIENT_GAUGES, snap.client_gauges, strict=True):
+        yield GaugeMetricFamily(name, doc, value=v)
+    for (name, doc), v in zip(COUNTERS, snap.counters, strict=True):
+        yield CounterMetricFamily(name, doc, value=v)
+    yield from _replica(snap)
+    yield from _peers(snap)
+    connected = GaugeMetricFamily("kvcache_nats_connected", "1 while the NATS connection is up; "
+                                  "server: the one in use (host:port)", labels=["connection", "server"])
+    reconnects = CounterMetricFamily("kvcache_nats_reconnects", "Reconnections of the NATS connection",
+                                     labels=["connection"])
+    for name, server, up, n in snap.nats:
+        connected.add_metric([name, server], up)
+        reconnects.add_metric([name], n)
+    yield connected
+    yield reconnects
+    map_size, used, max_size = snap.lmdb
+    yield GaugeMetricFamily("kvcache_lmdb_map_size_bytes", "The replica's LMDB map size (grows as needed)",
+                            value=map_size)
+    yield GaugeMetricFamily("kvcache_lmdb_used_bytes", "Bytes of the map in use (pages up to the last one "
+                            "written)", value=used)
+    yield GaugeMetricFamily("kvcache_lmdb_max_map_size_bytes", "max_map_size_mb: the most the map may grow to",
+                            value=max_size)
+
+
+# The per-bucket gauges: name, help, the BucketRow's value
+REPLICA_GAUGES: tuple[tuple[str, str, Callable[[BucketRow], float]], ...] = (
+    ("kvcache_replica_synced", "1 once the replica holds every key (initial or full re-sync done)",
+     lambda b: int(b.synced)),
+    ("kvcache_replica_keys", "Records in the replica", lambda b: b.keys),
+    ("kvcache_replica_applied_sequence", "Last stream sequence applied", lambda b: b.applied),
+    ("kvcache_replica_upstream_sequence", "The stream's last sequence as last seen", lambda b: b.upstream),
+    ("kvcache_replica_lag_seconds", "How long the replica has been behind the stream (0 when caught up and heard from)",
+     lambda b: b.lag_s),
+    ("kvcache_replica_lag_messages", "Stream messages not yet applied", lambda b: b.upstream - b.applied),
+    ("kvcache_replica_max_stale_seconds", "The bucket's max_stale_ms: the replica answers while its "
+     "lag is within it", lambda b: b.max_stale_s))
+
+
+def _filled(family: GaugeMetricFamily | CounterMetricFamily, rows: Iterable[tuple[list[str], T]],
+            value: Callable[[T], float]) -> Metric:
+    """`family` with one sample per row: the row's label values, and `value` of its data."""
+    for labels, row in rows:
+        family.add_metric(labels, value(row))
+    return family
+
+
+def _replica(snap: Snapshot) -> Iterator[Metric]:
+    """The per-bucket families, each built only when asked for: with 1,000 buckets building
+    them all before the first is formatted held the event loop for tens of ms."""
+    labels = ["bucket"]
+    rows = [([bucket], b) for bucket, b in snap.buckets.items()]
+    for name, doc, value in REPLICA_GAUGES:
+        yield _filled(GaugeMetricFamily(name, doc, labels=labels), rows, value)
+    yield _filled(CounterMetricFamily("kvcache_replica_removed_upstream", "Keys removed with no message to "
+                                      "follow (expiry, limits, purges)", labels=labels), rows, lambda b: b.removed)
+    yield _filled(CounterMetricFamily("kvcache_replica_state_polls", "Looks at the stream's state made to "
+                                      "watch for such removals", labels=labels), rows, lambda b: b.polls)
+    resyncs = CounterMetricFamily("kvcache_replica_resyncs", "Full resyncs since start, by reason",
+                                  labels=["bucket", "reason"])
+    for [bucket], b in rows:
+        for reason, n in zip(RESYNC_REASONS, b.resyncs, strict=True):
+            resyncs.add_metric([bucket, reason], n)
+    yield resyncs
+    recreations = CounterMetricFamily("kvcache_consumer_recreations", "Consumers recreated since start, "
+                                      "by reason", labels=["bucket", "reason"])
+    for [bucket], b in rows:
+        for reason, n in zip(RECREATION_REASONS, b.recreations, strict=True):
+            if n:  # eleven reasons a bucket: only those that happened (resyncs: every one, at 0)
+                recreations.add_metric([bucket, reason], n)
+    yield recreations
+    cached = [(lv, b.cache) for lv, b in rows if b.cache is not None]
+    cache_families: list[tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], str, str]] = [
+        (GaugeMetricFamily, "kvcache_cache_keys", "Keys in the bucket's near cache"),
+        (GaugeMetricFamily, "kvcache_cache_bytes", "Bytes the near cache holds (keys, records and 64 bytes "
+         "of bookkeeping each)"),
+        *((CounterMetricFamily, f"kvcache_cache_{k}", doc) for k, doc in CACHE_COUNTERS)]
+    for i, (kind, name, doc) in enumerate(cache_families):
+        yield _filled(kind(name, doc, labels=labels), cached, itemgetter(i))
+
+
+def _peers(snap: Snapshot) -> Iterator[Metric]:
+    """The per-peer families, each built only when asked for (see _replica)."""
+    labels = ["peer", "bucket", "stream"]
+    rows = [(list(lv), (up, latency, inflight, *counts)) for lv, up, latency, inflight, counts in snap.peers]
+    gauges = (("kvcache_peer_up", "1 while the router may send the peer reads (0: ejected after errors, or "
+               "its connection is down)"),
+              ("kvcache_peer_latency_ewma_seconds", "The router's latency estimate for the peer"),
+              ("kvcache_peer_inflight_requests", "Requests sent to the peer and not yet answered"))
+    for i, (name, doc) in enumerate(gauges):
+        yield _filled(GaugeMetricFamily(name, doc, labels=labels), rows, itemgetter(i))
+    for i, (k, doc) in enumerate(PEER_COUNTERS, start=len(gauges)):
+        yield _filled(CounterMetricFamily(f"kvcache_peer_{k}", doc, labels=labels), rows, itemgetter(i))
+
+
+class _One:
+    """A collector of one family, or of one chunk of it (exposition formats those one at a time)."""
+
+    def __init__(self, family: Metric) -> None:
+        self.family = family
+
+    def collect(self) -> list[Metric]:
+        return [self.family]
+
+
+def _chunks(family: Metric, encoder: Callable[[_One], bytes]) -> Iterator[bytes]:
+    """A family's exposition CHUNK samples at a time: the first with its comment lines (HELP,
+    TYPE, UNIT), the others with only their sample lines (which never start with `#`), so
+    that joined they are the family's exposition as one call would make it."""
+    samples = family.samples
+    for start in range(0, max(len(samples), 1), CHUNK):
+        part = copy.copy(family)
+        part.samples = samples[start:start + CHUNK]
+        text = encoder(_One(part)).removesuffix(EOF)
+        if start:
+            text = b"".join(line for line in text.splitlines(keepends=True) if not line.startswith(b"#"))
+        yield text
+
+
+async def exposition(snap: Snapshot, accept: str) -> tuple[bytes, str]:
+    """The exposition of a snapshot in the format the scraper accepts (Prometheus text, or
+    OpenMetrics), with the process (CPU, memory, file descriptors) and Python platform
+    collectors every Prometheus client library exports: (body, content type). At most CHUNK
+    samples at a time, the event loop free in between."""
+    encoder, content_type = choose_encoder(accept)
+    parts: list[bytes] = []
+    for family in families(snap):
+        for text in _chunks(family, encoder):
+            parts.append(text)
+            await asyncio.sleep(0)
+    reg = CollectorRegistry(auto_describe=False)
+    ProcessCollector(registry=reg)
+    PlatformCollector(registry=reg)
+    parts.append(encoder(reg))
+    return b"".join(parts), content_type
+
+
+def server_of(nc: Any) -> str:
+    """The server a NATS connection uses (host:port; '' while it has none): a label, bounded
+    by the configured and discovered servers."""
+    url = getattr(nc, "connected_url", None)
+    return url.netloc.rpartition("@")[2] if url is not None and url.netloc else ""

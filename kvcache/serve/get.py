@@ -1,0 +1,298 @@
+"""The server's per-request GET path: a run of pipelined GETs answered from the replica.
+
+Pure-Python twin of ext/server_get.pyx (same API, same replies). The server hands over what
+`RequestReader.take_gets()` cut from a client's buffer; `serve()` answers GETs in order, in
+one LMDB read transaction, until one cannot be answered locally (a key that is invalid, remote
+or in a replica that is not fresh enough: the generic path answers that one) or the replies
+reach the byte budget (the server writes them out first, then calls again).
+
+    gets = LocalGets(replica, planner)
+    replies, answered, notfound = gets.serve(lengths, keys, proto, budget)
+    replies, answered, notfound, more = gets.answer(reader, data, proto, budget)
+
+`GetConnection` is the part of the server's connection that runs on every socket read: its
+`data_received` answers GET-only reads with one `answer` call and hands anything else to the
+subclass's `_process` (kvcache.serve.server.ClientConnection). In C it is one call from uvloop to the reply.
+
+`answer` is the server's whole per-read step for GET-only traffic: feed the bytes to the
+request reader, then cut and serve GET runs until the buffer is empty (more=False), or
+something other than an answerable GET is next or the budget is reached (more=True: the
+server's generic loop takes over from there).
+
+`planner(key)` says how to read a raw key locally: a kvcache.read.policy.Plan, or False when
+the generic path must answer it. A valid key of a bucket that replicates every key (see
+set_buckets) needs no planner: its plan is worked out from the key itself, with no per-key
+state, so reading over a million keys costs what reading over ten thousand does. Other keys'
+plans are cached (a bounded dict, readpolicy.PLAN_CACHE, for filtered buckets and keys the
+generic path answers); freshness (`feed.fresh_for_all(max_stale_ms)`: fresh within the bound
+and no key held) is asked at most once per feed per call, and a yes is believed for
+FRESH_VERDICT_S. The decisions are the read policy's (kvcache.read.policy): its plan, the
+feed's verdict, and the record read the one way every local read reads it
+(record.stored_value).
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from bisect import bisect_left
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal, cast
+
+from ..keys import RESERVED_PREFIX, TOKEN_CHARS
+from ..ops.latency import BOUNDS_NS
+from ..read.policy import PLAN_CACHE, Plan
+from ..resp import GET_LEN, NIL2, NIL3
+from ..store.record import MAX_LMDB_KEY, RECORD, stored_value
+from ..store.replica import Replica
+
+if TYPE_CHECKING:
+    from ..ops.stats import Stats
+    from ..resp import RequestReader
+
+FLUSH_AT = 256 * 1024  # write out what a batch has answered once it is this big
+# How long a feed's "fresh enough" verdict is reused. The bound a read promises is
+# max_stale_ms (seconds, typically); reusing the answer for a millisecond saves a Python
+# call per batch, which at one GET a batch is a good part of the request's cost.
+FRESH_VERDICT_S = 0.001
+BULK_HEADER = [b"$%d\r\n" % n for n in range(10_000)]
+
+_monotonic = time.monotonic
+_monotonic_ns = time.monotonic_ns
+GET_CMD = b"get"  # CLIENT LIST's cmd after GETs this path answered
+
+Planner = Callable[[bytes], "Plan | Literal[False]"]
+# kvcache.keys.readable_key over bytes (KEY_RE, not starting with the reserved `_kv`), at most
+# MAX_LMDB_KEY long (a longer key is stored under a digest: the planner handles it); the C
+# twin is server_get.pyx's _kv_key
+_DIRECT_KEY = re.compile(rb"(?!%s)[%s]+(?:\.[%s]+)*" % (
+    RESERVED_PREFIX.encode(), TOKEN_CHARS.encode(), TOKEN_CHARS.encode()))
+
+
+class LocalGets:
+    """The server's GET fast path over the replica (twin of ext/server_get.pyx): answers runs
+    of pipelined GETs from plans (kvcache.read.policy.Plan) in one read transaction."""
+
+    def __init__(self, replica: Replica, planner: Planner) -> None:
+        self.replica = replica
+        self.planner = planner
+        self.plans: dict[bytes, Plan | Literal[False]] = {}
+        self._fresh_until: dict[object, float] = {}  # feed -> monotonic time
+        # The native path defers GET-only reads of many clients to the end of an event-loop
+        # iteration (ext/server_get.pyx, _stash); this one answers each read at once: `defer`
+        # and `call_soon` are taken and unused, `flush` has nothing to do.
+        self.defer = False
+        self.call_soon: Callable | None = None
+        # set_buckets: `name` -> the plan of the buckets that replicate every key, less its key
+        self._direct: dict[bytes, Plan] = {}
+        self._default: Plan | None = None
+        self._reads: dict[str, list[int]] = {}  # bucket -> [found, not found] (bucket_reads)
+        # the latency histogram (kvcache.ops.latency), kept while `timed` (the metrics listener is on)
+        self.timed = False
+        self._lat = [0] * (len(BOUNDS_NS) + 1)
+        self._lat_sum_ns = 0
+
+    def observe(self, ns: int, n: int) -> None:
+        """n GETs answered together in ns (kvcache.ops.latency)."""
+        self._lat[bisect_left(BOUNDS_NS, ns)] += n
+        self._lat_sum_ns += ns * n
+
+    def latency(self) -> tuple[list[int], int]:
+        """The fast path's histogram: counts per bucket of kvcache.ops.latency.BOUNDS_NS (+Inf
+        last), and their sum, ns."""
+        return list(self._lat), self._lat_sum_ns
+
+    def bucket_reads(self) -> dict[str, tuple[int, int]]:
+        """GETs this path answered per bucket, `(found, not found)`, since start: the local
+        reads the command layer never sees, which kvcache.ops.metrics adds to its own count."""
+        return {name: (c[0], c[1]) for name, c in self._reads.items()}
+
+    def forget_fresh(self) -> None:
+        """Drop every cached "fresh enough" verdict: the next GET of each feed asks again. A
+        feed asks for this when a key becomes held (Feed.on_hold): a verdict reused for
+        FRESH_VERDICT_S would answer that key from the replica, below a revision already
+        handed out from NATS."""
+        self._fresh_until.clear()
+
+    def flush(self) -> None:
+        """Nothing deferred here (see __init__)."""
+
+    def set_buckets(self, buckets: list[tuple], default: str | None) -> None:
+        """`[(name, feed, max_stale_ms, replicates_every_key)]` and the default bucket's name
+        (None: no default). A valid key of a bucket that replicates every key is then read
+        without asking the planner: the same plan the planner would make, worked out from the
+        key. Call it only when the planner would plan such keys (not with the access log on,
+        where every GET must reach the command layer)."""
+        self._direct = {name.encode(): Plan(feed, max_stale, name, b"", self.replica.db(name), RECORD.size)
+                        for name, feed, max_stale, every in buckets if every}
+        self._default = self._direct.get(default.encode()) if default is not None else None
+        self.plans.clear()
+
+    def _direct_plan(self, key: bytes) -> Plan | None:
+        """The plan of a valid key of a bucket that replicates every key; None otherwise."""
+        bucket, sep, name = key.partition(b":")
+        target = self._direct.get(bucket) if sep else self._default
+        if target is None or target.db is None:  # (no database yet: the planner's to judge)
+            return None
+        if not sep:
+            name = key
+        if len(name) > MAX_LMDB_KEY or _DIRECT_KEY.fullmatch(name) is None:
+            return None
+        return target._replace(lkey=name)
+
+    def _plan(self, key: bytes) -> Plan | Literal[False]:
+        plan = self.planner(key)
+        if len(self.plans) >= PLAN_CACHE:
+            self.plans.clear()
+        self.plans[key] = plan
+        return plan
+
+    def answer(self, reader, data: bytes, proto: int, budget: int) -> tuple[bytes, int, int, bool]:
+        reader.feed(data)
+        out: list[bytes] = []
+        size = answered = notfound = 0
+        while True:
+            run = reader.take_gets()
+            if run is None:
+                break
+            lengths, keys, start = run
+            replies, n, nf = self.serve(lengths, keys, proto, budget - size)
+            out.append(replies)
+            size += len(replies)
+            answered += n
+            notfound += nf
+            if n < len(keys):
+                reader.rewind_gets(start, lengths, keys, n)
+                return b"".join(out), answered, notfound, True
+            if size >= budget:
+                break
+        return b"".join(out), answered, notfound, reader.buffered > 0
+
+    def serve(self, lengths: list, keys: list, proto: int, budget: int) -> tuple[bytes, int, int]:
+        """Replies for the longest answerable prefix of the run: (bytes, answered, not found)."""
+        out: list[bytes] = []
+        append = out.append
+        plans = self.plans
+        nil = NIL3 if proto == 3 else NIL2
+        size = answered = notfound = 0
+        fresh = txn = None
+        try:
+            for declared, key in zip(lengths, keys, strict=True):
+                if declared != GET_LEN[len(key)]:
+                    break  # a length the full parser must judge
+                plan: Plan | Literal[False] | None = self._direct_plan(key) if self._direct else None
+                if plan is None:
+                    plan = plans.get(key)
+                if plan is None:
+                    plan = self._plan(key)
+                    if txn is not None:  # the plan may have created its database: a
+                        txn.abort()      # transaction begun before could not see it
+                        txn = None
+                if not plan:
+                    break
+                feed, max_stale, bucket, lkey, db, offset = plan
+                max_age = feed.max_age_ns
+                if feed is not fresh:
+                    now = _monotonic()
+                    if self._fresh_until.get(feed, 0.0) <= now:
+                        if not feed.fresh_for_all(max_stale):
+                            break
+                        self._fresh_until[feed] = now + FRESH_VERDICT_S
+                    fresh = feed
+                if txn is None:
+                    txn = self.replica.env.begin()
+                raw = txn.get(lkey, None, db)
+                answered += 1
+                value = None if raw is None else stored_value(raw, offset, max_age)
+                counts = self._reads.get(bucket)
+                if counts is None:
+                    counts = self._reads[bucket] = [0, 0]
+                counts[value is None] += 1
+                if value is None:
+                    notfound += 1
+                    append(nil)
+                    size += len(nil)
+                else:
+                    n = len(value)
+                    header = BULK_HEADER[n] if n < 10_000 else b"$%d\r\n" % n
+                    append(header)
+                    append(value)
+                    append(b"\r\n")
+                    size += len(header) + n + 2
+                if size >= budget:
+                    break
+        finally:
+            if txn is not None:
+                txn.abort()
+        return b"".join(out), answered, notfound
+
+
+class GetConnection:
+    """Per-connection state of the hot path; kvcache.serve.server.ClientConnection adds the rest."""
+
+    __slots__ = (
+        "_busy",
+        "_closing",
+        "_draining",
+        "_eof",
+        "_last_io",
+        "_muted",
+        "_paused_writing",
+        "gets",
+        "last_cmd",
+        "proto",
+        "reader",
+        "stats",
+        "transport",
+    )
+
+    def __init__(self, gets: LocalGets, stats: Stats, reader: RequestReader) -> None:
+        self.gets = gets
+        self.stats = stats            # the server's Stats: commands, gets_local, gets_notfound
+        self.reader = reader
+        self.transport: asyncio.Transport = cast("asyncio.Transport", None)  # connection_made sets it
+        self.proto = 2
+        self._busy: asyncio.Future[bytes] | None = None
+        self._closing = False         # no more requests: QUIT, protocol error, connection lost
+        self._paused_writing = False  # the client is not reading: neither do we
+        self._eof = False             # the client half-closed: answer what it sent, then close
+        self._draining = False        # shutting down: finish the request in flight, then close
+        # CLIENT REPLY OFF or SKIP in force: replies are dropped per command, which only the
+        # generic loop (_process) counts, so this path answers nothing itself meanwhile
+        self._muted = False
+        # CLIENT LIST's idle and cmd: when the client last sent anything (monotonic ns), and
+        # the last command run (GET here; the generic path sets the others)
+        self._last_io = _monotonic_ns()
+        self.last_cmd: bytes | None = None
+
+    def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return
+        self._last_io = _monotonic_ns()
+        if self._busy is not None or self._paused_writing or self._draining:
+            self.reader.feed(data)
+            return
+        if self._muted:
+            self.reader.feed(data)
+            self._process()
+            return
+        t0 = time.monotonic_ns() if self.gets.timed else 0
+        replies, local, notfound, more = self.gets.answer(self.reader, data, self.proto, FLUSH_AT)
+        if local:
+            self._count(local, notfound)
+            self.last_cmd = GET_CMD
+        if replies:
+            self.transport.write(replies)
+        if t0 and local:
+            self.gets.observe(time.monotonic_ns() - t0, local)
+        if more:
+            self._process()
+
+    def _count(self, local: int, notfound: int) -> None:
+        stats = self.stats
+        stats.commands += local
+        stats.gets_local += local
+        stats.gets_notfound += notfound
+
+    def _process(self) -> None:
+        raise NotImplementedError  # the generic request loop: kvcache.serve.server.ClientConnection

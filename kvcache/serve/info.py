@@ -1,0 +1,145 @@
+"""INFO: the sidecar's state as Redis-style `# Section` / `field:value` text.
+
+Assembled here from the narrow parts that hold the numbers (the shared Stats, the read
+policy's feeds, replica and router, the access log), so that the command table only parses
+INFO's arguments. Every field is documented in docs/info.md.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING
+
+from .. import __version__, native
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..ops.accesslog import AccessLog
+    from ..ops.stats import Stats
+    from ..read.policy import ReadPolicy
+    from ..read.router import Router
+    from .pubsub import PubSub
+    from .tracking import Tracking
+
+DEFAULT_SECTIONS = frozenset({"server", "clients", "stats", "replication", "buckets", "peers"})
+# The Redis version kvcache answers as: INFO's redis_version, and HELLO's version with
+# compat_identity (client-side caches ask for 7.4: redis-py, Jedis)
+REDIS_VERSION = "7.4.0"
+
+
+# `# Replication` as redis-server 7.x prints it for a master with no replicas (field names and
+# order: server.c, genRedisInfoString). kvcache is a replica of NATS, not of a Redis: no Redis
+# replicates from it and it from none, so to a Redis client it is a master with no replicas,
+# which is what clients that look (valkey-glide asks INFO REPLICATION at connect for
+# `role:master`) must read. Values: docs/info.md.
+NO_REPLID = "0" * 40
+
+
+def _replication(replid: str) -> list[tuple[str, object]]:
+    return [
+        ("role", "master"), ("connected_slaves", 0), ("master_failover_state", "no-failover"),
+        ("master_replid", replid), ("master_replid2", NO_REPLID), ("master_repl_offset", 0),
+        ("second_repl_offset", -1), ("repl_backlog_active", 0), ("repl_backlog_size", 0),
+        ("repl_backlog_first_byte_offset", 0), ("repl_backlog_histlen", 0),
+    ]
+
+
+class Info:
+    """Builds INFO's text on demand (nothing is computed between INFO calls)."""
+
+    def __init__(self, cfg: Config, stats: Stats, policy: ReadPolicy, router: Router, access: AccessLog,
+                 tracking: Tracking | None = None, pubsub: PubSub | None = None) -> None:
+        self.cfg = cfg
+        self.stats = stats
+        self.policy = policy
+        self.router = router
+        self.access = access
+        self.tracking = tracking
+        self.pubsub = pubsub
+        # As Redis makes one at start: 40 random hex digits, new with every process
+        self.replid = os.urandom(20).hex()
+
+    def sections(self) -> dict[str, list[tuple[str, object]]]:
+        st, cfg, policy, router = self.stats, self.cfg, self.policy, self.router
+        return {
+            "server": [
+                ("kvcache_version", __version__), ("redis_version", REDIS_VERSION),
+                ("process_id", os.getpid()), ("uptime_in_seconds", int(time.time() - st.started)),
+                ("socket", cfg.socket_path), ("listen", st.listen), ("nats_url", st.nats_url),
+                ("embedded_nats", int(st.embedded_nats)),
+                ("nats_connected", int(st.nats_connected)),
+                ("nats_server_moves", st.server_moves),
+                ("metrics_listen", st.metrics_listen),
+                ("ready_on_fallback", int(cfg.ready_on_fallback)),
+                ("native", ",".join(f"{k}={v.split()[0]}" for k, v in native.report().items())),
+                ("native_lmdb", native.lmdb_version()),
+                ("default_bucket", cfg.default_bucket or ""),
+            ],
+            "clients": [
+                ("connected_clients", st.connected_clients),
+                ("maxclients", cfg.max_clients),
+                ("rejected_connections", st.rejected_connections),
+                ("clients_cut_off", st.clients_cut_off),
+                ("subscribers_cut_off", st.subscribers_cut_off),
+                ("tracking_clients", len(self.tracking.clients) if self.tracking else 0),
+                ("pubsub_clients", self.pubsub.clients() if self.pubsub else 0),
+            ],
+            "stats": [
+                ("gets_local", st.gets_local), ("gets_cached", st.gets_cached),
+                ("gets_remote", st.gets_remote),
+                ("gets_notfound", st.gets_notfound), ("remote_errors", st.remote_errors),
+                ("gets_stale", st.gets_stale), ("reads_gathered", st.reads_gathered),
+                ("stream_list_requests", st.stream_list_requests),
+                ("total_commands_processed", st.commands),
+                ("total_connections_received", st.connections_received),
+                ("protocol_errors", st.protocol_errors),
+                ("access_log_records", self.access.records),
+                *(self.tracking.info() if self.tracking else []),
+                *(self.pubsub.info() if self.pubsub else []),
+                ("notify_keyspace_events", self.pubsub.flags if self.pubsub else ""),
+            ],
+            "replication": _replication(self.replid),
+            "buckets": [(name, _fields(
+                synced=int(f.synced), keys=policy.replica.count(name), applied_seq=f.meta.applied_seq,
+                upstream_seq=max(f.upstream_seq, f.meta.applied_seq), lag_ms=f.lag_ms(),
+                max_stale_ms=f.cfg.max_stale_ms,
+                resyncs=f.meta.resyncs, removed_upstream=f.removed_upstream,
+                state_polls=f.state_polls, **_cache_fields(f))) for name, f in policy.feeds.items()],
+            "peers": [(p.label, _fields(
+                stream=p.stream, state=router.state(p), ewma_us=int(p.stats.ewma_us),
+                requests=p.stats.requests, errors=p.stats.errors, hedges=p.stats.hedges))
+                for p in router.peers()],
+            "routing": router.info_rows(),
+        }
+
+    def text(self, wanted: set[str]) -> str:
+        """The sections asked for (none or `default`: the default ones; `all`/`everything`:
+        every one), as INFO's reply text."""
+        sections = self.sections()
+        show: set[str] | frozenset[str] = DEFAULT_SECTIONS if not wanted or "default" in wanted else wanted
+        if wanted & {"all", "everything"}:
+            show = set(sections)
+        lines: list[str] = []
+        for name, items in sections.items():
+            if name not in show:
+                continue
+            lines.append(f"# {name.capitalize()}")
+            lines += [f"{k}:{v}" for k, v in items]
+            lines.append("")
+        return "\r\n".join(lines)
+
+
+def _cache_fields(feed) -> dict[str, int]:
+    """A bucket's near cache, when it has one (kvcache.store.nearcache)."""
+    c = feed.cache
+    if c is None:
+        return {}
+    st = c.stats
+    return {"cache_keys": len(c), "cache_bytes": c.bytes, "cache_hits": st.hits,
+            "cache_misses": st.misses, "cache_admissions": st.admissions,
+            "cache_rejections": st.rejections, "cache_evictions": st.evictions,
+            "cache_invalidations": st.invalidations}
+
+
+def _fields(**kv: object) -> str:
+    return ",".join(f"{k}={v}" for k, v in kv.items())

@@ -1,0 +1,730 @@
+"""The LMDB replica: one environment, a named database per bucket plus a meta database.
+
+Records are kvcache.store.record's: `revision u64 | created_ns u64 | flags+full_key_len u32 |
+[expires_ns u64] | [full key] | value`. LMDB keys are at most 511 bytes while NATS keys may be
+longer, so a long key is stored under `NUL '#' sha256(key)` (NUL never occurs in a NATS
+subject) and its full text rides in the record.
+
+Expiry: every read treats a record past its deadline (its own `Nats-TTL`, or the bucket's
+max_age, see record.deadline) as absent; `max_age` (per bucket, ns) is told by the feed. Each
+bucket has a second database, its expiry index (`x:<bucket>`: `deadline u64 BE | lkey or its
+digest` -> lkey), written with the records, so that `sweep_expired` removes what has expired
+by reading only what is due, never the whole replica. The index is cleaned lazily: an entry
+whose record was since replaced is dropped when it comes due.
+
+Reads open and close their own short transaction and never span an `await`: a read
+transaction held open pins old pages and makes the file grow under a busy writer.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import TypeVar, overload
+
+import lmdb
+
+from ..errors import ReplicaError
+from ..keys import subject_match
+from .record import (
+    LONG_KEY_PREFIX,
+    MAX_LMDB_KEY,
+    RECORD,
+    Item,
+    Record,
+    deadline,
+    decode_key,
+    decode_record,
+    encode_record,
+    has_ttl,
+    live_value,
+    lkey_of,
+    lmdb_key,
+)
+
+
+@overload
+def _bytes(v: bytes | memoryview) -> bytes: ...
+@overload
+def _bytes(v: bytes | memoryview | None) -> bytes | None: ...
+def _bytes(v: bytes | memoryview | None) -> bytes | None:
+    """lmdb's read results, typed as what they are here: bytes (no `buffers=True` anywhere)."""
+    return v  # type: ignore[return-value]
+
+T = TypeVar("T")
+
+log = logging.getLogger("kvcache.replica")
+
+
+FORMAT_VERSION = 2  # 2: records carry their Nats-TTL expiry; expiry index per bucket
+META_DB = b"__meta__"
+FORMAT_KEY = b"__format__"
+BUCKETS_KEY = b"__buckets__"  # configured bucket names, default first (for LocalReader)
+# Named databases: two per bucket (records, expiry index) and the meta database. An environment
+# handle must be opened with room for every database it opens; room costs memory in every
+# transaction (LMDB sizes a transaction's tables by it), so the writer takes what its buckets
+# need (dbs_for), never less than MAX_DBS; readers take room for what the file holds.
+MAX_DBS = 256
+
+
+def dbs_for(buckets: int, existing: int = 0) -> int:
+    """Room for `buckets` buckets (and `existing` databases already in the file), with margin:
+    each has its records, its expiry index and its near cache."""
+    return max(MAX_DBS, 3 * buckets + 16, existing + 16)
+DUE = struct.Struct(">Q")  # the expiry index's key prefix: big-endian, so LMDB orders by time
+
+
+@dataclass
+class BucketMeta:
+    """Per-bucket position and health, written in the same transaction as the data it describes."""
+
+    stream: str = ""
+    stream_created: str = ""  # the stream's creation time: a new value means a recreated stream
+    applied_seq: int = 0
+    synced: bool = False
+    fresh_at_ns: int = 0  # last moment the replica was known to be caught up with the stream
+    last_update_ns: int = 0
+    resyncs: int = 0
+    max_age_ns: int = 0  # the stream's max_age, for readers in other processes (LocalReader)
+    # The position covers every key of the bucket (a near cache is on): the cache's records
+    # are vouched for up to it. A position of a filtered consumer says nothing about them.
+    whole_bucket: bool = False
+    # The bucket's `keys` filters, for readers in other processes (LocalReader tells a key
+    # outside them from an absent one). None: written by a version that did not record them.
+    filters: list[str] | None = None
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes | None) -> BucketMeta:
+        if not raw:
+            return cls()
+        data = json.loads(raw)
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+def meta_fresh(meta: BucketMeta, max_stale_ms: int, now_ns: int) -> tuple[bool, float]:
+    """For a reader of the replica's files (no feed in its process): the replica may answer
+    when synced and confirmed current by the sidecar within `max_stale_ms`: (ok, age in ms)."""
+    age_ms = (now_ns - meta.fresh_at_ns) / 1e6
+    return bool(meta.synced) and age_ms <= max_stale_ms, age_ms
+
+
+class Replica:
+    """Owner of the LMDB environment. One writer (the sidecar); any number of readers."""
+
+    def __init__(self, path: str, map_size: int = 1 << 30, max_map_size: int = 1 << 40,
+                 readonly: bool = False, buckets: int = 0) -> None:
+        self.path = path
+        self.max_dbs = MAX_DBS if readonly else dbs_for(buckets)
+        self.readonly = readonly
+        self.max_map_size = max_map_size
+        # Every named database is opened once per process: a second open of the same name in
+        # a read-only environment yields an unusable handle in py-lmdb.
+        self._dbs: dict[bytes, object] = {}
+        # bucket -> its stream's max_age in ns (0: none), applied at every read; see record.deadline
+        self.max_age: dict[str, int] = {}
+        try:
+            if readonly:
+                self.env = _shared_readonly_env(path)
+            else:
+                os.makedirs(path, exist_ok=True)
+                self.env = self._open_checked(map_size)
+        except lmdb.Error as e:
+            raise ReplicaError(f"cannot open replica at {path}: {e}") from None
+        self._meta = self.db_ro(META_DB) if readonly else self._open_rw(META_DB)
+        if not readonly:
+            self._check_format()
+
+    def _open_env(self, map_size: int) -> lmdb.Environment:
+        env = self._open_env_with(map_size)
+        with env.begin() as txn:  # the main database lists the named ones
+            existing = sum(1 for _ in txn.cursor().iternext(keys=True, values=False))
+        if dbs_for(0, existing) > self.max_dbs:  # a file from a configuration with more buckets
+            env.close()
+            self.max_dbs = dbs_for(0, existing)
+            env = self._open_env_with(map_size)
+        return env
+
+    def _open_env_with(self, map_size: int) -> lmdb.Environment:
+        return lmdb.open(
+            self.path, map_size=map_size, max_dbs=self.max_dbs,
+            # Durability comes from NATS: after an OS crash we resume from an older
+            # applied sequence, which is still consistent because data and position
+            # share each transaction. Process crashes lose nothing either way.
+            sync=False, metasync=False, readahead=False, max_readers=1024,
+        )
+
+    def _open_checked(self, map_size: int) -> lmdb.Environment:
+        """Open the writer's environment; a damaged one is deleted and created anew.
+
+        Why: the replica is only a cache of NATS, so a damaged file costs a full resync and
+        nothing else, while using it crashed the process (a truncated data.mdb is mapped past
+        its end: SIGBUS at the first read of a missing page; a zeroed page: an assertion
+        abort in LMDB's cursor), stopped the sidecar at every start (MDB_INVALID) or failed
+        the feed's every write (MDB_CORRUPTED). Since looking at a damaged file can kill the
+        looker, the look happens in a child process (see _damage). LMDB keeps no checksums:
+        damage inside a value cannot be seen, only damage to the file's structure."""
+        damage = _damage(self.path)
+        if damage is not None:
+            log.warning("replica at %s is damaged (%s): deleting it, it will be rebuilt from NATS",
+                        self.path, damage)
+            for name in ("data.mdb", "lock.mdb"):
+                try:
+                    os.unlink(os.path.join(self.path, name))
+                except FileNotFoundError:
+                    pass
+        return self._open_env(map_size)
+
+    def _open_rw(self, name: bytes):
+        db = self._dbs.get(name)
+        if db is None:
+            db = self._dbs[name] = self.env.open_db(name)
+        return db
+
+    def _open_ro(self, name: bytes):
+        # Without txn=: py-lmdb then opens the handle in a transaction of its own that
+        # outlives the call; a handle opened inside a caller's `with begin()` is unusable.
+        try:
+            return self.env.open_db(name, create=False)
+        except lmdb.NotFoundError:
+            return None
+
+    def _check_format(self) -> None:
+        """A replica written by another format version is dropped and rebuilt from NATS."""
+        with self.env.begin(db=self._meta) as txn:
+            fmt = txn.get(FORMAT_KEY)
+        if fmt is not None and fmt != str(FORMAT_VERSION).encode():
+            log.warning("replica at %s is in format %s, this kvcache writes %d: dropping it, it "
+                        "will be rebuilt from NATS", self.path, fmt.decode(errors="replace"),
+                        FORMAT_VERSION)
+            self.wipe()
+        self.write("format", lambda txn: txn.put(FORMAT_KEY, str(FORMAT_VERSION).encode(), db=self._meta))
+
+    def wipe(self) -> None:
+        """Drop every bucket and all meta (the format marker too)."""
+        def write(txn: lmdb.Transaction) -> None:
+            names = [bytes(k) for k, _ in txn.cursor()]
+            for name in names:
+                if not name.startswith((b"kv:", b"x:", b"n:")):
+                    continue
+                txn.drop(self.env.open_db(name, txn=txn), delete=True)
+            txn.drop(self._meta, delete=False)
+
+        self.write("wipe", write)
+        self._dbs = {META_DB: self._meta}
+
+    def db_ro(self, name: bytes):
+        """A named database's handle for readers; None until the writer has created it."""
+        db = self._dbs.get(name)
+        if db is None:
+            db = self._open_ro(name)
+            if db is not None:
+                self._dbs[name] = db
+        return db
+
+    def set_buckets(self, names: list[str]) -> None:
+        raw = json.dumps(names).encode()
+        self.write("meta", lambda txn: txn.put(BUCKETS_KEY, raw, db=self._meta))
+
+    @staticmethod
+    def db_name(bucket: str) -> bytes:
+        return b"kv:" + bucket.encode()
+
+    def db(self, bucket: str):
+        name = self.db_name(bucket)
+        return self.db_ro(name) if self.readonly else self._open_rw(name)
+
+    def _index(self, bucket: str):
+        """The bucket's expiry index (writer only)."""
+        return self._open_rw(b"x:" + bucket.encode())
+
+    # ------------------------------------------------------------------ lent to the near cache
+
+    def cache_db(self, bucket: str):
+        """The handle of the bucket's near-cache database (`n:<bucket>`, writer only), lent
+        with `env` and `write` to kvcache.store.nearcache, which owns what is stored in it."""
+        return self._open_rw(b"n:" + bucket.encode())
+
+    # ------------------------------------------------------------------ reads
+
+    def get(self, bucket: str, key: str) -> Record | None:
+        db = self.db(bucket)
+        if db is None:
+            return None
+        lkey = lmdb_key(key)
+        with self.env.begin(db=db, buffers=False) as txn:
+            raw = txn.get(lkey)
+        if raw is None or self.expired(bucket, raw):
+            return None
+        return decode_record(lkey, raw)
+
+    def changes_of(self, bucket: str, items: Sequence[Item]) -> list[tuple[str, str]]:
+        """What applying `items` (in order) changes, as kvcache.feed.changes names it: (key, `set`)
+        for a record whose revision the replica does not hold, (key, `del`) for a delete of a
+        key it holds. Read before the batch is written (a deleted long key's text is only in
+        its record). Only asked while something listens (ChangeHub.active)."""
+        db = self.db(bucket)
+        if db is None:
+            return []
+        out: list[tuple[str, str]] = []
+        now: dict[bytes, bytes | None] = {}  # the batch's own earlier items win over the replica
+        with self.env.begin(db=db, buffers=False) as txn:
+            for lk, rec in items:
+                old = now[lk] if lk in now else txn.get(lk)
+                now[lk] = rec
+                if rec is not None:
+                    if old is None or old[:8] != rec[:8]:
+                        out.append((decode_key(lk, rec), "set"))
+                elif old is not None:
+                    out.append((decode_key(lk, old), "del"))
+        return out
+
+    def keys_of(self, bucket: str, lkeys: Iterable[bytes]) -> list[tuple[bytes, str]]:
+        """(lkey, full key) of those of `lkeys` the replica holds (before removing them)."""
+        db = self.db(bucket)
+        out = []
+        with self.env.begin(db=db, buffers=False) as txn:
+            for lk in lkeys:
+                raw = txn.get(lk)
+                if raw is not None:
+                    out.append((lk, decode_key(lk, raw)))
+        return out
+
+    def expired(self, bucket: str, raw: bytes, now_ns: int = 0) -> bool:
+        """Has this record of `bucket` passed its deadline (record.deadline)?"""
+        max_age = self.max_age.get(bucket, 0)
+        if not has_ttl(raw) and not max_age:
+            return False
+        due = deadline(raw, max_age)
+        return bool(due) and (now_ns or time.time_ns()) >= due
+
+    def get_raw(self, txn: lmdb.Transaction, db, key: str, bucket: str = "") -> bytes | None:
+        """Value only, inside the caller's read transaction (the server's batched path)."""
+        raw = _bytes(txn.get(lmdb_key(key), db=db))
+        if raw is None:
+            return None
+        return live_value(raw, time.time_ns(), self.max_age.get(bucket, 0))
+
+    def read_txn(self) -> lmdb.Transaction:
+        return self.env.begin(buffers=False)
+
+    def usage(self) -> tuple[int, int]:
+        """(map size, bytes in use): the map's pages up to the last one written (freed pages
+        inside it are reused before the map grows)."""
+        info = self.env.info()
+        return info["map_size"], (info["last_pgno"] + 1) * self.env.stat()["psize"]
+
+    def count(self, bucket: str) -> int:
+        db = self.db(bucket)
+        if db is None:
+            return 0
+        with self.env.begin(db=db) as txn:
+            return txn.stat(db)["entries"]
+
+    def counts(self, buckets: Iterable[str]) -> dict[str, int]:
+        """count() of many buckets in one read transaction (a scrape of 1,000 buckets)."""
+        out: dict[str, int] = {}
+        with self.env.begin() as txn:
+            for bucket in buckets:
+                db = self.db(bucket)
+                out[bucket] = 0 if db is None else txn.stat(db)["entries"]
+        return out
+
+    def iter_keys(self, bucket: str, after: bytes | None = None, limit: int | None = None,
+                  live: bool = False, start: bytes | None = None) -> Iterator[tuple[bytes, str]]:
+        """(lmdb key, full key) in LMDB order, starting after `after` (or at the first key
+        not below `start`); one transaction. `live`: leave out expired records (they still
+        count towards `limit`, so a SCAN page stays bounded)."""
+        db = self.db(bucket)
+        if db is None:
+            return
+        n = 0
+        now = time.time_ns()
+        with self.env.begin(db=db, buffers=False) as txn:
+            cur = txn.cursor()
+            if after is not None:
+                ok = cur.set_range(after)
+                if ok and cur.key() == after:
+                    ok = cur.next()
+            else:
+                ok = cur.set_range(start) if start else cur.first()
+            while ok:
+                lkey = cur.key()
+                if not live or not self.expired(bucket, cur.value(), now):
+                    yield lkey, decode_key(lkey, cur.value()) if lkey.startswith(LONG_KEY_PREFIX) else lkey.decode()
+                n += 1
+                if limit is not None and n >= limit:
+                    return
+                ok = cur.next()
+
+    def iter_matching(self, bucket: str, pattern: str) -> Iterator[tuple[bytes, str]]:
+        """(lmdb key, key) of the records whose key matches the subject filter `pattern`: a
+        literal is one lookup; a wildcard lists the keys from its literal prefix on (LMDB keeps
+        them in order) and the long keys (stored under digests), not the whole database."""
+        if not any(t in ("*", ">") for t in pattern.split(".")):
+            lkey = lmdb_key(pattern)
+            if self.revision(bucket, lkey):
+                yield lkey, pattern
+            return
+        literal = []
+        for token in pattern.split("."):
+            if token in ("*", ">"):
+                break
+            literal.append(token)
+        prefix = ".".join(literal).encode() + (b"." if literal else b"")
+        for start in ((prefix, LONG_KEY_PREFIX) if prefix else (b"",)):
+            for lkey, key in self.iter_keys(bucket, after=None, start=start):
+                if not lkey.startswith(start):
+                    break
+                if subject_match(pattern, key):
+                    yield lkey, key
+
+    def older_than(self, bucket: str, seq: int, after: bytes | None = None,
+                   limit: int = 10_000) -> tuple[list[bytes], bytes | None]:
+        """LMDB keys (among `limit` after `after`) whose record's revision is below `seq`,
+        and where the next page starts (None at the end): one read transaction a page."""
+        db = self.db(bucket)
+        if db is None:
+            return [], None
+        found: list[bytes] = []
+        last = None
+        n = 0
+        with self.env.begin(db=db, buffers=True) as txn:
+            cur = txn.cursor()
+            ok = cur.set_range(after) if after is not None else cur.first()
+            if ok and after is not None and bytes(cur.key()) == after:
+                ok = cur.next()
+            while ok and n < limit:
+                last = bytes(cur.key())
+                if RECORD.unpack_from(cur.value())[0] < seq:
+                    found.append(last)
+                n += 1
+                ok = cur.next()
+        return found, (last if ok else None)
+
+    def revision(self, bucket: str, lkey: bytes) -> int:
+        """The revision stored under an LMDB key, 0 if absent."""
+        db = self.db(bucket)
+        if db is None:
+            return 0
+        with self.env.begin(db=db) as txn:
+            raw = txn.get(lkey)
+        return RECORD.unpack_from(raw)[0] if raw else 0
+
+    def meta(self, bucket: str) -> BucketMeta:
+        if self._meta is None:
+            return BucketMeta()
+        with self.env.begin(db=self._meta) as txn:
+            return BucketMeta.decode(txn.get(bucket.encode()))
+
+    # ------------------------------------------------------------------ writes
+
+    def write(self, what: str, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run `fn` in one write transaction, growing the map (and retrying) when it is full."""
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                self._grow(what)
+            except lmdb.Error as e:
+                raise ReplicaError(f"replica write failed ({what}): {e}{self._disk_hint()}") from None
+
+    def _disk_hint(self) -> str:
+        """LMDB reports a full disk as "Input/output error" (its short-write code): name the
+        likely cause, or the error reads like failing hardware."""
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return ""
+        free = st.f_bavail * st.f_frsize
+        if free >= 64 << 20 and free >= st.f_blocks * st.f_frsize // 100:
+            return ""
+        return f" (disk full? {free >> 10} KiB free on the replica's filesystem)"
+
+    def apply(self, bucket: str, puts: Iterable[tuple[str, bytes, int, int]],
+              deletes: Iterable[str], meta: BucketMeta) -> None:
+        """Apply one batch and its position in a single transaction, growing the map if full.
+
+        `puts` is (key, value, revision, created_ns); deletes are keys. Deletes are applied
+        after puts, so a key should appear in at most one of them.
+        """
+        puts, deletes = list(puts), list(deletes)
+        db = self.db(bucket)
+        meta_key, meta_raw = bucket.encode(), meta.encode()
+
+        def write(txn: lmdb.Transaction) -> None:
+            for key, value, revision, created in puts:
+                kb = key.encode()
+                lkey = lkey_of(kb)
+                txn.put(lkey, encode_record(kb, lkey, value, revision, created), db=db)
+            for key in deletes:
+                txn.delete(lmdb_key(key), db=db)
+            txn.put(meta_key, meta_raw, db=self._meta)
+
+        self.write(f"bucket {bucket}", write)
+
+    def apply_items(self, bucket: str, items: Sequence[Item], meta: BucketMeta,
+                    deletes: bool = True, deadlines: bool = True) -> None:
+        """Apply delivered items (see record.item) in stream order, and the position, in a
+        single transaction. `deletes=False` promises that no item is a delete, so the whole
+        batch goes to LMDB in one putmulti call; `deadlines=False`, that no record has a
+        deadline (a stream with neither max_age nor per-message TTLs): no expiry filing."""
+        db = self.db(bucket)
+        meta_key, meta_raw = bucket.encode(), meta.encode()
+        due = self._due_entries(bucket, items) if deadlines else None
+        index = self._index(bucket) if due else None  # opened outside: that takes a write txn
+
+        def write(txn: lmdb.Transaction) -> None:
+            cur = txn.cursor(db=db)
+            if due:
+                txn.cursor(db=index).putmulti(due)
+            if not deletes:
+                cur.putmulti(items)
+            else:
+                run: list[Item] = []
+                for lk, rec in items:
+                    if rec is not None:
+                        run.append((lk, rec))
+                        continue
+                    if run:
+                        cur.putmulti(run)
+                        run = []
+                    txn.delete(lk, db=db)
+                if run:
+                    cur.putmulti(run)
+            txn.put(meta_key, meta_raw, db=self._meta)
+
+        self.write(f"bucket {bucket}", write)
+
+    def _due_entries(self, bucket: str, items: Sequence[Item]) -> list[tuple[bytes, bytes]]:
+        """Expiry index entries for the records among `items` that have a deadline."""
+        max_age = self.max_age.get(bucket, 0)
+        out = []
+        for lk, rec in items:
+            if rec is not None and (max_age or has_ttl(rec)):
+                due = deadline(rec, max_age)
+                if due:
+                    out.append((_due_key(due, lk), lk))
+        return out
+
+    def refile(self, bucket: str, after: bytes | None = None, limit: int = 2_000) -> bytes | None:
+        """File up to `limit` records after `after` in the expiry index under their deadline
+        now (after max_age changed: records filed before, or never, are due at other times);
+        returns where the next page starts, None at the end."""
+        db, index = self.db(bucket), self._index(bucket)
+
+        def write(txn: lmdb.Transaction) -> bytes | None:
+            cur = txn.cursor(db=db)
+            ok = cur.set_range(after) if after is not None else cur.first()
+            if ok and after is not None and cur.key() == after:
+                ok = cur.next()
+            batch: list[tuple[bytes, bytes]] = []
+            last = None
+            while ok and len(batch) < limit:
+                last = _bytes(cur.key())
+                batch.append((last, _bytes(cur.value())))
+                ok = cur.next()
+            due = self._due_entries(bucket, batch)
+            if due:
+                txn.cursor(db=index).putmulti(due)
+            return last if ok else None
+
+        return self.write(f"bucket {bucket} expiry", write)
+
+    def next_due(self, bucket: str) -> int | None:
+        """The earliest deadline in the bucket's expiry index (ns), None when it is empty."""
+        with self.env.begin(db=self._index(bucket)) as txn:
+            cur = txn.cursor()
+            return DUE.unpack_from(cur.key())[0] if cur.first() else None
+
+    def sweep_expired(self, bucket: str, now_ns: int, limit: int = 2_000,
+                      removed_keys: list[str] | None = None) -> tuple[int, bool]:
+        """Remove the records of `bucket` whose deadline has passed, looking only at the
+        expiry index entries due by `now_ns` (at most `limit` of them): (records removed,
+        whether more entries are due). An entry whose record was replaced since, or whose
+        deadline moved (a new max_age), is dropped or filed again under the new deadline.
+        `removed_keys`: the removed records' keys are appended to it."""
+        db, index = self.db(bucket), self._index(bucket)
+        max_age = self.max_age.get(bucket, 0)
+
+        def write(txn: lmdb.Transaction) -> tuple[int, bool]:
+            cur = txn.cursor(db=index)
+            removed = seen = 0
+            refile: list[tuple[bytes, bytes]] = []
+            ok = cur.first()
+            while ok and seen < limit:
+                if DUE.unpack_from(cur.key())[0] > now_ns:
+                    return removed, False
+                lk = _bytes(cur.value())
+                raw = _bytes(txn.get(lk, db=db))
+                if raw is not None:
+                    due = deadline(raw, max_age)
+                    if due and due <= now_ns:
+                        txn.delete(lk, db=db)
+                        removed += 1
+                        if removed_keys is not None:
+                            removed_keys.append(decode_key(lk, raw))
+                    elif due:
+                        refile.append((_due_key(due, lk), lk))
+                seen += 1
+                ok = cur.delete() and bool(cur.key())
+            for k, v in refile:
+                txn.put(k, v, db=index)
+            return removed, ok
+
+        return self.write(f"bucket {bucket} expiry", write)
+
+    def delete_lkeys(self, bucket: str, lkeys: Iterable[bytes]) -> int:
+        db = self.db(bucket)
+        lkeys = list(lkeys)
+
+        def write(txn: lmdb.Transaction) -> int:
+            return sum(1 for lk in lkeys if txn.delete(lk, db=db))
+
+        return self.write(f"bucket {bucket}", write)
+
+    def put_meta(self, bucket: str, meta: BucketMeta) -> None:
+        raw = meta.encode()
+        self.write("meta", lambda txn: txn.put(bucket.encode(), raw, db=self._meta))
+
+    def clear_bucket(self, bucket: str) -> None:
+        db, index = self.db(bucket), self._index(bucket)
+
+        def write(txn: lmdb.Transaction) -> None:
+            txn.drop(db, delete=False)
+            txn.drop(index, delete=False)
+
+        self.write(f"bucket {bucket}", write)
+
+    def _grow(self, what: str = "") -> None:
+        size = self.env.info()["map_size"]
+        if size >= self.max_map_size:
+            raise ReplicaError(
+                f"replica map is full at {size >> 20} MiB ({what or 'write'}); it may not grow "
+                f"beyond max_map_size_mb={self.max_map_size >> 20}: raise it, or replicate fewer keys"
+            )
+        try:
+            self.env.set_mapsize(min(size * 2, self.max_map_size))
+        except lmdb.Error as e:
+            raise ReplicaError(f"cannot grow the replica map beyond {size >> 20} MiB: {e}") from None
+
+    def map_size(self) -> int:
+        return self.env.info()["map_size"]
+
+    def sync(self) -> None:
+        self.env.sync(True)
+
+    def close(self) -> None:
+        if self.readonly:
+            _release_readonly_env(self.path)
+            return
+        try:
+            self.env.sync(True)
+        except lmdb.Error:
+            pass
+        self.env.close()
+
+
+def _due_key(due: int, lkey: bytes) -> bytes:
+    """An expiry index key: the deadline, then the LMDB key (its digest when the two would
+    pass LMDB's key size), so that entries are unique and ordered by time."""
+    return DUE.pack(due) + (lkey if len(lkey) <= MAX_LMDB_KEY - DUE.size else hashlib.sha256(lkey).digest())
+
+
+# py-lmdb allows one Environment per path per process, so read-only users share one.
+_READONLY_ENVS: dict[str, list] = {}
+
+
+def _shared_readonly_env(path: str) -> lmdb.Environment:
+    key = os.path.realpath(path)
+    entry = _READONLY_ENVS.get(key)
+    if entry is None:
+        env = lmdb.open(path, readonly=True, create=False, lock=True, readahead=False, max_readers=1024)
+        with env.begin() as txn:  # room to open every database the file holds, as the writer has
+            existing = sum(1 for _ in txn.cursor().iternext(keys=True, values=False))
+        env.close()
+        env = lmdb.open(path, max_dbs=dbs_for(0, existing), readonly=True, create=False, lock=True,
+                        readahead=False, max_readers=1024)
+        entry = _READONLY_ENVS[key] = [env, 0]
+    entry[1] += 1
+    return entry[0]
+
+
+def _release_readonly_env(path: str) -> None:
+    key = os.path.realpath(path)
+    entry = _READONLY_ENVS.get(key)
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] <= 0:
+        del _READONLY_ENVS[key]
+        entry[0].close()
+
+
+# Run by _damage in a child process: exit 0 intact, 3 damaged (reason on stdout), 4 cannot
+# tell (no proof of damage: the parent's own open reports the error). A signal is damage too.
+_CHECK = r"""
+import os, sys, lmdb
+path = sys.argv[1]
+damage = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError,
+          lmdb.PageNotFoundError, lmdb.IncompatibleError, lmdb.BadValsizeError)
+try:
+    env = lmdb.open(path, readonly=True, lock=False, create=False)
+    with env.begin() as txn:
+        count = sum(1 for _ in txn.cursor().iternext(keys=True, values=False))
+    env.close()
+    env = lmdb.open(path, readonly=True, lock=False, max_dbs=count + 1, create=False)
+    need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    size = os.path.getsize(os.path.join(path, "data.mdb"))
+    if size < need:
+        print(f"data.mdb is {size} bytes, its pages need {need}: truncated")
+        sys.exit(3)
+    with env.begin() as txn:
+        names = list(txn.cursor().iternext(keys=True, values=False))
+    for name in names:
+        db = env.open_db(name, create=False)
+        with env.begin(db=db) as txn:
+            for _ in txn.cursor().iternext(keys=True, values=False):
+                pass
+except damage as e:
+    print(e)
+    sys.exit(3)
+except Exception as e:
+    print(e)
+    sys.exit(4)
+"""
+
+
+def _damage(path: str) -> str | None:
+    """Why the replica at `path` cannot be trusted, or None. In a child process, because
+    LMDB answers some damage with SIGBUS or abort(): is the file as long as its meta page
+    says (checked before any other page is read), then a walk over the keys of every
+    database (not the values' overflow pages, so it stays cheap next to a resync), in which
+    LMDB checks each page it reaches."""
+    data = os.path.join(path, "data.mdb")
+    try:
+        if os.path.getsize(data) == 0:
+            return None
+    except FileNotFoundError:
+        return None
+    r = subprocess.run([sys.executable, "-c", _CHECK, path], capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL)
+    if r.returncode == 3:
+        return r.stdout.strip() or "damaged"
+    if r.returncode < 0:
+        return f"reading it killed the checking process with {signal.Signals(-r.returncode).name}"
+    return None
+
+def now_ns() -> int:
+    return time.time_ns()
