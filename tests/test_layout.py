@@ -1,17 +1,51 @@
-"""The house rules that can be checked by reading the code: no import cycle among kvcache's
-modules (TYPE_CHECKING imports count), and no module of the server side imported by the
-application side (the client and LocalReader stay light)."""
+"""The house rules that can be checked by reading the code, as rules over kvcache's folders
+(docs/architecture.md, Where it lives): no import cycle among kvcache's modules, the
+application side (app/) imports nothing of the sidecar's sides, and the store (store/) nothing
+of the sides built on it. TYPE_CHECKING imports count: an annotation is a dependency too."""
 from __future__ import annotations
 
 import subprocess
 import sys
 
 import pytest
-from support.modgraph import cycles, graph
+from support.modgraph import ROOT, cycles, graph
 
-SERVER_SIDE = {"kvcache.serve.server", "kvcache.serve.commands", "kvcache.sidecar", "kvcache.feed.feed",
-               "kvcache.read.router", "kvcache.serve.get", "kvcache.feed.consumer", "kvcache.feed.sweeps",
-               "kvcache.serve.info", "kvcache.read.peer"}
+FOLDERS = {"app", "serve", "read", "feed", "store", "natsio", "ops", "pipeline", "_native"}
+
+# folder (or top-level module) -> what its modules may not import: folders by name, top-level
+# modules by their module name
+RULES = {
+    # what an application imports stays light: no server, no NATS, no sidecar, no configuration
+    "app": {"serve", "read", "feed", "natsio", "ops", "pipeline", "kvcache.sidecar", "kvcache.cli",
+            "kvcache.config"},
+    # the LMDB replica is shared by the sidecar and the application's LocalReader
+    "store": {"serve", "read", "feed", "app", "natsio", "ops", "pipeline", "kvcache.sidecar", "kvcache.cli"},
+}
+# the sides an application must never load: everything of the sidecar (the set the subprocess
+# check below compares with)
+SIDECAR_SIDES = {"serve", "read", "feed", "natsio", "ops", "pipeline"}
+
+
+def folder(module: str) -> str:
+    """kvcache.serve.get -> "serve"; a top-level module is its own name (kvcache.sidecar)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in FOLDERS) else module
+
+
+def leaks(g: dict[str, list[str]], rules: dict[str, set[str]] = RULES) -> list[str]:
+    """Every import that breaks a rule, as "importer -> imported"."""
+    return [f"{m} -> {d}" for m, deps in sorted(g.items()) for d in deps
+            if folder(m) in rules and folder(d) in rules[folder(m)]]
+
+
+def test_every_module_is_in_a_folder_or_a_shared_one():
+    """A new module goes into the folder of its side; the top level holds the shared modules and
+    the ones that wire or run the whole (a new one there is a decision: add it here)."""
+    top = {m for m in graph() if m.count(".") == 1 and folder(m) == m}
+    assert top == {f"kvcache.{m}" for m in ("__main__", "cli", "config", "entry", "errors", "keys", "native",
+                                            "resp", "sidecar")}
+    on_disk = {p.name for p in (ROOT / "kvcache").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert on_disk == FOLDERS
 
 
 def test_no_import_cycle():
@@ -24,13 +58,31 @@ def test_a_cycle_is_found_when_there_is_one():
     assert cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
 
 
+def test_the_application_side_and_the_store_import_only_what_they_may():
+    g = graph()
+    assert any(folder(m) == "app" for m in g) and any(folder(m) == "store" for m in g)
+    assert leaks(g) == []
+
+
+def test_a_leak_is_found_when_there_is_one():
+    g = {"kvcache.app.reader": ["kvcache.store.replica", "kvcache.read.policy"],
+         "kvcache.app.client": ["kvcache.resp", "kvcache.config"],
+         "kvcache.store.replica": ["kvcache.errors"], "kvcache.serve.get": ["kvcache.store.replica"]}
+    assert leaks(g) == ["kvcache.app.client -> kvcache.config", "kvcache.app.reader -> kvcache.read.policy"]
+
+
 @pytest.mark.servers  # a fresh interpreter: a process
 def test_the_application_side_does_not_load_the_server():
-    """`import kvcache.app.client` / `kvcache.app.reader` (what an application imports) loads none of
-    the server side: a read from the application costs no import of the sidecar."""
-    code = ("import sys, kvcache.app.client, kvcache.app.reader; "
+    """`import kvcache.app.client, kvcache.app.reader` (what an application imports, and what
+    kvcache.Client and kvcache.LocalReader load) loads no module of the sidecar's sides: a read
+    from the application costs no import of the server, the read path or the feeds. The
+    forbidden set is every module under those folders, from the tree, not a list kept by hand."""
+    sidecar = {m for m in graph() if folder(m) in SIDECAR_SIDES} | {"kvcache.sidecar", "kvcache.cli",
+                                                                     "kvcache.config"}
+    assert {"kvcache.serve.server", "kvcache.read.reads", "kvcache.feed.feed"} <= sidecar
+    code = ("import sys, kvcache.app.client, kvcache.app.reader, kvcache; kvcache.Client, kvcache.LocalReader; "
             "print(' '.join(sorted(m for m in sys.modules if m.startswith('kvcache'))))")
     loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                 check=True).stdout.split())
-    assert "kvcache.app.reader" in loaded
-    assert loaded & SERVER_SIDE == set()
+    assert "kvcache.app.reader" in loaded and "kvcache.store.replica" in loaded
+    assert loaded & sidecar == set()
