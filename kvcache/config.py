@@ -102,7 +102,7 @@ class Config:
     access_log_files: int = 10  # rotated files kept (access.log.1 .. .N)
     discover_peers: bool = False  # add the mirrors each bucket stream lists as `alternates`
     serve_stale: bool = False  # default of [[bucket]] serve_stale (see BucketConfig)
-    cache_max_keys: int = 0  # default of [[bucket]] cache_max_keys: the near cache (nearcache.py)
+    cache_max_keys: int = 0  # default of [[bucket]] cache_max_keys: the near cache (store/nearcache.py)
     cache_max_bytes: int = 0  # default of [[bucket]] cache_max_bytes
     cache_admission: str = "frequency"  # near caches admit by read frequency, or "lru": every answer
     listen: str = ""  # a loopback TCP listener, "127.0.0.1:6380"; "" = none (the Unix socket only)

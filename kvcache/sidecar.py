@@ -682,7 +682,7 @@ async def _demo_has(kv: nats.js.kv.KeyValue, key: str) -> bool:
 
 # What a permissions violation names; the publishes the feeds cannot do without (the rest are
 # reads, which fail on their own, and consumer deletes, which the server does by itself), and
-# the subscriptions they can (purge and message-delete requests, see feed.py).
+# the subscriptions they can (purge and message-delete requests, see feed/feed.py).
 _PERMISSION_DENIED = re.compile(r'permissions violation for (publish|subscription) to "([^"]*)"', re.I)
 _FEED_PUBLISH = re.compile(r"\.API\.(STREAM\.INFO|CONSUMER\.CREATE|CONSUMER\.MSG\.NEXT)\.")
 _OPTIONAL_SUBSCRIBE = re.compile(r"\.API\.STREAM\.(PURGE|MSG\.DELETE)\.")
