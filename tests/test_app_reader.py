@@ -202,3 +202,11 @@ def test_a_key_outside_the_filters_is_not_read_as_absent(tmp_path, nats_server):
                 reader.get("lf:b.404")
     finally:
         sc.kill()
+
+
+def test_its_errors_are_public_names():
+    """An application catches LocalReader's errors as kvcache.StaleReplica and
+    kvcache.NotReplicated, not by the module they are defined in."""
+    import kvcache
+    assert kvcache.StaleReplica is StaleReplica and kvcache.NotReplicated is NotReplicated
+    assert {"StaleReplica", "NotReplicated", "LocalReader"} <= set(kvcache.__all__)
