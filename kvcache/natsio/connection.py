@@ -103,6 +103,35 @@ def _expire(fut: asyncio.Future) -> None:
         fut.set_exception(nats.errors.TimeoutError())
 
 
+async def request_batch(nc: Client, subject: str, payload: bytes, timeout: float) -> list[Msg]:
+    """A request answered by several messages, up to and including the first with a status
+    (a Direct Get batch), over a subscription of its own: any nats-py client
+    (NatsConnection.fast_batch's lane is the fast way). Raises nats-py's TimeoutError, and
+    NoRespondersError for a 503 with no payload."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    try:
+        await nc.publish(subject, payload, reply=inbox)
+        deadline = asyncio.get_running_loop().time() + timeout
+        out: list[Msg] = []
+        while True:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                raise nats.errors.TimeoutError
+            msg = await sub.next_msg(timeout=left)
+            status = (msg.headers or {}).get("Status")
+            if status == "503" and not msg.data:
+                raise nats.errors.NoRespondersError
+            out.append(msg)
+            if status:
+                return out
+    finally:
+        try:
+            await sub.unsubscribe()
+        except nats.errors.Error:
+            pass
+
+
 class NatsConnection(Client):
     """A nats-py client whose wire reader is kvcache's, with fast lanes for the feed."""
 
@@ -158,7 +187,7 @@ class NatsConnection(Client):
             await self._fast_setup()
         transport = self._transport
         if transport is None or not self.is_connected or self._pending_data_size:
-            return await self._batch_by_subscription(subject, payload, timeout)
+            return await request_batch(self, subject, payload, timeout)
         token = b"%d" % next(self._fast_tokens)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
@@ -179,30 +208,6 @@ class NatsConnection(Client):
                 raise nats.errors.NoRespondersError
             out.append(Msg(_client=self, subject=ev.subject, reply=ev.reply, data=ev.payload, headers=headers))
         return out
-
-    async def _batch_by_subscription(self, subject: str, payload: bytes, timeout: float) -> list[Msg]:
-        inbox = self.new_inbox()
-        sub = await self.subscribe(inbox)
-        try:
-            await self.publish(subject, payload, reply=inbox)
-            deadline = asyncio.get_running_loop().time() + timeout
-            out: list[Msg] = []
-            while True:
-                left = deadline - asyncio.get_running_loop().time()
-                if left <= 0:
-                    raise nats.errors.TimeoutError
-                msg = await sub.next_msg(timeout=left)
-                status = (msg.headers or {}).get("Status")
-                if status == "503" and not msg.data:
-                    raise nats.errors.NoRespondersError
-                out.append(msg)
-                if status:
-                    return out
-        finally:
-            try:
-                await sub.unsubscribe()
-            except nats.errors.Error:
-                pass
 
     async def _fast_setup(self) -> None:
         async with self._fast_lock:

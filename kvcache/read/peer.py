@@ -27,7 +27,7 @@ from ..entry import Entry, Operation
 from ..errors import BehindQuorum, ReplyBudget, UpstreamError
 from ..feed.quorum import NO_FENCE, Fence
 from ..natsio import jetstream as jsapi
-from ..natsio.connection import NatsConnection
+from ..natsio.connection import NatsConnection, request_batch
 from ..store.record import NEVER, parse_msg_ttl
 
 MULTI_LAST_MAX = 1024
@@ -190,14 +190,14 @@ class Peer:
         """The key's newest entry as this peer holds it. With a `fence`, a Direct Get answer
         counts only from a server that shows it holds the fence's sequence (a one-key batch
         get, whose end-of-batch reply names the server's last sequence)."""
-        fenced = bool(fence.seq) and isinstance(self.nc, NatsConnection)
-        if fence.seq and not fenced and self.direct and not leader:
+        if fence.seq and self.direct and not leader:
+            # a one-key multi_last (with the fence's anchor key beside it): its end-of-batch
+            # names the server's last sequence, which the fence checks
             return (await self.get_many([key], timeout, fence=fence))[key]
         if self.direct and not leader:
             rid, start = self._begin()
             try:
-                e = await (self._fenced_get(key, timeout, fence) if fenced else
-                           self.direct_request(key, b"", timeout))
+                e = await self.direct_request(key, b"", timeout)
             except BaseException as exc:
                 err = self._error(rid, exc)
                 if not isinstance(err, nats.errors.NoRespondersError):
@@ -226,40 +226,6 @@ class Peer:
         except nats.errors.TimeoutError:
             raise UpstreamError(f"peer {self.label}: Direct Get timed out after {timeout:.1f}s") from None
         return self._entry_from_msg(msg, key)
-
-    async def _fenced_get(self, key: str, timeout: float, fence: Fence) -> Entry | None:
-        """One key as a one-key batch get (with the fence's anchor key beside it), answered
-        only if the server's end-of-batch names a last sequence at or above the fence's."""
-        subject = jsapi.kv_subject(self.bucket, key)
-        subjects = [subject]
-        if fence.anchor and fence.anchor != key:
-            subjects.append(jsapi.kv_subject(self.bucket, fence.anchor))
-        req = json.dumps({"multi_last": subjects, "batch": len(subjects)}, separators=(",", ":")).encode()
-        assert isinstance(self.nc, NatsConnection)
-        try:
-            msgs = await self.nc.fast_batch(f"{self.api}.DIRECT.GET.{self.stream}", req, timeout)
-        except nats.errors.TimeoutError:
-            raise UpstreamError(f"peer {self.label}: Direct Get timed out after {timeout:.1f}s") from None
-        entry: Entry | None = None
-        for msg in msgs:
-            hdrs = msg.headers or {}
-            status = hdrs.get("Status")
-            if not status:
-                if hdrs.get("Nats-Subject") == subject:
-                    entry = self._entry_from_msg(msg, key)
-                continue
-            if status == "204":
-                tail = int(hdrs.get("Nats-UpTo-Sequence", 0) or 0)
-                if tail < fence.seq:
-                    raise BehindQuorum(f"peer {self.label}: holds the stream up to {tail}, "
-                                       f"below {fence.seq} which a quorum had within max_stale_ms")
-                return entry
-            if status == "404":
-                raise BehindQuorum(f"peer {self.label}: cannot show it holds stream sequence "
-                                   f"{fence.seq} (no key to anchor the read)")
-            raise UpstreamError(f"peer {self.label}: Direct Get failed: {status} "
-                                f"{hdrs.get('Description', '')}".rstrip())
-        raise UpstreamError(f"peer {self.label}: Direct Get batch ended without its end-of-batch")
 
     def _entry_from_msg(self, msg: Msg, key: str | None = None) -> Entry | None:
         hdrs = msg.headers or {}
@@ -350,55 +316,40 @@ class Peer:
             req: dict = {"multi_last": subjects, "batch": len(subjects)}
             if up_to:
                 req["up_to_seq"] = up_to
-            inbox = self.nc.new_inbox()
-            sub = await self.nc.subscribe(inbox)
+            subject = f"{self.api}.DIRECT.GET.{self.stream}"
+            payload = json.dumps(req).encode()
             try:
-                await self.nc.publish(f"{self.api}.DIRECT.GET.{self.stream}",
-                                      json.dumps(req).encode(), reply=inbox)
-                more = False
-                got_any = False
-                deadline = time.monotonic() + timeout
-                while True:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise UpstreamError(f"peer {self.label}: multi_last timed out")
-                    try:
-                        msg = await sub.next_msg(timeout=left)
-                    except nats.errors.TimeoutError:
-                        raise UpstreamError(f"peer {self.label}: multi_last timed out") from None
-                    hdrs = msg.headers or {}
-                    status = hdrs.get("Status")
-                    if status == "503":
-                        raise nats.errors.NoRespondersError
-                    if status == "204":  # EOB
-                        tail = int(hdrs.get("Nats-UpTo-Sequence", 0) or 0)
-                        if fence.seq and tail < fence.seq:
-                            raise BehindQuorum(f"peer {self.label}: holds the stream up to {tail}, "
-                                               f"below {fence.seq} which a quorum had within max_stale_ms")
-                        fence = NO_FENCE
-                        up_to = up_to or tail or None
-                        more = int(hdrs.get("Nats-Num-Pending", 0) or 0) > 0
-                        break
-                    if status == "404":  # none of the subjects has a message
-                        if fence.seq:  # and so no sequence of the server's to check
-                            raise BehindQuorum(f"peer {self.label}: cannot show it holds stream "
-                                               f"sequence {fence.seq} (no key to anchor the read)")
-                        break
-                    if status:
-                        raise UpstreamError(f"peer {self.label}: multi_last failed: {status} "
-                                            f"{hdrs.get('Description', '')}".rstrip())
-                    subject = hdrs.get("Nats-Subject", "")
-                    key = remaining.pop(subject, None)
+                msgs = await (self.nc.fast_batch(subject, payload, timeout) if isinstance(self.nc, NatsConnection)
+                              else request_batch(self.nc, subject, payload, timeout))
+            except nats.errors.TimeoutError:
+                raise UpstreamError(f"peer {self.label}: multi_last timed out") from None
+            more = False
+            got_any = False
+            for msg in msgs:
+                hdrs = msg.headers or {}
+                status = hdrs.get("Status")
+                if status == "204":  # EOB
+                    tail = int(hdrs.get("Nats-UpTo-Sequence", 0) or 0)
+                    if fence.seq and tail < fence.seq:
+                        raise BehindQuorum(f"peer {self.label}: holds the stream up to {tail}, "
+                                           f"below {fence.seq} which a quorum had within max_stale_ms")
+                    fence = NO_FENCE
+                    up_to = up_to or tail or None
+                    more = int(hdrs.get("Nats-Num-Pending", 0) or 0) > 0
+                elif status == "404":  # none of the subjects has a message
+                    if fence.seq:  # and so no sequence of the server's to check
+                        raise BehindQuorum(f"peer {self.label}: cannot show it holds stream "
+                                           f"sequence {fence.seq} (no key to anchor the read)")
+                elif status:
+                    raise UpstreamError(f"peer {self.label}: multi_last failed: {status} "
+                                        f"{hdrs.get('Description', '')}".rstrip())
+                else:
+                    key = remaining.pop(hdrs.get("Nats-Subject", ""), None)
                     if key is not None:
                         got_any = True
                         if budget is not None:
                             budget.spend(len(msg.data))
                         out[key] = self._entry_from_msg(msg, key)
-                if not more or not got_any:
-                    return up_to
-            finally:
-                try:
-                    await sub.unsubscribe()
-                except nats.errors.Error:
-                    pass
+            if not more or not got_any:
+                return up_to
         return up_to
