@@ -628,12 +628,11 @@ class Sidecar:
             await asyncio.sleep(max(0.1, bound / 4000))
             nc = self.nc
             quorum = [f for f in feeds if f.quorum]
-            if nc is None or not nc.is_connected or not quorum or any(
-                    f.proven_within(f.cfg.max_stale_ms) for f in quorum):
+            if nc is None or not nc.is_connected or not quorum:
                 since = None
-                if quorum and nc is not None and nc.is_connected and any(
-                        f.proven_within(f.cfg.max_stale_ms) for f in quorum):
-                    wait = first
+                continue
+            if any(f.proven_within(f.cfg.max_stale_ms) for f in quorum):
+                since, wait = None, first  # this server shows a quorum: moving helped, if it was needed
                 continue
             now = time.monotonic()
             since = since or now

@@ -38,7 +38,7 @@ from ..store.record import LONG_KEY_PREFIX, RECORD, Item, decode_key
 from ..store.replica import Replica
 from .changes import ChangeHub
 from .consumer import ConsumerLost, PullConsumer, Run
-from .quorum import NO_FENCE, Evidence, Fence, Proofs, evidence, needs_quorum
+from .quorum import NO_FENCE, RAFT_HEARTBEAT_S, Evidence, Fence, Proofs, evidence, needs_quorum
 from .sweeps import Maintenance
 
 log = logging.getLogger("kvcache.feed")
@@ -458,12 +458,6 @@ class Feed(Maintenance):
         best = self.proofs.reached(self.meta.applied_seq)
         return lag, max(0, (now - (best.as_of_ns if best is not None else self._born_ns)) // 1_000_000)
 
-    def proven_at(self, now: int) -> int:
-        """The moment the replica is known to hold every acknowledged write as of, now that
-        it is caught up at `now`: `now` itself for a stream with one copy, else the newest quorum
-        evidence it has reached (0: none yet)."""
-        return self._proven_with(self.meta.applied_seq, now)
-
     def proven_within(self, ms: int) -> bool:
         """Has a quorum shown this stream's state within `ms` (any evidence, reached or not)?
         Always for a stream with one copy."""
@@ -495,7 +489,10 @@ class Feed(Maintenance):
             return
 
     def _proven_with(self, applied: int, now: int) -> int:
-        """proven_at for a replica at `applied` (a batch not yet made the meta's)."""
+        """The moment a replica at `applied`, caught up at `now`, is known to hold every
+        acknowledged write as of: `now` itself for a stream with one copy, else the newest
+        quorum evidence at or below `applied` (0: none yet). `applied` may be a batch's, not
+        yet the meta's: nothing is changed."""
         if not self.quorum:
             return now
         best = self.proofs.at(applied)
@@ -509,9 +506,9 @@ class Feed(Maintenance):
         quorum = needs_quorum(info)
         if quorum and not self.quorum and self.cfg.max_stale_ms < QUORUM_MIN_STALE_MS:
             log.warning("bucket %s: max_stale_ms %d is below %d ms: its stream is replicated, and a "
-                        "quorum's word about it is up to a raft heartbeat (1 s) plus a state poll "
+                        "quorum's word about it is up to a raft heartbeat (%g s) plus a state poll "
                         "(max_stale_ms / 4) old, so the replica will often count as stale",
-                        self.bucket, self.cfg.max_stale_ms, QUORUM_MIN_STALE_MS)
+                        self.bucket, self.cfg.max_stale_ms, QUORUM_MIN_STALE_MS, RAFT_HEARTBEAT_S)
         self.quorum = quorum
         ev = evidence(info, sent_ns)
         if ev is None:
@@ -523,7 +520,7 @@ class Feed(Maintenance):
             consumer.fail(f"the stream leader is now {ev.leader}, the consumer is on {consumer.host}",
                           "placement")
         if self.caught_up and self.quorum:
-            fresh = self.proven_at(time.time_ns())
+            fresh = self._proven_with(self.meta.applied_seq, time.time_ns())
             if fresh > self.meta.fresh_at_ns:
                 self.meta.fresh_at_ns = fresh
         return ev
