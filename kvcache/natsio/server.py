@@ -238,7 +238,7 @@ class NatsServer:
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "ab") as log:
             self._proc = subprocess.Popen(
-                [find_binary(), "-c", str(self.conf_file)],
+                self.command(),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -249,6 +249,10 @@ class NatsServer:
                 preexec_fn=die_with_parent,
             )
         self._paused = False
+
+    def command(self) -> list[str]:
+        """The process's argv (a test harness prefixes it, e.g. to run it in a namespace)."""
+        return [find_binary(), "-c", str(self.conf_file)]
 
     def wait_ready(self, timeout: float) -> None:
         """Until clients can connect and JetStream (if any) is enabled; KvcacheError when the

@@ -45,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvcache.natsio.server import ClusterConfig, NatsServer, die_with_parent, find_binary
+from kvcache.natsio.server import ClusterConfig, NatsServer, die_with_parent
 from support.poll import wait_until
 from support.sidecar_proc import SidecarProcess
 from support.staleness_check import Verdict, judge, read_acks, read_reads
@@ -397,18 +397,8 @@ class NsNatsServer(NatsServer):
                          conf_dir=store)
         self.net, self.nshost = net, host
 
-    def launch(self) -> None:
-        if self.running:
-            return
-        self._reap()
-        self.write_config()
-        self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_file, "ab") as log:
-            self._proc = subprocess.Popen(
-                [*self.net.exec_args(self.nshost), find_binary(), "-c", str(self.conf_file)],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=die_with_parent)
-        self._paused = False
+    def command(self) -> list[str]:
+        return [*self.net.exec_args(self.nshost), *super().command()]
 
     def _port_open(self) -> bool:
         return self.net.thread(self.nshost).call(super()._port_open)
