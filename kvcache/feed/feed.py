@@ -38,14 +38,12 @@ from ..store.record import LONG_KEY_PREFIX, RECORD, Item, decode_key
 from ..store.replica import Replica
 from .changes import ChangeHub
 from .consumer import ConsumerLost, PullConsumer, Run
+from .holds import Holds
 from .quorum import NO_FENCE, RAFT_HEARTBEAT_S, Evidence, Fence, Proofs, evidence, needs_quorum
 from .sweeps import Maintenance
 
 log = logging.getLogger("kvcache.feed")
 
-# Keys remembered as handed out from NATS ahead of the replica (Feed.ahead); past this many,
-# every key waits for the replica instead (slower, still right) rather than one being forgotten.
-AHEAD_MAX = 100_000
 META_TOUCH_INTERVAL_NS = 1_000_000_000
 # Keys outside the filters changed recently (the near cache's fill guard, Feed.fill_ok): kept
 # this long beyond the request timeout, at most this many (past it, no fill for that long).
@@ -136,14 +134,9 @@ class Feed(Maintenance):
         self._last_meta_write = 0
         self._sync_started = 0.0
         self._waiters: list[tuple[int, asyncio.Future]] = []
-        # Revisions handed out from NATS that the replica has not reached (see handed_out):
-        # key -> the highest such revision, and the highest of all (0: none, the common case).
-        self.ahead: dict[str, int] = {}
-        self.floor_seq = 0
-        self._ahead_overflow = False  # AHEAD_MAX reached: every key waits for floor_seq
-        # Called when the first key is held: the server drops the GET path's cached verdicts
-        # (LocalGets.forget_fresh), which would otherwise answer from the replica for a while.
-        self.on_hold = on_hold
+        # Revisions handed out from NATS that the replica has not reached (kvcache.feed.holds);
+        # `on_hold` is called when the first key is held.
+        self.holds = Holds(on_hold)
         # Called when the stream was recreated or rewound (its revisions start again): the
         # router forgets the bucket's floors (Router.floors.forget).
         self.on_renumbered = on_renumbered
@@ -530,7 +523,7 @@ class Feed(Maintenance):
         (fresh_within), and no key is held (see handed_out): the GET fast path asks this
         alone, so while a key is held its GETs go to the command layer, which asks per key
         (fresh_within, then held_until)."""
-        return not self.floor_seq and self.fresh_within(max_stale_ms)
+        return not self.holds.floor_seq and self.fresh_within(max_stale_ms)
 
     def fresh_within(self, max_stale_ms: int) -> bool:
         """Is the replica fresh enough to answer: synced, and not staler than the bound?
@@ -542,48 +535,20 @@ class Feed(Maintenance):
 
     # -------------------------------------------------------------- revisions handed out
 
+    @property
+    def floor_seq(self) -> int:
+        """The highest revision handed out from NATS that the replica has not reached; 0 (the
+        common case) when no key is held, so a read path asks per key only when it is not."""
+        return self.holds.floor_seq
+
     def handed_out(self, key: str, revision: int) -> None:
-        """An answer for `key` at `revision` (a value, or a deletion's marker) was handed out
-        from NATS. A replica that has not reached it yet may lag within max_stale_ms, and its
-        older record must not answer the key's next read (a strong read, then a plain one):
-        until the replica reaches the revision the key is held (`held_until`), and the GET fast
-        path, which does not look per key, stands aside (fresh_for_all). An unsynced replica's
-        position says nothing (a full sync comes in subject order): every revision counts."""
-        if revision <= self.meta.applied_seq and self.meta.synced:
-            return
-        opened = not self.floor_seq
-        if key in self.ahead or len(self.ahead) < AHEAD_MAX:
-            if revision > self.ahead.get(key, 0):
-                self.ahead[key] = revision
-        else:
-            self._ahead_overflow = True
-        if revision > self.floor_seq:
-            self.floor_seq = revision
-        if opened and self.on_hold is not None:
-            self.on_hold()
+        """An answer for `key` at `revision` went out from NATS: see Holds.handed_out."""
+        self.holds.handed_out(key, revision, self.meta)
 
     def held_until(self, key: str, revision: int | None) -> int:
-        """0 when the replica may answer `key` without going back in time: its record's
-        `revision` (None: it has none) is not below a revision of the key already handed out
-        from NATS, or the replica has reached that. Else the key is held: the stream sequence
-        to wait for."""
-        if not self.floor_seq:
-            return 0
-        want = self.floor_seq if self._ahead_overflow else self.ahead.get(key, 0)
-        if not want or (revision is not None and revision >= want) or (
-                self.meta.synced and self.meta.applied_seq >= want):
-            return 0
-        return want
-
-    def _release(self) -> None:
-        """The replica reached every revision handed out ahead of it: no key is held now."""
-        if self.meta.synced and self.meta.applied_seq >= self.floor_seq:
-            self._clear_holds()
-
-    def _clear_holds(self) -> None:
-        self.ahead.clear()
-        self.floor_seq = 0
-        self._ahead_overflow = False
+        """0 when the replica's record of `key` (at `revision`, None: none) may answer it, else
+        the stream sequence to wait for: see Holds.held_until."""
+        return self.holds.held_until(key, revision, self.meta)
 
     # -------------------------------------------------------------- consumer loop
 
@@ -644,7 +609,7 @@ class Feed(Maintenance):
             # Nothing is read locally until the sync ends, and then the replica holds every
             # revision handed out before it began; those of a stream since recreated (lower
             # sequences) would otherwise keep their keys held for good.
-            self._clear_holds()
+            self.holds.clear()
         return consumer
 
     async def _check_identity(self, info: dict) -> None:
@@ -706,8 +671,8 @@ class Feed(Maintenance):
         self.caught_up = caught_up
         if caught_up:
             self._reached_end()
-        if self.floor_seq:
-            self._release()
+        if self.holds.floor_seq:
+            self.holds.release(self.meta)
         if self._waiters:
             self._wake_waiters()
         return False
@@ -728,8 +693,8 @@ class Feed(Maintenance):
         if now - self._last_meta_write >= META_TOUCH_INTERVAL_NS:
             self._last_meta_write = now
             self.replica.put_meta(self.bucket, m)
-        if self.floor_seq:
-            self._release()
+        if self.holds.floor_seq:
+            self.holds.release(self.meta)
         if self._waiters:
             self._wake_waiters()
 
