@@ -38,8 +38,10 @@ from ..store.record import LONG_KEY_PREFIX, RECORD, Item, decode_key
 from ..store.replica import Replica
 from .changes import ChangeHub
 from .consumer import ConsumerLost, PullConsumer, Run
+from .freshness import SILENT_HEARTBEATS as SILENT_HEARTBEATS  # the sidecar's start check
+from .freshness import Freshness
 from .holds import Holds
-from .quorum import NO_FENCE, RAFT_HEARTBEAT_S, Evidence, Fence, Proofs, evidence, needs_quorum
+from .quorum import NO_FENCE, Evidence, Fence
 from .sweeps import Maintenance
 
 log = logging.getLogger("kvcache.feed")
@@ -49,13 +51,6 @@ META_TOUCH_INTERVAL_NS = 1_000_000_000
 # this long beyond the request timeout, at most this many (past it, no fill for that long).
 RECENT_MARGIN_S = 1.0
 RECENT_MAX = 100_000
-# Heartbeats a caught-up feed may miss before its replica counts as behind since the last
-# word heard (Feed.lag_ms); the sidecar warns at start of a max_stale_ms under this many.
-SILENT_HEARTBEATS = 2
-# The least max_stale_ms a replicated stream's replica can keep on an idle stream: quorum
-# evidence is up to a raft heartbeat (kvcache.feed.quorum.RAFT_HEARTBEAT_S) plus a state poll
-# (max_stale_ms / 4) old when it arrives; a start warning names buckets below it.
-QUORUM_MIN_STALE_MS = 1500
 
 
 class Feed(Maintenance):
@@ -84,31 +79,16 @@ class Feed(Maintenance):
         self._recent_full_until = 0.0
         self.replica = replica
         self.heartbeat_s = heartbeat_s
-        # A caught-up feed hears from the server at least once a heartbeat (an idle heartbeat
-        # when nothing changes). Silence past SILENT_HEARTBEATS of them is a link that may have
-        # stalled unnoticed: the replica is then only known current as of the last word heard.
-        self._silence_ns = int(SILENT_HEARTBEATS * heartbeat_s * 1e9)
         self.timeout = timeout
         self.meta = replica.meta(self.bucket)
         self.stream_config: dict = {}
-        # Quorum evidence (kvcache.feed.quorum): a replicated stream's state counts as current only
-        # as of what its leader, heard by a quorum of its group, has shown; heartbeats from the
-        # server hosting the consumer prove nothing (a leader cut off from its peers keeps
-        # sending them). `quorum`: the stream needs such evidence (replicated in a cluster).
-        self.quorum = False
-        self.proofs = Proofs()
-        self._born_ns = time.time_ns()
-        # The last time the consumer said the replica was caught up (the meta's fresh_at_ns is
-        # that moment bounded by the quorum evidence: what LocalReader goes by).
-        self._heard_ns = self.meta.fresh_at_ns
+        # How current the replica is known to be: the consumer's word and, for a replicated
+        # stream, quorum evidence (kvcache.feed.freshness).
+        self.freshness = Freshness(bucket, heartbeat_s, self.meta.fresh_at_ns)
         self._info_sent_ns = 0  # when the last STREAM.INFO that answered was asked
         self.anchor = ""  # a key with a message in the stream (the last applied): see Fence
         self._anchor_task: asyncio.Task | None = None
         self.upstream_seq = 0
-        self.caught_up = False
-        self.last_msg_ns = 0
-        # Catching up after an interruption (start, lost consumer, reconnect): see lag_ms.
-        self._interrupted = True
         self.consumers_created = 0
         # since start, by reason (metrics labels: a few fixed words, never a message)
         self.resync_reasons: Counter[str] = Counter()  # RESYNC_REASONS
@@ -289,7 +269,7 @@ class Feed(Maintenance):
                 reason == "stream was recreated" or reason.startswith("stream sequence went backwards")):
             self.on_renumbered()
         if reason == "stream was recreated" or (reason or "").startswith("stream sequence went backwards"):
-            self.proofs.clear()  # the old numbering proves nothing; this info's own evidence stays
+            self.freshness.proofs.clear()  # the old numbering proves nothing; this info's own evidence stays
             self.note_evidence(info, self._info_sent_ns)
         if self._full:
             if count_it and reason != "first sync":
@@ -351,7 +331,7 @@ class Feed(Maintenance):
         exc = task.exception()
         if exc is not None:
             log.critical("bucket %s: feed stopped", self.bucket, exc_info=exc)
-            self.caught_up = False
+            self.freshness.caught_up = False
             if self.on_fatal is not None:
                 self.on_fatal(exc)
 
@@ -399,8 +379,8 @@ class Feed(Maintenance):
 
     def connection_lost(self) -> None:
         """Called on disconnect: stop claiming freshness, and start over on reconnect."""
-        self.caught_up = False
-        self._interrupted = True
+        self.freshness.caught_up = False
+        self.freshness.interrupted = True
         self._reconnected = True
         if self._consumer:
             self._consumer.fail("connection lost", "connection")
@@ -411,58 +391,45 @@ class Feed(Maintenance):
     def synced(self) -> bool:
         return self.meta.synced
 
+    @property
+    def caught_up(self) -> bool:
+        """Has the consumer applied everything the server had (its last word)?"""
+        return self.freshness.caught_up
+
+    @property
+    def quorum(self) -> bool:
+        """Does the stream need quorum evidence to count as current (replicated in a cluster)?"""
+        return self.freshness.quorum
+
     def lag_ms(self) -> int:
-        """What INFO, readiness and the lag metric show: 0 while caught up, heard from, and
-        (a replicated stream) vouched for by a quorum within max_stale_ms; else the age of the
-        newest state we are sure to hold (`_age_ms`). Decisions use `_age_ms` itself against
-        their own bound (fresh_within): a quorum's evidence is always some hundreds of ms old
-        (polled every max_stale_ms / 4), which is no lag to show while it is within bound."""
-        consumer, evidence = self._ages_ms()
-        return consumer if evidence <= self.cfg.max_stale_ms else max(consumer, evidence)
+        """What INFO, readiness and the lag metric show (Freshness.lag_ms)."""
+        return self.freshness.lag_ms(self.meta.applied_seq)
 
-    def _ages_ms(self) -> tuple[int, int]:
-        """The replica's age by the consumer's word, and by the quorum evidence it reached
-        (0 for a stream with one copy, where the consumer's word is enough).
+    def fresh_for_all(self, max_stale_ms: int) -> bool:
+        """May every key be answered locally without looking at it? Fresh within the bound
+        (fresh_within), and no key is held (see handed_out): the GET fast path asks this
+        alone, so while a key is held its GETs go to the command layer, which asks per key
+        (fresh_within, then held_until)."""
+        return not self.holds.floor_seq and self.fresh_within(max_stale_ms)
 
-        Caught up counts only while the server keeps saying so: past two heartbeats of silence
-        the age runs from the last time it did, so a link that stalls without closing (no
-        disconnect, no error: the consumer is declared lost only after three heartbeats) turns
-        the replica stale max_stale_ms after the last word, not three heartbeats later.
-
-        While catching up after an interruption, the age counts from the last time we were
-        caught up, not from the newest message applied: the replica then passes through the
-        stream's past states, and reads that went to the peers during the outage may already
-        have served newer revisions; serving an intermediate state locally would take those
-        keys back in time (seen in tests/test_faults.py with a stream leader killed during
-        writes: revision 806 read from a peer, then 406 from the catching-up replica).
-
-        A replicated stream's consumer may be caught up with a store a partition left behind,
-        its server heartbeating all the while: its age is also that of the newest quorum
-        evidence whose sequence the replica holds (kvcache.feed.quorum)."""
-        now = time.time_ns()
-        heard = self._heard_ns
-        if self.caught_up:
-            lag = (now - heard) // 1_000_000 if heard and now - heard > self._silence_ns else 0
-        else:
-            fresh = heard if self._interrupted else max(heard, self.last_msg_ns)
-            lag = max(0, (now - fresh) // 1_000_000) if fresh else 0
-        if not self.quorum:
-            return lag, 0
-        best = self.proofs.reached(self.meta.applied_seq)
-        return lag, max(0, (now - (best.as_of_ns if best is not None else self._born_ns)) // 1_000_000)
+    def fresh_within(self, max_stale_ms: int) -> bool:
+        """Is the replica fresh enough to answer: synced, and not staler than the bound
+        (Freshness.ages_ms)? Whether a given key may then be answered locally is
+        `held_until`'s question."""
+        return self.meta.synced and self.freshness.within(max_stale_ms, self.meta.applied_seq)
 
     def proven_within(self, ms: int) -> bool:
-        """Has a quorum shown this stream's state within `ms` (any evidence, reached or not)?
-        Always for a stream with one copy."""
-        return not self.quorum or self.proofs.required(time.time_ns() - ms * 1_000_000) is not None
+        """Has a quorum shown this stream's state within `ms`? Always for a stream with one
+        copy (the sidecar moves off a server that shows none)."""
+        return self.freshness.proven_within(ms)
 
     def fence(self) -> Fence | None:
         """What a fallback answer for this bucket must show (Router.fence): a server holding a
         sequence that a quorum had within max_stale_ms. None when no such evidence exists
         (every answer would be unproven); NO_FENCE for a stream with one copy."""
-        if not self.quorum:
+        if not self.freshness.quorum:
             return NO_FENCE
-        ev = self.proofs.required(time.time_ns() - self.cfg.max_stale_ms * 1_000_000)
+        ev = self.freshness.required()
         if not self.anchor and not self._anchor_task:
             self._anchor_task = asyncio.get_running_loop().create_task(self._find_anchor())
         return None if ev is None else Fence(ev.seq, self.anchor)
@@ -481,57 +448,25 @@ class Feed(Maintenance):
             self._anchor_task = None
             return
 
-    def _proven_with(self, applied: int, now: int) -> int:
-        """The moment a replica at `applied`, caught up at `now`, is known to hold every
-        acknowledged write as of: `now` itself for a stream with one copy, else the newest
-        quorum evidence at or below `applied` (0: none yet). `applied` may be a batch's, not
-        yet the meta's: nothing is changed."""
-        if not self.quorum:
-            return now
-        best = self.proofs.at(applied)
-        return min(now, best.as_of_ns) if best is not None else 0
-
     def note_evidence(self, info: dict, sent_ns: int) -> Evidence | None:
-        """A STREAM.INFO (or STREAM.LIST entry) asked at `sent_ns`: keep what it proves. A
-        consumer not on the leader it names reads a store that may have been cut off from the
-        writes the majority acknowledges since (it would report nothing pending and keep
-        heartbeating): it is made again, where the leader is."""
-        quorum = needs_quorum(info)
-        if quorum and not self.quorum and self.cfg.max_stale_ms < QUORUM_MIN_STALE_MS:
-            log.warning("bucket %s: max_stale_ms %d is below %d ms: its stream is replicated, and a "
-                        "quorum's word about it is up to a raft heartbeat (%g s) plus a state poll "
-                        "(max_stale_ms / 4) old, so the replica will often count as stale",
-                        self.bucket, self.cfg.max_stale_ms, QUORUM_MIN_STALE_MS, RAFT_HEARTBEAT_S)
-        self.quorum = quorum
-        ev = evidence(info, sent_ns)
+        """A STREAM.INFO (or STREAM.LIST entry) asked at `sent_ns`: keep what it proves
+        (Freshness.note). A consumer not on the leader it names reads a store that may have
+        been cut off from the writes the majority acknowledges since (it would report nothing
+        pending and keep heartbeating): it is made again, where the leader is."""
+        fresh = self.freshness
+        ev = fresh.note(info, sent_ns, self.meta.applied_seq)
         if ev is None:
             return None
-        self.proofs.add(ev, self.meta.applied_seq)
         consumer = self._consumer
-        if (self.quorum and consumer is not None and consumer.host and ev.leader
-                and ev.leader != consumer.host and self.caught_up):
+        if (fresh.quorum and consumer is not None and consumer.host and ev.leader
+                and ev.leader != consumer.host and fresh.caught_up):
             consumer.fail(f"the stream leader is now {ev.leader}, the consumer is on {consumer.host}",
                           "placement")
-        if self.caught_up and self.quorum:
-            fresh = self._proven_with(self.meta.applied_seq, time.time_ns())
-            if fresh > self.meta.fresh_at_ns:
-                self.meta.fresh_at_ns = fresh
+        if fresh.caught_up and fresh.quorum:
+            at = fresh.proven_with(self.meta.applied_seq, time.time_ns())
+            if at > self.meta.fresh_at_ns:
+                self.meta.fresh_at_ns = at
         return ev
-
-    def fresh_for_all(self, max_stale_ms: int) -> bool:
-        """May every key be answered locally without looking at it? Fresh within the bound
-        (fresh_within), and no key is held (see handed_out): the GET fast path asks this
-        alone, so while a key is held its GETs go to the command layer, which asks per key
-        (fresh_within, then held_until)."""
-        return not self.holds.floor_seq and self.fresh_within(max_stale_ms)
-
-    def fresh_within(self, max_stale_ms: int) -> bool:
-        """Is the replica fresh enough to answer: synced, and not staler than the bound?
-        Whether a given key may then be answered locally is `held_until`'s question."""
-        if not self.meta.synced:
-            return False
-        consumer, evidence = self._ages_ms()
-        return consumer <= max_stale_ms and evidence <= max_stale_ms
 
     # -------------------------------------------------------------- revisions handed out
 
@@ -579,8 +514,8 @@ class Feed(Maintenance):
                     self.recreations["error"] += 1
                 if progressed and consumer.delivered:
                     backoff = 0.1
-            self.caught_up = False
-            self._interrupted = True
+            self.freshness.caught_up = False
+            self.freshness.interrupted = True
             await asyncio.sleep(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, 5.0)
             planned = await self._replan()
@@ -640,8 +575,8 @@ class Feed(Maintenance):
         # the feed where it was, so that the next consumer starts at this batch again.
         m = dataclasses.replace(self.meta, applied_seq=top, last_update_ns=now)
         if caught_up:
-            self._heard_ns = now
-            m.fresh_at_ns = max(m.fresh_at_ns, self._proven_with(top, now))
+            self.freshness.heard_ns = now
+            m.fresh_at_ns = max(m.fresh_at_ns, self.freshness.proven_with(top, now))
             if self._full and self._seen is None:
                 m.synced = True  # nothing to sweep: the last batch of the sync says so itself
         items = last.items if len(runs) == 1 else [it for r in runs for it in r.items]
@@ -666,9 +601,9 @@ class Feed(Maintenance):
                 self.anchor = decode_key(lk, rec)
                 break
         self._last_meta_write = now
-        self.last_msg_ns = last.last_ts
+        self.freshness.last_msg_ns = last.last_ts
         self.upstream_seq = max(self.upstream_seq, top)
-        self.caught_up = caught_up
+        self.freshness.caught_up = caught_up
         if caught_up:
             self._reached_end()
         if self.holds.floor_seq:
@@ -681,14 +616,14 @@ class Feed(Maintenance):
         """Caught up and the server has nothing more. `last_stream_seq` (from a heartbeat,
         0 if unknown) is how far the consumer has looked: every matching message up to it
         was delivered, so the position may advance to it (keeps filtered buckets resumable)."""
-        self.caught_up = True
+        self.freshness.caught_up = True
         now = time.time_ns()
         m = self.meta
         if last_stream_seq > m.applied_seq and not self._full:
             m.applied_seq = last_stream_seq
             self.upstream_seq = max(self.upstream_seq, last_stream_seq)
-        self._heard_ns = now
-        m.fresh_at_ns = max(m.fresh_at_ns, self._proven_with(m.applied_seq, now))
+        self.freshness.heard_ns = now
+        m.fresh_at_ns = max(m.fresh_at_ns, self.freshness.proven_with(m.applied_seq, now))
         self._reached_end()
         if now - self._last_meta_write >= META_TOUCH_INTERVAL_NS:
             self._last_meta_write = now
@@ -705,7 +640,7 @@ class Feed(Maintenance):
 
     def _reached_end(self) -> None:
         """End of initial data: finish a full resync's sweep, or start a resume's reconcile."""
-        self._interrupted = False
+        self.freshness.interrupted = False
         m = self.meta
         if self._full:
             self._full = False

@@ -64,14 +64,16 @@ class Maintenance:
     hub: ChangeHub | None
     cache: NearCache | None
     on_removed: Callable[[int | None], None] | None
-    caught_up: bool
-    quorum: bool
     _full: bool
     _deadlines: bool
     _sweep_wake: asyncio.Event  # a deadline may have been filed (see _sweep_loop)
     _hint_tasks: set[asyncio.Task]
 
-    if TYPE_CHECKING:  # Feed's methods the passes call
+    if TYPE_CHECKING:  # Feed's properties and methods the passes call
+        @property
+        def caught_up(self) -> bool: ...
+        @property
+        def quorum(self) -> bool: ...
         async def _stream_info(self) -> dict: ...
         def _set_deadlines(self, max_age_ns: int, msg_ttl: bool) -> None: ...
         def note_evidence(self, info: dict, sent_ns: int) -> Evidence | None: ...
