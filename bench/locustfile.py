@@ -17,7 +17,7 @@ it for 5 s against the demo and expects no failure.)
 
 The bucket holds `hot.<NNNNNN>` keys, which the sidecar replicates (compare.py's bucket filter
 `hot.>`), and `cold.<NNNNNN>` keys, which it does not there: reading those goes to NATS (Direct
-Get). The demo bucket (kvcache.sidecar.demo_entries: 100 of each, the defaults below)
+Get). The demo bucket (kvcache.demo.demo_entries: 100 of each, the defaults below)
 replicates every key, so against it cold reads are answered locally too. Each simulated user
 has its own connection and, between requests, waits --kv-wait-ms on average:
 
@@ -65,7 +65,7 @@ def _options(parser) -> None:
     group = parser.add_argument_group("kvcache")
     group.add_argument("--kv-socket", default="kvcache-data/kvcache.sock", env_var="KVBENCH_SOCKET",
                        help="the sidecar's Unix socket")
-    # the defaults: the demo bucket's (kvcache.sidecar.DEMO_HOT_KEYS, DEMO_COLD_KEYS)
+    # the defaults: the demo bucket's (kvcache.demo.DEMO_HOT_KEYS, DEMO_COLD_KEYS)
     group.add_argument("--kv-hot-keys", type=int, default=100, env_var="KVBENCH_HOT_KEYS",
                        help="hot.000000.. keys the sidecar replicates")
     group.add_argument("--kv-cold-keys", type=int, default=100, env_var="KVBENCH_COLD_KEYS",

@@ -18,11 +18,10 @@ from collections.abc import Awaitable
 
 import nats
 import nats.errors
-import nats.js.errors
-import nats.js.kv
 
 from . import native
 from .config import BucketConfig, Config, ensure_dirs, strip_url_auth, tls_context, url_auth
+from .demo import DEMO_BUCKET, ensure_demo_bucket
 from .errors import BucketNotFound, ConfigError, KvcacheError, UpstreamError
 from .feed.changes import ChangeHub
 from .feed.feed import SILENT_HEARTBEATS, Feed
@@ -67,30 +66,6 @@ EMBEDDED_BACKOFF_S = (0.25, 5.0)
 PINGS_OUTSTANDING = 2
 PING_MIN_S = 0.5
 HOP_AFTER_STALE, HOP_MIN_S, HOP_MAX_S = 2, 3.0, 60.0
-# The demo bucket (embedded nats-server, no bucket configured): what README.md's snippets and
-# bench/locustfile.py read (tests/test_readme.py runs both against it). DEMO_KEYS user.NNNN
-# records, a few feature flags, and DEMO_HOT_KEYS hot.NNNNNN / DEMO_COLD_KEYS cold.NNNNNN keys
-# holding demo_value(key), the 100-byte values bench/compare.py writes and the locustfile checks.
-DEMO_BUCKET = "demo"
-DEMO_KEYS = 100
-DEMO_HOT_KEYS = 100
-DEMO_COLD_KEYS = 100
-DEMO_FLAGS = {"feature.checkout": b'{"enabled":true,"rollout":0.25}', "feature.search": b'{"enabled":false}'}
-
-
-def demo_value(key: str) -> bytes:
-    """A hot.*/cold.* key's value in the demo bucket (bench/compare.py's value_of)."""
-    return (b"value-" + key.encode() + b"-").ljust(100, b"x")
-
-
-def demo_entries() -> dict[str, bytes]:
-    """Every key the demo bucket is seeded with, and its value."""
-    entries = {"greeting": b"hello from kvcache"}
-    entries.update((f"user.{i:04d}", f'{{"id":{i},"name":"user {i}"}}'.encode()) for i in range(DEMO_KEYS))
-    entries.update(DEMO_FLAGS)
-    for prefix, n in (("hot.", DEMO_HOT_KEYS), ("cold.", DEMO_COLD_KEYS)):
-        entries.update((f"{prefix}{i:06d}", demo_value(f"{prefix}{i:06d}")) for i in range(n))
-    return entries
 
 
 class Sidecar:
@@ -146,7 +121,8 @@ class Sidecar:
         self.stats.nats_url, self.stats.embedded_nats = self.nats_url, self.use_embedded
         self.stats.nats_connected = True
         if self.use_embedded and not self.cfg.buckets:
-            await self._ensure_demo_bucket(nc)
+            self.cfg.buckets = [BucketConfig(name=DEMO_BUCKET)]
+            await ensure_demo_bucket(nc, self.cfg.nats.request_timeout_ms / 1000)
         self.replica = Replica(
             os.path.join(self.cfg.data_dir, "replica"),
             map_size=self.cfg.map_size_mb << 20, max_map_size=self.cfg.max_map_size_mb << 20,
@@ -643,40 +619,6 @@ class Sidecar:
             self.stats.server_moves += 1
             since, wait = None, min(wait * 2, HOP_MAX_S)
             await nc.force_reconnect()
-
-    async def _ensure_demo_bucket(self, nc: NatsConnection) -> None:
-        """First run on the embedded server: a bucket with sample keys so reads work at once.
-        A demo bucket made by an older kvcache (without the last key seeded now) gets the
-        missing keys; one that has them is left as it is (keys the user changed stay changed)."""
-        self.cfg.buckets = [BucketConfig(name=DEMO_BUCKET)]
-        timeout = self.cfg.nats.request_timeout_ms / 1000
-        js = nc.jetstream(timeout=timeout)
-        entries = demo_entries()
-        try:
-            await jsapi.stream_info(nc, jsapi.kv_stream(DEMO_BUCKET), timeout)
-        except BucketNotFound:
-            kv = await js.create_key_value(bucket=DEMO_BUCKET, history=5, direct=True,
-                                           description="kvcache demo bucket")
-        else:
-            kv = await js.key_value(DEMO_BUCKET)
-            try:
-                await kv.get(next(reversed(entries)))
-                return
-            except nats.js.errors.KeyNotFoundError:
-                entries = {k: v for k, v in entries.items() if not await _demo_has(kv, k)}
-        # concurrently, in batches: a few hundred puts in well under a second
-        items = list(entries.items())
-        for i in range(0, len(items), 100):
-            await asyncio.gather(*(kv.put(k, v) for k, v in items[i:i + 100]))
-        log.info("seeded demo bucket '%s' with %d keys", DEMO_BUCKET, len(items))
-
-
-async def _demo_has(kv: nats.js.kv.KeyValue, key: str) -> bool:
-    try:
-        await kv.get(key)
-        return True
-    except nats.js.errors.KeyNotFoundError:  # (a deleted key too: seeded again)
-        return False
 
 
 # What a permissions violation names; the publishes the feeds cannot do without (the rest are

@@ -14,9 +14,9 @@ from support.procs import embedded_pid, pid_alive
 from support.sidecar_proc import SidecarProcess, run_cli
 
 from kvcache import config
+from kvcache.demo import DEMO_BUCKET, DEMO_KEYS, demo_entries, demo_value
 from kvcache.errors import ConfigError
 from kvcache.natsio.server import free_port
-from kvcache.sidecar import DEMO_BUCKET, DEMO_KEYS, demo_entries, demo_value
 
 pytestmark = pytest.mark.servers  # each test starts its own servers or sidecar process
 
