@@ -12,7 +12,7 @@ reach the byte budget (the server writes them out first, then calls again).
 
 `GetConnection` is the part of the server's connection that runs on every socket read: its
 `data_received` answers GET-only reads with one `answer` call and hands anything else to the
-subclass's `_process` (kvcache.serve.server.ClientConnection). In C it is one call from uvloop to the reply.
+subclass's `_process` (kvcache.serve.connection.ClientConnection). In C it is one call from uvloop to the reply.
 
 `answer` is the server's whole per-read step for GET-only traffic: feed the bytes to the
 request reader, then cut and serve GET runs until the buffer is empty (more=False), or
@@ -228,7 +228,7 @@ class LocalGets:
 
 
 class GetConnection:
-    """Per-connection state of the hot path; kvcache.serve.server.ClientConnection adds the rest."""
+    """Per-connection state of the hot path; kvcache.serve.connection.ClientConnection adds the rest."""
 
     __slots__ = (
         "_busy",
@@ -295,4 +295,4 @@ class GetConnection:
         stats.gets_notfound += notfound
 
     def _process(self) -> None:
-        raise NotImplementedError  # the generic request loop: kvcache.serve.server.ClientConnection
+        raise NotImplementedError  # the generic request loop: kvcache.serve.connection.ClientConnection
