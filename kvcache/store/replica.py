@@ -20,20 +20,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import signal
 import struct
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import TypeVar, overload
+from typing import TypeVar
 
 import lmdb
 
 from ..errors import ReplicaError
 from ..keys import subject_match
+from .lmdbenv import MAX_DBS, dbs_for, disk_hint, grow, open_writer, release_readonly_env, shared_readonly_env
+from .lmdbenv import as_bytes as _bytes
 from .record import (
     LONG_KEY_PREFIX,
     MAX_LMDB_KEY,
@@ -50,15 +48,6 @@ from .record import (
     lmdb_key,
 )
 
-
-@overload
-def _bytes(v: bytes | memoryview) -> bytes: ...
-@overload
-def _bytes(v: bytes | memoryview | None) -> bytes | None: ...
-def _bytes(v: bytes | memoryview | None) -> bytes | None:
-    """lmdb's read results, typed as what they are here: bytes (no `buffers=True` anywhere)."""
-    return v  # type: ignore[return-value]
-
 T = TypeVar("T")
 
 log = logging.getLogger("kvcache.replica")
@@ -68,17 +57,6 @@ FORMAT_VERSION = 2  # 2: records carry their Nats-TTL expiry; expiry index per b
 META_DB = b"__meta__"
 FORMAT_KEY = b"__format__"
 BUCKETS_KEY = b"__buckets__"  # configured bucket names, default first (for LocalReader)
-# Named databases: two per bucket (records, expiry index) and the meta database. An environment
-# handle must be opened with room for every database it opens; room costs memory in every
-# transaction (LMDB sizes a transaction's tables by it), so the writer takes what its buckets
-# need (dbs_for), never less than MAX_DBS; readers take room for what the file holds.
-MAX_DBS = 256
-
-
-def dbs_for(buckets: int, existing: int = 0) -> int:
-    """Room for `buckets` buckets (and `existing` databases already in the file), with margin:
-    each has its records, its expiry index and its near cache."""
-    return max(MAX_DBS, 3 * buckets + 16, existing + 16)
 DUE = struct.Struct(">Q")  # the expiry index's key prefix: big-endian, so LMDB orders by time
 
 
@@ -135,55 +113,14 @@ class Replica:
         self.max_age: dict[str, int] = {}
         try:
             if readonly:
-                self.env = _shared_readonly_env(path)
-            else:
-                os.makedirs(path, exist_ok=True)
-                self.env = self._open_checked(map_size)
+                self.env = shared_readonly_env(path)
+            else:  # a damaged file is deleted first (lmdbenv.open_writer)
+                self.env, self.max_dbs = open_writer(path, map_size, self.max_dbs)
         except lmdb.Error as e:
             raise ReplicaError(f"cannot open replica at {path}: {e}") from None
         self._meta = self.db_ro(META_DB) if readonly else self._open_rw(META_DB)
         if not readonly:
             self._check_format()
-
-    def _open_env(self, map_size: int) -> lmdb.Environment:
-        env = self._open_env_with(map_size)
-        with env.begin() as txn:  # the main database lists the named ones
-            existing = sum(1 for _ in txn.cursor().iternext(keys=True, values=False))
-        if dbs_for(0, existing) > self.max_dbs:  # a file from a configuration with more buckets
-            env.close()
-            self.max_dbs = dbs_for(0, existing)
-            env = self._open_env_with(map_size)
-        return env
-
-    def _open_env_with(self, map_size: int) -> lmdb.Environment:
-        return lmdb.open(
-            self.path, map_size=map_size, max_dbs=self.max_dbs,
-            # Durability comes from NATS: after an OS crash we resume from an older
-            # applied sequence, which is still consistent because data and position
-            # share each transaction. Process crashes lose nothing either way.
-            sync=False, metasync=False, readahead=False, max_readers=1024,
-        )
-
-    def _open_checked(self, map_size: int) -> lmdb.Environment:
-        """Open the writer's environment; a damaged one is deleted and created anew.
-
-        Why: the replica is only a cache of NATS, so a damaged file costs a full resync and
-        nothing else, while using it crashed the process (a truncated data.mdb is mapped past
-        its end: SIGBUS at the first read of a missing page; a zeroed page: an assertion
-        abort in LMDB's cursor), stopped the sidecar at every start (MDB_INVALID) or failed
-        the feed's every write (MDB_CORRUPTED). Since looking at a damaged file can kill the
-        looker, the look happens in a child process (see _damage). LMDB keeps no checksums:
-        damage inside a value cannot be seen, only damage to the file's structure."""
-        damage = _damage(self.path)
-        if damage is not None:
-            log.warning("replica at %s is damaged (%s): deleting it, it will be rebuilt from NATS",
-                        self.path, damage)
-            for name in ("data.mdb", "lock.mdb"):
-                try:
-                    os.unlink(os.path.join(self.path, name))
-                except FileNotFoundError:
-                    pass
-        return self._open_env(map_size)
 
     def _open_rw(self, name: bytes):
         db = self._dbs.get(name)
@@ -436,21 +373,9 @@ class Replica:
                 with self.env.begin(write=True) as txn:
                     return fn(txn)
             except lmdb.MapFullError:
-                self._grow(what)
+                grow(self.env, self.max_map_size, what)
             except lmdb.Error as e:
-                raise ReplicaError(f"replica write failed ({what}): {e}{self._disk_hint()}") from None
-
-    def _disk_hint(self) -> str:
-        """LMDB reports a full disk as "Input/output error" (its short-write code): name the
-        likely cause, or the error reads like failing hardware."""
-        try:
-            st = os.statvfs(self.path)
-        except OSError:
-            return ""
-        free = st.f_bavail * st.f_frsize
-        if free >= 64 << 20 and free >= st.f_blocks * st.f_frsize // 100:
-            return ""
-        return f" (disk full? {free >> 10} KiB free on the replica's filesystem)"
+                raise ReplicaError(f"replica write failed ({what}): {e}{disk_hint(self.path)}") from None
 
     def apply(self, bucket: str, puts: Iterable[tuple[str, bytes, int, int]],
               deletes: Iterable[str], meta: BucketMeta) -> None:
@@ -607,18 +532,6 @@ class Replica:
 
         self.write(f"bucket {bucket}", write)
 
-    def _grow(self, what: str = "") -> None:
-        size = self.env.info()["map_size"]
-        if size >= self.max_map_size:
-            raise ReplicaError(
-                f"replica map is full at {size >> 20} MiB ({what or 'write'}); it may not grow "
-                f"beyond max_map_size_mb={self.max_map_size >> 20}: raise it, or replicate fewer keys"
-            )
-        try:
-            self.env.set_mapsize(min(size * 2, self.max_map_size))
-        except lmdb.Error as e:
-            raise ReplicaError(f"cannot grow the replica map beyond {size >> 20} MiB: {e}") from None
-
     def map_size(self) -> int:
         return self.env.info()["map_size"]
 
@@ -627,7 +540,7 @@ class Replica:
 
     def close(self) -> None:
         if self.readonly:
-            _release_readonly_env(self.path)
+            release_readonly_env(self.path)
             return
         try:
             self.env.sync(True)
@@ -641,90 +554,6 @@ def _due_key(due: int, lkey: bytes) -> bytes:
     pass LMDB's key size), so that entries are unique and ordered by time."""
     return DUE.pack(due) + (lkey if len(lkey) <= MAX_LMDB_KEY - DUE.size else hashlib.sha256(lkey).digest())
 
-
-# py-lmdb allows one Environment per path per process, so read-only users share one.
-_READONLY_ENVS: dict[str, list] = {}
-
-
-def _shared_readonly_env(path: str) -> lmdb.Environment:
-    key = os.path.realpath(path)
-    entry = _READONLY_ENVS.get(key)
-    if entry is None:
-        env = lmdb.open(path, readonly=True, create=False, lock=True, readahead=False, max_readers=1024)
-        with env.begin() as txn:  # room to open every database the file holds, as the writer has
-            existing = sum(1 for _ in txn.cursor().iternext(keys=True, values=False))
-        env.close()
-        env = lmdb.open(path, max_dbs=dbs_for(0, existing), readonly=True, create=False, lock=True,
-                        readahead=False, max_readers=1024)
-        entry = _READONLY_ENVS[key] = [env, 0]
-    entry[1] += 1
-    return entry[0]
-
-
-def _release_readonly_env(path: str) -> None:
-    key = os.path.realpath(path)
-    entry = _READONLY_ENVS.get(key)
-    if entry is None:
-        return
-    entry[1] -= 1
-    if entry[1] <= 0:
-        del _READONLY_ENVS[key]
-        entry[0].close()
-
-
-# Run by _damage in a child process: exit 0 intact, 3 damaged (reason on stdout), 4 cannot
-# tell (no proof of damage: the parent's own open reports the error). A signal is damage too.
-_CHECK = r"""
-import os, sys, lmdb
-path = sys.argv[1]
-damage = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError,
-          lmdb.PageNotFoundError, lmdb.IncompatibleError, lmdb.BadValsizeError)
-try:
-    env = lmdb.open(path, readonly=True, lock=False, create=False)
-    with env.begin() as txn:
-        count = sum(1 for _ in txn.cursor().iternext(keys=True, values=False))
-    env.close()
-    env = lmdb.open(path, readonly=True, lock=False, max_dbs=count + 1, create=False)
-    need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-    size = os.path.getsize(os.path.join(path, "data.mdb"))
-    if size < need:
-        print(f"data.mdb is {size} bytes, its pages need {need}: truncated")
-        sys.exit(3)
-    with env.begin() as txn:
-        names = list(txn.cursor().iternext(keys=True, values=False))
-    for name in names:
-        db = env.open_db(name, create=False)
-        with env.begin(db=db) as txn:
-            for _ in txn.cursor().iternext(keys=True, values=False):
-                pass
-except damage as e:
-    print(e)
-    sys.exit(3)
-except Exception as e:
-    print(e)
-    sys.exit(4)
-"""
-
-
-def _damage(path: str) -> str | None:
-    """Why the replica at `path` cannot be trusted, or None. In a child process, because
-    LMDB answers some damage with SIGBUS or abort(): is the file as long as its meta page
-    says (checked before any other page is read), then a walk over the keys of every
-    database (not the values' overflow pages, so it stays cheap next to a resync), in which
-    LMDB checks each page it reaches."""
-    data = os.path.join(path, "data.mdb")
-    try:
-        if os.path.getsize(data) == 0:
-            return None
-    except FileNotFoundError:
-        return None
-    r = subprocess.run([sys.executable, "-c", _CHECK, path], capture_output=True, text=True,
-                       stdin=subprocess.DEVNULL)
-    if r.returncode == 3:
-        return r.stdout.strip() or "damaged"
-    if r.returncode < 0:
-        return f"reading it killed the checking process with {signal.Signals(-r.returncode).name}"
-    return None
 
 def now_ns() -> int:
     return time.time_ns()
