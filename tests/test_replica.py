@@ -8,12 +8,11 @@ import pytest
 
 from kvcache.entry import Operation
 from kvcache.errors import ReplicaError
-from kvcache.store.record import item
+from kvcache.store.record import MAX_LMDB_KEY, item
 from kvcache.store.replica import (
     FORMAT_KEY,
     FORMAT_VERSION,
     LONG_KEY_PREFIX,
-    MAX_LMDB_KEY,
     META_DB,
     BucketMeta,
     Replica,

@@ -17,10 +17,8 @@ transaction held open pins old pages and makes the file grow under a busy writer
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import struct
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -30,11 +28,11 @@ import lmdb
 
 from ..errors import ReplicaError
 from ..keys import subject_match
+from . import expiry
 from .lmdbenv import MAX_DBS, dbs_for, disk_hint, grow, open_writer, release_readonly_env, shared_readonly_env
 from .lmdbenv import as_bytes as _bytes
 from .record import (
     LONG_KEY_PREFIX,
-    MAX_LMDB_KEY,
     RECORD,
     Item,
     Record,
@@ -57,7 +55,6 @@ FORMAT_VERSION = 2  # 2: records carry their Nats-TTL expiry; expiry index per b
 META_DB = b"__meta__"
 FORMAT_KEY = b"__format__"
 BUCKETS_KEY = b"__buckets__"  # configured bucket names, default first (for LocalReader)
-DUE = struct.Struct(">Q")  # the expiry index's key prefix: big-endian, so LMDB orders by time
 
 
 @dataclass
@@ -183,7 +180,7 @@ class Replica:
 
     def _index(self, bucket: str):
         """The bucket's expiry index (writer only)."""
-        return self._open_rw(b"x:" + bucket.encode())
+        return self._open_rw(expiry.index_name(bucket))
 
     # ------------------------------------------------------------------ lent to the near cache
 
@@ -407,7 +404,7 @@ class Replica:
         deadline (a stream with neither max_age nor per-message TTLs): no expiry filing."""
         db = self.db(bucket)
         meta_key, meta_raw = bucket.encode(), meta.encode()
-        due = self._due_entries(bucket, items) if deadlines else None
+        due = expiry.due_entries(items, self.max_age.get(bucket, 0)) if deadlines else None
         index = self._index(bucket) if due else None  # opened outside: that takes a write txn
 
         def write(txn: lmdb.Transaction) -> None:
@@ -432,46 +429,20 @@ class Replica:
 
         self.write(f"bucket {bucket}", write)
 
-    def _due_entries(self, bucket: str, items: Sequence[Item]) -> list[tuple[bytes, bytes]]:
-        """Expiry index entries for the records among `items` that have a deadline."""
-        max_age = self.max_age.get(bucket, 0)
-        out = []
-        for lk, rec in items:
-            if rec is not None and (max_age or has_ttl(rec)):
-                due = deadline(rec, max_age)
-                if due:
-                    out.append((_due_key(due, lk), lk))
-        return out
-
     def refile(self, bucket: str, after: bytes | None = None, limit: int = 2_000) -> bytes | None:
         """File up to `limit` records after `after` in the expiry index under their deadline
         now (after max_age changed: records filed before, or never, are due at other times);
         returns where the next page starts, None at the end."""
         db, index = self.db(bucket), self._index(bucket)
-
-        def write(txn: lmdb.Transaction) -> bytes | None:
-            cur = txn.cursor(db=db)
-            ok = cur.set_range(after) if after is not None else cur.first()
-            if ok and after is not None and cur.key() == after:
-                ok = cur.next()
-            batch: list[tuple[bytes, bytes]] = []
-            last = None
-            while ok and len(batch) < limit:
-                last = _bytes(cur.key())
-                batch.append((last, _bytes(cur.value())))
-                ok = cur.next()
-            due = self._due_entries(bucket, batch)
-            if due:
-                txn.cursor(db=index).putmulti(due)
-            return last if ok else None
-
-        return self.write(f"bucket {bucket} expiry", write)
+        max_age = self.max_age.get(bucket, 0)
+        return self.write(f"bucket {bucket} expiry",
+                          lambda txn: expiry.refile(txn, db, index, max_age, after, limit))
 
     def next_due(self, bucket: str) -> int | None:
         """The earliest deadline in the bucket's expiry index (ns), None when it is empty."""
-        with self.env.begin(db=self._index(bucket)) as txn:
-            cur = txn.cursor()
-            return DUE.unpack_from(cur.key())[0] if cur.first() else None
+        index = self._index(bucket)
+        with self.env.begin(db=index) as txn:
+            return expiry.first_due(txn, index)
 
     def sweep_expired(self, bucket: str, now_ns: int, limit: int = 2_000,
                       removed_keys: list[str] | None = None) -> tuple[int, bool]:
@@ -482,33 +453,8 @@ class Replica:
         `removed_keys`: the removed records' keys are appended to it."""
         db, index = self.db(bucket), self._index(bucket)
         max_age = self.max_age.get(bucket, 0)
-
-        def write(txn: lmdb.Transaction) -> tuple[int, bool]:
-            cur = txn.cursor(db=index)
-            removed = seen = 0
-            refile: list[tuple[bytes, bytes]] = []
-            ok = cur.first()
-            while ok and seen < limit:
-                if DUE.unpack_from(cur.key())[0] > now_ns:
-                    return removed, False
-                lk = _bytes(cur.value())
-                raw = _bytes(txn.get(lk, db=db))
-                if raw is not None:
-                    due = deadline(raw, max_age)
-                    if due and due <= now_ns:
-                        txn.delete(lk, db=db)
-                        removed += 1
-                        if removed_keys is not None:
-                            removed_keys.append(decode_key(lk, raw))
-                    elif due:
-                        refile.append((_due_key(due, lk), lk))
-                seen += 1
-                ok = cur.delete() and bool(cur.key())
-            for k, v in refile:
-                txn.put(k, v, db=index)
-            return removed, ok
-
-        return self.write(f"bucket {bucket} expiry", write)
+        return self.write(f"bucket {bucket} expiry",
+                          lambda txn: expiry.sweep(txn, db, index, max_age, now_ns, limit, removed_keys))
 
     def delete_lkeys(self, bucket: str, lkeys: Iterable[bytes]) -> int:
         db = self.db(bucket)
@@ -547,12 +493,6 @@ class Replica:
         except lmdb.Error:
             pass
         self.env.close()
-
-
-def _due_key(due: int, lkey: bytes) -> bytes:
-    """An expiry index key: the deadline, then the LMDB key (its digest when the two would
-    pass LMDB's key size), so that entries are unique and ordered by time."""
-    return DUE.pack(due) + (lkey if len(lkey) <= MAX_LMDB_KEY - DUE.size else hashlib.sha256(lkey).digest())
 
 
 def now_ns() -> int:
