@@ -7,10 +7,12 @@ subject) and its full text rides in the record.
 
 Expiry: every read treats a record past its deadline (its own `Nats-TTL`, or the bucket's
 max_age, see record.deadline) as absent; `max_age` (per bucket, ns) is told by the feed. Each
-bucket has a second database, its expiry index (`x:<bucket>`: `deadline u64 BE | lkey or its
-digest` -> lkey), written with the records, so that `sweep_expired` removes what has expired
-by reading only what is due, never the whole replica. The index is cleaned lazily: an entry
-whose record was since replaced is dropped when it comes due.
+bucket has a second database, its expiry index (kvcache.store.expiry), written with the
+records, so that `sweep_expired` removes what has expired by reading only what is due, never
+the whole replica.
+
+Opening the environment (a damaged file is deleted first), the read-only environment shared in
+a process and the map's growth are kvcache.store.lmdbenv's.
 
 Reads open and close their own short transaction and never span an `await`: a read
 transaction held open pins old pages and makes the file grow under a busy writer.
