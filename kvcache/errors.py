@@ -1,4 +1,5 @@
-"""Exceptions that cross module boundaries; each carries a message fit for one stderr line."""
+"""Exceptions that cross module boundaries; each carries a message fit for one stderr line,
+and describe() makes such a line of any other exception."""
 
 
 class KvcacheError(Exception):
@@ -61,3 +62,12 @@ class ReplyBudget:
         if self.left < 0:
             raise ReplyTooLarge(f"ERR reply too large: its values exceed max_reply_bytes ({self.limit}); "
                                 "ask for fewer keys at a time")
+
+
+def describe(e: BaseException) -> str:
+    """An exception as the short text a log line or the CLI's one error line shows: "timed
+    out" for a timeout, nats-py's "nats: " prefix dropped, the type's name for an empty one."""
+    if isinstance(e, TimeoutError):  # asyncio.TimeoutError too: the same class since 3.11
+        return "timed out"
+    text = str(e) or type(e).__name__
+    return text.replace("nats: ", "")

@@ -3,7 +3,6 @@ replica, one feed per bucket, router, RESP server; and takes them down in the ri
 from __future__ import annotations
 
 import asyncio
-import collections
 import errno
 import fcntl
 import functools
@@ -22,14 +21,14 @@ import nats.errors
 from . import native
 from .config import BucketConfig, Config, ensure_dirs, strip_url_auth, tls_context, url_auth
 from .demo import DEMO_BUCKET, ensure_demo_bucket
-from .errors import BucketNotFound, ConfigError, KvcacheError, UpstreamError
+from .errors import BucketNotFound, ConfigError, KvcacheError, UpstreamError, describe
 from .feed.changes import ChangeHub
 from .feed.feed import SILENT_HEARTBEATS, Feed
 from .feed.quorum import NO_FENCE
 from .feed.statepoll import SHARED_FROM, StatePoll
 from .natsio import jetstream as jsapi
 from .natsio.connection import NatsConnection
-from .natsio.server import NatsServer, port_taken
+from .natsio.embedded import EmbeddedNats
 from .ops.accesslog import AccessLog
 from .ops.health import BucketState, readiness
 from .ops.metrics import SidecarCollector, exposition
@@ -52,13 +51,6 @@ log = logging.getLogger("kvcache")
 
 STOP_STEP_S = 5.0  # longest wait for one shutdown step (a feed, the router, peer connections)
 LOCK_FILE = "kvcache.lock"
-# The embedded nats-server, supervised: restarted after a crash with a growing pause
-# (0.25 s doubling up to 5 s), and given up on (the sidecar exits 1) once it has died or
-# failed to start EMBEDDED_MAX_FAILURES times within EMBEDDED_WINDOW_S.
-EMBEDDED_POLL_S = 0.2
-EMBEDDED_MAX_FAILURES = 5
-EMBEDDED_WINDOW_S = 60.0
-EMBEDDED_BACKOFF_S = (0.25, 5.0)
 
 # Leaving a server: unanswered pings (nats-py's max_outstanding_pings), the shortest ping
 # interval, and the wait before moving off a server that answers but shows no quorum
@@ -77,7 +69,7 @@ class Sidecar:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.stats = Stats()
-        self.embedded: NatsServer | None = None
+        self.embedded: EmbeddedNats | None = None
         self.nc: NatsConnection | None = None
         self.replica: Replica | None = None
         self.feeds: dict[str, Feed] = {}
@@ -101,7 +93,6 @@ class Sidecar:
         self._hopper: asyncio.Task | None = None  # _leave_servers_without_quorum
         self._lock_fd: int | None = None
         self._fatal_error: KvcacheError | None = None
-        self.embedded_restarts = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -114,8 +105,9 @@ class Sidecar:
         claim_socket_path(os.path.abspath(self.cfg.socket_path))
         self._warn_bounds_under_heartbeats()
         if self.use_embedded:
-            await self._start_embedded()
-            self._supervisor = asyncio.ensure_future(self._supervise_embedded())
+            self.embedded = EmbeddedNats(self.cfg.data_dir, self.cfg.embedded_port)
+            self.cfg.nats.servers = [self.embedded.start()]
+            self._supervisor = asyncio.ensure_future(self.embedded.supervise(self._stopping, self._give_up))
         nc = self.nc = await self._connect(self.cfg.nats.servers)
         self.nats_url = self.nc.connected_url.geturl() if self.nc.connected_url else ""
         self.stats.nats_url, self.stats.embedded_nats = self.nats_url, self.use_embedded
@@ -209,7 +201,7 @@ class Sidecar:
             if interrupted:
                 error = None if starting.cancelled() else starting.exception()
                 if error is not None:
-                    log.info("start abandoned: %s", _describe(error))
+                    log.info("start abandoned: %s", describe(error))
             else:
                 starting.result()  # a failed start: its one-line error reaches the CLI
             await self._stopping.wait()
@@ -319,77 +311,19 @@ class Sidecar:
             try:
                 self.replica.close()
             except Exception as e:
-                log.warning("shutdown: replica close: %s", _describe(e))
+                log.warning("shutdown: replica close: %s", describe(e))
             self.replica = None
         if self.embedded:
             try:
                 self.embedded.stop()
             except Exception as e:
-                log.warning("shutdown: embedded nats-server stop: %s", _describe(e))
+                log.warning("shutdown: embedded nats-server stop: %s", describe(e))
             self.embedded = None
         self._release_lock()
         if served:
             log.info("stopped")
 
     # ------------------------------------------------------------------ NATS
-
-    async def _start_embedded(self) -> None:
-        store = os.path.join(os.path.abspath(self.cfg.data_dir), "nats")
-        os.makedirs(store, exist_ok=True)
-        # embedded_port: a fixed client port (the `nats` CLI can name it), else a free one
-        if self.cfg.embedded_port and (why := port_taken("127.0.0.1", self.cfg.embedded_port)):
-            raise UpstreamError(f"the embedded nats-server cannot listen on 127.0.0.1:{self.cfg.embedded_port} "
-                                f"(embedded_port, KVCACHE_EMBEDDED_PORT): {why.lower()}")
-        self.embedded = NatsServer(store, port=self.cfg.embedded_port or None,
-                                   server_name="kvcache-embedded", conf_dir=self.cfg.data_dir)
-        # Started from the main thread on purpose: the server dies with the thread that
-        # started it (PR_SET_PDEATHSIG), and executor threads come and go.
-        self.embedded.start()
-        self.cfg.nats.servers = [self.embedded.url]
-        log.info("started embedded nats-server %s (pid %d, store %s)",
-                 self.embedded.url, self.embedded.pid, store)
-
-    async def _supervise_embedded(self) -> None:
-        """Restart the embedded nats-server when it dies, on the same port and store (the
-        connection reconnects and the feeds resume by themselves); give up, and stop the
-        sidecar with exit code 1, after EMBEDDED_MAX_FAILURES deaths or failed starts within
-        EMBEDDED_WINDOW_S: a server that cannot stay up is a problem for a person."""
-        failures: collections.deque[float] = collections.deque()
-        loop = asyncio.get_running_loop()
-        while not self._stopping.is_set():
-            await asyncio.sleep(EMBEDDED_POLL_S)
-            srv = self.embedded
-            if srv is None or srv.running or self._stopping.is_set():
-                continue
-            log.error("embedded nats-server (pid %s) exited %s", srv.pid, srv.exit_status())
-            failures.append(time.monotonic())
-            while not self._stopping.is_set():
-                now = time.monotonic()
-                while failures and failures[0] < now - EMBEDDED_WINDOW_S:
-                    failures.popleft()
-                if len(failures) >= EMBEDDED_MAX_FAILURES:
-                    self._give_up(UpstreamError(
-                        f"embedded nats-server died or failed to start {len(failures)} times within "
-                        f"{EMBEDDED_WINDOW_S:g}s; giving up (its log: {srv.log_file})"))
-                    return
-                delay = min(EMBEDDED_BACKOFF_S[0] * 2 ** (len(failures) - 1), EMBEDDED_BACKOFF_S[1])
-                log.warning("restarting embedded nats-server in %gs (failure %d of %d within %gs)",
-                            delay, len(failures), EMBEDDED_MAX_FAILURES, EMBEDDED_WINDOW_S)
-                await asyncio.sleep(delay)
-                if self._stopping.is_set():
-                    return
-                try:
-                    srv.launch()  # here, on the main thread: see _start_embedded
-                    await loop.run_in_executor(None, srv.wait_ready, 10.0)
-                except (KvcacheError, OSError) as e:
-                    srv.kill()
-                    failures.append(time.monotonic())
-                    log.error("embedded nats-server did not start again: %s", _describe(e).splitlines()[0])
-                    continue
-                self.embedded_restarts += 1
-                log.warning("restarted embedded nats-server %s (pid %d; restart %d)",
-                            srv.url, srv.pid, self.embedded_restarts)
-                break
 
     def _give_up(self, err: KvcacheError) -> None:
         """Stop with exit code 1; `run` raises `err` after the shutdown, so the CLI ends with
@@ -530,7 +464,7 @@ class Sidecar:
         # the last failure (refused, TLS verification, timeout), is the one that helps.
         if first and isinstance(e, nats.errors.NoServersError):
             e = ([x for x in first if str(x).startswith("nats: '")] or first)[-1]
-        why = _describe(e)
+        why = describe(e)
         if why.startswith("'") and why.endswith("'"):  # the server's -ERR 'Authorization Violation'
             why = why.strip("'").lower()
         raise UpstreamError(f"cannot connect to NATS at {', '.join(urls)}: {why}") from None
@@ -563,7 +497,7 @@ class Sidecar:
     async def _on_error(self, e: Exception) -> None:
         # Before the first connection the failure is reported once, as the startup error.
         if self.nc is not None and not self._stopping.is_set():
-            log.warning("nats: %s", _describe(e))
+            log.warning("nats: %s", describe(e))
 
     async def _on_disconnect(self) -> None:
         if self._stopping.is_set() or self.nc is None:
@@ -657,11 +591,4 @@ async def _step(what: str, aw: Awaitable, timeout: float) -> None:
     except TimeoutError:
         log.warning("shutdown: %s did not finish within %gs", what, timeout)
     except Exception as e:  # expected while NATS is gone: debug, not noise
-        log.debug("shutdown: %s: %s", what, _describe(e))
-
-
-def _describe(e: BaseException) -> str:
-    if isinstance(e, asyncio.TimeoutError):
-        return "timed out"
-    text = str(e) or type(e).__name__
-    return text.replace("nats: ", "")
+        log.debug("shutdown: %s: %s", what, describe(e))
