@@ -9,7 +9,9 @@ import sys
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
-from .config import Config, load, validate_nats_auth
+from .config import Config
+from .config_nats import validate_nats_auth
+from .config_sources import load
 from .errors import ConfigError, KvcacheError
 from .ops import logformat
 
@@ -57,7 +59,7 @@ _DEFAULT_TEXT = {
 def _document_settings(p: argparse.ArgumentParser) -> None:
     """Append each option's default and environment variable to its help, from the tables
     config.py loads with (config.env_var, config.default_of): one source of truth."""
-    from .config import default_of, env_var
+    from .config_sources import default_of, env_var
 
     for action in p._actions:
         var = env_var(action.dest)

@@ -1,21 +1,19 @@
-"""Configuration: TOML file, then `KVCACHE_*` environment, then flags; later sources win.
+"""The one `Config`: the sidecar's settings as dataclasses, and `validate`, the checks every
+setting must pass, done once so the rest of the code can trust what it gets.
 
-Every key of the TOML layout (docs/configuration.md) is reachable from all three sources, so a container
-can be configured with environment variables alone and a developer with flags alone.
-Validation happens here, once, so the rest of the code can trust what it gets.
+Reading the settings from their three sources (TOML file, `KVCACHE_*` environment, flags) is
+`kvcache.config_sources.load`; checking the NATS credential files before connecting is
+`kvcache.config_nats.validate_nats_auth`. Both import this module, never the other way round:
+the dataclasses are what every side of the sidecar imports, and they stay light.
+The values built from settings live here too: addresses, the socket path, the TLS context.
 """
 from __future__ import annotations
 
-import base64
-import json
 import os
 import re
 import ssl
-import tomllib
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from .errors import CommandError, ConfigError
 from .keys import FilterSet, valid_filter
@@ -81,7 +79,8 @@ class PeerConfig:
 
 @dataclass
 class Config:
-    """The sidecar's whole configuration, validated once by `load` (TOML, environment, flags)."""
+    """The sidecar's whole configuration, validated once by `validate` when
+    kvcache.config_sources.load builds it (TOML, environment, flags)."""
 
     data_dir: str = "./kvcache-data"
     socket: str | None = None  # default: <data_dir>/kvcache.sock
@@ -167,45 +166,7 @@ class Config:
         return self.serve_stale if b.serve_stale is None else b.serve_stale
 
 
-# ---------------------------------------------------------------------------- sources
-
-_SCALARS = {f.name: f for f in fields(Config) if f.name not in ("nats", "buckets", "peers", "requirepass")}
-PASSWORD_ENV = "KVCACHE_REQUIREPASS"
-_NATS_SCALARS = {f.name: f for f in fields(NatsConfig)}
-
-
-def load(
-    path: str | None = None,
-    env: Mapping[str, str] | None = None,
-    overrides: Mapping[str, Any] | None = None,
-) -> Config:
-    """Build a validated Config. `overrides` are flag values (None means not given)."""
-    env = os.environ if env is None else env
-    path = path or env.get(_env_name("config"))
-    raw: dict[str, Any] = _read_toml(path) if path else {}
-    cfg = _from_mapping(raw, where=path or "config")
-    _apply_env(cfg, env)
-    _apply_overrides(cfg, overrides or {})
-    _load_password(cfg, env)
-    validate(cfg)
-    return cfg
-
-
-def _load_password(cfg: Config, env: Mapping[str, str]) -> None:
-    """requirepass from its file or KVCACHE_REQUIREPASS, never both."""
-    from_env = env.get(PASSWORD_ENV)
-    if cfg.requirepass_file and from_env is not None:
-        raise ConfigError(f"requirepass_file and {PASSWORD_ENV} are both set: give the password once")
-    if cfg.requirepass_file:
-        data = _read_setting_file(cfg.requirepass_file, "requirepass")
-        text = data.decode("utf-8", "replace").rstrip("\r\n")
-        if not text or "\n" in text:
-            raise ConfigError(f"requirepass file {cfg.requirepass_file}: expected the password on one line")
-        cfg.requirepass = text
-    elif from_env is not None:
-        if not from_env:
-            raise ConfigError(f"{PASSWORD_ENV} is empty")
-        cfg.requirepass = from_env
+PASSWORD_ENV = "KVCACHE_REQUIREPASS"  # requirepass's other source (config_sources.load reads it)
 
 
 def _host_port(text: str, setting: str = "listen") -> tuple[str, int]:
@@ -227,227 +188,6 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _read_toml(path: str) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except IsADirectoryError:
-        raise ConfigError(f"config file {path} is a directory") from None
-    except OSError as e:
-        raise ConfigError(f"config file {path}: {e.strerror}") from None
-    if data.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\0" in data:
-        raise ConfigError(f"config file {path} is UTF-16 (or binary), not UTF-8 text as TOML must be: "
-                          f"convert it, e.g. iconv -f UTF-16 -t UTF-8 {path}")
-    try:
-        text = data.removeprefix(b"\xef\xbb\xbf").decode()  # a UTF-8 BOM is harmless
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path} is not UTF-8 text as TOML must be "
-                          f"(byte {e.start}: {data[e.start:e.start + 1]!r})") from None
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {path}: invalid TOML: {e}") from None
-    _check_socket_mode_literal(text, raw, path)
-    return raw
-
-
-_SOCKET_MODE_LITERAL = re.compile(
-    r"""^[ \t]*(?:socket_mode|"socket_mode"|'socket_mode')[ \t]*=[ \t]*([+-]?[0-9][0-9_]*)[ \t]*(?:#.*)?$""",
-    re.MULTILINE)
-
-
-def _check_socket_mode_literal(text: str, raw: dict[str, Any], where: str) -> None:
-    """`socket_mode = 660` is the decimal number 660 to TOML (octal 1224), never the file mode
-    the user meant: refuse a decimal literal and say how to write one (0o660 or "660")."""
-    if not isinstance(raw.get("socket_mode"), int):
-        return
-    m = _SOCKET_MODE_LITERAL.search(text)
-    if m is None or int(m.group(1).replace("_", "")) == 0:
-        return
-    lit = m.group(1)
-    digits = lit if re.fullmatch(r"[0-7]{1,4}", lit) and int(lit, 8) <= 0o777 else "660"
-    raise ConfigError(
-        f"{where}: socket_mode = {lit} is read by TOML as the decimal number {int(lit.replace('_', ''))}, "
-        f"not an octal file mode: write socket_mode = 0o{digits} or socket_mode = \"{digits}\"")
-
-
-def _octal_mode(value: Any, what: str) -> int:
-    """A file mode from a string (`"660"`, `"0660"`, `"0o660"`) or an integer (TOML's 0o660)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        try:
-            return int(value.strip().removeprefix("0o"), 8)
-        except ValueError:
-            pass
-    raise ConfigError(f"{what} must be an octal file mode like 0o660 or \"660\", got {value!r}")
-
-
-def _from_mapping(raw: dict[str, Any], where: str) -> Config:
-    cfg = Config()
-    for key, value in raw.items():
-        if key == "nats":
-            _expect(value, dict, f"{where}: [nats]")
-            for k, v in value.items():
-                _set_field(cfg.nats, _NATS_SCALARS, k, v, f"{where}: [nats]")
-        elif key == "bucket":
-            _expect(value, list, f"{where}: [[bucket]]")
-            cfg.buckets = [_bucket_from(b, where) for b in value]
-        elif key == "peer":
-            _expect(value, list, f"{where}: [[peer]]")
-            cfg.peers = [_peer_from(p, where) for p in value]
-        else:
-            _set_field(cfg, _SCALARS, key, value, where)
-    return cfg
-
-
-def _bucket_from(raw: Any, where: str) -> BucketConfig:
-    _expect(raw, dict, f"{where}: [[bucket]]")
-    unknown = set(raw) - {"name", "keys", "max_stale_ms", "serve_stale", "cache_max_keys", "cache_max_bytes"}
-    if unknown:
-        raise ConfigError(f"{where}: unknown key '{sorted(unknown)[0]}' in [[bucket]]")
-    if "name" not in raw:
-        raise ConfigError(f"{where}: [[bucket]] needs a name")
-    b = BucketConfig(name=_typed(raw["name"], str, f"{where}: bucket name"))
-    if "keys" in raw:
-        b.keys = _str_list(raw["keys"], f"{where}: bucket {b.name}: keys")
-    if "max_stale_ms" in raw:
-        b.max_stale_ms = _typed(raw["max_stale_ms"], int, f"{where}: bucket {b.name}: max_stale_ms")
-    if "serve_stale" in raw:
-        b.serve_stale = _coerce(raw["serve_stale"], "bool", f"{where}: bucket {b.name}: serve_stale")
-    for bound in ("cache_max_keys", "cache_max_bytes"):
-        if bound in raw:
-            setattr(b, bound, _typed(raw[bound], int, f"{where}: bucket {b.name}: {bound}"))
-    return b
-
-
-def _peer_from(raw: Any, where: str) -> PeerConfig:
-    _expect(raw, dict, f"{where}: [[peer]]")
-    unknown = set(raw) - {"name", "servers", "stream", "domain"}
-    if unknown:
-        raise ConfigError(f"{where}: unknown key '{sorted(unknown)[0]}' in [[peer]]")
-    for req in ("name", "servers", "stream"):
-        if req not in raw:
-            raise ConfigError(f"{where}: [[peer]] needs '{req}'")
-    return PeerConfig(
-        name=_typed(raw["name"], str, f"{where}: peer name"),
-        servers=_str_list(raw["servers"], f"{where}: peer servers"),
-        stream=_typed(raw["stream"], str, f"{where}: peer stream"),
-        domain=_typed(raw["domain"], str, f"{where}: peer domain") if "domain" in raw else None,
-    )
-
-
-ENV_PREFIX = "KVCACHE_"
-# Settings that are not fields of Config or NatsConfig but have a flag and a variable.
-_ENV_EXTRA = ("config", "buckets", "max_stale_ms")
-
-
-def env_var(setting: str) -> str | None:
-    """The environment variable of a setting, named as its flag's dest: a Config field
-    (`max_clients`), `nats_` + a NatsConfig field (`nats_creds`), or `config`, `buckets`,
-    `max_stale_ms`. None: no variable. The one table for `_apply_env` and `--help`."""
-    if setting in _SCALARS or setting in _ENV_EXTRA:
-        return ENV_PREFIX + setting.upper()
-    if setting.startswith("nats_") and setting[5:] in _NATS_SCALARS:
-        return ENV_PREFIX + setting.upper()
-    return None
-
-
-def default_of(setting: str) -> Any:
-    """A setting's default, named as in `env_var` (None: none, or computed at run time)."""
-    if setting in _SCALARS:
-        return getattr(Config(), setting)
-    if setting.startswith("nats_") and setting[5:] in _NATS_SCALARS:
-        return getattr(NatsConfig(), setting[5:])
-    if setting == "max_stale_ms":
-        return BucketConfig(name="").max_stale_ms
-    return None
-
-
-def _env_name(setting: str) -> str:
-    """env_var for a setting known to have one."""
-    var = env_var(setting)
-    assert var is not None, setting
-    return var
-
-
-def _apply_env(cfg: Config, env: Mapping[str, str]) -> None:
-    for name, f in _SCALARS.items():
-        var = _env_name(name)
-        value = env.get(var)
-        if value is None:
-            continue
-        if name == "socket_mode":  # file modes are octal, with or without the 0o
-            try:
-                cfg.socket_mode = int(value.removeprefix("0o"), 8)
-            except ValueError:
-                raise ConfigError(f"{var} must be an octal file mode, got '{value}'") from None
-        else:
-            setattr(cfg, name, _parse_scalar(value, str(f.type), var))
-    for name, f in _NATS_SCALARS.items():
-        var = _env_name("nats_" + name)
-        value = env.get(var)
-        if value is None:
-            continue
-        if name == "servers":
-            cfg.nats.servers = _split_list(value)
-        else:
-            setattr(cfg.nats, name, _parse_scalar(value, str(f.type), var))
-    if env.get(var := _env_name("buckets")):
-        cfg.buckets = [parse_bucket_spec(s) for s in env[var].split()]
-    if env.get(var := _env_name("max_stale_ms")):
-        stale = _parse_scalar(env[var], "int", var)
-        if stale < 0:
-            raise ConfigError(f"{var} must not be negative, got {stale}")
-        for b in cfg.buckets:
-            b.max_stale_ms = stale
-    if _env_name("serve_stale") in env:  # parsed into cfg.serve_stale above; like
-        for b in cfg.buckets:           # KVCACHE_MAX_STALE_MS, it sets every bucket
-            b.serve_stale = cfg.serve_stale
-    for bound in ("cache_max_keys", "cache_max_bytes"):  # the same: every bucket
-        if _env_name(bound) in env:
-            for b in cfg.buckets:
-                setattr(b, bound, getattr(cfg, bound))
-
-
-def _apply_overrides(cfg: Config, overrides: Mapping[str, Any]) -> None:
-    for key, value in overrides.items():
-        if value is None or value == []:
-            continue
-        if key == "nats_servers":
-            cfg.nats.servers = [s for v in value for s in _split_list(v)]
-        elif key == "buckets":
-            cfg.buckets = [parse_bucket_spec(s) for s in value]
-        elif key == "max_stale_ms":
-            if value < 0:  # checked here too: with no bucket yet (the demo) nothing else sees it
-                raise ConfigError(f"max_stale_ms must not be negative, got {value}")
-            for b in cfg.buckets:
-                b.max_stale_ms = value
-        elif key in ("serve_stale", "cache_max_keys", "cache_max_bytes"):
-            # every bucket; buckets named by a later flag inherit it
-            setattr(cfg, key, value)
-            for b in cfg.buckets:
-                setattr(b, key, value)
-        elif key.startswith("nats_") and key[5:] in _NATS_SCALARS:
-            setattr(cfg.nats, key[5:], value)
-        elif key in _SCALARS:
-            setattr(cfg, key, value)
-        else:
-            raise ConfigError(f"unknown setting '{key}'")
-
-
-def parse_bucket_spec(spec: str) -> BucketConfig:
-    """`name`, `name:filter,filter`, or `name:` for no replicated key (a bucket served by its
-    near cache only). ':' is legal in neither bucket names nor keys."""
-    name, colon, filters = spec.partition(":")
-    b = BucketConfig(name=name)
-    if colon:
-        b.keys = [f for f in filters.split(",") if f]
-    return b
 
 
 # ---------------------------------------------------------------------------- validation
@@ -535,38 +275,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("peer name 'stale' is reserved")
 
 
-
-# ---------------------------------------------------------------------------- NATS auth and TLS
-
-def validate_nats_auth(cfg: Config) -> None:
-    """Credentials and TLS files, checked before anything connects: a missing, unreadable or
-    malformed file is one line naming the setting and the file, never what the file holds.
-    Only `serve` connects to NATS, so only it calls this: `kvcache get`/`info` with the same
-    config file must not need the credentials."""
-    n = cfg.nats
-    if n.creds and n.nkey:
-        raise ConfigError("creds and nkey are exclusive: a creds file holds the user's nkey seed already")
-    if n.token and (n.user or n.password):
-        raise ConfigError("token and user/password are exclusive")
-    if n.password and not n.user:
-        raise ConfigError("password needs user")
-    if n.user and not n.password:
-        raise ConfigError("user needs password")
-    others = n.creds or n.nkey or n.token or n.user
-    for servers in [n.servers] + [p.servers for p in cfg.peers]:
-        in_urls = {url_auth(u) for u in servers} - {(None, None)}
-        if len(in_urls) > 1:
-            raise ConfigError(f"the NATS URLs {', '.join(map(redact_url, servers))} carry different credentials")
-        if in_urls and others:  # nats-py would ignore the URL's
-            url = next(u for u in servers if url_auth(u) != (None, None))
-            raise ConfigError(f"the NATS URL {redact_url(url)} carries credentials and "
-                              "creds, nkey, token or user is set too: give them once")
-    if n.creds:
-        check_creds_file(n.creds)
-    if n.nkey:
-        check_nkey_file(n.nkey)
-    tls_context(n)
-
+# ---------------------------------------------------------------------------- NATS URLs and TLS
 
 def url_auth(url: str) -> tuple[str | None, str | None]:
     """The user (or token) and password a `nats://user:pass@host` URL carries, as nats-py
@@ -593,71 +302,13 @@ def redact_url(url: str) -> str:
     return f"{scheme}{sep}***@{rest}"
 
 
-def _read_setting_file(path: str, what: str, limit: int = 1 << 20) -> bytes:
+def read_setting_file(path: str, what: str, limit: int = 1 << 20) -> bytes:
+    """A file a setting names (password, creds, nkey, TLS), an unreadable one a ConfigError."""
     try:
         with open(path, "rb") as f:
             return f.read(limit)
     except OSError as e:
         raise ConfigError(f"{what} file {path}: {e.strerror}") from None
-
-
-_JWT = re.compile(rb"^[A-Za-z0-9_-]+\.([A-Za-z0-9_-]+)\.[A-Za-z0-9_-]+$")
-
-
-def _block_line(data: bytes, marker: bytes) -> bytes | None:
-    """The line after the one holding `marker`, as nats-py reads a creds file."""
-    lines = data.split(b"\n")
-    for i, line in enumerate(lines[:-1]):
-        if marker in line:
-            return lines[i + 1]
-    return None
-
-
-def _user_seed(seed: bytes) -> str | None:
-    """Why `seed` is not a user nkey seed, or None when it is."""
-    import nkeys
-
-    try:
-        kp = nkeys.from_seed(bytearray(seed))
-        kind = kp.public_key[:1]
-        kp.wipe()
-    except Exception:  # nkeys raises its own errors, binascii's and ValueError
-        return "not an nkey seed"
-    if kind != b"U":
-        return "not a user nkey seed (a user seed starts with SU)"
-    return None
-
-
-def check_creds_file(path: str) -> None:
-    """A creds file as nats-py reads it: the line after `BEGIN NATS USER JWT` is a JWT, the
-    line after `BEGIN USER NKEY SEED` a user seed. (nats-py itself loops forever on a file
-    with no JWT block.)"""
-    data = _read_setting_file(path, "creds")
-    jwt = _block_line(data, b"BEGIN NATS USER JWT")
-    if jwt is None:
-        raise ConfigError(f"creds file {path}: no user JWT in it (expected a -----BEGIN NATS USER JWT----- block)")
-    m = _JWT.match(jwt)
-    try:
-        claims = json.loads(base64.urlsafe_b64decode(m.group(1) + b"=" * (-len(m.group(1)) % 4))) if m else None
-    except ValueError:
-        claims = None
-    if not isinstance(claims, dict) or (claims.get("nats") or {}).get("type", "user") != "user":
-        raise ConfigError(f"creds file {path}: its user JWT is malformed")
-    seed = _block_line(data, b"BEGIN USER NKEY SEED")
-    if seed is None:
-        raise ConfigError(f"creds file {path}: no user nkey seed in it "
-                          "(expected a -----BEGIN USER NKEY SEED----- block)")
-    why = _user_seed(seed.strip())
-    if why:
-        raise ConfigError(f"creds file {path}: its seed is {why}")
-
-
-def check_nkey_file(path: str) -> None:
-    data = _read_setting_file(path, "nkey")
-    why = _user_seed(data.strip())
-    if why:
-        hint = " (a creds file goes to creds, --creds)" if b"BEGIN NATS USER JWT" in data else ""
-        raise ConfigError(f"nkey file {path}: {why}{hint}")
 
 
 def tls_context(n: NatsConfig) -> ssl.SSLContext | None:
@@ -669,7 +320,7 @@ def tls_context(n: NatsConfig) -> ssl.SSLContext | None:
         raise ConfigError("tls_key needs tls_cert (the client certificate the key belongs to)")
     for what, path in (("tls_ca", n.tls_ca), ("tls_cert", n.tls_cert), ("tls_key", n.tls_key)):
         if path:
-            _read_setting_file(path, what, limit=1)
+            read_setting_file(path, what, limit=1)
     try:
         ctx = ssl.create_default_context(cafile=n.tls_ca)
     except ssl.SSLError:
@@ -679,89 +330,17 @@ def tls_context(n: NatsConfig) -> ssl.SSLContext | None:
             # A callable password: an encrypted key fails here instead of prompting on a terminal.
             ctx.load_cert_chain(n.tls_cert, n.tls_key, password=lambda: b"")
         except ssl.SSLError as e:
-            if not n.tls_key and b"PRIVATE KEY" not in _read_setting_file(n.tls_cert, "tls_cert"):
+            if not n.tls_key and b"PRIVATE KEY" not in read_setting_file(n.tls_cert, "tls_cert"):
                 raise ConfigError(f"tls_cert file {n.tls_cert}: no private key in it "
                                   "(give the key file with tls_key, --tls-key)") from None
             if e.reason == "KEY_VALUES_MISMATCH":
                 raise ConfigError(f"tls_key file {n.tls_key} does not belong to tls_cert {n.tls_cert}") from None
-            if b"ENCRYPTED" in _read_setting_file(n.tls_key or n.tls_cert, "tls_key"):
+            if b"ENCRYPTED" in read_setting_file(n.tls_key or n.tls_cert, "tls_key"):
                 raise ConfigError(f"tls_key file {n.tls_key or n.tls_cert}: encrypted; "
                                   "kvcache needs an unencrypted key") from None
             raise ConfigError(f"tls_cert file {n.tls_cert}" + (f" / tls_key file {n.tls_key}" if n.tls_key else "")
                               + ": not a PEM certificate and its private key") from None
     return ctx
-
-
-# ---------------------------------------------------------------------------- helpers
-
-def _set_field(obj: Any, known: dict[str, Any], key: str, value: Any, where: str) -> None:
-    f = known.get(key)
-    if f is None:
-        raise ConfigError(f"{where}: unknown key '{key}'")
-    if key == "socket_mode" and known is _SCALARS:
-        obj.socket_mode = _octal_mode(value, f"{where}: socket_mode")
-        return
-    if key == "servers":
-        setattr(obj, key, _str_list(value, f"{where}: servers"))
-        return
-    setattr(obj, key, _coerce(value, f.type, f"{where}: {key}"))
-
-
-def _coerce(value: Any, type_name: str, what: str) -> Any:
-    base = type_name.split("|")[0].strip()
-    if base == "bool":
-        if not isinstance(value, bool):
-            raise ConfigError(f"{what} must be true or false, got {value!r}")
-        return value
-    if base == "int":
-        return _typed(value, int, what)
-    if base == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{what} must be a number, got {value!r}")
-        return float(value)
-    return _typed(value, str, what)
-
-
-def _parse_scalar(text: str, type_name: str, what: str) -> Any:
-    base = type_name.split("|")[0].strip()
-    if base == "bool":
-        if text.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-            raise ConfigError(f"{what} must be true or false, got '{text}'")
-        return text.lower() in ("1", "true", "yes", "on")
-    try:
-        if base == "int":
-            return int(text)
-        if base == "float":
-            return float(text)
-    except ValueError:
-        raise ConfigError(f"{what} must be {_A.get(base, base)}, got '{text}'") from None
-    return text
-
-
-_A = {int: "an integer", str: "a string", "int": "an integer", "float": "a number"}
-
-
-def _typed(value: Any, t: type, what: str) -> Any:
-    if isinstance(value, bool) or not isinstance(value, t):
-        raise ConfigError(f"{what} must be {_A[t]}, got {value!r}")
-    return value
-
-
-def _expect(value: Any, t: type, what: str) -> None:
-    if not isinstance(value, t):
-        raise ConfigError(f"{what} must be a {'table' if t is dict else 'list of tables'}")
-
-
-def _str_list(value: Any, what: str) -> list[str]:
-    if isinstance(value, str):
-        return [value]
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ConfigError(f"{what} must be a list of strings")
-    return list(value)
-
-
-def _split_list(text: str) -> list[str]:
-    return [s for s in re.split(r"[,\s]+", text) if s]
 
 
 def ensure_dirs(cfg: Config) -> None:

@@ -11,7 +11,7 @@ import redis
 from support.sidecar_proc import SidecarProcess
 from support.topology import nats_run
 
-from kvcache.config import load as load_config
+from kvcache.config_sources import load as load_config
 from kvcache.errors import ConfigError
 from kvcache.ops.accesslog import FIELDS, AccessLog
 

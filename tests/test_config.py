@@ -7,7 +7,7 @@ import pytest
 from support.sidecar_proc import run_cli
 
 from kvcache.cli import build_parser
-from kvcache.config import load, parse_bucket_spec
+from kvcache.config_sources import load, parse_bucket_spec
 from kvcache.errors import ConfigError
 from kvcache.keys import valid_filter as valid_key_filter
 
@@ -200,11 +200,11 @@ def test_cli_get_without_sidecar(tmp_path):
 
 def test_every_config_key_has_a_flag() -> None:
     """docs/configuration.md: every key is also settable by flag. Flags reach the same fields as TOML."""
-    from kvcache import config
+    from kvcache import config_sources
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     dests = {a.dest for a in serve._actions}
-    assert set(config._SCALARS) <= dests
-    assert {f"nats_{n}" for n in config._NATS_SCALARS} - {"nats_servers"} <= dests
+    assert set(config_sources._SCALARS) <= dests
+    assert {f"nats_{n}" for n in config_sources._NATS_SCALARS} - {"nats_servers"} <= dests
     args = serve.parse_args(["--discover-peers", "--map-size-mb", "64", "--request-timeout-ms", "750"])
     cfg = load(None, env={}, overrides={k: v for k, v in vars(args).items() if k in dests})
     assert cfg.discover_peers is True and cfg.map_size_mb == 64 and cfg.nats.request_timeout_ms == 750
@@ -212,10 +212,10 @@ def test_every_config_key_has_a_flag() -> None:
 
 def test_serve_help_names_every_default_and_variable():
     """`kvcache serve --help`: every option says its default and its environment variable, and
-    the variable it names is the one config.load reads (same table), with the flag's effect."""
+    the variable it names is the one config_sources.load reads (same table), with the flag's effect."""
     import re as _re
 
-    from kvcache import config
+    from kvcache import config_sources
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     samples = {int: "7", float: "0.5", None: "x"}
     special = {"socket_mode": ("600", "600"), "nats_servers": ("nats://127.0.0.1:9",) * 2,
@@ -229,7 +229,7 @@ def test_serve_help_names_every_default_and_variable():
         m = _re.search(r"; env (KVCACHE_[A-Z_]+)", action.help)
         assert m, action.help
         var = m.group(1)
-        assert var == config.env_var(action.dest)
+        assert var == config_sources.env_var(action.dest)
         if isinstance(action, __import__("argparse").BooleanOptionalAction):
             argv, env_value = [action.option_strings[0]], "true"
         else:

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from support.poll import wait_until
 
-from kvcache import config
+from kvcache import config, config_sources
 from kvcache.app.client import Client
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +56,7 @@ def test_kubernetes_manifest_matches_the_api_schema():
 
 def _settings_env() -> set[str]:
     """Every environment variable kvcache reads its settings from."""
-    names = {config.env_var(f) for f in _fields()}
+    names = {config_sources.env_var(f) for f in _fields()}
     return names | {config.PASSWORD_ENV, "KVCACHE_CONFIG", "KVCACHE_BUCKETS", "KVCACHE_NATS_SERVERS"}
 
 
@@ -75,7 +75,7 @@ def test_kubernetes_sidecar_is_wired_to_kvcache():
     env = {e["name"]: e.get("value") for e in kv["env"]}
     unknown = {n for n in env if n.startswith("KVCACHE_")} - _settings_env()
     assert unknown == set()
-    assert config.load(env={k: v for k, v in env.items() if v is not None}).metrics_address == ("0.0.0.0", 9464)
+    assert config_sources.load(env={k: v for k, v in env.items() if v is not None}).metrics_address == ("0.0.0.0", 9464)
     # the socket on a volume both containers mount, where KVCACHE_SOCKET says
     socket_dir = str(Path(env["KVCACHE_SOCKET"]).parent)
     mounts = {c["name"]: {m["mountPath"]: m["name"] for m in c["volumeMounts"]} for c in (kv, app)}
@@ -190,7 +190,7 @@ def test_systemd_recipe_in_a_scratch_root(tmp_path):
     assert re.search(r"^kvcache:x:\d+:\d+::/var/lib/kvcache:/usr/sbin/nologin$",
                      (root / "etc" / "passwd").read_text(), re.M)
     assert re.search(r"^kvcache:x:\d+:$", (root / "etc" / "group").read_text(), re.M)
-    config.load(str(root / "etc" / "kvcache" / "kvcache.toml"), env={})
+    config_sources.load(str(root / "etc" / "kvcache" / "kvcache.toml"), env={})
     unit = (root / "etc" / "systemd" / "system" / "kvcache.service").read_text()
     assert f"ExecStart={UNIT_KVCACHE} " in unit
     exe = shutil.which("systemd-analyze")
@@ -280,7 +280,7 @@ def test_dockerfile_steps_outside_docker(tmp_path):
 
 
 def test_systemd_example_configuration_loads():
-    cfg = config.load(str(DEPLOY / "systemd" / "kvcache.toml"), env={})
+    cfg = config_sources.load(str(DEPLOY / "systemd" / "kvcache.toml"), env={})
     unit = UNIT.read_text()
     assert cfg.socket_path.startswith("/run/kvcache/") and cfg.data_dir == "/var/lib/kvcache"
     assert "--config /etc/kvcache/kvcache.toml" in unit

@@ -13,7 +13,7 @@ import redis
 from support.procs import embedded_pid, pid_alive
 from support.sidecar_proc import SidecarProcess, run_cli
 
-from kvcache import config
+from kvcache import config_sources
 from kvcache.demo import DEMO_BUCKET, DEMO_KEYS, demo_entries, demo_value
 from kvcache.errors import ConfigError
 from kvcache.natsio.server import free_port
@@ -110,23 +110,23 @@ def test_embedded_port_in_use_is_one_line(tmp_path):
 
 
 def test_embedded_port_setting():
-    assert config.load(None, env={}).embedded_port == 0  # the default: a free port
-    assert config.load(None, env={"KVCACHE_EMBEDDED_PORT": "4222"}).embedded_port == 4222
-    assert config.load(None, env={}, overrides={"embedded_port": 4333}).embedded_port == 4333
-    assert config.env_var("embedded_port") == "KVCACHE_EMBEDDED_PORT"
-    assert config.default_of("embedded_port") == 0
+    assert config_sources.load(None, env={}).embedded_port == 0  # the default: a free port
+    assert config_sources.load(None, env={"KVCACHE_EMBEDDED_PORT": "4222"}).embedded_port == 4222
+    assert config_sources.load(None, env={}, overrides={"embedded_port": 4333}).embedded_port == 4333
+    assert config_sources.env_var("embedded_port") == "KVCACHE_EMBEDDED_PORT"
+    assert config_sources.default_of("embedded_port") == 0
     for bad in ("65536", "-1", "x"):
         with pytest.raises(ConfigError, match=r"KVCACHE_EMBEDDED_PORT|embedded_port"):
-            config.load(None, env={"KVCACHE_EMBEDDED_PORT": bad})
+            config_sources.load(None, env={"KVCACHE_EMBEDDED_PORT": bad})
 
 
 def test_embedded_port_in_toml(tmp_path):
     f = tmp_path / "k.toml"
     f.write_text("embedded_port = 4222\n")
-    assert config.load(str(f), env={}).embedded_port == 4222
+    assert config_sources.load(str(f), env={}).embedded_port == 4222
     f.write_text('embedded_port = "4222"\n')
     with pytest.raises(ConfigError, match="embedded_port must be an integer"):
-        config.load(str(f), env={})
+        config_sources.load(str(f), env={})
 
 
 def test_an_older_demo_bucket_gets_the_keys_it_lacks(tmp_path):

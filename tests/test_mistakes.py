@@ -61,7 +61,7 @@ def test_config_file_not_utf8(tmp_path):
 
 
 def test_config_file_with_utf8_bom_is_fine(tmp_path):
-    from kvcache.config import load
+    from kvcache.config_sources import load
     path = tmp_path / "kvcache.toml"
     path.write_bytes(b"\xef\xbb\xbfmax_clients = 7\n")
     assert load(str(path), env={}).max_clients == 7
@@ -81,7 +81,7 @@ def test_socket_mode_written_in_decimal(tmp_path, literal, digits):
 @pytest.mark.parametrize("text, mode", [("socket_mode = 0o640", 0o640), ('socket_mode = "640"', 0o640),
                                         ('socket_mode = "0o600"', 0o600), ("socket_mode = 0", 0)])
 def test_socket_mode_in_octal_or_as_a_string(tmp_path, text, mode):
-    from kvcache.config import load
+    from kvcache.config_sources import load
     path = tmp_path / "kvcache.toml"
     path.write_text(text + "\n")
     assert load(str(path), env={}).socket_mode == mode

@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 from support.sidecar_proc import SidecarProcess
 
-from kvcache import config
+from kvcache import config_sources
 from kvcache.natsio.server import free_port
 
 pytestmark = pytest.mark.servers  # starts a demo sidecar, its nats-server and locust
@@ -144,7 +144,7 @@ def test_readme_block(block: Block, demo):
     if block.lang == "toml":
         f = work / f"readme-{block.line}.toml"
         f.write_text(text)
-        config.load(str(f), env={})  # a ConfigError (invalid TOML, unknown key, bad value) fails
+        config_sources.load(str(f), env={})  # a ConfigError (invalid TOML, unknown key, bad value) fails
         return
     if block.lang == "sh":
         if "redis-cli" in text and shutil.which("redis-cli") is None:
