@@ -9,26 +9,22 @@ import functools
 import gc
 import logging
 import os
-import re
 import signal
-import ssl
-import time
 from collections.abc import Awaitable
 
 import nats
-import nats.errors
 
 from . import native
-from .config import BucketConfig, Config, ensure_dirs, strip_url_auth, tls_context, url_auth
+from .config import BucketConfig, Config, ensure_dirs
 from .demo import DEMO_BUCKET, ensure_demo_bucket
-from .errors import BucketNotFound, ConfigError, KvcacheError, UpstreamError, describe
+from .errors import BucketNotFound, ConfigError, KvcacheError, describe
 from .feed.changes import ChangeHub
 from .feed.feed import SILENT_HEARTBEATS, Feed
 from .feed.quorum import NO_FENCE
 from .feed.statepoll import SHARED_FROM, StatePoll
 from .natsio import jetstream as jsapi
-from .natsio.connection import NatsConnection
 from .natsio.embedded import EmbeddedNats
+from .natsio.upstream import Upstream
 from .ops.accesslog import AccessLog
 from .ops.health import BucketState, readiness
 from .ops.metrics import SidecarCollector, exposition
@@ -52,13 +48,6 @@ log = logging.getLogger("kvcache")
 STOP_STEP_S = 5.0  # longest wait for one shutdown step (a feed, the router, peer connections)
 LOCK_FILE = "kvcache.lock"
 
-# Leaving a server: unanswered pings (nats-py's max_outstanding_pings), the shortest ping
-# interval, and the wait before moving off a server that answers but shows no quorum
-# (HOP_AFTER_STALE x max_stale_ms, at least HOP_MIN_S, doubling up to HOP_MAX_S).
-PINGS_OUTSTANDING = 2
-PING_MIN_S = 0.5
-HOP_AFTER_STALE, HOP_MIN_S, HOP_MAX_S = 2, 3.0, 60.0
-
 
 class Sidecar:
     """The application object of `kvcache serve`: builds the parts in order (NATS, replica,
@@ -70,7 +59,6 @@ class Sidecar:
         self.cfg = cfg
         self.stats = Stats()
         self.embedded: EmbeddedNats | None = None
-        self.nc: NatsConnection | None = None
         self.replica: Replica | None = None
         self.feeds: dict[str, Feed] = {}
         self.state_poll: StatePoll | None = None  # with SHARED_FROM buckets or more
@@ -85,12 +73,15 @@ class Sidecar:
         self.server: RespServer | None = None
         self.metrics: MetricsServer | None = None  # with metrics_listen
         self.commands: Commands | None = None
-        self.nats_url = ""
         self.use_embedded = cfg.embedded  # decided once: starting it fills in nats.servers
         self.exit_code = 0
         self._stopping = asyncio.Event()
+        # the main NATS connection (once started) and the peers': they tell the feeds of a
+        # reconnect, move off a server that shows no quorum, and end the sidecar on a
+        # permission the feeds cannot do without
+        self.upstream = Upstream(cfg, self.stats, self.feeds, self._stopping, self._fail)
         self._supervisor: asyncio.Task | None = None
-        self._hopper: asyncio.Task | None = None  # _leave_servers_without_quorum
+        self._hopper: asyncio.Task | None = None  # Upstream.leave_servers_without_quorum
         self._lock_fd: int | None = None
         self._fatal_error: KvcacheError | None = None
 
@@ -108,10 +99,8 @@ class Sidecar:
             self.embedded = EmbeddedNats(self.cfg.data_dir, self.cfg.embedded_port)
             self.cfg.nats.servers = [self.embedded.start()]
             self._supervisor = asyncio.ensure_future(self.embedded.supervise(self._stopping, self._give_up))
-        nc = self.nc = await self._connect(self.cfg.nats.servers)
-        self.nats_url = self.nc.connected_url.geturl() if self.nc.connected_url else ""
-        self.stats.nats_url, self.stats.embedded_nats = self.nats_url, self.use_embedded
-        self.stats.nats_connected = True
+        nc = await self.upstream.open()
+        self.stats.embedded_nats = self.use_embedded
         if self.use_embedded and not self.cfg.buckets:
             self.cfg.buckets = [BucketConfig(name=DEMO_BUCKET)]
             await ensure_demo_bucket(nc, self.cfg.nats.request_timeout_ms / 1000)
@@ -142,15 +131,15 @@ class Sidecar:
             try:
                 await feed.start(watch=not shared_watch)
             except BucketNotFound:
-                raise BucketNotFound(f"bucket '{b.name}' does not exist on {self.nats_url}") from None
+                raise BucketNotFound(f"bucket '{b.name}' does not exist on {self.upstream.url}") from None
             self.feeds[b.name] = feed
-            self.router.add(Peer("main", self.nc, feed.stream, b.name,
+            self.router.add(Peer("main", nc, feed.stream, b.name,
                                  direct=bool(feed.stream_config.get("allow_direct"))))
         if shared_watch:
             self.state_poll = StatePoll(nc, self.feeds.values(), timeout, self.stats)
             self.state_poll.start()
         await self._add_peers(timeout)
-        self._hopper = asyncio.ensure_future(self._leave_servers_without_quorum())
+        self._hopper = asyncio.ensure_future(self.upstream.leave_servers_without_quorum())
         if not access.enabled:
             direct_buckets(gets, self.cfg, self.feeds)
         clients: dict[int, ClientConnection] = {}  # the server's registry, by CLIENT ID
@@ -224,8 +213,8 @@ class Sidecar:
     def _connections(self) -> dict[str, nats.NATS]:
         """The NATS connections in use, by name: `main`, and each configured peer's."""
         conns = {p.name: p.nc for p in self.router.peers()}
-        if self.nc is not None:
-            conns["main"] = self.nc
+        if self.upstream.nc is not None:
+            conns["main"] = self.upstream.nc
         return conns
 
     def readiness(self) -> tuple[bool, str]:
@@ -297,16 +286,9 @@ class Sidecar:
             await _step("stream state poll", self.state_poll.stop(), STOP_STEP_S)
         for name, feed in self.feeds.items():
             await _step(f"feed {name}", feed.stop(), STOP_STEP_S)
-        if self.nc and not self.nc.is_closed:
-            # close(), not drain(): the feeds have unsubscribed already, and a drain against a
-            # hung server only waits out its timeout and leaks its futures' errors. Bounded:
-            # shutdown must finish whatever state the connection is in.
-            if not self.nc.is_connected:
-                # Not connected (NATS down or a reconnect under way): what is still buffered
-                # can never be sent, and nats-py's close() would write it to the dead
-                # transport and fail half-way (RuntimeError from uvloop).
-                self.nc._pending, self.nc._pending_data_size = [], 0
-            await _step("NATS close", self.nc.close(), 2)
+        if self.upstream.nc and not self.upstream.nc.is_closed:
+            # Bounded: shutdown must finish whatever state the connection is in.
+            await _step("NATS close", self.upstream.close(), 2)
         if self.replica:
             try:
                 self.replica.close()
@@ -323,12 +305,14 @@ class Sidecar:
         if served:
             log.info("stopped")
 
-    # ------------------------------------------------------------------ NATS
-
     def _give_up(self, err: KvcacheError) -> None:
+        """_fail, logged as critical (the embedded nats-server cannot stay up)."""
+        log.critical("%s", err)
+        self._fail(err)
+
+    def _fail(self, err: KvcacheError) -> None:
         """Stop with exit code 1; `run` raises `err` after the shutdown, so the CLI ends with
         it as its one error line."""
-        log.critical("%s", err)
         self._fatal_error = err
         self._fatal(err)
 
@@ -370,216 +354,19 @@ class Sidecar:
     async def _add_peers(self, timeout: float) -> None:
         """The [[peer]] entries (one connection per server set) and, when asked, the mirrors
         each bucket stream lists as alternates."""
-        assert self.nc is not None
-        self.peer_conns = PeerConnections(self.cfg.nats.servers, self.nc,
-                                          functools.partial(self._connect, peer=True))
+        nc = self.upstream.nc
+        assert nc is not None
+        self.peer_conns = PeerConnections(self.cfg.nats.servers, nc,
+                                          functools.partial(self.upstream.connect, peer=True))
         for p in await configured_peers(self.cfg.peers, set(self.feeds), self.peer_conns, timeout):
             self.router.add(p)
         if self.cfg.discover_peers:
             for name, feed in self.feeds.items():
-                info = await jsapi.stream_info(self.nc, feed.stream, timeout)
-                for p in discovered_peers(self.nc, name, info, self.router.peers()):
+                info = await jsapi.stream_info(nc, feed.stream, timeout)
+                for p in discovered_peers(nc, name, info, self.router.peers()):
                     self.router.add(p)
         for p in self.router.peers():
             log.info("peer %s: stream %s%s", p.label, p.stream, f" in domain {p.domain}" if p.domain else "")
-
-    async def _connect(self, servers: list[str], peer: bool = False) -> NatsConnection:
-        n = self.cfg.nats
-        # Credentials in a URL go to nats-py as options (config.validate_nats_auth made sure
-        # no other auth option is set then): the URLs the connection keeps, which INFO, logs
-        # and errors show, carry none.
-        urls = [strip_url_auth(u) for u in servers]
-        in_url = next((a for a in map(url_auth, servers) if a != (None, None)), None)
-        nc = NatsConnection()
-        first: list[BaseException] = []  # the first connect's failures: its error line says why
-        denied: dict[tuple[str, str], float] = {}
-
-        first_done = False
-        tls_failed = asyncio.Event()
-
-        async def on_error(e: Exception) -> None:
-            if not first_done:
-                first.append(e)
-                if isinstance(e, ssl.SSLError):
-                    tls_failed.set()
-            elif not self._denied(e, peer, denied):
-                await self._on_error(e)
-
-        opts: dict = dict(
-            servers=urls, name="kvcache", connect_timeout=n.connect_timeout_s,
-            max_reconnect_attempts=-1, reconnect_time_wait=0.5, allow_reconnect=True,
-            # A server that stops answering (a cut link, a black-holed route) is left within
-            # (max_outstanding_pings + 1) pings: under the tightest max_stale_ms, not nats-py's
-            # 2-minute default, which left reads waiting on a dead server for minutes.
-            ping_interval=self.ping_interval(), max_outstanding_pings=PINGS_OUTSTANDING,
-            error_cb=on_error, disconnected_cb=self._on_disconnect,
-            reconnected_cb=self._on_reconnect,
-        )
-        if peer:  # a read-only peer: its connection's ups and downs are no business of the feeds
-            opts.update(name="kvcache-peer", disconnected_cb=_noop, reconnected_cb=_noop)
-        if n.creds:
-            opts["user_credentials"] = n.creds
-        if n.nkey:
-            opts["nkeys_seed"] = n.nkey
-        if n.token:
-            opts["token"] = n.token
-        if n.user:
-            opts["user"], opts["password"] = n.user, n.password
-        if in_url and in_url[1] is None:
-            opts["token"] = in_url[0]
-        elif in_url:
-            opts["user"], opts["password"] = in_url
-        tls = tls_context(n)
-        if tls is not None:
-            opts["tls"] = tls
-        _quiet_tls_eof()
-        # nats-py retries the first connect forever when reconnects are unlimited; a sidecar
-        # that cannot reach NATS at start must say so and exit instead. So: a bounded first
-        # attempt, then reconnect forever once we have been connected. Bounded in time too:
-        # after a failed TLS handshake nats-py's connect never returns (2.16), and a TLS
-        # failure at start is a configuration to fix, not a server to wait for.
-        connecting = asyncio.ensure_future(nc.connect(**{**opts, "max_reconnect_attempts": 1}))
-        failed = asyncio.ensure_future(tls_failed.wait())
-        try:
-            await asyncio.wait({connecting, failed}, timeout=n.connect_timeout_s * (2 * len(urls) + 1) + 1,
-                               return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            failed.cancel()
-            if not connecting.done():  # hung, a TLS failure, or start abandoned
-                connecting.cancel()
-                await asyncio.wait({connecting})
-                try:
-                    await asyncio.wait_for(nc.close(), 2)
-                except Exception:  # a half-made connection: nothing to save
-                    pass
-        e = (first[-1] if first else TimeoutError()) if connecting.cancelled() else connecting.exception()
-        if e is None:
-            nc.options["max_reconnect_attempts"] = -1
-            first_done = True
-            return nc
-        if not isinstance(e, (OSError, asyncio.TimeoutError, nats.errors.Error)):
-            raise e
-        # nats-py ends with "no servers available"; the server's own answer (-ERR
-        # 'Authorization Violation', before the reset or broken pipe that follows it), else
-        # the last failure (refused, TLS verification, timeout), is the one that helps.
-        if first and isinstance(e, nats.errors.NoServersError):
-            e = ([x for x in first if str(x).startswith("nats: '")] or first)[-1]
-        why = describe(e)
-        if why.startswith("'") and why.endswith("'"):  # the server's -ERR 'Authorization Violation'
-            why = why.strip("'").lower()
-        raise UpstreamError(f"cannot connect to NATS at {', '.join(urls)}: {why}") from None
-
-    def _denied(self, e: Exception, peer: bool, seen: dict[tuple[str, str], float]) -> bool:
-        """A permissions violation: one warning naming the subject (again at most once a
-        minute per subject); one the feeds cannot work without ends the sidecar, with that
-        line as its error. False for any other error."""
-        m = _PERMISSION_DENIED.search(str(e))
-        if not m:
-            return False
-        op, subject = m.group(1).lower(), m.group(2)
-        optional = _OPTIONAL_SUBSCRIBE.search(subject) if op == "subscription" else (
-            not _FEED_PUBLISH.search(subject))
-        what = f"NATS permission denied: {'publish' if op == 'publish' else 'subscribe'} to \"{subject}\""
-        if peer or optional:
-            now = time.monotonic()
-            if now - seen.get((op, subject), -PERMISSION_LOG_S) >= PERMISSION_LOG_S:
-                seen[(op, subject)] = now
-                why = (" (single-key purges are then seen at the next restart)" if op == "subscription"
-                       else "")
-                log.warning("%s%s; the user kvcache connects as needs it (README: Permissions)", what, why)
-        elif self._fatal_error is None and not self._stopping.is_set():
-            err = UpstreamError(f"{what}: the user kvcache connects as needs it to replicate "
-                                "(README: Permissions)")
-            self._fatal_error = err  # run() raises it after the shutdown: the CLI's one line
-            self._fatal(err)
-        return True
-
-    async def _on_error(self, e: Exception) -> None:
-        # Before the first connection the failure is reported once, as the startup error.
-        if self.nc is not None and not self._stopping.is_set():
-            log.warning("nats: %s", describe(e))
-
-    async def _on_disconnect(self) -> None:
-        if self._stopping.is_set() or self.nc is None:
-            return
-        log.warning("disconnected from NATS")
-        self.stats.nats_connected = False
-        for feed in self.feeds.values():
-            feed.connection_lost()
-
-    async def _on_reconnect(self) -> None:
-        url = self.nc.connected_url if self.nc else None
-        self.nats_url = self.stats.nats_url = url.geturl() if url else ""
-        log.info("reconnected to NATS at %s", self.nats_url or "?")
-        self.stats.nats_connected = True
-        for feed in self.feeds.values():
-            feed.connection_lost()  # recreate consumers now rather than after the watchdog
-
-    def ping_interval(self) -> float:
-        """Seconds between the main connection's pings: a server that stops answering is left
-        after PINGS_OUTSTANDING + 1 of them, within half the tightest max_stale_ms (0.5 s to
-        30 s between pings)."""
-        tightest = min((b.max_stale_ms for b in self.cfg.buckets), default=5000)
-        return min(30.0, max(PING_MIN_S, tightest / 1000 / (2 * (PINGS_OUTSTANDING + 1))))
-
-    async def _leave_servers_without_quorum(self) -> None:
-        """Move to another server when the one in use answers but cannot show a quorum for
-        any replicated bucket: a server cut off from its peers (its STREAM.INFO names itself
-        leader with silent followers, or no leader at all), while another server of the
-        cluster may reach the majority. After HOP_AFTER_STALE x max_stale_ms without evidence
-        for every such bucket, force a reconnect (nats-py takes the next server of its pool);
-        the feeds recreate their consumers there. When hopping does not help (the whole
-        cluster has no quorum), the wait doubles up to HOP_MAX_S."""
-        feeds = list(self.feeds.values())
-        bound = min((f.cfg.max_stale_ms for f in feeds), default=5000)
-        first = max(HOP_AFTER_STALE * bound / 1000, HOP_MIN_S)
-        wait, since = first, None
-        while True:
-            await asyncio.sleep(max(0.1, bound / 4000))
-            nc = self.nc
-            quorum = [f for f in feeds if f.quorum]
-            if nc is None or not nc.is_connected or not quorum:
-                since = None
-                continue
-            if any(f.proven_within(f.cfg.max_stale_ms) for f in quorum):
-                since, wait = None, first  # this server shows a quorum: moving helped, if it was needed
-                continue
-            now = time.monotonic()
-            since = since or now
-            if now - since < wait:
-                continue
-            log.warning("NATS server %s has shown no quorum for any replicated bucket in %.1fs: "
-                        "moving to another server", self.nats_url or "?", now - since)
-            self.stats.server_moves += 1
-            since, wait = None, min(wait * 2, HOP_MAX_S)
-            await nc.force_reconnect()
-
-
-# What a permissions violation names; the publishes the feeds cannot do without (the rest are
-# reads, which fail on their own, and consumer deletes, which the server does by itself), and
-# the subscriptions they can (purge and message-delete requests, see feed/feed.py).
-_PERMISSION_DENIED = re.compile(r'permissions violation for (publish|subscription) to "([^"]*)"', re.I)
-_FEED_PUBLISH = re.compile(r"\.API\.(STREAM\.INFO|CONSUMER\.CREATE|CONSUMER\.MSG\.NEXT)\.")
-_OPTIONAL_SUBSCRIBE = re.compile(r"\.API\.STREAM\.(PURGE|MSG\.DELETE)\.")
-PERMISSION_LOG_S = 60.0
-
-
-
-def _tls_eof_filter(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith("returning true from eof_received()")
-
-
-def _quiet_tls_eof() -> None:
-    """nats-py upgrades a plain stream to TLS (start_tls), whose protocol then answers EOF as
-    a plain one would: asyncio warns about it at every close of a TLS connection, a line that
-    tells the reader nothing."""
-    logger = logging.getLogger("asyncio")
-    if _tls_eof_filter not in logger.filters:
-        logger.addFilter(_tls_eof_filter)
-
-
-async def _noop() -> None:
-    pass
 
 
 async def _step(what: str, aw: Awaitable, timeout: float) -> None:

@@ -34,7 +34,7 @@ class Stats:
     listen: str = ""  # the TCP listener's address once bound ("" without one)
     nats_url: str = ""  # the server the sidecar's own connection reached
     embedded_nats: bool = False  # the sidecar runs its own nats-server
-    server_moves: int = 0  # moves off a server that showed no quorum (Sidecar._leave_servers_without_quorum)
+    server_moves: int = 0  # moves off a server that showed no quorum (Upstream.leave_servers_without_quorum)
     nats_connected: bool = False  # the sidecar's own NATS connection is up (readiness, metrics)
     metrics_listen: str = ""  # the metrics listener's address once bound ("" without one)
     # Keys read by the command layer, by (bucket, source, result): source local, cache, peer,

@@ -1,0 +1,284 @@
+"""The sidecar's NATS connections, looked after: the main one (which the feeds, the router's
+`main` peer and the JetStream requests share) and the configured peers' (read/peerset.py).
+Connecting with the configured credentials and TLS, a first connect that fails with its
+reason instead of retrying forever, the pings that leave a dead server, moving off a server
+that shows no quorum, the permission errors that end the sidecar, and what a disconnect or a
+reconnect means for the feeds. Its own module so that sidecar.py only builds an Upstream and
+hands its connections to the parts; it knows the feeds only through BucketFeed (natsio
+imports nothing of feed/)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import ssl
+import time
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+import nats.errors
+
+from ..config import BucketConfig, Config, strip_url_auth, tls_context, url_auth
+from ..errors import KvcacheError, UpstreamError, describe
+from ..ops.stats import Stats
+from .connection import NatsConnection
+
+log = logging.getLogger("kvcache")
+
+# Leaving a server: unanswered pings (nats-py's max_outstanding_pings), the shortest ping
+# interval, and the wait before moving off a server that answers but shows no quorum
+# (HOP_AFTER_STALE x max_stale_ms, at least HOP_MIN_S, doubling up to HOP_MAX_S).
+PINGS_OUTSTANDING = 2
+PING_MIN_S = 0.5
+HOP_AFTER_STALE, HOP_MIN_S, HOP_MAX_S = 2, 3.0, 60.0
+
+
+class BucketFeed(Protocol):
+    """What the connections ask of a bucket's feed (kvcache.feed.feed.Feed)."""
+
+    @property
+    def cfg(self) -> BucketConfig: ...
+
+    @property
+    def quorum(self) -> bool: ...
+
+    def proven_within(self, ms: int) -> bool: ...
+
+    def connection_lost(self) -> None: ...
+
+
+class Upstream:
+    """The main NATS connection (`open`, then `nc` and `url`) and the peers' (`connect`).
+    `feeds` is the sidecar's dict, filled as each bucket starts; `fail` ends the sidecar
+    with an error (a permission the feeds cannot work without); after `stopping` is set,
+    errors and disconnects are no longer reported."""
+
+    def __init__(self, cfg: Config, stats: Stats, feeds: Mapping[str, BucketFeed], stopping: asyncio.Event,
+                 fail: Callable[[KvcacheError], None]) -> None:
+        self.cfg = cfg
+        self.stats = stats
+        self.feeds = feeds
+        self.nc: NatsConnection | None = None
+        self.url = ""  # the server the main connection uses now (no credentials)
+        self._stopping = stopping
+        self._fail = fail
+
+    async def open(self) -> NatsConnection:
+        """The main connection, to the configured servers (read now: the embedded server's
+        URL is filled in at start)."""
+        self.nc = await self.connect(self.cfg.nats.servers)
+        self.url = self.stats.nats_url = self.nc.connected_url.geturl() if self.nc.connected_url else ""
+        self.stats.nats_connected = True
+        return self.nc
+
+    async def close(self) -> None:
+        """Close the main connection, whatever state it is in."""
+        nc = self.nc
+        if nc is None or nc.is_closed:
+            return
+        # close(), not drain(): the feeds have unsubscribed already, and a drain against a
+        # hung server only waits out its timeout and leaks its futures' errors.
+        if not nc.is_connected:
+            # Not connected (NATS down or a reconnect under way): what is still buffered
+            # can never be sent, and nats-py's close() would write it to the dead
+            # transport and fail half-way (RuntimeError from uvloop).
+            nc._pending, nc._pending_data_size = [], 0
+        await nc.close()
+
+    async def connect(self, servers: list[str], peer: bool = False) -> NatsConnection:
+        """A connection to `servers` with the configured credentials and TLS: a bounded first
+        connect whose failure raises UpstreamError with the reason, then reconnects forever.
+        A peer's (`peer`) leaves the feeds alone when it drops or comes back."""
+        n = self.cfg.nats
+        # Credentials in a URL go to nats-py as options (config_nats.validate_nats_auth made sure
+        # no other auth option is set then): the URLs the connection keeps, which INFO, logs
+        # and errors show, carry none.
+        urls = [strip_url_auth(u) for u in servers]
+        in_url = next((a for a in map(url_auth, servers) if a != (None, None)), None)
+        nc = NatsConnection()
+        first: list[BaseException] = []  # the first connect's failures: its error line says why
+        denied: dict[tuple[str, str], float] = {}
+
+        first_done = False
+        tls_failed = asyncio.Event()
+
+        async def on_error(e: Exception) -> None:
+            if not first_done:
+                first.append(e)
+                if isinstance(e, ssl.SSLError):
+                    tls_failed.set()
+            elif not self._denied(e, peer, denied):
+                await self._on_error(e)
+
+        opts: dict = dict(
+            servers=urls, name="kvcache", connect_timeout=n.connect_timeout_s,
+            max_reconnect_attempts=-1, reconnect_time_wait=0.5, allow_reconnect=True,
+            # A server that stops answering (a cut link, a black-holed route) is left within
+            # (max_outstanding_pings + 1) pings: under the tightest max_stale_ms, not nats-py's
+            # 2-minute default, which left reads waiting on a dead server for minutes.
+            ping_interval=self.ping_interval(), max_outstanding_pings=PINGS_OUTSTANDING,
+            error_cb=on_error, disconnected_cb=self._on_disconnect,
+            reconnected_cb=self._on_reconnect,
+        )
+        if peer:  # a read-only peer: its connection's ups and downs are no business of the feeds
+            opts.update(name="kvcache-peer", disconnected_cb=_noop, reconnected_cb=_noop)
+        if n.creds:
+            opts["user_credentials"] = n.creds
+        if n.nkey:
+            opts["nkeys_seed"] = n.nkey
+        if n.token:
+            opts["token"] = n.token
+        if n.user:
+            opts["user"], opts["password"] = n.user, n.password
+        if in_url and in_url[1] is None:
+            opts["token"] = in_url[0]
+        elif in_url:
+            opts["user"], opts["password"] = in_url
+        tls = tls_context(n)
+        if tls is not None:
+            opts["tls"] = tls
+        _quiet_tls_eof()
+        # nats-py retries the first connect forever when reconnects are unlimited; a sidecar
+        # that cannot reach NATS at start must say so and exit instead. So: a bounded first
+        # attempt, then reconnect forever once we have been connected. Bounded in time too:
+        # after a failed TLS handshake nats-py's connect never returns (2.16), and a TLS
+        # failure at start is a configuration to fix, not a server to wait for.
+        connecting = asyncio.ensure_future(nc.connect(**{**opts, "max_reconnect_attempts": 1}))
+        failed = asyncio.ensure_future(tls_failed.wait())
+        try:
+            await asyncio.wait({connecting, failed}, timeout=n.connect_timeout_s * (2 * len(urls) + 1) + 1,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failed.cancel()
+            if not connecting.done():  # hung, a TLS failure, or start abandoned
+                connecting.cancel()
+                await asyncio.wait({connecting})
+                try:
+                    await asyncio.wait_for(nc.close(), 2)
+                except Exception:  # a half-made connection: nothing to save
+                    pass
+        e = (first[-1] if first else TimeoutError()) if connecting.cancelled() else connecting.exception()
+        if e is None:
+            nc.options["max_reconnect_attempts"] = -1
+            first_done = True
+            return nc
+        if not isinstance(e, (OSError, asyncio.TimeoutError, nats.errors.Error)):
+            raise e
+        # nats-py ends with "no servers available"; the server's own answer (-ERR
+        # 'Authorization Violation', before the reset or broken pipe that follows it), else
+        # the last failure (refused, TLS verification, timeout), is the one that helps.
+        if first and isinstance(e, nats.errors.NoServersError):
+            e = ([x for x in first if str(x).startswith("nats: '")] or first)[-1]
+        why = describe(e)
+        if why.startswith("'") and why.endswith("'"):  # the server's -ERR 'Authorization Violation'
+            why = why.strip("'").lower()
+        raise UpstreamError(f"cannot connect to NATS at {', '.join(urls)}: {why}") from None
+
+    def _denied(self, e: Exception, peer: bool, seen: dict[tuple[str, str], float]) -> bool:
+        """A permissions violation: one warning naming the subject (again at most once a
+        minute per subject); one the feeds cannot work without ends the sidecar, with that
+        line as its error. False for any other error."""
+        m = _PERMISSION_DENIED.search(str(e))
+        if not m:
+            return False
+        op, subject = m.group(1).lower(), m.group(2)
+        optional = _OPTIONAL_SUBSCRIBE.search(subject) if op == "subscription" else (
+            not _FEED_PUBLISH.search(subject))
+        what = f"NATS permission denied: {'publish' if op == 'publish' else 'subscribe'} to \"{subject}\""
+        if peer or optional:
+            now = time.monotonic()
+            if now - seen.get((op, subject), -PERMISSION_LOG_S) >= PERMISSION_LOG_S:
+                seen[(op, subject)] = now
+                why = (" (single-key purges are then seen at the next restart)" if op == "subscription"
+                       else "")
+                log.warning("%s%s; the user kvcache connects as needs it (README: Permissions)", what, why)
+        elif not self._stopping.is_set():
+            self._fail(UpstreamError(f"{what}: the user kvcache connects as needs it to replicate "
+                                     "(README: Permissions)"))
+        return True
+
+    async def _on_error(self, e: Exception) -> None:
+        # Before the first connection the failure is reported once, as the startup error.
+        if self.nc is not None and not self._stopping.is_set():
+            log.warning("nats: %s", describe(e))
+
+    async def _on_disconnect(self) -> None:
+        if self._stopping.is_set() or self.nc is None:
+            return
+        log.warning("disconnected from NATS")
+        self.stats.nats_connected = False
+        for feed in self.feeds.values():
+            feed.connection_lost()
+
+    async def _on_reconnect(self) -> None:
+        url = self.nc.connected_url if self.nc else None
+        self.url = self.stats.nats_url = url.geturl() if url else ""
+        log.info("reconnected to NATS at %s", self.url or "?")
+        self.stats.nats_connected = True
+        for feed in self.feeds.values():
+            feed.connection_lost()  # recreate consumers now rather than after the watchdog
+
+    def ping_interval(self) -> float:
+        """Seconds between the main connection's pings: a server that stops answering is left
+        after PINGS_OUTSTANDING + 1 of them, within half the tightest max_stale_ms (0.5 s to
+        30 s between pings)."""
+        tightest = min((b.max_stale_ms for b in self.cfg.buckets), default=5000)
+        return min(30.0, max(PING_MIN_S, tightest / 1000 / (2 * (PINGS_OUTSTANDING + 1))))
+
+    async def leave_servers_without_quorum(self) -> None:
+        """Move to another server when the one in use answers but cannot show a quorum for
+        any replicated bucket: a server cut off from its peers (its STREAM.INFO names itself
+        leader with silent followers, or no leader at all), while another server of the
+        cluster may reach the majority. After HOP_AFTER_STALE x max_stale_ms without evidence
+        for every such bucket, force a reconnect (nats-py takes the next server of its pool);
+        the feeds recreate their consumers there. When hopping does not help (the whole
+        cluster has no quorum), the wait doubles up to HOP_MAX_S."""
+        feeds = list(self.feeds.values())
+        bound = min((f.cfg.max_stale_ms for f in feeds), default=5000)
+        first = max(HOP_AFTER_STALE * bound / 1000, HOP_MIN_S)
+        wait, since = first, None
+        while True:
+            await asyncio.sleep(max(0.1, bound / 4000))
+            nc = self.nc
+            quorum = [f for f in feeds if f.quorum]
+            if nc is None or not nc.is_connected or not quorum:
+                since = None
+                continue
+            if any(f.proven_within(f.cfg.max_stale_ms) for f in quorum):
+                since, wait = None, first  # this server shows a quorum: moving helped, if it was needed
+                continue
+            now = time.monotonic()
+            since = since or now
+            if now - since < wait:
+                continue
+            log.warning("NATS server %s has shown no quorum for any replicated bucket in %.1fs: "
+                        "moving to another server", self.url or "?", now - since)
+            self.stats.server_moves += 1
+            since, wait = None, min(wait * 2, HOP_MAX_S)
+            await nc.force_reconnect()
+
+
+# What a permissions violation names; the publishes the feeds cannot do without (the rest are
+# reads, which fail on their own, and consumer deletes, which the server does by itself), and
+# the subscriptions they can (purge and message-delete requests, see feed/feed.py).
+_PERMISSION_DENIED = re.compile(r'permissions violation for (publish|subscription) to "([^"]*)"', re.I)
+_FEED_PUBLISH = re.compile(r"\.API\.(STREAM\.INFO|CONSUMER\.CREATE|CONSUMER\.MSG\.NEXT)\.")
+_OPTIONAL_SUBSCRIBE = re.compile(r"\.API\.STREAM\.(PURGE|MSG\.DELETE)\.")
+PERMISSION_LOG_S = 60.0
+
+
+def _tls_eof_filter(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("returning true from eof_received()")
+
+
+def _quiet_tls_eof() -> None:
+    """nats-py upgrades a plain stream to TLS (start_tls), whose protocol then answers EOF as
+    a plain one would: asyncio warns about it at every close of a TLS connection, a line that
+    tells the reader nothing."""
+    logger = logging.getLogger("asyncio")
+    if _tls_eof_filter not in logger.filters:
+        logger.addFilter(_tls_eof_filter)
+
+
+async def _noop() -> None:
+    pass
