@@ -23,6 +23,7 @@ class Stats:
     gets_stale: int = 0  # answered from a stale replica (serve_stale) after a failed remote read
     stream_list_requests: int = 0  # STREAM.LIST pages asked by the shared state poll (statepoll)
     reads_gathered: int = 0  # GET-only reads answered together at an event-loop iteration's end
+    reads_coalesced: int = 0  # reads that took a request to NATS in flight for the key (read.flights)
     commands: int = 0
     connections_received: int = 0
     connected_clients: int = 0

@@ -9,8 +9,9 @@ answers wins; when NATS cannot answer, a stale replica may (the bucket's `serve_
 This module decides and does nothing else: it reads the replica, the feeds' positions, the
 near cache and the router's floors to answer a question, and never counts, logs, waits or asks
 NATS. The questions: where may this key be answered (`local`, `held`, `local_now`, `cached`),
-which answer is handed out (`newest`), may it fill the near cache (`fill`), and, when NATS
-fails, a stale answer or an error (`stale_entry`).
+may a read join a request to NATS already in flight (`may_join`), which answer is handed out
+(`newest`), may it fill the near cache (`fill`), and, when NATS fails, a stale answer or an
+error (`stale_entry`).
 
 Users: kvcache.read.reads, which carries out every read of the RESP command layer in that order
 (replica, wait for a held key, near cache, NATS, fill) and counts and logs it; the server's
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from ..config import BucketConfig, Config
     from ..feed.feed import Feed
     from ..store.replica import Replica
+    from .flights import Flight
     from .router import Floors
 
 # How long a read of a held key (the replica could not answer it without going back) waits
@@ -63,6 +65,23 @@ class Plan(NamedTuple):
     lkey: bytes
     db: Any  # the bucket's LMDB database handle
     offset: int | None
+
+
+def may_join(flight: Flight, arrived_ns: int, strong: bool, bound_ms: int) -> bool:
+    """May a read that arrived at `arrived_ns` (monotonic) take the answer of a request for
+    the same key already in flight (kvcache.read.flights) instead of sending its own?
+
+    The answer of a request shows the bucket as of some moment after it was sent (`sent_ns`;
+    None: not sent yet, it will be after this read arrived). A plain read promises the
+    bucket's state within its bound (`bound_ms`: max_stale_ms or MAXSTALE), so it may join a
+    request sent no earlier than `bound_ms` before it arrived, strong or not. A strong read
+    (CONSISTENCY strong) promises every write acknowledged before it arrived: only a strong
+    request (the leader's answer) sent after it arrived shows that. A MINREV read joins as a
+    plain one and checks the answer's revision itself (kvcache.read.reads)."""
+    sent = flight.sent_ns
+    if strong:
+        return flight.strong and (sent is None or sent >= arrived_ns)
+    return sent is None or sent >= arrived_ns - bound_ms * 1_000_000
 
 
 class ReadPolicy:

@@ -11,12 +11,14 @@ kvcache.read.policy whether it may answer:
      key (a newer revision was handed out from NATS) waits up to MINREV_WAIT_S for it first;
   2. the near cache, for a key outside the filters;
   3. NATS through the router (peers by latency, the leader for CONSISTENCY strong or MINREV
-     the replica cannot reach); the newer of NATS's and the replica's answers wins, and the
-     answer is offered to the near cache; when no peer can answer, the bucket's serve_stale
-     decides between the stale replica and an error.
+     the replica cannot reach), joining a request for the key already in flight when the
+     policy allows (kvcache.read.flights: one request for a hot key's concurrent readers);
+     the newer of NATS's and the replica's answers wins, and the answer is offered to the
+     near cache; when no peer can answer, the bucket's serve_stale decides between the stale
+     replica and an error.
 Many keys (`many`: MGET, EXISTS) take the same steps per key, with one LMDB read transaction
 for every key the replica answers, one wait per bucket for its held keys, and one batched
-NATS read per bucket for the rest.
+NATS read per bucket for the rest (less the keys that join requests in flight).
 
 Each read is counted (kvcache.ops.stats: INFO and the metrics) and, when sampled, written to the
 access log (kvcache.ops.accesslog) here, once. The contract the server relies on: the reply is
@@ -33,7 +35,9 @@ from typing import TYPE_CHECKING
 from ..entry import Entry, Operation
 from ..errors import CommandError, KvcacheError, ReplyBudget, ReplyTooLarge
 from ..store.record import stored_value
-from .policy import MINREV_WAIT_S, STALE_SOURCE, ReadPolicy
+from .flights import Answer as NatsAnswer
+from .flights import Flights, answer_of
+from .policy import MINREV_WAIT_S, STALE_SOURCE, ReadPolicy, may_join
 
 if TYPE_CHECKING:
     from ..config import BucketConfig, Config
@@ -63,6 +67,7 @@ class Reads:
         self.feeds = policy.feeds
         self.stats = stats
         self.access = access
+        self.flights = Flights(router, may_join)
 
     def max_age_ns(self, bucket: str) -> int:
         """The bucket's max_age (0: none): what TTL and its kin add to a record's own expiry."""
@@ -85,13 +90,14 @@ class Reads:
             want = policy.held(bc, key, rec)
             if not want:
                 return answer(self._local(bc, key, rec, t0, command))
-            return self._held_one(bc, key, want, t0, command, answer, max_stale_ms)
+            return self._held_one(bc, key, want, t0, command, answer, max_stale_ms, time.monotonic_ns())
         if not strong:
             cached = policy.cached(bc, key, max_stale_ms, min_rev)
             if cached is not None:
                 self._count_cached(bc, key, cached, t0, command)
                 return answer(None if cached.value is None else cached)
-        return self._remote_one(bc, key, t0, command, answer, strong, max_stale_ms, min_rev)
+        return self._remote_one(bc, key, t0, command, answer, strong, max_stale_ms, min_rev,
+                                time.monotonic_ns())
 
     def _local(self, bc: BucketConfig, key: str, rec: Record | None, t0: int,
                command: str) -> Entry | None:
@@ -123,40 +129,71 @@ class Reads:
         return False, None
 
     async def _held_one(self, bc: BucketConfig, key: str, want: int, t0: int, command: str,
-                        answer: Answer, max_stale_ms: int | None) -> bytes:
+                        answer: Answer, max_stale_ms: int | None, arrived: int) -> bytes:
         """A held key (its newer revision was handed out from NATS): the replica once it has
         caught up, else NATS."""
         local, rec = await self._local_after(bc, key, want, max_stale_ms)
         if local:
             return answer(self._local(bc, key, rec, t0, command))
-        return await self._remote_one(bc, key, t0, command, answer, False, max_stale_ms, None)
+        return await self._remote_one(bc, key, t0, command, answer, False, max_stale_ms, None, arrived)
 
     async def _remote_one(self, bc: BucketConfig, key: str, t0: int, command: str, answer: Answer,
-                          strong: bool, max_stale_ms: int | None, min_rev: int | None) -> bytes:
-        if min_rev is not None and not strong:
+                          strong: bool, max_stale_ms: int | None, min_rev: int | None,
+                          arrived: int) -> bytes:
+        if min_rev is not None and not strong and self.policy.in_filters(bc.name, key):
             # A replicated key is served locally once the replica reaches the revision; any
-            # other goes to the leader at once instead of waiting for sequences never applied.
-            if self.policy.in_filters(bc.name, key):
-                local, rec = await self._local_after(bc, key, min_rev, max_stale_ms)
-                if local:
-                    return answer(self._local(bc, key, rec, t0, command))
-            strong = True  # the replica is behind the revision asked for: the leader has it
-        return answer(await self._remote_entry(bc, key, strong, t0, command, max_stale_ms))
+            # other goes to NATS at once instead of waiting for sequences never applied.
+            local, rec = await self._local_after(bc, key, min_rev, max_stale_ms)
+            if local:
+                return answer(self._local(bc, key, rec, t0, command))
+        return answer(await self._remote_entry(bc, key, strong, t0, command, max_stale_ms, arrived, min_rev))
+
+    async def _ask(self, bc: BucketConfig, key: str, strong: bool, arrived: int, bound_ms: int,
+                   min_rev: int | None) -> NatsAnswer:
+        """NATS's answer for one key: a request in flight joined when the policy allows
+        (ReadPolicy.may_join), else one of our own. MINREV joins as a plain read and keeps the
+        answer only at or above its revision; below (or not found), it asks the leader, which
+        has every acknowledged revision (a strong read, arriving now)."""
+        flights = self.flights
+        if min_rev is not None and not strong:
+            joined = flights.find(bc.name, key, arrived, False, bound_ms)
+            if joined is not None:
+                self.stats.reads_coalesced += 1
+                try:
+                    got = await answer_of(joined, False)
+                except (KvcacheError, LookupError):
+                    pass  # its failure is not ours: ask on our own
+                else:
+                    if got[0] is not None and got[0].revision >= min_rev:
+                        return got
+            strong, arrived = True, flights.clock()
+        flight = flights.find(bc.name, key, arrived, strong, bound_ms)
+        if flight is not None:
+            self.stats.reads_coalesced += 1
+            try:
+                return await answer_of(flight, False)
+            except LookupError:
+                pass  # a batch over its sender's budget: ask on our own
+        return await answer_of(flights.one(bc.name, key, strong), True)
 
     async def _remote_entry(self, bc: BucketConfig, key: str, strong: bool, t0: int, command: str,
-                            max_stale_ms: int | None) -> Entry | None:
-        """NATS's answer; the replica's copy wins when it is newer (reads never go back), and
-        the answer is offered to the near cache. When no peer can answer, a stale replica may
-        (ReadPolicy.stale_entry). None: not found."""
+                            max_stale_ms: int | None, arrived: int, min_rev: int | None = None
+                            ) -> Entry | None:
+        """NATS's answer (_ask); the replica's copy wins when it is newer (reads never go
+        back), and the answer is offered to the near cache. When no peer can answer, a stale
+        replica may (ReadPolicy.stale_entry; never for CONSISTENCY strong or MINREV). None:
+        not found."""
         policy = self.policy
         self.stats.gets_remote += 1
         source = "remote"
+        bound = bc.max_stale_ms if max_stale_ms is None else max_stale_ms
         try:
-            entry, answered = await self.router.get_from(bc.name, key, strong=strong)
+            entry, answered = await self._ask(bc, key, strong, arrived, bound, min_rev)
         except KvcacheError as e:
             self.stats.remote_errors += 1
             try:
-                entry = policy.stale_entry(bc, key, e, strong, max_stale_ms)  # or CommandError
+                entry = policy.stale_entry(bc, key, e, strong or min_rev is not None,
+                                           max_stale_ms)  # or CommandError
             except CommandError:
                 self.stats.read_failed(bc.name)
                 raise
@@ -184,7 +221,7 @@ class Reads:
         values, misses, held = self._local_many(raw_keys, t0, command, budget)
         if not misses:
             return reply(values)
-        return self._remote_many(values, misses, held, reply, t0, command, budget)
+        return self._remote_many(values, misses, held, reply, t0, command, budget, time.monotonic_ns())
 
     def _local_many(self, raw_keys: list[bytes], t0: int, command: str,
                     budget: ReplyBudget | None) -> tuple[list[bytes | None], Misses, Held]:
@@ -269,11 +306,39 @@ class Reads:
             else:
                 del misses[bucket]
 
+    async def _ask_many(self, bucket: str, keys: list[str], arrived: int, bound_ms: int,
+                        budget: ReplyBudget | None) -> tuple[dict[str, Entry | None], dict[str, str]]:
+        """NATS's answers for keys of one bucket: the keys with a request in flight the policy
+        lets them join take its answer (charged to `budget` here: the request was another
+        read's), the rest go in one batch of our own (charged by the router as it reads)."""
+        flights = self.flights
+        joined = {}
+        for key in keys:
+            f = flights.find(bucket, key, arrived, False, bound_ms)
+            if f is not None:
+                joined[key] = f
+        self.stats.reads_coalesced += len(joined)
+        rest = [k for k in keys if k not in joined]
+        own = flights.many(bucket, rest, budget) if rest else {}
+        found: dict[str, Entry | None] = {}
+        answered: dict[str, str] = {}
+        for key, f in own.items():
+            found[key], answered[key] = await answer_of(f, True)
+        for key, f in joined.items():
+            try:
+                e, by = await answer_of(f, False)
+            except LookupError:  # a batch over its sender's budget: ask on our own
+                e, by = await answer_of(flights.one(bucket, key, False), True)
+            if budget is not None and e is not None and e.value:
+                budget.spend(len(e.value))
+            found[key], answered[key] = e, by
+        return found, answered
+
     async def _remote_many(self, values: list[bytes | None], misses: Misses, held: Held,
                            reply: Callable[[list[bytes | None]], bytes], t0: int, command: str,
-                           budget: ReplyBudget | None) -> bytes:
-        """Held keys first (_held_many), then the misses: one batched multi_last read per
-        bucket, then the reply."""
+                           budget: ReplyBudget | None, arrived: int) -> bytes:
+        """Held keys first (_held_many), then the misses: per bucket, requests in flight
+        joined and one batched multi_last read for the rest, then the reply."""
         if held:
             await self._held_many(values, misses, held, budget, t0, command)
         policy = self.policy
@@ -286,7 +351,7 @@ class Reads:
             source = "remote"
             answered: dict[str, str] = {}
             try:
-                found, answered = await self.router.get_many_from(bucket, keys, budget)
+                found, answered = await self._ask_many(bucket, keys, arrived, bc.max_stale_ms, budget)
             except ReplyTooLarge:
                 raise
             except KvcacheError as e:
