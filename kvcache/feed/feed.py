@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 
 from ..config import BucketConfig
@@ -34,8 +34,9 @@ from ..errors import BucketNotFound, ReplicaError, UpstreamError
 from ..natsio import jetstream as jsapi
 from ..natsio.connection import NatsConnection
 from ..store.nearcache import NearCache, drop_store
-from ..store.record import LONG_KEY_PREFIX, RECORD, Item, decode_key
+from ..store.record import decode_key
 from ..store.replica import Replica
+from .cachekeeper import CacheKeeper
 from .changes import ChangeHub
 from .consumer import ConsumerLost, PullConsumer, Run
 from .freshness import SILENT_HEARTBEATS as SILENT_HEARTBEATS  # the sidecar's start check
@@ -47,10 +48,6 @@ from .sweeps import Maintenance
 log = logging.getLogger("kvcache.feed")
 
 META_TOUCH_INTERVAL_NS = 1_000_000_000
-# Keys outside the filters changed recently (the near cache's fill guard, Feed.fill_ok): kept
-# this long beyond the request timeout, at most this many (past it, no fill for that long).
-RECENT_MARGIN_S = 1.0
-RECENT_MAX = 100_000
 
 
 class Feed(Maintenance):
@@ -73,10 +70,9 @@ class Feed(Maintenance):
         self.prefix = f"$KV.{bucket.name}."
         self.filters = [self.prefix + k for k in bucket.keys]
         # The near cache of keys outside the filters (set_cache): with one, the consumer
-        # covers the whole bucket, and changes outside the filters invalidate the cache.
+        # covers the whole bucket, and the keeper (kvcache.feed.cachekeeper) keeps it true.
         self.cache: NearCache | None = None
-        self._recent: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
-        self._recent_full_until = 0.0
+        self._keeper: CacheKeeper | None = None
         self.replica = replica
         self.heartbeat_s = heartbeat_s
         self.timeout = timeout
@@ -136,70 +132,20 @@ class Feed(Maintenance):
         """Before start: keys outside the filters are cached (kvcache.store.nearcache), and this
         feed keeps them true: its consumer reads the whole bucket from now on."""
         self.cache = cache
+        self._keeper = CacheKeeper(self.cfg, cache, self.timeout)
         self.filters = [self.prefix + ">"]
-
-    def _split(self, items: list[Item], seq: int) -> tuple[list[Item], list[tuple[str, str]]]:
-        """With a near cache: the items for the replica (keys inside the filters, and every
-        delete: a long key's digest does not say where it belongs), and the changes outside
-        the filters, which invalidate the cache (and are noted for the fill guard)."""
-        cache = self.cache
-        assert cache is not None
-        keep: list[Item] = []
-        outside: list[bytes] = []
-        seqs: list[int] = []
-        changes: list[tuple[str, str]] = []
-        for lk, rec in items:
-            if rec is None:
-                keep.append((lk, rec))
-                outside.append(lk)
-                seqs.append(seq)  # a delete's own sequence is not in the item: the batch's top
-                if not lk.startswith(LONG_KEY_PREFIX):
-                    key = lk.decode()
-                    if not self.cfg.replicates(key):
-                        changes.append((key, "del"))
-                continue
-            key = decode_key(lk, rec)
-            if self.cfg.replicates(key):
-                keep.append((lk, rec))
-            else:
-                outside.append(lk)
-                seqs.append(RECORD.unpack_from(rec)[0])
-                changes.append((key, "set"))
-        if outside:
-            self._note_recent(outside, seqs)
-            cache.invalidate(outside)
-        return keep, changes
-
-    def _note_recent(self, lkeys: list[bytes], seqs: list[int]) -> None:
-        now = time.monotonic()
-        recent = self._recent
-        for lk, seq in zip(lkeys, seqs, strict=True):
-            if seq > recent.get(lk, (0, 0.0))[0]:
-                recent[lk] = (seq, now)
-                recent.move_to_end(lk)
-        horizon = now - self.timeout * 2 - RECENT_MARGIN_S
-        while recent:
-            first = next(iter(recent.values()))
-            if first[1] >= horizon:
-                break
-            recent.popitem(last=False)
-        if len(recent) > RECENT_MAX:  # too many to remember: no fills for a while instead
-            recent.clear()
-            self._recent_full_until = now + self.timeout * 2 + RECENT_MARGIN_S
 
     def fill_ok(self, lkey: bytes, revision: int) -> bool:
         """May a fallback read's answer (at `revision`) go into the near cache? Only while
         this feed vouches for the bucket (fresh within max_stale_ms), and only if it saw no
-        newer change of the key while the read was on its way (a change it sees later
-        invalidates the record as usual)."""
-        if not self.fresh_within(self.cfg.max_stale_ms) or time.monotonic() < self._recent_full_until:
+        newer change of the key while the read was on its way (CacheKeeper.fill_ok)."""
+        if not self.fresh_within(self.cfg.max_stale_ms):
             return False
-        seen = self._recent.get(lkey)
-        return seen is None or seen[0] <= revision
+        return self._keeper is None or self._keeper.fill_ok(lkey, revision)
 
     def _clear_cache(self, why: str) -> None:
-        if self.cache is not None and len(self.cache):
-            log.info("bucket %s: near cache cleared (%d keys): %s", self.bucket, self.cache.clear(), why)
+        if self._keeper is not None:
+            self._keeper.clear(why)
 
     # -------------------------------------------------------------- lifecycle
 
@@ -582,8 +528,8 @@ class Feed(Maintenance):
         items = last.items if len(runs) == 1 else [it for r in runs for it in r.items]
         hub = self.hub
         outside: list[tuple[str, str]] = []
-        if self.cache is not None:
-            items, outside = self._split(items, top)
+        if self._keeper is not None:
+            items, outside = self._keeper.split(items, top)
         changes = self.replica.changes_of(self.bucket, items) if hub is not None and hub.active else None
         if outside and changes is not None:
             changes += outside
