@@ -249,25 +249,6 @@ class Feed(Maintenance):
         m.max_age_ns = self.max_age_ns
         self.replica.put_meta(self.bucket, m)
 
-    def _set_deadlines(self, max_age_ns: int, msg_ttl: bool) -> None:
-        """The stream's max_age, where every reader applies it (LocalReader: in the meta),
-        and whether it takes per-message TTLs. A new max_age moves every record's deadline,
-        and per-message TTLs turned on may have come before this saw it: the expiry index is
-        filed anew."""
-        deadlines = bool(max_age_ns or msg_ttl)
-        changed = max_age_ns != self.meta.max_age_ns or (deadlines and not self._deadlines)
-        self._deadlines = deadlines
-        if deadlines:
-            self._sweep_wake.set()
-        self.max_age_ns = max_age_ns
-        self.replica.max_age[self.bucket] = max_age_ns
-        self.meta.max_age_ns = max_age_ns
-        if changed and deadlines and self.replica.count(self.bucket):
-            t = asyncio.get_running_loop().create_task(self._refile(), name=f"refile:{self.bucket}")
-            self._hint_tasks.add(t)
-            t.add_done_callback(self._hint_tasks.discard)
-
-
     def _task_done(self, task: asyncio.Task) -> None:
         """The loop retries every failure it knows; if it ends anyway, that is a bug, and a
         replica nobody updates must not go on being served as fresh: say so and let the
@@ -607,14 +588,6 @@ class Feed(Maintenance):
                 self._reconcile_task.cancel()
             self._reconcile_task = asyncio.get_running_loop().create_task(
                 self._reconcile(), name=f"reconcile:{self.bucket}")
-
-
-    # -------------------------------------------------------------- removals with no message
-
-
-    # -------------------------------------------------------------- reconcile
-
-
 
 
 # The reasons metrics give full resyncs and consumer recreations by (every one is exported

@@ -75,10 +75,27 @@ class Maintenance:
         @property
         def quorum(self) -> bool: ...
         async def _stream_info(self) -> dict: ...
-        def _set_deadlines(self, max_age_ns: int, msg_ttl: bool) -> None: ...
         def note_evidence(self, info: dict, sent_ns: int) -> Evidence | None: ...
         async def wait_applied(self, seq: int, timeout: float) -> bool: ...
         def _clear_cache(self, why: str) -> None: ...
+
+    def _set_deadlines(self, max_age_ns: int, msg_ttl: bool) -> None:
+        """The stream's max_age, where every reader applies it (LocalReader: in the meta),
+        and whether it takes per-message TTLs. A new max_age moves every record's deadline,
+        and per-message TTLs turned on may have come before this saw it: the expiry index is
+        filed anew."""
+        deadlines = bool(max_age_ns or msg_ttl)
+        changed = max_age_ns != self.meta.max_age_ns or (deadlines and not self._deadlines)
+        self._deadlines = deadlines
+        if deadlines:
+            self._sweep_wake.set()
+        self.max_age_ns = max_age_ns
+        self.replica.max_age[self.bucket] = max_age_ns
+        self.meta.max_age_ns = max_age_ns
+        if changed and deadlines and self.replica.count(self.bucket):
+            t = asyncio.get_running_loop().create_task(self._refile(), name=f"refile:{self.bucket}")
+            self._hint_tasks.add(t)
+            t.add_done_callback(self._hint_tasks.discard)
 
     async def _refile(self) -> None:
         after: bytes | None = None
