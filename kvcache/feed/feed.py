@@ -109,9 +109,8 @@ class Feed(Maintenance):
         self._synced_event = asyncio.Event()
         self._last_meta_write = 0
         self._sync_started = 0.0
-        self._waiters: list[tuple[int, asyncio.Future]] = []
-        # Revisions handed out from NATS that the replica has not reached (kvcache.feed.holds);
-        # `on_hold` is called when the first key is held.
+        # Revisions handed out from NATS that the replica has not reached, and reads waiting
+        # for the replica (kvcache.feed.holds); `on_hold` is called when the first key is held.
         self.holds = Holds(on_hold)
         # Called when the stream was recreated or rewound (its revisions start again): the
         # router forgets the bucket's floors (Router.floors.forget).
@@ -282,27 +281,7 @@ class Feed(Maintenance):
 
     async def wait_applied(self, seq: int, timeout: float) -> bool:
         """True once the replica holds stream sequence `seq` (MINREV), False on timeout."""
-        if self.meta.synced and self.meta.applied_seq >= seq:
-            return True
-        fut = asyncio.get_running_loop().create_future()
-        item = (seq, fut)
-        self._waiters.append(item)
-        try:
-            await asyncio.wait_for(fut, timeout)
-            return True
-        except TimeoutError:
-            return False
-        finally:
-            if item in self._waiters:
-                self._waiters.remove(item)
-
-    def _wake_waiters(self) -> None:
-        if not self.meta.synced:
-            return
-        applied = self.meta.applied_seq
-        for seq, fut in self._waiters:
-            if seq <= applied and not fut.done():
-                fut.set_result(None)
+        return await self.holds.wait(seq, timeout, self.meta)
 
     def connection_lost(self) -> None:
         """Called on disconnect: stop claiming freshness, and start over on reconnect."""
@@ -533,10 +512,7 @@ class Feed(Maintenance):
         self.freshness.caught_up = caught_up
         if caught_up:
             self._reached_end()
-        if self.holds.floor_seq:
-            self.holds.release(self.meta)
-        if self._waiters:
-            self._wake_waiters()
+        self.holds.moved(self.meta)
         return False
 
     def _on_idle(self, last_stream_seq: int) -> None:
@@ -555,10 +531,7 @@ class Feed(Maintenance):
         if now - self._last_meta_write >= META_TOUCH_INTERVAL_NS:
             self._last_meta_write = now
             self.replica.put_meta(self.bucket, m)
-        if self.holds.floor_seq:
-            self.holds.release(self.meta)
-        if self._waiters:
-            self._wake_waiters()
+        self.holds.moved(self.meta)
 
     def _flush(self, why: str) -> None:
         """What was handed out from this bucket can no longer be vouched for (kvcache.feed.changes)."""

@@ -1,17 +1,20 @@
-"""Holds: the floors that keep a bucket's local reads from going back in time.
+"""Holds: what local reads wait for so that they never go back in time.
 
 A read answered from NATS may hand out a revision the replica has not applied yet (a replica
 may lag within max_stale_ms). The replica's older record must not then answer that key's next
 read, so the key is held until the replica reaches the revision. The common case is no hold at
-all, which the read paths check with one attribute (`floor_seq`) before asking per key.
+all, which the read paths check with one attribute (`floor_seq`) before asking per key. A held
+key's read, a MINREV read and a state check wait for the replica to reach a sequence (`wait`).
 
 `Holds` is one feed's (kvcache.feed.feed.Feed composes it): the read policy notes revisions
-handed out and asks per key whether it is held; the feed releases every hold once its replica
-reaches them. Kept apart from the consumer loop: it is the read path's bookkeeping, and needs
-nothing of the sync but the feed's position.
+handed out and asks per key whether it is held; the feed reports each move of its replica
+(`moved`), which releases the holds and wakes the waits it reached. Kept apart from the
+consumer loop: it is the read path's bookkeeping, and needs nothing of the sync but the
+feed's position.
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from ..store.replica import BucketMeta
@@ -34,6 +37,7 @@ class Holds:
         # Called when the first key is held: the server drops the GET path's cached verdicts
         # (LocalGets.forget_fresh), which would otherwise answer from the replica for a while.
         self.on_hold = on_hold
+        self._waiters: list[tuple[int, asyncio.Future]] = []
 
     def handed_out(self, key: str, revision: int, meta: BucketMeta) -> None:
         """An answer for `key` at `revision` (a value, or a deletion's marker) was handed out
@@ -69,11 +73,32 @@ class Holds:
             return 0
         return want
 
-    def release(self, meta: BucketMeta) -> None:
-        """After the replica moved: if it reached every revision handed out ahead of it, no
-        key is held now."""
-        if meta.synced and meta.applied_seq >= self.floor_seq:
+    async def wait(self, seq: int, timeout: float, meta: BucketMeta) -> bool:
+        """True once the replica (now at `meta`) holds stream sequence `seq`, False on timeout."""
+        if meta.synced and meta.applied_seq >= seq:
+            return True
+        fut = asyncio.get_running_loop().create_future()
+        item = (seq, fut)
+        self._waiters.append(item)
+        try:
+            await asyncio.wait_for(fut, timeout)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            if item in self._waiters:
+                self._waiters.remove(item)
+
+    def moved(self, meta: BucketMeta) -> None:
+        """The replica moved to `meta`: if it reached every revision handed out ahead of it,
+        no key is held now; the waits for sequences it holds end."""
+        if self.floor_seq and meta.synced and meta.applied_seq >= self.floor_seq:
             self.clear()
+        if self._waiters and meta.synced:
+            applied = meta.applied_seq
+            for seq, fut in self._waiters:
+                if seq <= applied and not fut.done():
+                    fut.set_result(None)
 
     def clear(self) -> None:
         """Forget every hold: the replica holds them all, or their numbering is gone (a full
