@@ -6,11 +6,13 @@ never recovers. Here the consumer is pull-based, so nothing can be dropped and m
 bounded by one pull window.
 
 This module holds the sync itself: planning a start (resume from the stored sequence, or a
-full resync when the stream no longer holds it, was recreated or rewound), applying each
+full resync when the stream no longer holds it, was recreated or rewound), and applying each
 socket read's deliveries in one LMDB transaction together with the last applied stream
-sequence, freshness (`fresh_within`, `lag_ms`) and the floors that keep reads from going back
-(`handed_out`, `held_until`). The passes that keep the replica equal when no message says so
-(expiry, removals, reconcile) are in kvcache.feed.sweeps.
+sequence. The feed composes the rest and answers the read policy through them: how current
+the replica is known to be (`fresh_within`, `lag_ms`: kvcache.feed.freshness), the holds that
+keep reads from going back (`handed_out`, `held_until`: kvcache.feed.holds) and the near
+cache's side (kvcache.feed.cachekeeper). The passes that keep the replica equal when no
+message says so (expiry, removals, reconcile) are in kvcache.feed.sweeps.
 
 Two facts about the server shape the bookkeeping here:
 - `last_per_subject` delivers the initial set in subject order, not stream order, so while a
