@@ -3,7 +3,12 @@
 A bucket with a near cache (kvcache.store.nearcache) has its feed consume the whole bucket, not
 only the replicated filters. Each batch is then split: keys inside the filters (and every
 delete, since a long key's digest does not say where it belongs) go to the replica; a change
-outside them invalidates the cached key and is a change for the hub's listeners all the same.
+outside them replaces the cached key's record, in stream order (NearCache.refresh: a delete or
+purge becomes a cached not-found), and is a change for the hub's listeners all the same. So a
+write of a hot cached key sends no reader to NATS: the next read finds the new value (issue
+28). A delete carries no sequence of its own; its cached not-found takes one more than the
+sequence of the message delivered just before it, a lower bound of its own: no message of
+the key can lie between the two, since the consumer reads every subject of the bucket.
 
 A fallback read's answer fills the cache later than the read was sent, so a change the feed
 applied meanwhile would be overwritten by the older answer. The keeper remembers the changes
@@ -43,35 +48,41 @@ class CacheKeeper:
         self._recent: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
         self._full_until = 0.0  # RECENT_MAX was passed: no fill until then
 
-    def split(self, items: list[Item], seq: int) -> tuple[list[Item], list[Change]]:
-        """A batch at `seq` (its top sequence): the items for the replica (keys inside the
-        filters, and every delete: a long key's digest does not say where it belongs), and the
-        changes outside the filters, which invalidate the cache (and are noted for the fill
-        guard)."""
+    def split(self, items: list[Item], seq: int, after: int) -> tuple[list[Item], list[Change]]:
+        """A batch at `seq` (its top sequence) delivered after sequence `after` (the feed's
+        position before it): the items for the replica (keys inside the filters, and every
+        delete: a long key's digest does not say where it belongs), and the changes outside
+        the filters, which refresh the cache (and are noted for the fill guard)."""
         keep: list[Item] = []
         outside: list[bytes] = []
         seqs: list[int] = []
         changes: list[Change] = []
+        updates: list[tuple[bytes, bytes | None, int]] = []
+        last = after  # the sequence of the message delivered last
         for lk, rec in items:
             if rec is None:
                 keep.append((lk, rec))
                 outside.append(lk)
-                seqs.append(seq)  # a delete's own sequence is not in the item: the batch's top
+                seqs.append(seq)  # the fill guard: the batch's top, which is at or above it
+                updates.append((lk, None, last + 1))
                 if not lk.startswith(LONG_KEY_PREFIX):
                     key = lk.decode()
                     if not self.cfg.replicates(key):
                         changes.append((key, "del"))
                 continue
+            revision = RECORD.unpack_from(rec)[0]
+            last = max(last, revision)
             key = decode_key(lk, rec)
             if self.cfg.replicates(key):
                 keep.append((lk, rec))
             else:
                 outside.append(lk)
-                seqs.append(RECORD.unpack_from(rec)[0])
+                seqs.append(revision)
+                updates.append((lk, rec, revision))
                 changes.append((key, "set"))
         if outside:
             self._note_recent(outside, seqs)
-            self.cache.invalidate(outside)
+            self.cache.refresh(updates)
         return keep, changes
 
     def _note_recent(self, lkeys: list[bytes], seqs: list[int]) -> None:

@@ -491,7 +491,7 @@ class Feed(Maintenance):
         hub = self.hub
         outside: list[tuple[str, str]] = []
         if self._keeper is not None:
-            items, outside = self._keeper.split(items, top)
+            items, outside = self._keeper.split(items, top, self.meta.applied_seq)
         changes = self.replica.changes_of(self.bucket, items) if hub is not None and hub.active else None
         if outside and changes is not None:
             changes += outside

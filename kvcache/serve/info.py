@@ -89,6 +89,7 @@ class Info:
                 ("gets_remote", st.gets_remote),
                 ("gets_notfound", st.gets_notfound), ("remote_errors", st.remote_errors),
                 ("gets_stale", st.gets_stale), ("reads_gathered", st.reads_gathered),
+                ("reads_coalesced", st.reads_coalesced),
                 ("stream_list_requests", st.stream_list_requests),
                 ("total_commands_processed", st.commands),
                 ("total_connections_received", st.connections_received),
@@ -134,11 +135,12 @@ def _cache_fields(feed) -> dict[str, int]:
     c = feed.cache
     if c is None:
         return {}
+    c.drain()  # the GET fast path's hits, not yet handed over
     st = c.stats
     return {"cache_keys": len(c), "cache_bytes": c.bytes, "cache_hits": st.hits,
             "cache_misses": st.misses, "cache_admissions": st.admissions,
             "cache_rejections": st.rejections, "cache_evictions": st.evictions,
-            "cache_invalidations": st.invalidations}
+            "cache_invalidations": st.invalidations, "cache_updates": st.updates}
 
 
 def _fields(**kv: object) -> str:

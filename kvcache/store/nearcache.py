@@ -14,16 +14,27 @@ hot; memory stays at the bounds plus the fixed sketch.
 
 A not-found is cached too (`absent`): an 8-byte record holding only the revision it is known
 at (a deletion's marker, or 0 for a key with no message), so a hot missing key costs one
-Direct Get, not one per read. The bucket's feed invalidates it when the key is written, like
-any cached key. Every record starts with its revision (REVISION), absent or not.
+Direct Get, not one per read. Every record starts with its revision (REVISION), absent or not.
+
+The bucket's feed keeps what is cached current (`refresh`, issue 28): a change of a cached key
+replaces its record in stream order (a delete or purge becomes a cached not-found), so a write
+of a hot key does not turn its next burst of readers into a stampede on NATS. A record never
+goes back: a fill from NATS may be ahead of the feed, and an older change is then skipped.
 
 This module owns the store and its format: the records in the bucket's `n:<bucket>` database
 (the replica lends its LMDB environment and that database's handle, nothing more), what a
 cached record holds (`CachedRecord`, `absent`) and how an answer is encoded into one
 (`offer_entry`). Whether a cached record may answer a read (the bucket's invalidation feed
 fresh within max_stale_ms, the floors) and whether an answer may go in are the read policy's
-questions (kvcache.read.policy), and removing what the bucket changed is the invalidation
-feed's job.
+questions (kvcache.read.policy), and keeping it current is the bucket's feed's job.
+
+The server's GET fast path (kvcache.serve.get and its C twin) answers hits itself, from the
+database through its own read transaction, under the same freshness rules as the replica's
+keys: a hit is counted into the frequency sketch on the spot (in C: the same counters) and its
+key appended to `touched`, which the path hands over (`drain`: LRU order, hit count, the
+sketch's aging) every TOUCH_MAX hits and which the cache takes in itself before any decision
+that reads the order (an offer) and before its counters are shown. A miss, an expired record
+or a read while the feed is not fresh is left to the read policy's path.
 """
 from __future__ import annotations
 
@@ -44,6 +55,8 @@ if TYPE_CHECKING:
 ENTRY_OVERHEAD = 64
 # The revision every cached record starts with; alone, it is a cached not-found (`absent`)
 REVISION = struct.Struct("<Q")
+# Hits the server's GET fast path answers before it hands them over (`touched`, `drain`)
+TOUCH_MAX = 1024
 
 
 def absent(revision: int) -> bytes:
@@ -55,7 +68,7 @@ def is_absent(raw: bytes) -> bool:
     return len(raw) == REVISION.size
 
 
-def revision_of(raw: bytes) -> int:
+def revision_of(raw: bytes | memoryview) -> int:
     return REVISION.unpack_from(raw)[0]
 
 
@@ -93,6 +106,7 @@ class CacheStats:
     rejections: int = 0   # candidates colder than the key they would have evicted
     evictions: int = 0
     invalidations: int = 0
+    updates: int = 0      # cached keys the feed replaced with their new value or a not-found
 
 
 class NearCache:
@@ -117,7 +131,32 @@ class NearCache:
         self.lru: OrderedDict[bytes, int] = OrderedDict()  # lkey -> bytes it is charged
         self.bytes = 0
         self.sketch = FrequencySketch(max_keys or max(1, max_bytes // 256))
+        # Keys the GET fast path answered since the last `drain` (their counters are counted)
+        self.touched: list[bytes] = []
         self._load()
+
+    @property
+    def db(self):  # the bucket's cache database handle (LMDB), for the GET fast path's plans
+        return self._db
+
+    @property
+    def db_name(self) -> bytes:
+        return b"n:" + self.bucket.encode()
+
+    def drain(self) -> None:
+        """Take in the hits the GET fast path answered (`touched`): each key moves to the
+        LRU's end (once, however often it was hit), the hits count, and the sketch learns how
+        many reads its counters took (FrequencySketch.note: aging)."""
+        touched = self.touched
+        if not touched:
+            return
+        lru = self.lru
+        for lk in reversed(dict.fromkeys(reversed(touched))):  # each once, by its last hit
+            if lk in lru:
+                lru.move_to_end(lk)
+        self.stats.hits += len(touched)
+        self.sketch.note(len(touched))
+        touched.clear()
 
     # ------------------------------------------------------------------ the store (LMDB)
 
@@ -222,6 +261,7 @@ class NearCache:
 
     def offer(self, lkey: bytes, record: bytes) -> bool:
         """A fallback read's answer for a key: keep it if it is hot enough. True if kept."""
+        self.drain()  # the LRU order and the counts the choice of a victim reads
         size = len(lkey) + len(record) + ENTRY_OVERHEAD
         old = self.lru.pop(lkey, None)
         if old is not None:  # a newer answer for a cached key: replace it in place
@@ -246,6 +286,47 @@ class NearCache:
         if old is None:
             self.stats.admissions += 1
         return True
+
+    def refresh(self, changes: list[tuple[bytes, bytes | None, int]]) -> int:
+        """The bucket's feed delivered these changes of keys outside the filters, in stream
+        order: `(lkey, record, revision)`, record None for a delete or purge (then `revision`
+        is a lower bound of its sequence: kvcache.feed.feed). Each cached key takes its new
+        record (a delete: a cached not-found) unless what is cached is as new or newer (a
+        fill from NATS may be ahead of the feed). Not a read (no LRU move, no count); the
+        bounds hold as for an offer (the coldest keys go when a value grows past them). How
+        many records were replaced."""
+        todo = [c for c in changes if c[0] in self.lru]
+        if not todo:
+            return 0
+        db = self._db
+        done: dict[bytes, bytes | memoryview] = {}
+
+        def write(txn: lmdb.Transaction) -> None:
+            for lk, rec, revision in todo:
+                old = done.get(lk)
+                if old is None:
+                    old = txn.get(lk, db=db)
+                if old is not None and revision_of(old) >= revision:
+                    continue
+                new = absent(revision) if rec is None else rec
+                txn.put(lk, new, db=db)
+                done[lk] = new
+
+        self._write_txn(f"bucket {self.bucket} cache", write)
+        for lk, new in done.items():
+            size = len(lk) + len(new) + ENTRY_OVERHEAD
+            self.bytes += size - self.lru[lk]
+            self.lru[lk] = size
+        self.stats.updates += len(done)
+        evicted = []
+        while self.lru and self._over(0):
+            victim, vsize = self.lru.popitem(last=False)
+            self.bytes -= vsize
+            evicted.append(victim)
+        if evicted:
+            self._store([], evicted)
+            self.stats.evictions += len(evicted)
+        return len(done)
 
     def invalidate(self, lkeys: list[bytes]) -> int:
         """The bucket changed these keys: cached ones are dropped. How many were cached."""
