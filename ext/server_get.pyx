@@ -18,9 +18,11 @@ sidecar uses it, and `serve` checks the first condition on every call:
   writer has locked would drop the writer's POSIX locks), so `close()` only stops using it.
 A map grown by the writer shows up as MDB_MAP_RESIZED at the next batch and is adopted.
 """
+from cpython.bytearray cimport PyByteArray_AS_STRING
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_FromStringAndSize
 from cpython.dict cimport PyDict_GetItem
-from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.list cimport PyList_Append, PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.object cimport PyObject_Hash
 from cpython.mem cimport PyMem_Free, PyMem_Realloc
 from cpython.ref cimport PyObject
 from cpython.pyport cimport PY_SSIZE_T_MAX
@@ -37,8 +39,10 @@ from kvcache.errors import ReplicaError
 from kvcache.ops.latency import BOUNDS_NS
 from kvcache.read.policy import PLAN_CACHE
 from kvcache.serve.get import FLUSH_AT, FRESH_VERDICT_S
+from kvcache.store.nearcache import REVISION, TOUCH_MAX
 from kvcache.store.record import FLAG_TTL, KLEN_MASK, RECORD, TTL_BIT, TTL_BYTE
 from kvcache.store.replica import MAX_DBS
+from kvcache.store.sketch import MAX_COUNT, ROWS, _SEEDS
 from kvcache.resp import GET_LEN
 
 assert RECORD.format == "<QQI" and RECORD.size == 20, "record layout changed: update serve()"
@@ -48,6 +52,14 @@ cdef unsigned int _FLAG_TTL = FLAG_TTL
 cdef unsigned int _KLEN_MASK = KLEN_MASK
 cdef Py_ssize_t _TTL_BYTE = TTL_BYTE
 cdef unsigned char _TTL_BIT = TTL_BIT
+# kvcache.store.nearcache: a cached not-found is its revision alone; hits handed over in batches
+assert REVISION.size == 8, "cached not-found layout changed: update _reply()"
+cdef Py_ssize_t _TOUCH_MAX = TOUCH_MAX
+# kvcache.store.sketch's counters, added to in C (_sketch_add)
+assert ROWS == 4 and MAX_COUNT == 15, "sketch layout changed: update _sketch_add()"
+cdef unsigned long long _SEED[4]
+for _i, _s in enumerate(_SEEDS):
+    _SEED[_i] = _s
 
 log = logging.getLogger("kvcache.server")
 
@@ -119,6 +131,27 @@ cdef class _Bucket:
     # GETs this path answered for the bucket, found and not: read at scrape time by
     # kvcache.ops.metrics (bucket_reads), so counting costs a C increment per key
     cdef unsigned long long hits, misses
+    # A bucket's near cache (kvcache.store.nearcache), read as a bucket of its own: a cached
+    # not-found answers nil, a key not cached (or expired) goes to the generic path, and each
+    # answer is counted into the cache (its sketch's counters here, its key into `touched`)
+    cdef bint cache
+    cdef object near        # the NearCache
+    cdef list touched       # near.touched
+    cdef object counts      # near.sketch.counts (a bytearray, aged in place)
+    cdef unsigned long long sk_width, sk_mask, sk_shift
+
+
+cdef inline void _sketch_add(_Bucket b, object key) except *:
+    """kvcache.store.sketch.FrequencySketch.add_counts in C: the same 4 slots from the key's
+    hash (cached in the bytes object), each counter saturating at MAX_COUNT."""
+    cdef unsigned long long h = <unsigned long long>PyObject_Hash(key)
+    cdef unsigned char* counts = <unsigned char*>PyByteArray_AS_STRING(b.counts)
+    cdef unsigned long long i
+    cdef int row
+    for row in range(4):
+        i = row * b.sk_width + (((h * _SEED[row]) >> (64 - b.sk_shift)) & b.sk_mask)
+        if counts[i] < 15:
+            counts[i] += 1
 
 
 cdef class _Plan:
@@ -232,7 +265,11 @@ cdef class LocalGets:
     # _Bucket stays in _buckets), and the plans whose lkey they point into
     cdef WalkKey _keys[GROUP]
     cdef PyObject* _key_bucket[GROUP]
+    cdef PyObject* _key_obj[GROUP]  # each GET's lkey (borrowed from its plan; NULL: direct)
     cdef int _nkeys
+    cdef bint _stashing   # _take for _stash: a near-cache key is not taken (a miss would stop the group)
+    # Near-cache answers not yet counted by a connection (GetConnection._add)
+    cdef public Py_ssize_t cached
     cdef list _held
     cdef WalkMap _map
     cdef unsigned long long _txns   # transactions begun: a bucket's root is good for one
@@ -318,7 +355,13 @@ cdef class LocalGets:
 
     def bucket_reads(self):
         """See kvcache.serve.get.LocalGets.bucket_reads."""
-        return {name: ((<_Bucket>b).hits, (<_Bucket>b).misses) for name, b in self._buckets.items()}
+        return {name: ((<_Bucket>b).hits, (<_Bucket>b).misses) for name, b in self._buckets.items()
+                if not (<_Bucket>b).cache}
+
+    def cache_reads(self):
+        """See kvcache.serve.get.LocalGets.cache_reads."""
+        return {(<_Bucket>b).name: ((<_Bucket>b).hits, (<_Bucket>b).misses)
+                for b in self._buckets.values() if (<_Bucket>b).cache}
 
     def set_buckets(self, buckets, default):
         """`[(name, feed, max_stale_ms, replicates_every_key)]` and the default bucket's name
@@ -346,7 +389,29 @@ cdef class LocalGets:
             b = _Bucket.__new__(_Bucket)
             b.name = name
             b.prefix = name.encode() + b":"
+            b.db_name = self.replica.db_name(name)
             self._buckets[name] = b
+        return b
+
+    cdef _Bucket _cache_bucket(self, str name, near):
+        """The near cache of bucket `name`, as a bucket of its own (keyed by its database's
+        name, which no bucket's can be)."""
+        db_name = near.db_name
+        cdef _Bucket b = self._buckets.get(db_name)
+        if b is None or b.near is not near:
+            b = _Bucket.__new__(_Bucket)
+            b.name = name
+            b.prefix = b""
+            b.db_name = db_name
+            b.cache = True
+            b.near = near
+            b.touched = near.touched
+            sketch = near.sketch
+            b.counts = sketch.counts
+            b.sk_width = sketch.width
+            b.sk_mask = sketch.width - 1
+            b.sk_shift = sketch.shift
+            self._buckets[db_name] = b
         return b
 
     cdef _Bucket _direct_bucket(self, const unsigned char* k, Py_ssize_t n, Py_ssize_t* off):
@@ -440,8 +505,6 @@ cdef class LocalGets:
         b.walkable = False
         if not b.has_dbi:  # not created yet: every key is a miss (the fallback says so)
             return 0
-        if b.db_name is None:
-            b.db_name = self.replica.db_name(b.name)
         k.mv_size = PyBytes_GET_SIZE(b.db_name)
         k.mv_data = PyBytes_AS_STRING(b.db_name)
         rc = mdb_get(self._txn, self._main, &k, &v)
@@ -459,7 +522,8 @@ cdef class LocalGets:
         plan = self.planner(key)  # a kvcache.read.policy.Plan, or False
         if plan:
             p = _Plan.__new__(_Plan)
-            p.bucket = self._bucket(plan.bucket)
+            p.bucket = (self._bucket(plan.bucket) if plan.cache is None
+                        else self._cache_bucket(plan.bucket, plan.cache))
             p.bucket.feed = plan.feed
             p.bucket.max_stale = plan.max_stale_ms
             p.lkey = plan.lkey
@@ -475,9 +539,8 @@ cdef class LocalGets:
         cdef MDB_txn* t = NULL
         cdef MDB_dbi dbi
         cdef int rc
-        name = self.replica.db_name(b.name)
         self._begin(&t)
-        rc = mdb_dbi_open(t, PyBytes_AS_STRING(name), 0, &dbi)
+        rc = mdb_dbi_open(t, PyBytes_AS_STRING(b.db_name), 0, &dbi)
         if rc == 0:
             rc = mdb_txn_commit(t)
         else:
@@ -587,6 +650,7 @@ cdef class LocalGets:
         if b is not None and _kv_key(kp + off, klen - off):
             w.key = kp + off
             w.klen = klen - off
+            self._key_obj[self._nkeys] = NULL
         else:
             if key is None:
                 key = PyBytes_FromStringAndSize(<const char*>kp, klen)
@@ -595,9 +659,12 @@ cdef class LocalGets:
             if plan is False:
                 return 0
             b = (<_Plan>plan).bucket
+            if b.cache and self._stashing:
+                return 0
             self._held.append(plan)  # its lkey, which w points into, outlives the group
             w.key = <const unsigned char*>PyBytes_AS_STRING((<_Plan>plan).lkey)
             w.klen = PyBytes_GET_SIZE((<_Plan>plan).lkey)
+            self._key_obj[self._nkeys] = <PyObject*>(<_Plan>plan).lkey
         if b.feed is not self._fresh:
             if self._now == 0:
                 self._now = _now_ns()
@@ -616,8 +683,9 @@ cdef class LocalGets:
 
     cdef int _answer_group(self, Py_ssize_t budget) except -1:
         """Search the taken GETs together (lmdb_walk) and write their replies in order, up to
-        the one that takes the output to `budget`; returns how many were answered (the rest
-        are dropped: the caller leaves them for the next call, as if never taken)."""
+        the one that takes the output to `budget` or the first the generic path must answer
+        after all (a near-cache key not cached, or expired); returns how many were answered
+        (the rest are dropped: the caller leaves them for the next call, as if never taken)."""
         cdef int i, n = self._nkeys, done = 0
         cdef _Bucket b
         cdef WalkKey* w
@@ -637,7 +705,8 @@ cdef class LocalGets:
                 w.state = WALK_FALLBACK
         walk_all(&self._map, self._keys, n)
         for i in range(n):
-            self._reply(&self._keys[i], <_Bucket>self._key_bucket[i])
+            if not self._reply(&self._keys[i], <_Bucket>self._key_bucket[i], i):
+                break
             self._key_end[i] = self._len
             done += 1
             if self._len >= budget:
@@ -646,8 +715,9 @@ cdef class LocalGets:
         self._held.clear()
         return done
 
-    cdef int _reply(self, WalkKey* w, _Bucket b) except -1:
-        """The reply to one searched GET, into the output buffer."""
+    cdef int _reply(self, WalkKey* w, _Bucket b, int i) except -1:
+        """The reply to one searched GET (the group's i-th), into the output buffer: 1, or 0
+        when the generic path must answer it (a near-cache key not cached, or expired)."""
         cdef Py_ssize_t off, vlen, hlen
         cdef MDB_val k, v
         cdef int rc
@@ -665,6 +735,14 @@ cdef class LocalGets:
             rc = 0 if w.state == WALK_FOUND else MDB_NOTFOUND
             v.mv_data = <void*>w.data
             v.mv_size = w.dsize
+        if rc == 0 and b.cache and v.mv_size == 8:  # a cached not-found
+            self._touch(b, i)
+            self._notfound += 1
+            b.misses += 1
+            self._reserve(self._nil_len)
+            memcpy(self._out + self._len, self._nil, self._nil_len)
+            self._len += self._nil_len
+            return 1
         if rc == 0:
             rec = <const unsigned char*>v.mv_data
             if v.mv_size < 20:
@@ -683,6 +761,8 @@ cdef class LocalGets:
                     if self._real >= due:
                         rc = MDB_NOTFOUND  # expired: absent, whatever the sweep has done
         if rc == MDB_NOTFOUND:
+            if b.cache:
+                return 0  # not cached, or expired: the read policy's path (then NATS)
             self._notfound += 1
             b.misses += 1
             self._reserve(self._nil_len)
@@ -702,13 +782,25 @@ cdef class LocalGets:
         self._out[self._len + hlen + vlen + 1] = 10
         self._len += hlen + vlen + 2
         b.hits += 1
+        if b.cache:
+            self._touch(b, i)
         return 1
+
+    cdef int _touch(self, _Bucket b, int i) except -1:
+        """A near-cache answer, counted into the cache (kvcache.store.nearcache: drain)."""
+        key = <object>self._key_obj[i]
+        _sketch_add(b, key)
+        PyList_Append(b.touched, key)
+        self.cached += 1
+        if PyList_GET_SIZE(b.touched) >= _TOUCH_MAX:
+            b.near.drain()
+        return 0
 
     def serve(self, list lengths, list keys, int proto, Py_ssize_t budget):
         """See kvcache.serve.get.LocalGets.serve."""
         cdef Py_ssize_t i, n = PyList_GET_SIZE(keys), klen
         cdef Py_ssize_t answered = 0
-        cdef int taken
+        cdef int done
         cdef object key, declared
         self._start(proto)
         try:
@@ -722,11 +814,11 @@ cdef class LocalGets:
                 if not self._take(<const unsigned char*>PyBytes_AS_STRING(key), klen, key):
                     break
                 if self._nkeys == GROUP:
-                    answered += self._answer_group(budget)
-                    if self._len >= budget:
+                    done = self._answer_group(budget)
+                    answered += done
+                    if self._len >= budget or done < GROUP:
                         break
-            taken = self._nkeys
-            if taken:
+            if self._nkeys:
                 answered += self._answer_group(budget)
         finally:
             self._finish()
@@ -738,7 +830,7 @@ cdef class LocalGets:
         copy into the request reader, no key objects); returns how many bytes they took.
         Stops where take_gets + serve would stop: at anything else, at a length the full
         parser must judge, at a GET the generic path must answer, or at the budget."""
-        cdef Py_ssize_t pos = 0, unit_end, d0, nd, declared, k0, kn
+        cdef Py_ssize_t pos = 0, start = 0, unit_end, d0, nd, declared, k0, kn
         cdef Py_ssize_t ends[GROUP]  # where each taken GET's unit ends
         cdef int done, taken
         while pos < n:
@@ -752,13 +844,14 @@ cdef class LocalGets:
             if self._nkeys == GROUP:
                 done = self._answer_group(budget)
                 answered[0] += done
-                if self._len >= budget:
-                    return ends[done - 1]
+                if self._len >= budget or done < GROUP:
+                    return ends[done - 1] if done else start
+                start = pos
         taken = self._nkeys
         if taken:
             done = self._answer_group(budget)
             answered[0] += done
-            return ends[done - 1]
+            return ends[done - 1] if done else start
         return pos
 
 cdef Py_ssize_t _bulk_header(char* out, Py_ssize_t n) noexcept nogil:
@@ -855,8 +948,12 @@ cdef class GetConnection:
 
     cdef void _add(self, Py_ssize_t local, Py_ssize_t notfound) except *:
         stats = self.stats
+        cdef Py_ssize_t cached = self.gets.cached
+        self.gets.cached = 0
         stats.commands += local
-        stats.gets_local += local
+        stats.gets_local += local - cached
+        if cached:
+            stats.gets_cached += cached
         stats.gets_notfound += notfound
 
     def _count(self, local, notfound):
@@ -903,14 +1000,18 @@ cdef int _stash(LocalGets gets, GetConnection conn, bytes data) except -1:
         gets._stash_proto = conn.proto
         gets._stash_t0 = _now_ns() if gets.timed else 0
     pos = 0
-    while pos < n:
-        unit_end = match_get(p, pos, n, &d0, &nd, &declared, &k0, &kn)
-        if not gets._take(p + k0, kn, None):
-            gets._nkeys = first
-            if fresh:
-                gets._finish()
-            return 0
-        pos = unit_end
+    gets._stashing = True
+    try:
+        while pos < n:
+            unit_end = match_get(p, pos, n, &d0, &nd, &declared, &k0, &kn)
+            if not gets._take(p + k0, kn, None):
+                gets._nkeys = first
+                if fresh:
+                    gets._finish()
+                return 0
+            pos = unit_end
+    finally:
+        gets._stashing = False
     gets._stashed.append((conn, data, gets._nkeys))
     if not gets._scheduled:
         gets._scheduled = True

@@ -105,9 +105,14 @@ def test_plan_is_made_once_for_keys_the_replica_holds(env):
     assert p.plan(b"rep.a") is plan  # cached
     long_plan = p.plan(b"b:" + LONG.encode())
     assert long_plan and long_plan.lkey.startswith(LONG_KEY_PREFIX) and long_plan.offset is None
-    assert p.plan(b"other.key") is False  # outside the filters: the near cache or NATS
+    # outside the filters of a bucket with a near cache: a plan onto the cache's database
+    assert p.plan(b"other.key") == Plan(env.feeds["b"], 1000, "b", b"other.key", env.cache.db,
+                                        RECORD.size, env.cache)
+    assert p.plan(b"all:x").cache is None
+    env.feeds["b"].cache = None
+    assert p.plan(b"other.key2") is False  # outside the filters, no near cache: NATS
     assert p.plan(b"a..b") is False       # invalid: the generic path says why
-    assert len(p._plans) == 4 and PLAN_CACHE >= 4
+    assert len(p._plans) == 6 and PLAN_CACHE >= 6
 
 
 def test_plan_cache_is_bounded(env, monkeypatch):

@@ -4,6 +4,11 @@ Both must give byte-identical replies, stop at the same request and count the sa
 on vectors and on generated runs; the native one must also follow the writer's map growth
 and databases created after it opened. The feed here is a stand-in with only what the GET
 path asks of it (`fresh_for_all`), so that staleness can be switched at will.
+
+Bucket `other` has a near cache (a real NearCache in the replica's file) holding `c.v` (a
+value), `c.none` (a cached not-found) and `c.ttl` (expired): its keys under `c.` are planned
+onto the cache (Plan.cache), so every test and generated run covers cached hits, cached
+not-founds and the keys the generic path must answer after all (`c.ttl`, `c.miss`).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from kvcache.native import native_or_none
 from kvcache.read.policy import Plan
 from kvcache.resp import GET_LEN
 from kvcache.serve import get as twin
+from kvcache.store.nearcache import TOUCH_MAX, NearCache
 from kvcache.store.record import LONG_KEY_PREFIX, RECORD, item, lmdb_key
 from kvcache.store.replica import BucketMeta, Replica
 
@@ -44,6 +50,7 @@ class Feed:
         self.fresh = True
         self.asked = 0
         self.max_age_ns = 0  # the stream's max_age: records older than it are absent
+        self.cache: NearCache | None = None
 
     def fresh_for_all(self, max_stale_ms: int) -> bool:
         self.asked += 1
@@ -73,9 +80,12 @@ class Planner:
         if bucket not in self.feeds or not key or ":" in key or key.startswith(".") \
                 or key.endswith(".") or ".." in key:
             return False
-        if bucket == "other" and not key.startswith("only."):
-            return False
         lkey = lmdb_key(key)
+        if bucket == "other" and not key.startswith("only."):
+            cache = self.feeds[bucket].cache
+            if cache is None or not key.startswith("c."):
+                return False
+            return Plan(self.feeds[bucket], 1000, bucket, lkey, cache.db, RECORD.size, cache)
         return Plan(self.feeds[bucket], 1000, bucket, lkey, self.replica.db(bucket),
                     None if lkey.startswith(LONG_KEY_PREFIX) else RECORD.size)
 
@@ -86,8 +96,23 @@ def env(tmp_path):
     load(replica, "main", VALUES)
     load(replica, "other", OTHER)
     feeds = {"main": Feed("main"), "other": Feed("other"), "later": Feed("later")}
+    feeds["other"].cache = cache_of(replica)
     yield replica, feeds
     replica.close()
+
+
+NOW = time.time_ns()
+
+
+def cache_of(replica: Replica) -> NearCache:
+    """Bucket `other`'s near cache (see the module docstring); a second one on the same
+    database starts with its own sketch and hit list."""
+    cache = NearCache(replica, "other", max_keys=100)
+    if not len(cache):
+        cache.offer_entry("c.v", b"c.v", b"cached", 5, NOW, 0)
+        cache.offer_absent(b"c.none", 6)
+        cache.offer_entry("c.ttl", b"c.ttl", b"gone", 7, NOW - 10_000_000_000, NOW - 9_000_000_000)
+    return cache
 
 
 def make(mod, replica, feeds, direct: bool = True):
@@ -251,7 +276,51 @@ def test_native_refuses_other_threads(env):
 
 _keys = st.sampled_from([*list(VALUES), "missing", "main:a", "main:missing", "other:a", "other:only.here",
                          "other:only.x", "later:x", "nope:a", ".bad", "x..y", "a.", "a:b:c", LONG + "x",
-                         "main:" + LONG])
+                         "main:" + LONG, "other:c.v", "other:c.none", "other:c.ttl", "other:c.miss"])
+
+
+@pytest.mark.parametrize("mod", IMPLS)
+def test_near_cache_hits_are_answered_and_counted_into_the_cache(mod, env):
+    """A cached value and a cached not-found are answered like the replica's records, and
+    each is counted into the cache: its sketch at once, its key into `touched` (drained into
+    the LRU order and the hit count every TOUCH_MAX hits); a key not cached, or expired, stops
+    the run for the generic path; a stale feed stops it before the cache is read."""
+    replica, feeds = env
+    cache = feeds["other"].cache
+    gets, _ = make(mod, replica, feeds)
+    keys = ["other:c.v", "a", "other:c.none", "other:c.v", "other:c.miss", "a"]
+    assert gets.serve(*request(keys), 2, 1 << 30) == (expected([b"cached", b"1", None, b"cached"]), 4, 1)
+    assert cache.touched == [b"c.v", b"c.none", b"c.v"] and gets.cached == 3
+    assert cache.sketch.estimate(b"c.v") == 2 and cache.sketch.estimate(b"c.none") == 1
+    assert gets.cache_reads() == {"other": (2, 1)}
+    assert gets.serve(*request(["other:c.ttl", "a"]), 2, 1 << 30) == (b"", 0, 0)  # expired: generic
+    feeds["other"].fresh = False
+    gets.forget_fresh()  # (a yes is believed for FRESH_VERDICT_S)
+    assert gets.serve(*request(["other:c.v"]), 3, 1 << 30) == (b"", 0, 0)
+    feeds["other"].fresh = True
+    hits = cache.stats.hits
+    cache.lru.move_to_end(b"c.none")
+    n = TOUCH_MAX - len(cache.touched)
+    gets.serve(*request(["other:c.v"] * n), 2, 1 << 30)
+    assert cache.touched == [] and cache.stats.hits == hits + TOUCH_MAX  # handed over
+    assert list(cache.lru)[-1] == b"c.v"  # moved to the LRU's end by the drain
+
+
+@pytest.mark.skipif(native is None, reason="kvcache._native.server_get not built")
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.sampled_from(["other:c.v", "other:c.none", "a", "other:c.miss"]), min_size=1, max_size=40))
+def test_twins_count_the_same_into_the_sketch(env, keys):
+    """The C twin adds to the sketch's counters itself (_sketch_add): counter for counter what
+    FrequencySketch.add_counts does."""
+    replica, feeds = env
+    out = []
+    for mod in (twin, native):
+        feeds["other"].cache = cache_of(replica)
+        gets, _ = make(mod, replica, feeds)
+        gets.serve(*request(keys), 2, 1 << 30)
+        c = feeds["other"].cache
+        out.append((bytes(c.sketch.counts), list(c.touched), gets.cached))
+    assert out[0] == out[1]
 
 
 @pytest.mark.skipif(native is None, reason="kvcache._native.server_get not built")

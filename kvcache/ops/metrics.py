@@ -64,7 +64,8 @@ CACHE_COUNTERS = (
     ("admissions", "Answers from NATS taken in"),
     ("rejections", "Answers refused as colder than the key they would evict"),
     ("evictions", "Keys evicted to make room"),
-    ("invalidations", "Keys dropped because the bucket changed them"))
+    ("invalidations", "Keys dropped (a purge, limits, expiry, a resync, a contradicting answer)"),
+    ("updates", "Cached keys the bucket's feed replaced with their new value or a not-found"))
 PEER_COUNTERS = (
     ("requests", "Direct Get (or leader) requests sent to the peer"),
     ("errors", "Of those, failed (errors and timeouts)"),
@@ -81,6 +82,7 @@ COUNTERS = (  # name (without _total), help
     ("kvcache_commands", "Commands processed (the GET fast path's included)"),
     ("kvcache_remote_errors", "Fallback reads that failed at every peer and the leader"),
     ("kvcache_reads_gathered", "GET-only socket reads of several clients answered together"),
+    ("kvcache_reads_coalesced", "Reads that joined a request to NATS in flight for their key"),
     ("kvcache_stream_list_requests", "STREAM.LIST pages asked by the shared stream-state poll"),
     ("kvcache_access_log_records", "Lines written to the access log"),
     ("kvcache_connections", "Connections accepted or refused"),
@@ -143,10 +145,11 @@ class SidecarCollector:
         """Copy the numbers (on the event loop: see the module docstring)."""
         st, cmds, policy = self.stats, self.commands, self.policy
         reads = dict(st.reads)
-        for bucket, (found, absent) in self.gets.bucket_reads().items():
-            for result, n in (("hit", found), ("miss", absent)):
-                if n:
-                    reads[(bucket, "local", result)] = reads.get((bucket, "local", result), 0) + n
+        for source, counted in (("local", self.gets.bucket_reads()), ("cache", self.gets.cache_reads())):
+            for bucket, (found, absent) in counted.items():
+                for result, n in (("hit", found), ("miss", absent)):
+                    if n:
+                        reads[(bucket, source, result)] = reads.get((bucket, source, result), 0) + n
         for bucket in policy.feeds:
             for series in INITIAL_READS:
                 reads.setdefault((bucket, *series), 0)
@@ -163,13 +166,16 @@ class SidecarCollector:
             reads=reads, latency=latency,
             client_gauges=(st.connected_clients, self.cfg.max_clients, len(cmds.tracking.clients),
                            len(cmds.tracking.table), cmds.pubsub.clients()),
-            counters=(st.commands, st.remote_errors, st.reads_gathered, st.stream_list_requests,
+            counters=(st.commands, st.remote_errors, st.reads_gathered, st.reads_coalesced,
+                      st.stream_list_requests,
                       cmds.access.records, st.connections_received, st.rejected_connections,
                       st.clients_cut_off, st.subscribers_cut_off, st.protocol_errors,
                       cmds.tracking.invalidations, cmds.pubsub.messages, router.requests))
         counts = policy.replica.counts(policy.feeds)
         for name, f in policy.feeds.items():
             m, c = f.meta, f.cache
+            if c is not None:
+                c.drain()  # the GET fast path's hits, not yet handed over
             snap.buckets[name] = BucketRow(
                 f.synced, counts[name], m.applied_seq, max(f.upstream_seq, m.applied_seq), f.lag_ms() / 1000,
                 f.cfg.max_stale_ms / 1000, f.removed_upstream, f.state_polls,

@@ -35,6 +35,7 @@ from ..store.record import LONG_KEY_PREFIX, RECORD, Record, expiry, lmdb_key
 if TYPE_CHECKING:
     from ..config import BucketConfig, Config
     from ..feed.feed import Feed
+    from ..store.nearcache import NearCache
     from ..store.replica import Replica
     from .flights import Flight
     from .router import Floors
@@ -57,14 +58,21 @@ class Plan(NamedTuple):
     key), the bound, the bucket's name and LMDB database, the key as stored, and where the
     value starts in its record (None for a long key stored under a digest: read the record's
     own key length). The one plan type of every local read: the GET fast path (both twins),
-    MGET and EXISTS (kvcache.read.reads)."""
+    MGET and EXISTS (kvcache.read.reads).
+
+    `cache`: the key is outside the filters of a bucket with a near cache, and `db` is the
+    cache's database. The GET fast path answers a cached record (a value, or a cached
+    not-found) under the same freshness rule as the replica's keys and counts the hit into
+    the cache (NearCache.touched); a key not cached, or expired, it leaves to the generic
+    path (`cached`, then NATS). MGET and EXISTS take the generic path for such keys."""
 
     feed: Feed
     max_stale_ms: int
     bucket: str
     lkey: bytes
-    db: Any  # the bucket's LMDB database handle
+    db: Any  # the bucket's LMDB database handle (the near cache's, with `cache`)
     offset: int | None
+    cache: NearCache | None = None
 
 
 def may_join(flight: Flight, arrived_ns: int, strong: bool, bound_ms: int) -> bool:
@@ -136,7 +144,8 @@ class ReadPolicy:
     def plan(self, raw: bytes) -> Plan | Literal[False]:
         """How the replica reads `raw`, cached per raw key; False when the key is invalid or
         outside the filters (the generic path answers it: an error or a fallback read).
-        Freshness is not part of the plan: the caller asks it (once per batch)."""
+        A key outside the filters of a bucket with a near cache is planned onto the cache
+        (Plan.cache). Freshness is not part of the plan: the caller asks it (once per batch)."""
         plan = self._plans.get(raw)
         if plan is not None:
             return plan
@@ -145,13 +154,15 @@ class ReadPolicy:
         except CommandError:
             plan = False
         else:
-            if not self.in_filters(bc.name, key):
-                plan = False
+            lkey = lmdb_key(key)
+            offset = None if lkey.startswith(LONG_KEY_PREFIX) else RECORD.size
+            feed = self.feeds[bc.name]
+            if self.in_filters(bc.name, key):
+                plan = Plan(feed, bc.max_stale_ms, bc.name, lkey, self.replica.db(bc.name), offset)
+            elif feed.cache is not None:
+                plan = Plan(feed, bc.max_stale_ms, bc.name, lkey, feed.cache.db, offset, feed.cache)
             else:
-                lkey = lmdb_key(key)
-                plan = Plan(self.feeds[bc.name], bc.max_stale_ms, bc.name, lkey,
-                            self.replica.db(bc.name),
-                            None if lkey.startswith(LONG_KEY_PREFIX) else RECORD.size)
+                plan = False
         if len(self._plans) >= PLAN_CACHE:
             self._plans.clear()
         self._plans[raw] = plan

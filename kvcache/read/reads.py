@@ -239,9 +239,9 @@ class Reads:
         try:
             for i, raw in enumerate(raw_keys):
                 plan = plan_of(raw)
-                if not plan or not plan.feed.fresh_within(plan.max_stale_ms):
+                if not plan or plan.cache is not None or not plan.feed.fresh_within(plan.max_stale_ms):
                     bc, key = policy.resolve(raw)  # raises for an invalid key
-                    hit = None if plan else policy.cached(bc, key)
+                    hit = None if plan and plan.cache is None else policy.cached(bc, key)
                     if hit is not None:
                         self._count_cached(bc, key, hit, t0, command)
                         if budget is not None and hit.value is not None:
@@ -250,7 +250,7 @@ class Reads:
                         continue
                     misses.setdefault(bc.name, []).append((i, key))
                     continue
-                feed, _, bucket, lkey, db, offset = plan
+                feed, _, bucket, lkey, db, offset, _ = plan
                 if txn is None:
                     txn = self.replica.env.begin()
                 rec = txn.get(lkey, None, db)

@@ -23,12 +23,15 @@ server's generic loop takes over from there).
 the generic path must answer it. A valid key of a bucket that replicates every key (see
 set_buckets) needs no planner: its plan is worked out from the key itself, with no per-key
 state, so reading over a million keys costs what reading over ten thousand does. Other keys'
-plans are cached (a bounded dict, readpolicy.PLAN_CACHE, for filtered buckets and keys the
-generic path answers); freshness (`feed.fresh_for_all(max_stale_ms)`: fresh within the bound
-and no key held) is asked at most once per feed per call, and a yes is believed for
-FRESH_VERDICT_S. The decisions are the read policy's (kvcache.read.policy): its plan, the
-feed's verdict, and the record read the one way every local read reads it
-(record.stored_value).
+plans are cached (a bounded dict, policy.PLAN_CACHE, for filtered buckets and keys the
+generic path answers). A key outside the filters of a bucket with a near cache is planned onto
+the cache's database (Plan.cache): a cached value or not-found is answered here like a
+replica's record, counted into the cache (its sketch at once, its LRU order through
+NearCache.touched), and a key not cached or expired goes to the generic path. Freshness
+(`feed.fresh_for_all(max_stale_ms)`: fresh within the bound and no key held) is asked at most
+once per feed per call, and a yes is believed for FRESH_VERDICT_S. The decisions are the read
+policy's (kvcache.read.policy): its plan, the feed's verdict, and the record read the one way
+every local read reads it (record.stored_value).
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ from ..keys import RESERVED_PREFIX, TOKEN_CHARS
 from ..ops.latency import BOUNDS_NS
 from ..read.policy import PLAN_CACHE, Plan
 from ..resp import GET_LEN, NIL2, NIL3
+from ..store.nearcache import TOUCH_MAX, is_absent
 from ..store.record import MAX_LMDB_KEY, RECORD, stored_value
 from ..store.replica import Replica
 
@@ -87,6 +91,10 @@ class LocalGets:
         self._direct: dict[bytes, Plan] = {}
         self._default: Plan | None = None
         self._reads: dict[str, list[int]] = {}  # bucket -> [found, not found] (bucket_reads)
+        self._cache_reads: dict[str, list[int]] = {}  # the same of near caches (cache_reads)
+        # Near-cache answers (hits and cached not-founds) not yet counted by the connection
+        # (GetConnection._count moves them from gets_local to gets_cached)
+        self.cached = 0
         # the latency histogram (kvcache.ops.latency), kept while `timed` (the metrics listener is on)
         self.timed = False
         self._lat = [0] * (len(BOUNDS_NS) + 1)
@@ -103,9 +111,14 @@ class LocalGets:
         return list(self._lat), self._lat_sum_ns
 
     def bucket_reads(self) -> dict[str, tuple[int, int]]:
-        """GETs this path answered per bucket, `(found, not found)`, since start: the local
-        reads the command layer never sees, which kvcache.ops.metrics adds to its own count."""
+        """GETs this path answered from the replica per bucket, `(found, not found)`, since
+        start: the local reads the command layer never sees, which kvcache.ops.metrics adds to
+        its own count."""
         return {name: (c[0], c[1]) for name, c in self._reads.items()}
+
+    def cache_reads(self) -> dict[str, tuple[int, int]]:
+        """The same for the GETs this path answered from a bucket's near cache."""
+        return {name: (c[0], c[1]) for name, c in self._cache_reads.items()}
 
     def forget_fresh(self) -> None:
         """Drop every cached "fresh enough" verdict: the next GET of each feed asks again. A
@@ -190,7 +203,7 @@ class LocalGets:
                         txn = None
                 if not plan:
                     break
-                feed, max_stale, bucket, lkey, db, offset = plan
+                feed, max_stale, bucket, lkey, db, offset, cache = plan
                 max_age = feed.max_age_ns
                 if feed is not fresh:
                     now = _monotonic()
@@ -202,11 +215,29 @@ class LocalGets:
                 if txn is None:
                     txn = self.replica.env.begin()
                 raw = txn.get(lkey, None, db)
+                if cache is None:
+                    value = None if raw is None else stored_value(raw, offset, max_age)
+                    reads = self._reads
+                else:  # the near cache's record: a miss or an expired one is the generic path's
+                    if raw is None:
+                        break
+                    if is_absent(raw):
+                        value = None
+                    else:
+                        value = stored_value(raw, offset, max_age)
+                        if value is None:
+                            break
+                    cache.sketch.add_counts(lkey)  # the C twin: _sketch_add
+                    touched = cache.touched
+                    touched.append(lkey)
+                    if len(touched) >= TOUCH_MAX:
+                        cache.drain()
+                    self.cached += 1
+                    reads = self._cache_reads
                 answered += 1
-                value = None if raw is None else stored_value(raw, offset, max_age)
-                counts = self._reads.get(bucket)
+                counts = reads.get(bucket)
                 if counts is None:
-                    counts = self._reads[bucket] = [0, 0]
+                    counts = reads[bucket] = [0, 0]
                 counts[value is None] += 1
                 if value is None:
                     notfound += 1
@@ -290,8 +321,10 @@ class GetConnection:
 
     def _count(self, local: int, notfound: int) -> None:
         stats = self.stats
+        cached, self.gets.cached = self.gets.cached, 0
         stats.commands += local
-        stats.gets_local += local
+        stats.gets_local += local - cached
+        stats.gets_cached += cached
         stats.gets_notfound += notfound
 
     def _process(self) -> None:

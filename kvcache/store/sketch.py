@@ -6,6 +6,12 @@ A count-min sketch of 4 rows of small counters (saturating at 15, as Caffeine's 
 all counters are halved, so the sketch follows what is hot now rather than what was once.
 Memory is fixed at construction: a scan of a million distinct keys moves counters, never grows
 anything.
+
+The server's native GET path counts the near cache's hits into the same counters in C
+(ext/server_get.pyx, `_sketch_add`: the same slots from the key's hash, so the two agree
+counter for counter: tests/test_server_get.py) and reports how many it added with the hits it
+hands over (NearCache.drain, `note`). So the counters are one bytearray for the life of the
+sketch: aging halves them in place.
 """
 from __future__ import annotations
 
@@ -39,11 +45,20 @@ class FrequencySketch:
                 for row, seed in enumerate(_SEEDS)]
 
     def increment(self, key: bytes) -> None:
+        self.add_counts(key)
+        self.note(1)
+
+    def add_counts(self, key: bytes) -> None:
+        """One read of the key into its counters, not yet into `additions` (`note`)."""
         counts = self._counts
         for i in self._slots(key):
             if counts[i] < MAX_COUNT:
                 counts[i] += 1
-        self.additions += 1
+
+    def note(self, n: int) -> None:
+        """n reads added to the counters (add_counts, or the native GET path's): every
+        `sample` of them, all counters are halved."""
+        self.additions += n
         if self.additions >= self.sample:
             self._age()
 
@@ -52,9 +67,18 @@ class FrequencySketch:
         return min(counts[i] for i in self._slots(key))
 
     def _age(self) -> None:
-        """Halve every counter (a C-speed translate): old popularity fades."""
-        self._counts = bytearray(bytes(self._counts).translate(_HALF))
+        """Halve every counter (a C-speed translate), in place: old popularity fades."""
+        self._counts[:] = bytes(self._counts).translate(_HALF)
         self.additions //= 2
+
+    @property
+    def counts(self) -> bytearray:
+        """The counters (ROWS rows of `width`), for the native GET path to add to."""
+        return self._counts
+
+    @property
+    def shift(self) -> int:
+        return self._shift
 
     @property
     def nbytes(self) -> int:
