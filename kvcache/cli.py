@@ -48,7 +48,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="replica, embedded NATS store, lock file and default socket")
 
 
-# Defaults computed at run time, for --help (the others come from config.default_of).
+# Defaults computed at run time, for --help (the others come from config_sources.default_of).
 _DEFAULT_TEXT = {
     "config": "none", "socket": "<data-dir>/kvcache.sock", "access_log_dir": "<data-dir>/access-logs",
     "nats_servers": "none: an embedded nats-server",
@@ -58,7 +58,8 @@ _DEFAULT_TEXT = {
 
 def _document_settings(p: argparse.ArgumentParser) -> None:
     """Append each option's default and environment variable to its help, from the tables
-    config.py loads with (config.env_var, config.default_of): one source of truth."""
+    config_sources.py loads with (config_sources.env_var, config_sources.default_of): one
+    source of truth."""
     from .config_sources import default_of, env_var
 
     for action in p._actions:

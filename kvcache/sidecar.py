@@ -19,7 +19,8 @@ from .config import BucketConfig, Config, ensure_dirs
 from .demo import DEMO_BUCKET, ensure_demo_bucket
 from .errors import BucketNotFound, ConfigError, KvcacheError, describe
 from .feed.changes import ChangeHub
-from .feed.feed import SILENT_HEARTBEATS, Feed
+from .feed.feed import Feed
+from .feed.freshness import SILENT_HEARTBEATS
 from .feed.quorum import NO_FENCE
 from .feed.statepoll import SHARED_FROM, StatePoll
 from .natsio import jetstream as jsapi

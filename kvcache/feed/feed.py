@@ -41,7 +41,6 @@ from ..store.replica import Replica
 from .cachekeeper import CacheKeeper
 from .changes import ChangeHub
 from .consumer import ConsumerLost, PullConsumer, Run
-from .freshness import SILENT_HEARTBEATS as SILENT_HEARTBEATS  # the sidecar's start check
 from .freshness import Freshness
 from .holds import Holds
 from .quorum import NO_FENCE, Evidence, Fence
