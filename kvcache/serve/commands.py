@@ -19,7 +19,7 @@ from .. import resp
 from ..config import Config
 from ..entry import Entry
 from ..errors import CommandError, ReplyBudget, ReplyTooLarge
-from ..keys import glob_matcher, reserved_key
+from ..keys import glob_matcher
 from ..ops.latency import Latency
 from ..ops.stats import Stats
 from ..read.reads import Reads
@@ -29,7 +29,7 @@ from .info import Info
 from .keyspace_events import parse_flags
 from .multi import CONTROL, QUEUED, Transactions
 from .pubsub import SUBSCRIBED_OK, PubSub
-from .scan import ScanCursors
+from .scan import KeyListing
 from .tracking import TRACKED, Tracking, key_args
 
 __all__ = ["CommandError", "Commands"]
@@ -183,10 +183,9 @@ class Commands:
                  clients: Callable[[], Iterable[Session]] = lambda: ()) -> None:
         self.cfg = cfg
         self.reads = reads
-        self.replica = reads.replica
         self.stats = stats
         self.access = reads.access
-        self._cursors = ScanCursors()
+        self.listing = KeyListing(cfg, reads.replica)  # KEYS, SCAN, DBSIZE
         self.tracking = tracking
         self.pubsub = pubsub
         self.transactions = transactions
@@ -391,23 +390,9 @@ class Commands:
 
     # ------------------------------------------------------------------ key listing
 
-    def _pattern_target(self, pattern: bytes) -> tuple[str, str, str]:
-        """(bucket, key glob, prefix to show): `bucket:glob` lists another bucket."""
-        text = pattern.decode(errors="replace")
-        bucket, sep, glob = text.partition(":")
-        if sep and self.cfg.bucket(bucket):
-            return bucket, glob, bucket + ":"
-        if not self.cfg.default_bucket:
-            raise CommandError("ERR no bucket configured")
-        return self.cfg.default_bucket, text, ""
-
     @arity(2)
     def keys(self, conn: Session, args: list[bytes]) -> Reply:
-        bucket, glob, shown = self._pattern_target(args[1])
-        match = glob_matcher(glob)
-        out = [resp.bulk((shown + k).encode(), conn.proto)
-               for _, k in self.replica.iter_keys(bucket, live=True) if match(k) and not reserved_key(k)]
-        return resp.array(out, conn.proto)
+        return resp.array([resp.bulk(k, conn.proto) for k in self.listing.keys(args[1])], conn.proto)
 
     @arity(2, exact=False)
     def scan(self, conn: Session, args: list[bytes]) -> Reply:
@@ -421,31 +406,13 @@ class Commands:
             raise CommandError("ERR syntax error")
         if opts.get(b"type", "string").lower() != "string":
             return resp.array([resp.bulk(b"0"), resp.array([])])
-        bucket, glob, shown = self._pattern_target(opts.get(b"match", b"*"))
-        after = None
-        if cursor:
-            # Kept, not consumed: a client that lost a reply may send the same cursor again.
-            after = self._cursors.resume(cursor, bucket)
-            if after is None:
-                raise CommandError("ERR invalid cursor")
-        match = glob_matcher(glob)
-        found: list[bytes] = []
-        last = None
-        n = 0
-        for lkey, key in self.replica.iter_keys(bucket, after=after, limit=count, live=True):
-            last = lkey
-            n += 1
-            if match(key) and not reserved_key(key):  # (a reserved key reads as an error)
-                found.append(resp.bulk((shown + key).encode(), conn.proto))
-        next_cursor = 0
-        if n == count and last is not None:
-            next_cursor = self._cursors.save(bucket, last)
-        return resp.array([resp.bulk(b"%d" % next_cursor), resp.array(found, conn.proto)], conn.proto)
+        next_cursor, found = self.listing.page(opts.get(b"match", b"*"), cursor, count)
+        return resp.array([resp.bulk(b"%d" % next_cursor),
+                           resp.array([resp.bulk(k, conn.proto) for k in found], conn.proto)], conn.proto)
 
     @arity(1)
     def dbsize(self, conn: Session, args: list[bytes]) -> Reply:
-        b = self.cfg.default_bucket
-        return resp.integer(self.replica.count(b) if b else 0)
+        return resp.integer(self.listing.count())
 
     # ------------------------------------------------------------------ server
 
