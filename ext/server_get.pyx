@@ -39,10 +39,11 @@ from kvcache.errors import ReplicaError
 from kvcache.ops.latency import BOUNDS_NS
 from kvcache.read.policy import PLAN_CACHE
 from kvcache.serve.get import FLUSH_AT, FRESH_VERDICT_S
-from kvcache.store.nearcache import REVISION, TOUCH_MAX
+from kvcache.store.nearcache import LRU_SAMPLE, REVISION, TOUCH_MAX
 from kvcache.store.record import FLAG_TTL, KLEN_MASK, RECORD, TTL_BIT, TTL_BYTE
 from kvcache.store.replica import MAX_DBS
-from kvcache.store.sketch import MAX_COUNT, ROWS, _SEEDS
+from kvcache.store.sketch import _BLOCK_SEED as _BLOCK_SEED_PY
+from kvcache.store.sketch import _SEEDS, BLOCK, MAX_COUNT, ROWS
 from kvcache.resp import GET_LEN
 
 assert RECORD.format == "<QQI" and RECORD.size == 20, "record layout changed: update serve()"
@@ -55,11 +56,13 @@ cdef unsigned char _TTL_BIT = TTL_BIT
 # kvcache.store.nearcache: a cached not-found is its revision alone; hits handed over in batches
 assert REVISION.size == 8, "cached not-found layout changed: update _reply()"
 cdef Py_ssize_t _TOUCH_MAX = TOUCH_MAX
+cdef Py_ssize_t _LRU_SAMPLE = LRU_SAMPLE
 # kvcache.store.sketch's counters, added to in C (_sketch_add)
-assert ROWS == 4 and MAX_COUNT == 15, "sketch layout changed: update _sketch_add()"
+assert ROWS == 4 and MAX_COUNT == 15 and BLOCK == 64, "sketch layout changed: update _sketch_add()"
 cdef unsigned long long _SEED[4]
 for _i, _s in enumerate(_SEEDS):
     _SEED[_i] = _s
+cdef unsigned long long _BLOCK_SEED = _BLOCK_SEED_PY
 
 log = logging.getLogger("kvcache.server")
 
@@ -173,20 +176,24 @@ cdef class LocalGets(_ReplicaView):
                 for b in self._buckets.values() if (<_Bucket>b).cache}
 
     def set_buckets(self, buckets, default):
-        """`[(name, feed, max_stale_ms, replicates_every_key)]` and the default bucket's name
-        (None: no default). A valid key of a bucket that replicates every key is then read
-        without asking the planner (no dict lookup, no plan object): the same answer the
-        planner would give, reached in C. Call it only when the planner would plan such keys
-        (not with the access log on, where every GET must reach the command layer)."""
+        """See kvcache.serve.get.LocalGets.set_buckets: a valid key of a bucket that
+        replicates every key, or none with a near cache, is then read without asking the
+        planner (no dict lookup, no plan object): the same answer the planner would give,
+        reached in C."""
         cdef _Bucket b
         self._direct = []
         self._default = None
-        for name, feed, max_stale, all_keys in buckets:
+        for name, feed, max_stale, all_keys, *rest in buckets:
+            near = rest[0] if rest else None
             b = self._bucket(name)
             b.feed = feed
             b.max_stale = max_stale
             b.all_keys = all_keys
-            if all_keys:
+            if near is not None:
+                b = self._cache_bucket(name, near)
+                b.feed = feed
+                b.max_stale = max_stale
+            if all_keys or near is not None:
                 self._direct.append(b)
                 if name == default:
                     self._default = b
@@ -210,15 +217,13 @@ cdef class LocalGets(_ReplicaView):
         if b is None or b.near is not near:
             b = _Bucket.__new__(_Bucket)
             b.name = name
-            b.prefix = b""
+            b.prefix = name.encode() + b":"
             b.db_name = db_name
             b.cache = True
             b.near = near
             b.touched = near.touched
             sketch = near.sketch
             b.counts = sketch.counts
-            b.sk_width = sketch.width
-            b.sk_mask = sketch.width - 1
             b.sk_shift = sketch.shift
             self._buckets[db_name] = b
         return b
@@ -375,12 +380,12 @@ cdef class LocalGets(_ReplicaView):
             if plan is False:
                 return 0
             b = (<_Plan>plan).bucket
-            if b.cache and self._stashing:
-                return 0
             self._held.append(plan)  # its lkey, which w points into, outlives the group
             w.key = <const unsigned char*>PyBytes_AS_STRING((<_Plan>plan).lkey)
             w.klen = PyBytes_GET_SIZE((<_Plan>plan).lkey)
             self._key_obj[self._nkeys] = <PyObject*>(<_Plan>plan).lkey
+        if b.cache and self._stashing:
+            return 0
         if b.feed is not self._fresh:
             if self._now == 0:
                 self._now = _now_ns()
@@ -452,7 +457,7 @@ cdef class LocalGets(_ReplicaView):
             v.mv_data = <void*>w.data
             v.mv_size = w.dsize
         if rc == 0 and b.cache and v.mv_size == 8:  # a cached not-found
-            self._touch(b, i)
+            self._touch(b, w, i)
             self._notfound += 1
             b.misses += 1
             self._reserve(self._nil_len)
@@ -499,17 +504,26 @@ cdef class LocalGets(_ReplicaView):
         self._len += hlen + vlen + 2
         b.hits += 1
         if b.cache:
-            self._touch(b, i)
+            self._touch(b, w, i)
         return 1
 
-    cdef int _touch(self, _Bucket b, int i) except -1:
-        """A near-cache answer, counted into the cache (kvcache.store.nearcache: drain)."""
-        key = <object>self._key_obj[i]
-        _sketch_add(b, key)
-        PyList_Append(b.touched, key)
+    cdef int _touch(self, _Bucket b, WalkKey* w, int i) except -1:
+        """A near-cache answer, counted into the cache (see kvcache.serve.get.LocalGets._touch):
+        its sketch at once, every LRU_SAMPLE-th key into `touched` (made here for a key that
+        came straight from the socket), the count handed over every TOUCH_MAX."""
+        _sketch_add(b, w.key, w.klen)
+        b.sampled += 1
+        if b.sampled >= _LRU_SAMPLE:
+            b.sampled = 0
+            if self._key_obj[i] != NULL:
+                PyList_Append(b.touched, <object>self._key_obj[i])
+            else:
+                PyList_Append(b.touched, PyBytes_FromStringAndSize(<const char*>w.key, w.klen))
+        b.undrained += 1
         self.cached += 1
-        if PyList_GET_SIZE(b.touched) >= _TOUCH_MAX:
-            b.near.drain()
+        if b.undrained >= _TOUCH_MAX:
+            n, b.undrained = b.undrained, 0
+            b.near.handover(n)
         return 0
 
     def serve(self, list lengths, list keys, int proto, Py_ssize_t budget):

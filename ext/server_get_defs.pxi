@@ -72,21 +72,28 @@ cdef class _Bucket:
     cdef bint cache
     cdef object near        # the NearCache
     cdef list touched       # near.touched
+    cdef Py_ssize_t undrained, sampled  # hits not handed over; since the last sampled one
     cdef object counts      # near.sketch.counts (a bytearray, aged in place)
-    cdef unsigned long long sk_width, sk_mask, sk_shift
+    cdef unsigned long long sk_shift  # log2 of the sketch's blocks
 
 
-cdef inline void _sketch_add(_Bucket b, object key) except *:
-    """kvcache.store.sketch.FrequencySketch.add_counts in C: the same 4 slots from the key's
-    hash (cached in the bytes object), each counter saturating at MAX_COUNT."""
-    cdef unsigned long long h = <unsigned long long>PyObject_Hash(key)
+cdef extern from "Python.h":
+    Py_hash_t _Py_HashBytes(const void* src, Py_ssize_t len)  # hash(bytes) of those bytes
+
+
+cdef inline void _sketch_add(_Bucket b, const unsigned char* key, Py_ssize_t n) noexcept:
+    """kvcache.store.sketch.FrequencySketch.add_counts in C: the same 4 counters of one 64-byte
+    block from the key's hash (what hash() gives for those bytes), each saturating at
+    MAX_COUNT."""
+    cdef unsigned long long h = <unsigned long long>_Py_HashBytes(key, n)
     cdef unsigned char* counts = <unsigned char*>PyByteArray_AS_STRING(b.counts)
-    cdef unsigned long long i
+    cdef unsigned long long block = (h * _BLOCK_SEED) >> (64 - b.sk_shift) if b.sk_shift else 0
+    cdef unsigned char* c
     cdef int row
     for row in range(4):
-        i = row * b.sk_width + (((h * _SEED[row]) >> (64 - b.sk_shift)) & b.sk_mask)
-        if counts[i] < 15:
-            counts[i] += 1
+        c = counts + (block << 6) + row * 16 + ((h * _SEED[row]) >> 60)
+        if c[0] < 15:
+            c[0] += 1
 
 
 cdef class _Plan:

@@ -151,7 +151,7 @@ class Sidecar:
         for listener in (tracking, pubsub, transactions):  # one hub: one consumer per bucket
             hub.add(listener)
         reads = Reads(self.cfg, policy, self.router, self.stats, access)
-        info = Info(self.cfg, self.stats, policy, self.router, access, tracking, pubsub)
+        info = Info(self.cfg, self.stats, policy, self.router, access, tracking, pubsub, gets.cache_reads)
         self.commands = Commands(self.cfg, reads, self.stats, tracking, pubsub, transactions, info,
                                  clients.values)
         hub.start_watch(self.feeds.values())

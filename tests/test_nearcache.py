@@ -143,3 +143,38 @@ def test_a_cached_not_found_is_a_revision_alone(replica):
     assert again.bytes == cache.bytes and revision_of(again.get(b"gone")) == 7
     assert again.drop_below(8) == 2  # gone (7) and never (0); kept (9) stays
     assert again.get(b"gone") is None and again.get(b"never") is None and again.get(b"kept") is not None
+
+
+def test_the_victim_is_the_least_read_of_the_oldest(replica):
+    """The LRU order is a sample of the GET fast path's hits (NearCache.drain), so a hot key
+    may stay among the oldest: the victim is the least read of the VICTIM_SAMPLE oldest, and a
+    candidate hotter than that one gets in; a plain LRU evicts the oldest."""
+    cache = NearCache(replica, "b", max_keys=10)
+    for i in range(10):
+        cache.offer(b"k%d" % i, rec(b"k%d" % i))
+    for _ in range(12):  # k0, the oldest, is the hottest: its hits did not move it
+        cache.sketch.increment(b"k0")
+    for i in range(2, 10):
+        cache.sketch.increment(b"k%d" % i)
+    assert cache._victim() == b"k1"
+    cache.sketch.increment(b"new")
+    cache.sketch.increment(b"new")
+    assert cache.offer(b"new", rec(b"new"))
+    assert b"k0" in cache and b"k1" not in cache and b"new" in cache
+
+
+def test_refresh_replaces_cached_records_in_order_and_never_goes_back(replica):
+    """The feed's changes of cached keys (CacheKeeper.split): a newer record replaces the
+    cached one, an older one (a fill from NATS was ahead of the feed) is skipped, a delete
+    becomes a cached not-found at its revision, keys not cached are left alone."""
+    cache = NearCache(replica, "b", max_keys=10)
+    cache.offer(b"a", rec(b"a", b"v1", 5))
+    cache.offer(b"b", rec(b"b", b"w1", 9))
+    n = cache.refresh([(b"a", rec(b"a", b"v2", 7), 7), (b"b", rec(b"b", b"w0", 8), 8),
+                       (b"c", rec(b"c"), 10), (b"a", None, 11)])
+    assert n == 1 and cache.stats.updates == 1  # one key replaced (twice, in order)
+    assert cache.current_revision(b"a") == (11, True)         # the delete, last
+    assert cache.lookup(b"b").value == b"w1"                  # 8 < 9: skipped
+    assert b"c" not in cache
+    assert cache.refresh([(b"a", rec(b"a", b"v3", 12), 12)]) == 1
+    assert cache.lookup(b"a").value == b"v3"

@@ -23,7 +23,7 @@ from kvcache.native import native_or_none
 from kvcache.read.policy import Plan
 from kvcache.resp import GET_LEN
 from kvcache.serve import get as twin
-from kvcache.store.nearcache import TOUCH_MAX, NearCache
+from kvcache.store.nearcache import LRU_SAMPLE, TOUCH_MAX, NearCache
 from kvcache.store.record import LONG_KEY_PREFIX, RECORD, item, lmdb_key
 from kvcache.store.replica import BucketMeta, Replica
 
@@ -282,28 +282,47 @@ _keys = st.sampled_from([*list(VALUES), "missing", "main:a", "main:missing", "ot
 @pytest.mark.parametrize("mod", IMPLS)
 def test_near_cache_hits_are_answered_and_counted_into_the_cache(mod, env):
     """A cached value and a cached not-found are answered like the replica's records, and
-    each is counted into the cache: its sketch at once, its key into `touched` (drained into
-    the LRU order and the hit count every TOUCH_MAX hits); a key not cached, or expired, stops
-    the run for the generic path; a stale feed stops it before the cache is read."""
+    each is counted into the cache: its sketch at once, every LRU_SAMPLE-th key into
+    `touched` (moved to the LRU's end by the next drain), the count handed over every
+    TOUCH_MAX (the sketch's aging); a key not cached, or expired, stops the run for the
+    generic path; a stale feed stops it before the cache is read."""
     replica, feeds = env
     cache = feeds["other"].cache
     gets, _ = make(mod, replica, feeds)
     keys = ["other:c.v", "a", "other:c.none", "other:c.v", "other:c.miss", "a"]
     assert gets.serve(*request(keys), 2, 1 << 30) == (expected([b"cached", b"1", None, b"cached"]), 4, 1)
-    assert cache.touched == [b"c.v", b"c.none", b"c.v"] and gets.cached == 3
+    assert gets.cached == 3 and cache.touched == []  # not yet LRU_SAMPLE hits
     assert cache.sketch.estimate(b"c.v") == 2 and cache.sketch.estimate(b"c.none") == 1
-    assert gets.cache_reads() == {"other": (2, 1)}
+    assert gets.cache_reads() == {"other": (2, 1)} and counted(gets) == {"main": (1, 0)}
     assert gets.serve(*request(["other:c.ttl", "a"]), 2, 1 << 30) == (b"", 0, 0)  # expired: generic
     feeds["other"].fresh = False
     gets.forget_fresh()  # (a yes is believed for FRESH_VERDICT_S)
     assert gets.serve(*request(["other:c.v"]), 3, 1 << 30) == (b"", 0, 0)
     feeds["other"].fresh = True
-    hits = cache.stats.hits
     cache.lru.move_to_end(b"c.none")
-    n = TOUCH_MAX - len(cache.touched)
-    gets.serve(*request(["other:c.v"] * n), 2, 1 << 30)
-    assert cache.touched == [] and cache.stats.hits == hits + TOUCH_MAX  # handed over
-    assert list(cache.lru)[-1] == b"c.v"  # moved to the LRU's end by the drain
+    additions = cache.sketch.additions
+    gets.serve(*request(["other:c.v"] * (LRU_SAMPLE - 3)), 2, 1 << 30)
+    assert cache.touched == [b"c.v"]  # the LRU_SAMPLE-th hit
+    cache.drain()
+    assert cache.touched == [] and list(cache.lru)[-1] == b"c.v"
+    gets.serve(*request(["other:c.v"] * (TOUCH_MAX - LRU_SAMPLE)), 2, 1 << 30)
+    handed = additions + TOUCH_MAX  # handed over (and, past the sketch's sample, aged: halved)
+    assert cache.sketch.additions == (handed // 2 if handed >= cache.sketch.sample else handed)
+    assert gets.cache_reads() == {"other": (TOUCH_MAX - 1, 1)}
+
+
+@pytest.mark.parametrize("mod", IMPLS)
+def test_a_bucket_with_only_a_near_cache_needs_no_planner(mod, env):
+    """set_buckets' fifth field: a bucket that replicates no key and has a near cache has
+    every valid key planned onto the cache from the key itself, like a bucket that replicates
+    every key (with or without its prefix, as the default bucket)."""
+    replica, feeds = env
+    gets, planner = make(mod, replica, feeds, direct=False)
+    gets.set_buckets([("other", feeds["other"], 1000, False, feeds["other"].cache)], "other")
+    keys = ["other:c.v", "c.none", "other:c.v", "c.miss"]
+    assert gets.serve(*request(keys), 2, 1 << 30) == (expected([b"cached", None, b"cached"]), 3, 1)
+    assert planner.calls == 0 and gets.cached == 3
+    assert gets.serve(*request(["other:bad..key"]), 2, 1 << 30) == (b"", 0, 0)  # the planner's to judge
 
 
 @pytest.mark.skipif(native is None, reason="kvcache._native.server_get not built")

@@ -172,16 +172,20 @@ class SidecarCollector:
                       st.clients_cut_off, st.subscribers_cut_off, st.protocol_errors,
                       cmds.tracking.invalidations, cmds.pubsub.messages, router.requests))
         counts = policy.replica.counts(policy.feeds)
+        fast = self.gets.cache_reads()  # the near caches' hits the GET fast path answered
         for name, f in policy.feeds.items():
             m, c = f.meta, f.cache
+            cache = None
             if c is not None:
-                c.drain()  # the GET fast path's hits, not yet handed over
+                counted = {k: getattr(c.stats, k) for k, _ in CACHE_COUNTERS}
+                counted["hits"] += sum(fast.get(name, ()))
+                cache = (len(c), c.bytes, *(counted[k] for k, _ in CACHE_COUNTERS))
             snap.buckets[name] = BucketRow(
                 f.synced, counts[name], m.applied_seq, max(f.upstream_seq, m.applied_seq), f.lag_ms() / 1000,
                 f.cfg.max_stale_ms / 1000, f.removed_upstream, f.state_polls,
                 tuple(f.resync_reasons[r] for r in RESYNC_REASONS),
                 tuple(f.recreations[r] for r in RECREATION_REASONS),
-                None if c is None else (len(c), c.bytes, *(getattr(c.stats, k) for k, _ in CACHE_COUNTERS)))
+                cache)
         for p in router.peers():
             snap.peers.append(((p.name, p.bucket, p.stream), int(router.state(p) == "up"), p.stats.ewma_us / 1e6,
                                p.inflight, tuple(getattr(p.stats, k) for k, _ in PEER_COUNTERS)))

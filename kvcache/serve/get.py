@@ -27,7 +27,9 @@ plans are cached (a bounded dict, policy.PLAN_CACHE, for filtered buckets and ke
 generic path answers). A key outside the filters of a bucket with a near cache is planned onto
 the cache's database (Plan.cache): a cached value or not-found is answered here like a
 replica's record, counted into the cache (its sketch at once, its LRU order through
-NearCache.touched), and a key not cached or expired goes to the generic path. Freshness
+NearCache.touched), and a key not cached or expired goes to the generic path. A bucket that
+replicates no key and has a near cache is planned like one that replicates every key: all its
+valid keys onto the cache. Freshness
 (`feed.fresh_for_all(max_stale_ms)`: fresh within the bound and no key held) is asked at most
 once per feed per call, and a yes is believed for FRESH_VERDICT_S. The decisions are the read
 policy's (kvcache.read.policy): its plan, the feed's verdict, and the record read the one way
@@ -46,13 +48,14 @@ from ..keys import RESERVED_PREFIX, TOKEN_CHARS
 from ..ops.latency import BOUNDS_NS
 from ..read.policy import PLAN_CACHE, Plan
 from ..resp import GET_LEN, NIL2, NIL3
-from ..store.nearcache import TOUCH_MAX, is_absent
+from ..store.nearcache import LRU_SAMPLE, TOUCH_MAX, is_absent
 from ..store.record import MAX_LMDB_KEY, RECORD, stored_value
 from ..store.replica import Replica
 
 if TYPE_CHECKING:
     from ..ops.stats import Stats
     from ..resp import RequestReader
+    from ..store.nearcache import NearCache
 
 FLUSH_AT = 256 * 1024  # write out what a batch has answered once it is this big
 # How long a feed's "fresh enough" verdict is reused. The bound a read promises is
@@ -92,6 +95,7 @@ class LocalGets:
         self._default: Plan | None = None
         self._reads: dict[str, list[int]] = {}  # bucket -> [found, not found] (bucket_reads)
         self._cache_reads: dict[str, list[int]] = {}  # the same of near caches (cache_reads)
+        self._pending: dict[str, list[int]] = {}  # near caches: see _touch
         # Near-cache answers (hits and cached not-founds) not yet counted by the connection
         # (GetConnection._count moves them from gets_local to gets_cached)
         self.cached = 0
@@ -131,18 +135,26 @@ class LocalGets:
         """Nothing deferred here (see __init__)."""
 
     def set_buckets(self, buckets: list[tuple], default: str | None) -> None:
-        """`[(name, feed, max_stale_ms, replicates_every_key)]` and the default bucket's name
-        (None: no default). A valid key of a bucket that replicates every key is then read
-        without asking the planner: the same plan the planner would make, worked out from the
-        key. Call it only when the planner would plan such keys (not with the access log on,
-        where every GET must reach the command layer)."""
-        self._direct = {name.encode(): Plan(feed, max_stale, name, b"", self.replica.db(name), RECORD.size)
-                        for name, feed, max_stale, every in buckets if every}
+        """`[(name, feed, max_stale_ms, replicates_every_key[, near_cache])]` and the default
+        bucket's name (None: no default); `near_cache` for a bucket that replicates no key and
+        has a near cache (every key is planned onto it). A valid key of a bucket that
+        replicates every key, or of such a bucket, is then read without asking the planner:
+        the same plan the planner would make, worked out from the key. Call it only when the
+        planner would plan such keys (not with the access log on, where every GET must reach
+        the command layer)."""
+        self._direct = {}
+        for name, feed, max_stale, every, *rest in buckets:
+            cache = rest[0] if rest else None
+            if cache is not None:
+                self._direct[name.encode()] = Plan(feed, max_stale, name, b"", cache.db, RECORD.size, cache)
+            elif every:
+                self._direct[name.encode()] = Plan(feed, max_stale, name, b"", self.replica.db(name), RECORD.size)
         self._default = self._direct.get(default.encode()) if default is not None else None
         self.plans.clear()
 
     def _direct_plan(self, key: bytes) -> Plan | None:
-        """The plan of a valid key of a bucket that replicates every key; None otherwise."""
+        """The plan of a valid key of a bucket that replicates every key (or none, with a near
+        cache); None otherwise."""
         bucket, sep, name = key.partition(b":")
         target = self._direct.get(bucket) if sep else self._default
         if target is None or target.db is None:  # (no database yet: the planner's to judge)
@@ -152,6 +164,24 @@ class LocalGets:
         if len(name) > MAX_LMDB_KEY or _DIRECT_KEY.fullmatch(name) is None:
             return None
         return target._replace(lkey=name)
+
+    def _touch(self, cache: NearCache, bucket: str, lkey: bytes) -> None:
+        """A near-cache answer, counted into the cache (kvcache.store.nearcache; the C twin's
+        _touch): its sketch at once, every LRU_SAMPLE-th key into `touched`, the count handed
+        over every TOUCH_MAX."""
+        cache.sketch.add_counts(lkey)
+        pending = self._pending.get(bucket)
+        if pending is None:
+            pending = self._pending[bucket] = [0, 0]  # hits not handed over, since the last sample
+        pending[1] += 1
+        if pending[1] >= LRU_SAMPLE:
+            pending[1] = 0
+            cache.touched.append(lkey)
+        pending[0] += 1
+        if pending[0] >= TOUCH_MAX:
+            cache.handover(pending[0])
+            pending[0] = 0
+        self.cached += 1
 
     def _plan(self, key: bytes) -> Plan | Literal[False]:
         plan = self.planner(key)
@@ -227,12 +257,7 @@ class LocalGets:
                         value = stored_value(raw, offset, max_age)
                         if value is None:
                             break
-                    cache.sketch.add_counts(lkey)  # the C twin: _sketch_add
-                    touched = cache.touched
-                    touched.append(lkey)
-                    if len(touched) >= TOUCH_MAX:
-                        cache.drain()
-                    self.cached += 1
+                    self._touch(cache, bucket, lkey)
                     reads = self._cache_reads
                 answered += 1
                 counts = reads.get(bucket)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .. import __version__, native
@@ -48,7 +49,8 @@ class Info:
     """Builds INFO's text on demand (nothing is computed between INFO calls)."""
 
     def __init__(self, cfg: Config, stats: Stats, policy: ReadPolicy, router: Router, access: AccessLog,
-                 tracking: Tracking | None = None, pubsub: PubSub | None = None) -> None:
+                 tracking: Tracking | None = None, pubsub: PubSub | None = None,
+                 fast_cache_reads: Callable[[], dict[str, tuple[int, int]]] | None = None) -> None:
         self.cfg = cfg
         self.stats = stats
         self.policy = policy
@@ -56,11 +58,15 @@ class Info:
         self.access = access
         self.tracking = tracking
         self.pubsub = pubsub
+        # The near caches' hits the GET fast path answered (LocalGets.cache_reads): it counts
+        # them itself, INFO adds them to each cache's own
+        self.fast_cache_reads = fast_cache_reads or dict
         # As Redis makes one at start: 40 random hex digits, new with every process
         self.replid = os.urandom(20).hex()
 
     def sections(self) -> dict[str, list[tuple[str, object]]]:
         st, cfg, policy, router = self.stats, self.cfg, self.policy, self.router
+        fast = self.fast_cache_reads()
         return {
             "server": [
                 ("kvcache_version", __version__), ("redis_version", REDIS_VERSION),
@@ -105,7 +111,8 @@ class Info:
                 upstream_seq=max(f.upstream_seq, f.meta.applied_seq), lag_ms=f.lag_ms(),
                 max_stale_ms=f.cfg.max_stale_ms,
                 resyncs=f.meta.resyncs, removed_upstream=f.removed_upstream,
-                state_polls=f.state_polls, **_cache_fields(f))) for name, f in policy.feeds.items()],
+                state_polls=f.state_polls, **_cache_fields(f, fast.get(name, (0, 0)))))
+                for name, f in policy.feeds.items()],
             "peers": [(p.label, _fields(
                 stream=p.stream, state=router.state(p), ewma_us=int(p.stats.ewma_us),
                 requests=p.stats.requests, errors=p.stats.errors, hedges=p.stats.hedges))
@@ -130,14 +137,14 @@ class Info:
         return "\r\n".join(lines)
 
 
-def _cache_fields(feed) -> dict[str, int]:
-    """A bucket's near cache, when it has one (kvcache.store.nearcache)."""
+def _cache_fields(feed, fast: tuple[int, int]) -> dict[str, int]:
+    """A bucket's near cache, when it has one (kvcache.store.nearcache); `fast`: the hits (of
+    values, of not-founds) the GET fast path answered from it."""
     c = feed.cache
     if c is None:
         return {}
-    c.drain()  # the GET fast path's hits, not yet handed over
     st = c.stats
-    return {"cache_keys": len(c), "cache_bytes": c.bytes, "cache_hits": st.hits,
+    return {"cache_keys": len(c), "cache_bytes": c.bytes, "cache_hits": st.hits + sum(fast),
             "cache_misses": st.misses, "cache_admissions": st.admissions,
             "cache_rejections": st.rejections, "cache_evictions": st.evictions,
             "cache_invalidations": st.invalidations, "cache_updates": st.updates}

@@ -159,9 +159,11 @@ def local_gets(cfg: Config, policy: ReadPolicy, every_get_to_commands: bool) -> 
 
 
 def direct_buckets(gets: LocalGets, cfg: Config, feeds: dict[str, Feed]) -> None:
-    """Tell the fast path each bucket's feed and bound, and which replicate every key (their
-    keys need no plan); not with the access log on (local_gets)."""
-    gets.set_buckets([(b.name, feeds[b.name], b.max_stale_ms, list(b.keys) == [">"])
+    """Tell the fast path each bucket's feed and bound, which replicate every key, and which
+    replicate none and have a near cache (their keys need no plan: the replica, or the cache);
+    not with the access log on (local_gets)."""
+    gets.set_buckets([(b.name, feeds[b.name], b.max_stale_ms, list(b.keys) == [">"],
+                       feeds[b.name].cache if list(b.keys) == [] else None)
                       for b in cfg.buckets], cfg.default_bucket)
 
 
