@@ -39,6 +39,16 @@ cost that grows with the number of distinct keys read shows there, not in the 10
     python bench/socket_bench.py --scale              # 1M keys, 100-byte values, -r 10k and 1M
     python bench/socket_bench.py --scale --floor      # and the uvloop floor beside them
     python bench/socket_bench.py --metrics            # metrics listener on and scraped, against off
+    python bench/socket_bench.py --sizes 4k:20000,64k:2000,512k:200,1m:100,4m:25 --repeat 3
+
+--sizes is the value-size run: per SIZE:KEYS a bucket of KEYS keys of SIZE bytes (random bytes,
+its own nats-server, max_payload raised to 8 MiB for values over the 1 MiB default), a sidecar
+replicating it and a redis-server holding the same keys; `redis-benchmark -t get -c 20 -r KEYS`
+at `-P 1` and `-P 8`, -n scaled by the size (about 2 GB of values a run, 2,000-200,000 GETs;
+--requests fixes it), the targets alternating, medians of --repeat runs. Per size: the
+kvcache/redis GET/s ratio, each server's CPU per GET (/proc/<pid>/stat), redis-benchmark's own
+CPU per GET (getrusage(RUSAGE_CHILDREN) around each run: near a whole core, it is the
+bottleneck) and the sidecar's peak RSS (VmHWM), with the native modules the sidecar runs.
 """
 from __future__ import annotations
 
@@ -50,6 +60,7 @@ import csv
 import io
 import os
 import random
+import resource
 import shutil
 import signal
 import statistics
@@ -135,14 +146,16 @@ def stop(proc: subprocess.Popen | None, timeout: float = 15) -> int | None:
 # ----------------------------------------------------------------------------- setup
 
 async def load_bucket(url: str, value: bytes, keys: int = NKEYS) -> None:
-    """`keys` keys in bucket BUCKET: JetStream publishes, 500 acknowledgements in flight."""
+    """`keys` keys in bucket BUCKET: JetStream publishes, up to 500 acknowledgements (and at
+    most 32 MB of values) in flight."""
     nc = await nats.connect(url, connect_timeout=5, allow_reconnect=False)
+    in_flight = max(1, min(500, (32 << 20) // max(1, len(value))))
     try:
         js = nc.jetstream(timeout=30)
         await js.create_key_value(bucket=BUCKET, direct=True)
-        for start in range(0, keys, 500):
+        for start in range(0, keys, in_flight):
             await asyncio.gather(*(js.publish(f"$KV.{BUCKET}.{key(i)}", value)
-                                   for i in range(start, min(start + 500, keys))))
+                                   for i in range(start, min(start + in_flight, keys))))
         info = await js.stream_info(f"KV_{BUCKET}")
         if info.state.messages != keys:
             raise RuntimeError(f"stream holds {info.state.messages} messages, expected {keys}")
@@ -235,9 +248,10 @@ def start_redis(work: Path, value: bytes, keys: int = NKEYS) -> tuple[subprocess
     try:
         r = redis.Redis(unix_socket_path=sock)
         wait_until(lambda: os.path.exists(sock) and r.ping(), 20, "redis-server up")
-        for start in range(0, keys, 10_000):
+        batch = max(1, min(10_000, (64 << 20) // max(1, len(value))))  # at most 64 MB a pipeline
+        for start in range(0, keys, batch):
             with r.pipeline(transaction=False) as p:
-                for i in range(start, min(start + 10_000, keys)):
+                for i in range(start, min(start + batch, keys)):
                     p.set(f"key:{key(i)}", value)
                 p.execute()
         if r.dbsize() != keys:
@@ -247,6 +261,18 @@ def start_redis(work: Path, value: bytes, keys: int = NKEYS) -> tuple[subprocess
         stop(proc)
         raise
     return proc, sock
+
+
+def describe_kvcache(server: dict, work: Path, installed: bool = False) -> str:
+    """Which kvcache served, from the sidecar's INFO server: version, where from, the native
+    modules it runs (kvcache.native.report() in the sidecar) and its LMDB binding."""
+    where = subprocess.run([sys.executable, "-c", "import kvcache; print(kvcache.__file__)"],
+                           capture_output=True, text=True, cwd=work if installed else ROOT).stdout.strip()
+    native = server["native"]
+    if isinstance(native, dict):  # the client parses `a=b,c=d` values
+        native = ",".join(f"{k}={v}" for k, v in native.items())
+    return (f"{server['kvcache_version']} from {os.path.dirname(where)}, native: {native}, "
+            f"LMDB {server.get('native_lmdb') or '(py-lmdb)'}")
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -453,13 +479,7 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
             assert c.get(f"key:{key(1)}") == value and c.get(key(keys - 1)) == value
             before = c.info("stats")["stats"]
             server = c.info("server")["server"]
-        where = subprocess.run([sys.executable, "-c", "import kvcache; print(kvcache.__file__)"],
-                               capture_output=True, text=True, cwd=work if installed else ROOT).stdout.strip()
-        native = server["native"]
-        if isinstance(native, dict):  # the client parses `a=b,c=d` values
-            native = ",".join(f"{k}={v}" for k, v in native.items())
-        bench.kvcache = (f"{server['kvcache_version']} from {os.path.dirname(where)}, native: {native}, "
-                         f"LMDB {server.get('native_lmdb') or '(py-lmdb)'}")
+        bench.kvcache = describe_kvcache(server, work, installed)
 
         for r in bench.reads_over:
             for name, extra in bench.variants:
@@ -514,9 +534,207 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
             nats_srv.stop()
 
 
+# ----------------------------------------------------------------------------- --sizes
+
+SIZE_VARIANTS = [("-P 1", ["-c", "20"]), ("-P 8", ["-c", "20", "-P", "8"])]
+NATS_DEFAULT_MAX_PAYLOAD = 1 << 20  # nats-server's max_payload unless configured
+SIZES_MAX_PAYLOAD = 8 << 20         # what --sizes raises it to for values over 1 MiB
+
+
+def parse_size(text: str) -> int:
+    """`512`, `4k`, `64K`, `1m`, `4MB` -> bytes (k and m are 1024 and 1024²)."""
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    mult = {"k": 1 << 10, "m": 1 << 20}.get(t[-1:], 1)
+    return int(t[:-1] if mult != 1 else t) * mult
+
+
+def parse_sizes(text: str) -> list[tuple[int, int]]:
+    """`4k:20000,1m:100` -> [(4096, 20000), (1048576, 100)]: value size, keys in the bucket."""
+    out = []
+    for item in text.split(","):
+        size, sep, keys = item.partition(":")
+        out.append((parse_size(size), int(keys) if sep else 1000))
+    return out
+
+
+def size_label(size: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if size >= 1 << shift and size % (1 << shift) == 0:
+            return f"{size >> shift} {unit}"
+    return f"{size} B"
+
+
+def size_requests(size: int) -> int:
+    """redis-benchmark -n for one run at this value size: about 2 GB of values a run, between
+    2,000 and 200,000 GETs (a repeat of four runs stays well under a minute on 2 cores)."""
+    return max(2000, min(200_000, 2_000_000_000 // size))
+
+
+def proc_status(pid: int, name: str) -> int:
+    """A `kB` line of /proc/<pid>/status (VmHWM, VmRSS, RssAnon...), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(name + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(f"{name} not in /proc/{pid}/status")
+
+
+def children_cpu() -> float:
+    """utime + stime of every child this process has waited for: the delta around one
+    subprocess.run is that process's own CPU time, exactly."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+@dataclass
+class SizeRow:
+    """One value size: per (target, variant) the runs' GET/s, the server's CPU µs per GET and
+    redis-benchmark's own CPU µs per GET; the sidecar's memory; what went wrong."""
+
+    size: int
+    keys: int
+    requests: int
+    max_payload: int
+    rps: dict[tuple[str, str], list[float]] = field(default_factory=lambda: collections.defaultdict(list))
+    cpu: dict[tuple[str, str], list[float]] = field(default_factory=lambda: collections.defaultdict(list))
+    client_cpu: dict[tuple[str, str], list[float]] = field(default_factory=lambda: collections.defaultdict(list))
+    hwm_synced: int = 0   # the sidecar's VmHWM once synced (before any GET)
+    hwm: int = 0          # ... after every run
+    anon: int = 0         # its RssAnon after every run (not the LMDB map's file pages)
+    load_seconds: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+    def med(self, what: str, target: str, variant: str) -> float:
+        return statistics.median(getattr(self, what)[(target, variant)])
+
+    def label(self) -> str:
+        return f"{size_label(self.size)}, {self.keys:,} (`-n {self.requests:,}`)"
+
+
+def run_size(work: Path, size: int, keys: int, requests: int, repeat: int, timeout: float,
+             info: dict[str, str]) -> SizeRow:
+    """One bucket of `keys` keys of `size` bytes (a nats-server of its own, max_payload raised
+    for values over 1 MiB), a sidecar replicating it and a redis-server holding the same
+    keys; each variant `repeat` times against both, alternating. Everything stopped by PID."""
+    work.mkdir(parents=True, exist_ok=True)
+    value = random.Random(size).randbytes(size)
+    # A publish of exactly max_payload bytes is taken (1 MiB runs at the default); one byte more is not
+    max_payload = SIZES_MAX_PAYLOAD if size > NATS_DEFAULT_MAX_PAYLOAD else NATS_DEFAULT_MAX_PAYLOAD
+    row = SizeRow(size, keys, requests, max_payload)
+    nats_srv = sidecar = redis_proc = None
+    try:
+        nats_srv = NatsServer(work / "nats" / "js", host="127.0.0.1", server_name="bench",
+                              extra_conf=(f"max_payload: {max_payload}"
+                                          if max_payload != NATS_DEFAULT_MAX_PAYLOAD else "")).start()
+        t0 = time.monotonic()
+        asyncio.run(load_bucket(nats_srv.url, value, keys))
+        row.load_seconds = time.monotonic() - t0
+        print(f"  {size_label(size)}: bucket loaded, {keys:,} keys in {row.load_seconds:.1f}s", file=sys.stderr)
+        sidecar, kv_sock = start_sidecar(work, nats_srv.url, keys)
+        row.hwm_synced = proc_status(sidecar.pid, "VmHWM")
+        redis_proc, redis_sock = start_redis(work, value, keys)
+        socks = {"redis": redis_sock, "kvcache": kv_sock}
+        pids = {"redis": redis_proc.pid, "kvcache": sidecar.pid}
+        with Client(kv_sock, timeout=10) as c:
+            if c.get(f"key:{key(keys - 1)}") != value:
+                raise RuntimeError(f"{size_label(size)}: the sidecar's value of key:{key(keys - 1)} differs")
+            before = c.info("stats")["stats"]
+            if "kvcache" not in info:
+                info["kvcache"] = describe_kvcache(c.info("server")["server"], work)
+        for name, extra in SIZE_VARIANTS:
+            for i in range(repeat):
+                for target in ("redis", "kvcache") if i % 2 == 0 else ("kvcache", "redis"):
+                    c0, b0 = cpu_seconds(pids[target]), children_cpu()
+                    res = benchmark(socks[target], requests, extra, timeout, keys)
+                    row.client_cpu[(target, name)].append((children_cpu() - b0) / requests * 1e6)
+                    row.cpu[(target, name)].append((cpu_seconds(pids[target]) - c0) / requests * 1e6)
+                    row.rps[(target, name)].append(res["rps"])
+                    print(f"  {size_label(size):>8s} {target:8s} {name:5s} {res['rps']:>10,.0f} GET/s "
+                          f"{res['rps'] * size / 1e6:>8,.0f} MB/s, server {row.cpu[(target, name)][-1]:7.2f} "
+                          f"CPU us/GET, redis-benchmark {row.client_cpu[(target, name)][-1]:7.2f}", file=sys.stderr)
+        with Client(kv_sock, timeout=10) as c:
+            after = c.info("stats")["stats"]
+        for f in ("protocol_errors", "remote_errors", "gets_remote", "gets_notfound"):
+            if after[f] != before[f]:
+                row.problems.append(f"{size_label(size)}: {f} went {before[f]} -> {after[f]}")
+        gets, expected = after["gets_local"] - before["gets_local"], requests * len(SIZE_VARIANTS) * repeat
+        if gets < expected:
+            row.problems.append(f"{size_label(size)}: only {gets} local GETs for {expected} requests")
+        row.hwm = proc_status(sidecar.pid, "VmHWM")
+        row.anon = proc_status(sidecar.pid, "RssAnon")
+        return row
+    finally:
+        code = stop(sidecar)
+        if code not in (None, 0):
+            row.problems.append(f"{size_label(size)}: sidecar exited with {code}; log in {work}/kvcache.log")
+        stop(redis_proc)
+        if nats_srv:
+            nats_srv.stop()
+
+
+def sizes_table(rows: list[SizeRow], repeat: int, info: dict[str, str]) -> str:
+    def pair(row: SizeRow, what: str, name: str, fmt: str = "{:.1f}") -> str:
+        return " / ".join(fmt.format(row.med(what, t, name)) for t in ("kvcache", "redis"))
+
+    mib = 1 << 20
+    lines = [f"redis-benchmark -t get -c 20 -r <keys> over the Unix socket, `-P 1` and `-P 8`; one bucket "
+             f"per value size; median of {repeat} runs per target (alternating); {os.cpu_count()} CPUs", "",
+             f"kvcache: {info.get('kvcache', '?')}", "",
+             "| value size, keys | `-P 1` kvcache / redis-server (GET/s) | server CPU µs per GET, kvcache / "
+             "redis (`-P 1`; `-P 8`) | `-P 8` kvcache / redis-server (GET/s) | redis-benchmark's own CPU µs "
+             "per GET, against kvcache / redis (`-P 1`; `-P 8`) | sidecar peak RSS (synced; anon at end) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        ratio = {name: (f"{row.med('rps', 'kvcache', name) / row.med('rps', 'redis', name):.2f} "
+                        f"({row.med('rps', 'kvcache', name):,.0f} / {row.med('rps', 'redis', name):,.0f})")
+                 for name, _ in SIZE_VARIANTS}
+        lines.append(f"| {row.label()} | {ratio['-P 1']} | {pair(row, 'cpu', '-P 1')}; {pair(row, 'cpu', '-P 8')} | "
+                     f"{ratio['-P 8']} | {pair(row, 'client_cpu', '-P 1')}; {pair(row, 'client_cpu', '-P 8')} | "
+                     f"{row.hwm / mib:,.0f} MiB ({row.hwm_synced / mib:,.0f}; {row.anon / mib:,.0f}) |")
+    lines += ["", "Each run's medians: MB/s of values, and how much of one core the server and redis-benchmark "
+              "(one thread) were busy: a redis-benchmark near 100% is the bottleneck, not the server.", "",
+              "| value size | variant | target | GET/s | MB/s | server CPU, % of a core | "
+              "redis-benchmark CPU, % of a core |", "|---|---|---|---:|---:|---:|---:|"]
+    for row in rows:
+        for name, _ in SIZE_VARIANTS:
+            for target in ("kvcache", "redis"):
+                rps = row.med("rps", target, name)
+                lines.append(f"| {size_label(row.size)} | {name} | {target} | {rps:,.0f} | "
+                             f"{rps * row.size / 1e6:,.0f} | {rps * row.med('cpu', target, name) / 1e4:.0f} | "
+                             f"{rps * row.med('client_cpu', target, name) / 1e4:.0f} |")
+    raised = [size_label(r.size) for r in rows if r.max_payload != NATS_DEFAULT_MAX_PAYLOAD]
+    lines += ["", "nats-server max_payload: the 1 MiB default" +
+              (f"; raised to {size_label(SIZES_MAX_PAYLOAD)} for {', '.join(raised)} (the bucket's "
+               "max_value_size left unlimited, so the stream takes what max_payload lets through)"
+               if raised else ""),
+              "sidecar peak RSS: VmHWM after the runs (after the initial sync; RssAnon after the runs: "
+              "the rest is LMDB's mapped file pages)"]
+    problems = [p for r in rows for p in r.problems]
+    lines.append("PROBLEMS: " + "; ".join(problems) if problems else
+                 "kvcache INFO: every GET answered from the replica, no protocol or remote errors (all checks passed)")
+    return "\n".join(lines)
+
+
+def run_sizes(work: Path, sizes: list[tuple[int, int]], repeat: int, timeout: float,
+              requests: int | None, keep: bool) -> tuple[str, bool]:
+    """Every size in turn, each in a directory of its own (removed after a clean size unless
+    `keep`); the table, and whether anything went wrong."""
+    info: dict[str, str] = {}
+    rows = []
+    for size, keys in sizes:
+        sub = work / f"size-{size}"
+        row = run_size(sub, size, keys, requests or size_requests(size), repeat, timeout, info)
+        rows.append(row)
+        if not keep and not row.problems:
+            shutil.rmtree(sub, ignore_errors=True)
+    return sizes_table(rows, repeat, info), any(r.problems for r in rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=200_000, help="requests per run (-n)")
+    ap.add_argument("--requests", type=int, default=None,
+                    help="requests per run (-n; default 200,000; --sizes: scaled by the value size, "
+                         "2,000-200,000)")
     ap.add_argument("--value-size", type=int, default=3, help="bytes per value (redis-benchmark's default is 3)")
     ap.add_argument("--profile", action="store_true", help="py-spy the sidecar under -P 16")
     ap.add_argument("--profile-seconds", type=int, default=15)
@@ -543,7 +761,25 @@ def main() -> int:
                          "listener: the ratios are DIR's over this checkout's, same run (implies --control)")
     ap.add_argument("--scale", action="store_true",
                     help=f"{SCALE_KEYS:,} keys of 100 bytes, -r 10000 and -r {SCALE_KEYS}, -P 16 and -P 1")
+    ap.add_argument("--sizes", default=None, metavar="SIZE:KEYS,...",
+                    help="value-size mode: per SIZE (4k, 512k, 1m...) a bucket of KEYS keys and a redis-server "
+                         "with the same, -c 20 at -P 1 and -P 8: GET/s ratio, server and redis-benchmark CPU "
+                         "per GET, the sidecar's peak RSS (e.g. 4k:20000,64k:2000,512k:200,1m:100,4m:25)")
     args = ap.parse_args()
+    exit_on_sigterm()
+    if args.sizes:
+        try:
+            sizes = parse_sizes(args.sizes)
+        except ValueError:
+            ap.error(f"--sizes: not SIZE:KEYS,...: {args.sizes!r}")
+        too_big = [size_label(s) for s, _ in sizes if s > SIZES_MAX_PAYLOAD]
+        if too_big:
+            ap.error(f"--sizes: larger than nats-server's {size_label(SIZES_MAX_PAYLOAD)} max_payload: {too_big}")
+        with work_dir("kvcache-socket-bench-sizes-", lambda: args.keep) as work:
+            table, failed = run_sizes(work, sizes, args.repeat, args.timeout, args.requests, args.keep)
+            print("\n" + table)
+            args.keep = args.keep or failed
+            return 1 if failed else 0
     keys = args.keys or (SCALE_KEYS if args.scale else NKEYS)
     if args.reads_over:
         reads_over = [int(r) for r in args.reads_over.split(",")]
@@ -555,9 +791,8 @@ def main() -> int:
         variants = [v for v in variants if v[0] == args.only]
         if not variants:
             ap.error(f"--only: no variant '{args.only}'")
-    exit_on_sigterm()
     with work_dir("kvcache-socket-bench-", lambda: args.keep) as work:
-        bench = run(work, args.requests, value_size, args.repeat, args.timeout,
+        bench = run(work, args.requests or 200_000, value_size, args.repeat, args.timeout,
                     args.profile_seconds if args.profile else None, keys, reads_over,
                     variants, args.floor, args.installed, args.metrics or args.other_src is not None,
                     args.control or args.other_src is not None,
