@@ -39,7 +39,7 @@ from kvcache.errors import ReplicaError
 from kvcache.ops.latency import BOUNDS_NS
 from kvcache.read.policy import PLAN_CACHE
 from kvcache.serve.get import FLUSH_AT, FRESH_VERDICT_S
-from kvcache.store.nearcache import LRU_SAMPLE, REVISION, TOUCH_MAX
+from kvcache.store.nearcache import LRU_EXACT_BELOW, LRU_SAMPLE, REVISION, TOUCH_MAX
 from kvcache.store.record import FLAG_TTL, KLEN_MASK, RECORD, TTL_BIT, TTL_BYTE
 from kvcache.store.replica import MAX_DBS
 from kvcache.store.sketch import _BLOCK_SEED as _BLOCK_SEED_PY
@@ -57,6 +57,7 @@ cdef unsigned char _TTL_BIT = TTL_BIT
 assert REVISION.size == 8, "cached not-found layout changed: update _reply()"
 cdef Py_ssize_t _TOUCH_MAX = TOUCH_MAX
 cdef Py_ssize_t _LRU_SAMPLE = LRU_SAMPLE
+cdef int _LRU_EXACT_BELOW = LRU_EXACT_BELOW
 # kvcache.store.sketch's counters, added to in C (_sketch_add)
 assert ROWS == 4 and MAX_COUNT == 15 and BLOCK == 64, "sketch layout changed: update _sketch_add()"
 cdef unsigned long long _SEED[4]
@@ -509,11 +510,12 @@ cdef class LocalGets(_ReplicaView):
 
     cdef int _touch(self, _Bucket b, WalkKey* w, int i) except -1:
         """A near-cache answer, counted into the cache (see kvcache.serve.get.LocalGets._touch):
-        its sketch at once, every LRU_SAMPLE-th key into `touched` (made here for a key that
-        came straight from the socket), the count handed over every TOUCH_MAX."""
-        _sketch_add(b, w.key, w.klen)
+        its sketch at once; its key into `touched` (made here for a key that came straight
+        from the socket) while rarely read, else every LRU_SAMPLE-th hit; the count handed
+        over every TOUCH_MAX."""
+        cdef int estimate = _sketch_add(b, w.key, w.klen)
         b.sampled += 1
-        if b.sampled >= _LRU_SAMPLE:
+        if estimate < _LRU_EXACT_BELOW or b.sampled >= _LRU_SAMPLE:
             b.sampled = 0
             if self._key_obj[i] != NULL:
                 PyList_Append(b.touched, <object>self._key_obj[i])

@@ -81,19 +81,22 @@ cdef extern from "Python.h":
     Py_hash_t _Py_HashBytes(const void* src, Py_ssize_t len)  # hash(bytes) of those bytes
 
 
-cdef inline void _sketch_add(_Bucket b, const unsigned char* key, Py_ssize_t n) noexcept:
+cdef inline int _sketch_add(_Bucket b, const unsigned char* key, Py_ssize_t n) noexcept:
     """kvcache.store.sketch.FrequencySketch.add_counts in C: the same 4 counters of one 64-byte
     block from the key's hash (what hash() gives for those bytes), each saturating at
-    MAX_COUNT."""
+    MAX_COUNT; returns the key's estimate after it."""
     cdef unsigned long long h = <unsigned long long>_Py_HashBytes(key, n)
     cdef unsigned char* counts = <unsigned char*>PyByteArray_AS_STRING(b.counts)
     cdef unsigned long long block = (h * _BLOCK_SEED) >> (64 - b.sk_shift) if b.sk_shift else 0
     cdef unsigned char* c
-    cdef int row
+    cdef int row, low = 15
     for row in range(4):
         c = counts + (block << 6) + row * 16 + ((h * _SEED[row]) >> 60)
         if c[0] < 15:
             c[0] += 1
+        if c[0] < low:
+            low = c[0]
+    return low
 
 
 cdef class _Plan:

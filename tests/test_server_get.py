@@ -291,7 +291,7 @@ def test_near_cache_hits_are_answered_and_counted_into_the_cache(mod, env):
     gets, _ = make(mod, replica, feeds)
     keys = ["other:c.v", "a", "other:c.none", "other:c.v", "other:c.miss", "a"]
     assert gets.serve(*request(keys), 2, 1 << 30) == (expected([b"cached", b"1", None, b"cached"]), 4, 1)
-    assert gets.cached == 3 and cache.touched == []  # not yet LRU_SAMPLE hits
+    assert gets.cached == 3 and cache.touched == [b"c.v", b"c.none", b"c.v"]  # rarely read: every hit
     assert cache.sketch.estimate(b"c.v") == 2 and cache.sketch.estimate(b"c.none") == 1
     assert gets.cache_reads() == {"other": (2, 1)} and counted(gets) == {"main": (1, 0)}
     assert gets.serve(*request(["other:c.ttl", "a"]), 2, 1 << 30) == (b"", 0, 0)  # expired: generic
@@ -300,15 +300,17 @@ def test_near_cache_hits_are_answered_and_counted_into_the_cache(mod, env):
     assert gets.serve(*request(["other:c.v"]), 3, 1 << 30) == (b"", 0, 0)
     feeds["other"].fresh = True
     cache.lru.move_to_end(b"c.none")
-    additions = cache.sketch.additions
-    gets.serve(*request(["other:c.v"] * (LRU_SAMPLE - 3)), 2, 1 << 30)
-    assert cache.touched == [b"c.v"]  # the LRU_SAMPLE-th hit
     cache.drain()
     assert cache.touched == [] and list(cache.lru)[-1] == b"c.v"
-    gets.serve(*request(["other:c.v"] * (TOUCH_MAX - LRU_SAMPLE)), 2, 1 << 30)
+    additions = cache.sketch.additions
+    n = TOUCH_MAX - 3
+    gets.serve(*request(["other:c.v"] * n), 2, 1 << 30)  # read often now: every LRU_SAMPLE-th hit
     handed = additions + TOUCH_MAX  # handed over (and, past the sketch's sample, aged: halved)
     assert cache.sketch.additions == (handed // 2 if handed >= cache.sketch.sample else handed)
-    assert gets.cache_reads() == {"other": (TOUCH_MAX - 1, 1)}
+    assert cache.touched == [] and list(cache.lru)[-1] == b"c.v"  # drained by the handover
+    gets.serve(*request(["other:c.v"] * (2 * LRU_SAMPLE)), 2, 1 << 30)
+    assert cache.touched == [b"c.v", b"c.v"]
+    assert gets.cache_reads() == {"other": (TOUCH_MAX - 1 + 2 * LRU_SAMPLE, 1)}
 
 
 @pytest.mark.parametrize("mod", IMPLS)

@@ -48,7 +48,7 @@ from ..keys import RESERVED_PREFIX, TOKEN_CHARS
 from ..ops.latency import BOUNDS_NS
 from ..read.policy import PLAN_CACHE, Plan
 from ..resp import GET_LEN, NIL2, NIL3
-from ..store.nearcache import LRU_SAMPLE, TOUCH_MAX, is_absent
+from ..store.nearcache import LRU_EXACT_BELOW, LRU_SAMPLE, TOUCH_MAX, is_absent
 from ..store.record import MAX_LMDB_KEY, RECORD, stored_value
 from ..store.replica import Replica
 
@@ -167,14 +167,15 @@ class LocalGets:
 
     def _touch(self, cache: NearCache, bucket: str, lkey: bytes) -> None:
         """A near-cache answer, counted into the cache (kvcache.store.nearcache; the C twin's
-        _touch): its sketch at once, every LRU_SAMPLE-th key into `touched`, the count handed
-        over every TOUCH_MAX."""
-        cache.sketch.add_counts(lkey)
+        _touch): its sketch at once; its key into `touched` while the key is rarely read
+        (estimate below LRU_EXACT_BELOW), else every LRU_SAMPLE-th hit; the count handed over
+        every TOUCH_MAX."""
+        estimate = cache.sketch.add_counts(lkey)
         pending = self._pending.get(bucket)
         if pending is None:
             pending = self._pending[bucket] = [0, 0]  # hits not handed over, since the last sample
         pending[1] += 1
-        if pending[1] >= LRU_SAMPLE:
+        if estimate < LRU_EXACT_BELOW or pending[1] >= LRU_SAMPLE:
             pending[1] = 0
             cache.touched.append(lkey)
         pending[0] += 1

@@ -67,7 +67,8 @@ VICTIM_SAMPLE = 8
 # Hits the server's GET fast path answers before it hands their count over (`handover`), and
 # which of them move their key in the LRU order (every LRU_SAMPLE-th: `touched`, `drain`)
 TOUCH_MAX = 1024
-LRU_SAMPLE = 32
+LRU_SAMPLE = 16
+LRU_EXACT_BELOW = 4  # ...but every hit of a key read less often than this (its estimate)
 
 
 def absent(revision: int) -> bytes:
@@ -159,10 +160,12 @@ class NearCache:
         touched = self.touched
         if not touched:
             return
-        lru = self.lru
+        move = self.lru.move_to_end
         for lk in touched:
-            if lk in lru:
-                lru.move_to_end(lk)
+            try:
+                move(lk)
+            except KeyError:  # evicted or invalidated since
+                pass
         touched.clear()
 
     def handover(self, hits: int) -> None:

@@ -51,12 +51,18 @@ class FrequencySketch:
         self.add_counts(key)
         self.note(1)
 
-    def add_counts(self, key: bytes) -> None:
-        """One read of the key into its counters, not yet into `additions` (`note`)."""
+    def add_counts(self, key: bytes) -> int:
+        """One read of the key into its counters, not yet into `additions` (`note`); the
+        key's estimate after it."""
         counts = self._counts
+        low = MAX_COUNT
         for i in self._slots(key):
-            if counts[i] < MAX_COUNT:
-                counts[i] += 1
+            c = counts[i]
+            if c < MAX_COUNT:
+                c += 1
+                counts[i] = c
+            low = min(low, c)
+        return low
 
     def note(self, n: int) -> None:
         """n reads added to the counters (add_counts, or the native GET path's): every
