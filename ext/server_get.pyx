@@ -38,7 +38,7 @@ import os
 from kvcache.errors import ReplicaError
 from kvcache.ops.latency import BOUNDS_NS
 from kvcache.read.policy import PLAN_CACHE
-from kvcache.serve.get import FLUSH_AT, FRESH_VERDICT_S
+from kvcache.serve.get import FLUSH_AT, FRESH_VERDICT_S, LARGE_VALUE
 from kvcache.store.nearcache import LRU_EXACT_BELOW, LRU_SAMPLE, REVISION, TOUCH_MAX
 from kvcache.store.record import FLAG_TTL, KLEN_MASK, RECORD, TTL_BIT, TTL_BYTE
 from kvcache.store.replica import MAX_DBS
@@ -108,6 +108,19 @@ cdef class LocalGets(_ReplicaView):
     cdef list _held
     cdef public unsigned long long walked, fallbacks  # GETs searched by lmdb_walk / by mdb_get
     cdef Py_ssize_t _key_end[GROUP]  # the output's length after each GET's reply
+    # Large values written from the map (server_get_write.pxi): the connection's transport and
+    # socket while GetConnection's call runs (fd -1: every value is copied into _out), whether
+    # its output is empty (-1: not asked yet this call), and the values left out of _out
+    cdef object _transport
+    cdef int _fd
+    cdef int _writable  # the output is empty (1), not (0), not asked yet (-1)
+    cdef int _nseg
+    cdef bint _stash_flush  # _flush_stash's group: values may stay in the map (_may_leave_in_map)
+    cdef Py_ssize_t _last_size  # the last serve's output, written directly or not
+    cdef Py_ssize_t _seg_at[MAXSEG]       # where in _out the value goes
+    cdef const unsigned char* _seg_ptr[MAXSEG]  # its bytes in the map
+    cdef Py_ssize_t _seg_len[MAXSEG]
+    cdef Py_ssize_t _seg_bytes
     # Deferred reads (see _stash): GET-only reads of several connections in one event-loop
     # iteration, answered together when it ends
     cdef public bint defer      # the server turns it on while two or more clients are connected
@@ -133,6 +146,7 @@ cdef class LocalGets(_ReplicaView):
         self._held = []
         self._stashed = []
         self._thread = pthread_self()
+        self._fd = -1
 
     def __dealloc__(self):
         # The environment stays open on purpose (see the module docstring): closing its file
@@ -296,19 +310,21 @@ cdef class LocalGets(_ReplicaView):
             try:
                 used = self._serve_wire(<const unsigned char*>PyBytes_AS_STRING(data), dn, proto,
                                         budget, answered)
+                size = self._len + self._seg_bytes
+                first = _take_output(self)
             finally:
                 self._finish()
             notfound[0] = self._notfound
-            if self._len:
-                parts.append(PyBytes_FromStringAndSize(<char*>self._out, self._len))
-                size = self._len
+            if first:
+                parts.append(first)
+                self._fd = -1  # replies wait in `parts`: no later one may go out before them
             if used == dn:
                 return parts[0] if parts else b""
             reader.feed(data if used == 0 else
                         PyBytes_FromStringAndSize(PyBytes_AS_STRING(data) + used, dn - used))
             if size >= budget:
                 more[0] = True
-                return parts[0]
+                return parts[0] if parts else b""
         else:
             reader.feed(data)
         while True:
@@ -317,8 +333,10 @@ cdef class LocalGets(_ReplicaView):
                 break
             lengths, keys, start = run
             replies, n, nf = self.serve(lengths, keys, proto, budget - size)
-            parts.append(replies)
-            size += PyBytes_GET_SIZE(replies)
+            size += self._last_size
+            if replies:
+                parts.append(replies)
+                self._fd = -1
             answered[0] += n
             notfound[0] += nf
             if n < PyList_GET_SIZE(keys):
@@ -346,6 +364,9 @@ cdef class LocalGets(_ReplicaView):
         if pthread_self() != self._thread:
             raise RuntimeError("LocalGets must run on the thread that created it")
         self._len = 0
+        self._nseg = 0
+        self._seg_bytes = 0
+        self._writable = -1
         self._notfound = 0
         self._now = 0
         self._real = 0
@@ -431,7 +452,7 @@ cdef class LocalGets(_ReplicaView):
                 break
             self._key_end[i] = self._len
             done += 1
-            if self._len >= budget:
+            if self._len + self._seg_bytes >= budget:
                 break
         self._nkeys = 0
         self._held.clear()
@@ -497,12 +518,25 @@ cdef class LocalGets(_ReplicaView):
             raise ReplicaError("replica record is truncated")
         vlen = v.mv_size - off
         hlen = _bulk_header(head, vlen)
-        self._reserve(hlen + vlen + 2)
-        memcpy(self._out + self._len, head, hlen)
-        memcpy(self._out + self._len + hlen, rec + off, vlen)
-        self._out[self._len + hlen + vlen] = 13
-        self._out[self._len + hlen + vlen + 1] = 10
-        self._len += hlen + vlen + 2
+        if vlen >= _LARGE_VALUE and _may_leave_in_map(self):
+            self._reserve(hlen + 2)  # the value stays in the map: _take_output writes it
+            memcpy(self._out + self._len, head, hlen)
+            self._len += hlen
+            self._seg_at[self._nseg] = self._len
+            self._seg_ptr[self._nseg] = rec + off
+            self._seg_len[self._nseg] = vlen
+            self._nseg += 1
+            self._seg_bytes += vlen
+            self._out[self._len] = 13
+            self._out[self._len + 1] = 10
+            self._len += 2
+        else:
+            self._reserve(hlen + vlen + 2)
+            memcpy(self._out + self._len, head, hlen)
+            memcpy(self._out + self._len + hlen, rec + off, vlen)
+            self._out[self._len + hlen + vlen] = 13
+            self._out[self._len + hlen + vlen + 1] = 10
+            self._len += hlen + vlen + 2
         b.hits += 1
         if b.cache:
             self._touch(b, w, i)
@@ -548,13 +582,15 @@ cdef class LocalGets(_ReplicaView):
                 if self._nkeys == GROUP:
                     done = self._answer_group(budget)
                     answered += done
-                    if self._len >= budget or done < GROUP:
+                    if self._len + self._seg_bytes >= budget or done < GROUP:
                         break
             if self._nkeys:
                 answered += self._answer_group(budget)
+            self._last_size = self._len + self._seg_bytes
+            out = _take_output(self)
         finally:
             self._finish()
-        return PyBytes_FromStringAndSize(<char*>self._out, self._len), answered, self._notfound
+        return out, answered, self._notfound
 
     cdef Py_ssize_t _serve_wire(self, const unsigned char* p, Py_ssize_t n, int proto,
                                 Py_ssize_t budget, Py_ssize_t* answered) except -1:
@@ -576,7 +612,7 @@ cdef class LocalGets(_ReplicaView):
             if self._nkeys == GROUP:
                 done = self._answer_group(budget)
                 answered[0] += done
-                if self._len >= budget or done < GROUP:
+                if self._len + self._seg_bytes >= budget or done < GROUP:
                     return ends[done - 1] if done else start
                 start = pos
         taken = self._nkeys
@@ -585,6 +621,9 @@ cdef class LocalGets(_ReplicaView):
             answered[0] += done
             return ends[done - 1] if done else start
         return pos
+
+
+include "server_get_write.pxi"
 
 
 include "server_get_conn.pxi"

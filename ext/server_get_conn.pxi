@@ -27,12 +27,21 @@ cdef Py_ssize_t _FLUSH_AT = FLUSH_AT
 cdef bytes _GET_CMD = b"get"  # CLIENT LIST's cmd after GETs this path answered
 
 
+cdef int _socket_fd(transport):
+    """The transport's socket descriptor, -1 without one (a value is then always copied)."""
+    if transport is None:
+        return -1
+    sock = transport.get_extra_info("socket")
+    return -1 if sock is None else sock.fileno()
+
+
 cdef class GetConnection:
     """See kvcache.serve.get.GetConnection: the same attributes and data_received, in C.
     `transport.write` is looked up once, when the transport is set."""
     cdef public LocalGets gets
     cdef public object stats, reader, _busy
     cdef object _transport, _write
+    cdef int _fd  # the socket's descriptor (large values are written to it: server_get_write.pxi), or -1
     cdef public int proto
     cdef public bint _closing, _paused_writing, _eof, _draining, _muted
     # CLIENT LIST's idle and cmd: when the client last sent anything (CLOCK_MONOTONIC, ns,
@@ -58,6 +67,7 @@ cdef class GetConnection:
     def transport(self, transport):
         self._transport = transport
         self._write = None if transport is None else transport.write
+        self._fd = _socket_fd(transport)
 
     def data_received(self, data):
         cdef Py_ssize_t local = 0, notfound = 0
@@ -83,7 +93,13 @@ cdef class GetConnection:
             return
         if gets.timed:
             t0 = _now_ns()
-        replies = gets._answer(self.reader, data, self.proto, _FLUSH_AT, &local, &notfound, &more)
+        gets._fd = self._fd
+        gets._transport = self._transport
+        try:
+            replies = gets._answer(self.reader, data, self.proto, _FLUSH_AT, &local, &notfound, &more)
+        finally:
+            gets._fd = -1
+            gets._transport = None
         if local:
             self._add(local, notfound)
             self.last_cmd = _GET_CMD
@@ -171,14 +187,25 @@ cdef int _flush_stash(LocalGets gets) except -1:
     cdef list stashed = gets._stashed
     cdef GetConnection conn
     cdef Py_ssize_t start = 0, end, answered = gets._nkeys
+    cdef int fd
     gets._stashed = []
     try:
-        gets._answer_group(PY_SSIZE_T_MAX)
+        gets._stash_flush = True
+        try:
+            gets._answer_group(PY_SSIZE_T_MAX)
+        finally:
+            gets._stash_flush = False
         for entry in stashed:
             conn = <GetConnection>entry[0]
             end = gets._key_end[<Py_ssize_t>entry[2] - 1]
             if not conn._closing and conn._write is not None:
-                conn._write(PyBytes_FromStringAndSize(<char*>gets._out + start, end - start))
+                if gets._nseg == 0:
+                    conn._write(PyBytes_FromStringAndSize(<char*>gets._out + start, end - start))
+                else:  # large values: from the map to the socket when its output is empty
+                    fd = conn._fd if conn._transport.get_write_buffer_size() == 0 else -1
+                    data = _output_range(gets, start, end, fd)
+                    if data:
+                        conn._write(data)
             start = end
         conn._add(answered, gets._notfound)
         conn.stats.reads_gathered += len(stashed)

@@ -184,3 +184,10 @@ cdef inline unsigned long long _deadline(const unsigned char* rec, unsigned long
             return created + max_age
         return expires
     return created + max_age if max_age else 0
+
+
+# Values of at least LARGE_VALUE bytes are written to the socket from the map (with writev,
+# server_get_write.pxi) instead of being copied into the output; at most MAXSEG a call.
+cdef enum:
+    MAXSEG = 64
+cdef Py_ssize_t _LARGE_VALUE = LARGE_VALUE

@@ -38,6 +38,7 @@ every local read reads it (record.stored_value).
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import time
 from bisect import bisect_left
@@ -58,6 +59,11 @@ if TYPE_CHECKING:
     from ..store.nearcache import NearCache
 
 FLUSH_AT = 256 * 1024  # write out what a batch has answered once it is this big
+# A value of at least this many bytes, answered while its connection's output is empty, is
+# written to the socket from the map with the replies around it (one writev) instead of being
+# copied into the output; at most MAXSEG of them a call (ext/server_get_write.pxi says why)
+LARGE_VALUE = 4096
+MAXSEG = 64
 # How long a feed's "fresh enough" verdict is reused. The bound a read promises is
 # max_stale_ms (seconds, typically); reusing the answer for a millisecond saves a Python
 # call per batch, which at one GET a batch is a good part of the request's cost.
@@ -84,6 +90,11 @@ class LocalGets:
         self.replica = replica
         self.planner = planner
         self.plans: dict[bytes, Plan | Literal[False]] = {}
+        # Large values written from the map (LARGE_VALUE): the connection's socket and transport
+        # while GetConnection's call runs (-1: copy every value into the output)
+        self._fd = -1
+        self._transport: asyncio.Transport | None = None
+        self._last_size = 0  # the last serve's output, written directly or not
         self._fresh_until: dict[object, float] = {}  # feed -> monotonic time
         # The native path defers GET-only reads of many clients to the end of an event-loop
         # iteration (ext/server_get.pyx, _stash); this one answers each read at once: `defer`
@@ -201,8 +212,10 @@ class LocalGets:
                 break
             lengths, keys, start = run
             replies, n, nf = self.serve(lengths, keys, proto, budget - size)
-            out.append(replies)
-            size += len(replies)
+            if replies:
+                out.append(replies)
+                self._fd = -1  # replies wait in `out`: no later one may go out before them
+            size += self._last_size
             answered += n
             notfound += nf
             if n < len(keys):
@@ -220,6 +233,8 @@ class LocalGets:
         nil = NIL3 if proto == 3 else NIL2
         size = answered = notfound = 0
         fresh = txn = None
+        direct = -1 if self._fd >= 0 else 0  # may values be written from the map? (-1: ask)
+        large = 0
         try:
             for declared, key in zip(lengths, keys, strict=True):
                 if declared != GET_LEN[len(key)]:
@@ -272,16 +287,46 @@ class LocalGets:
                 else:
                     n = len(value)
                     header = BULK_HEADER[n] if n < 10_000 else b"$%d\r\n" % n
+                    if n >= LARGE_VALUE and direct and large < MAXSEG:
+                        if direct < 0:
+                            direct = 1 if self._transport.get_write_buffer_size() == 0 else 0  # type: ignore[union-attr]
+                        large += direct
                     append(header)
                     append(value)
                     append(b"\r\n")
                     size += len(header) + n + 2
                 if size >= budget:
                     break
+            self._last_size = size
+            replies = _write_out(self._fd, out) if large else b"".join(out)
         finally:
             if txn is not None:
                 txn.abort()
-        return b"".join(out), answered, notfound
+        return replies, answered, notfound
+
+
+def _write_out(fd: int, parts: list[bytes]) -> bytes:
+    """The C twin's _take_output (ext/server_get_write.pxi): write the replies to the socket
+    (writev, while the read transaction holds the values) and return what it did not take."""
+    sent = 0
+    try:
+        for start in range(0, len(parts), 512):
+            chunk = parts[start:start + 512]
+            n = os.writev(fd, chunk)
+            sent += n
+            if n < sum(map(len, chunk)):
+                break
+    except (BlockingIOError, InterruptedError):
+        pass
+    except OSError:
+        pass  # the transport meets the error with the rest, and reports it
+    return b"".join(parts)[sent:]
+
+
+def _socket_fd(transport: asyncio.BaseTransport | None) -> int:
+    """The transport's socket descriptor, -1 without one (a value is then always copied)."""
+    sock = None if transport is None else transport.get_extra_info("socket")
+    return -1 if sock is None else sock.fileno()
 
 
 class GetConnection:
@@ -292,22 +337,24 @@ class GetConnection:
         "_closing",
         "_draining",
         "_eof",
+        "_fd",
         "_last_io",
         "_muted",
         "_paused_writing",
+        "_transport",
         "gets",
         "last_cmd",
         "proto",
         "reader",
         "stats",
-        "transport",
     )
 
     def __init__(self, gets: LocalGets, stats: Stats, reader: RequestReader) -> None:
         self.gets = gets
         self.stats = stats            # the server's Stats: commands, gets_local, gets_notfound
         self.reader = reader
-        self.transport: asyncio.Transport = cast("asyncio.Transport", None)  # connection_made sets it
+        self._transport: asyncio.Transport = cast("asyncio.Transport", None)  # connection_made sets it
+        self._fd = -1
         self.proto = 2
         self._busy: asyncio.Future[bytes] | None = None
         self._closing = False         # no more requests: QUIT, protocol error, connection lost
@@ -322,6 +369,15 @@ class GetConnection:
         self._last_io = _monotonic_ns()
         self.last_cmd: bytes | None = None
 
+    @property
+    def transport(self) -> asyncio.Transport:
+        return self._transport
+
+    @transport.setter
+    def transport(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._fd = _socket_fd(transport)
+
     def data_received(self, data: bytes) -> None:
         if self._closing:
             return
@@ -334,7 +390,12 @@ class GetConnection:
             self._process()
             return
         t0 = time.monotonic_ns() if self.gets.timed else 0
-        replies, local, notfound, more = self.gets.answer(self.reader, data, self.proto, FLUSH_AT)
+        gets = self.gets
+        gets._fd, gets._transport = self._fd, self._transport
+        try:
+            replies, local, notfound, more = gets.answer(self.reader, data, self.proto, FLUSH_AT)
+        finally:
+            gets._fd, gets._transport = -1, None
         if local:
             self._count(local, notfound)
             self.last_cmd = GET_CMD
