@@ -205,7 +205,7 @@ cdef class LocalGets(_ReplicaView):
             b.max_stale = max_stale
             b.all_keys = all_keys
             if near is not None:
-                b = self._cache_bucket(name, near)
+                b = _cache_bucket(self, name, near)
                 b.feed = feed
                 b.max_stale = max_stale
             if all_keys or near is not None:
@@ -222,25 +222,6 @@ cdef class LocalGets(_ReplicaView):
             b.prefix = name.encode() + b":"
             b.db_name = self.replica.db_name(name)
             self._buckets[name] = b
-        return b
-
-    cdef _Bucket _cache_bucket(self, str name, near):
-        """The near cache of bucket `name`, as a bucket of its own (keyed by its database's
-        name, which no bucket's can be)."""
-        db_name = near.db_name
-        cdef _Bucket b = self._buckets.get(db_name)
-        if b is None or b.near is not near:
-            b = _Bucket.__new__(_Bucket)
-            b.name = name
-            b.prefix = name.encode() + b":"
-            b.db_name = db_name
-            b.cache = True
-            b.near = near
-            b.touched = near.touched
-            sketch = near.sketch
-            b.counts = sketch.counts
-            b.sk_shift = sketch.shift
-            self._buckets[db_name] = b
         return b
 
     cdef _Bucket _direct_bucket(self, const unsigned char* k, Py_ssize_t n, Py_ssize_t* off):
@@ -279,7 +260,7 @@ cdef class LocalGets(_ReplicaView):
         if plan:
             p = _Plan.__new__(_Plan)
             p.bucket = (self._bucket(plan.bucket) if plan.cache is None
-                        else self._cache_bucket(plan.bucket, plan.cache))
+                        else _cache_bucket(self, plan.bucket, plan.cache))
             p.bucket.feed = plan.feed
             p.bucket.max_stale = plan.max_stale_ms
             p.lkey = plan.lkey
@@ -479,7 +460,7 @@ cdef class LocalGets(_ReplicaView):
             v.mv_data = <void*>w.data
             v.mv_size = w.dsize
         if rc == 0 and b.cache and v.mv_size == 8:  # a cached not-found
-            self._touch(b, w, i)
+            _touch(self, b, w, i)
             self._notfound += 1
             b.misses += 1
             self._reserve(self._nil_len)
@@ -539,28 +520,8 @@ cdef class LocalGets(_ReplicaView):
             self._len += hlen + vlen + 2
         b.hits += 1
         if b.cache:
-            self._touch(b, w, i)
+            _touch(self, b, w, i)
         return 1
-
-    cdef int _touch(self, _Bucket b, WalkKey* w, int i) except -1:
-        """A near-cache answer, counted into the cache (see kvcache.serve.get.LocalGets._touch):
-        its sketch at once; its key into `touched` (made here for a key that came straight
-        from the socket) while rarely read, else every LRU_SAMPLE-th hit; the count handed
-        over every TOUCH_MAX."""
-        cdef int estimate = _sketch_add(b, w.key, w.klen)
-        b.sampled += 1
-        if estimate < _LRU_EXACT_BELOW or b.sampled >= _LRU_SAMPLE:
-            b.sampled = 0
-            if self._key_obj[i] != NULL:
-                PyList_Append(b.touched, <object>self._key_obj[i])
-            else:
-                PyList_Append(b.touched, PyBytes_FromStringAndSize(<const char*>w.key, w.klen))
-        b.undrained += 1
-        self.cached += 1
-        if b.undrained >= _TOUCH_MAX:
-            n, b.undrained = b.undrained, 0
-            b.near.handover(n)
-        return 0
 
     def serve(self, list lengths, list keys, int proto, Py_ssize_t budget):
         """See kvcache.serve.get.LocalGets.serve."""
@@ -621,6 +582,9 @@ cdef class LocalGets(_ReplicaView):
             answered[0] += done
             return ends[done - 1] if done else start
         return pos
+
+
+include "server_get_cache.pxi"
 
 
 include "server_get_write.pxi"
