@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
-import os
 import random
 import statistics
 import subprocess
@@ -66,7 +65,7 @@ import nats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from support.checkers import percentile
-from support.sidecar_proc import SidecarProcess
+from support.sidecar_proc import SidecarProcess, check_src
 
 from kvcache import native
 from kvcache.app.client import AsyncClient, Client, ResponseError
@@ -247,18 +246,6 @@ def sidecar_at(data_dir: Path, url: str, spec: str, extra: list[str], src: Path 
     return sc
 
 
-def check_src(src: Path) -> None:
-    """With PYTHONPATH=src, does `python -P` import src's kvcache? (Else "before" would be
-    this checkout again.)"""
-    out = subprocess.run([sys.executable, "-P", "-c", "import kvcache; print(kvcache.__file__)"],
-                         capture_output=True, text=True, timeout=60, cwd=tempfile.gettempdir(),
-                         env={**os.environ, "PYTHONPATH": str(src)})
-    where = Path(out.stdout.strip() or "?").resolve()
-    if out.returncode or not where.is_relative_to(src.resolve()):
-        raise SystemExit(f"nearcache_bench: with PYTHONPATH={src}, kvcache comes from {where} "
-                         f"({out.stderr.strip()[-300:]})")
-
-
 def upstream(c: Client) -> tuple[int, int]:
     """INFO routed_requests and reads_coalesced (0 for a field this sidecar lacks)."""
     routing = c.info("routing").get("routing", {})
@@ -386,8 +373,8 @@ def main() -> None:
     runs = [Run(args.connections, args.inject_stale)]
     if args.sidecar_src is not None:
         src = args.sidecar_src.resolve()
-        check_src(src)
-        check_src(ROOT)
+        check_src(src, "nearcache_bench")
+        check_src(ROOT, "nearcache_bench")
         runs = [Run(args.connections, args.inject_stale, src, " (before)"),
                 Run(args.connections, args.inject_stale, ROOT)]
         print(f"before: the kvcache of {src}; then this checkout's ({ROOT})")

@@ -34,11 +34,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import resource
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,7 +48,7 @@ import nats
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from support.poll import WaitTimeout, wait_until
-from support.sidecar_proc import SidecarProcess
+from support.sidecar_proc import SidecarProcess, check_src
 
 from kvcache.app.client import Client, ResponseError
 from kvcache.natsio.server import NatsServer
@@ -234,20 +232,6 @@ def sidecar(data_dir: Path, url: str, src: Path, extra: list[str]) -> SidecarPro
     return sc
 
 
-def check_src(src: Path) -> None:
-    """Does `python -P -m kvcache` with PYTHONPATH=src import src's kvcache? (Else the
-    comparison would be of a tree with itself.)"""
-    if not (src / "kvcache" / "__main__.py").is_file():
-        raise SystemExit(f"stampede_bench: {src} holds no kvcache/__main__.py")
-    out = subprocess.run([sys.executable, "-P", "-c", "import kvcache; print(kvcache.__file__)"],
-                         capture_output=True, text=True, timeout=60, cwd=tempfile.gettempdir(),
-                         env={**os.environ, "PYTHONPATH": str(src)})
-    where = Path(out.stdout.strip() or "?").resolve()
-    if out.returncode or not where.is_relative_to(src.resolve()):
-        raise SystemExit(f"stampede_bench: with PYTHONPATH={src}, kvcache comes from {where} "
-                         f"({out.stderr.strip()[-300:]})")
-
-
 def native_of(c: Client) -> str:
     native = c.info("server").get("server", {}).get("native", {})
     if isinstance(native, dict):
@@ -400,9 +384,9 @@ def main() -> None:
     variants: list[tuple[str, Path]] = []
     if args.sidecar_src is not None:
         src = args.sidecar_src.resolve()
-        check_src(src)
+        check_src(src, "stampede_bench")
         variants.append(("before", src))
-    check_src(ROOT)
+    check_src(ROOT, "stampede_bench")
     variants.append(("this tree" if variants else "kvcache", ROOT))
     with tempfile.TemporaryDirectory(prefix="kvstampede-") as d:
         tmp = Path(d)

@@ -461,12 +461,7 @@ cdef class LocalGets(_ReplicaView):
             v.mv_size = w.dsize
         if rc == 0 and b.cache and v.mv_size == 8:  # a cached not-found
             _touch(self, b, w, i)
-            self._notfound += 1
-            b.misses += 1
-            self._reserve(self._nil_len)
-            memcpy(self._out + self._len, self._nil, self._nil_len)
-            self._len += self._nil_len
-            return 1
+            return self._nil_reply(b)
         if rc == 0:
             rec = <const unsigned char*>v.mv_data
             if v.mv_size < 20:
@@ -487,12 +482,7 @@ cdef class LocalGets(_ReplicaView):
         if rc == MDB_NOTFOUND:
             if b.cache:
                 return 0  # not cached, or expired: the read policy's path (then NATS)
-            self._notfound += 1
-            b.misses += 1
-            self._reserve(self._nil_len)
-            memcpy(self._out + self._len, self._nil, self._nil_len)
-            self._len += self._nil_len
-            return 1
+            return self._nil_reply(b)
         if rc != 0:
             raise ReplicaError(f"replica read failed: {mdb_strerror(rc).decode()}")
         if <size_t>off > v.mv_size:
@@ -521,6 +511,15 @@ cdef class LocalGets(_ReplicaView):
         b.hits += 1
         if b.cache:
             _touch(self, b, w, i)
+        return 1
+
+    cdef inline int _nil_reply(self, _Bucket b) except -1:
+        """A not-found's reply, into the output buffer."""
+        self._notfound += 1
+        b.misses += 1
+        self._reserve(self._nil_len)
+        memcpy(self._out + self._len, self._nil, self._nil_len)
+        self._len += self._nil_len
         return 1
 
     def serve(self, list lengths, list keys, int proto, Py_ssize_t budget):

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from kvcache.app.client import Client
@@ -159,3 +160,18 @@ def write_config(path: Path, nats: dict, buckets: list[dict], peers: list[dict] 
     parts += [f"[[bucket]]\n{table(b)}" for b in buckets] + [f"[[peer]]\n{table(p)}" for p in peers]
     Path(path).write_text("\n".join(parts) + "\n")
     return str(path)
+
+
+def check_src(src: Path, who: str) -> None:
+    """Does `python -P` with PYTHONPATH=src import src's kvcache? (A benchmark comparing the
+    sidecar of another source tree, `--sidecar-src`, would otherwise compare this checkout
+    with itself.) SystemExit naming `who` if not."""
+    if not (src / "kvcache" / "__main__.py").is_file():
+        raise SystemExit(f"{who}: {src} holds no kvcache/__main__.py")
+    out = subprocess.run([sys.executable, "-P", "-c", "import kvcache; print(kvcache.__file__)"],
+                         capture_output=True, text=True, timeout=60, cwd=tempfile.gettempdir(),
+                         env={**os.environ, "PYTHONPATH": str(src)})
+    where = Path(out.stdout.strip() or "?").resolve()
+    if out.returncode or not where.is_relative_to(src.resolve()):
+        raise SystemExit(f"{who}: with PYTHONPATH={src}, kvcache comes from {where} "
+                         f"({out.stderr.strip()[-300:]})")
