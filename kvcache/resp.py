@@ -544,6 +544,22 @@ def bulk(b: Bytes | None, proto: int = 2) -> bytes:
     return b"$%d\r\n%b\r\n" % (len(b), b)
 
 
+def bulk_array(values: Sequence[Bytes | None], proto: int = 2) -> bytes:
+    """An array of bulk strings (None: nil), each value copied once, straight from where it
+    is (MGET's point into the replica's map) into the reply."""
+    nil = NIL3 if proto == 3 else NIL2
+    parts: list[Bytes] = [b"*%d\r\n" % len(values)]
+    append = parts.append
+    for v in values:
+        if v is None:
+            append(nil)
+        else:
+            append(b"$%d\r\n" % len(v))
+            append(v)
+            append(b"\r\n")
+    return b"".join(parts)
+
+
 def array(items: Sequence[bytes] | None, proto: int = 2) -> bytes:
     """An array of already encoded elements; None is the null array."""
     if items is None:

@@ -227,3 +227,13 @@ def test_generated_requests_roundtrip(commands: list[list[bytes]], data: st.Data
     cuts = sorted(data.draw(st.lists(st.integers(0, len(wire)), max_size=6)))
     chunks = [wire[a:b] for a, b in zip([0, *cuts], [*cuts, len(wire)], strict=True)]
     assert run_requests(chunks) == (commands, None)
+
+
+def test_bulk_array_copies_values_from_where_they_are():
+    """MGET's reply: values may be memoryviews into the replica's map (kvcache.read.reads),
+    written into the reply as they are; None is the protocol's nil."""
+    values = [b"a", memoryview(b"xbcx")[1:3], None, b""]
+    assert resp.bulk_array(values, 2) == b"*4\r\n$1\r\na\r\n$2\r\nbc\r\n$-1\r\n$0\r\n\r\n"
+    assert resp.bulk_array(values, 3) == b"*4\r\n$1\r\na\r\n$2\r\nbc\r\n_\r\n$0\r\n\r\n"
+    assert resp.bulk_array([], 2) == b"*0\r\n"
+    assert resp.bulk_array(values, 2) == resp.array([resp.bulk(v, 2) for v in values], 2)

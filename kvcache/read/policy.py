@@ -193,7 +193,7 @@ class ReadPolicy:
                 return True, rec
         return False, None
 
-    def held_raw(self, raw: bytes, feed: Feed, rec: bytes | None) -> tuple[str, str, int]:
+    def held_raw(self, raw: bytes, feed: Feed, rec: bytes | memoryview | None) -> tuple[str, str, int]:
         """For a batch read while some key of the feed's bucket is held (Feed.floor_seq):
         (bucket, key, the sequence the replica must reach first, 0 when its stored record
         `rec` may answer now)."""

@@ -40,6 +40,8 @@ from .flights import Flights, answer_of
 from .policy import MINREV_WAIT_S, STALE_SOURCE, ReadPolicy, may_join
 
 if TYPE_CHECKING:
+    import lmdb
+
     from ..config import BucketConfig, Config
     from ..ops.accesslog import AccessLog
     from ..ops.stats import Stats
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
     from .router import Router
 
 Reply = bytes | Awaitable[bytes]
+Value = bytes | memoryview | None  # a value of MGET/EXISTS: a memoryview into the replica's map
 Answer = Callable[["Entry | None"], bytes]
 # MGET/EXISTS: keys NATS answers, by bucket: [(position, key)]; held keys: [(position, key,
 # the sequence the replica must reach)]
@@ -212,23 +215,31 @@ class Reads:
 
     # ------------------------------------------------------------------ many keys
 
-    def many(self, raw_keys: list[bytes], command: str, reply: Callable[[list[bytes | None]], bytes],
+    def many(self, raw_keys: list[bytes], command: str, reply: Callable[[list[Value]], bytes],
              budget: ReplyBudget | None = None) -> Reply:
         """Read many raw keys and reply `reply(values)` (None: not found), in the keys'
         order. An invalid key fails the whole command (CommandError), and so do values beyond
         `budget` (ReplyTooLarge)."""
         t0 = self._t0()
-        values, misses, held = self._local_many(raw_keys, t0, command, budget)
-        if not misses:
-            return reply(values)
+        values, misses, held, txn = self._local_many(raw_keys, t0, command, budget)
+        try:
+            if not misses:  # replied while the transaction holds the values it points into
+                return reply(values)
+            # NATS answers the rest first: the replica's values leave the map now
+            values = [bytes(v) if v.__class__ is memoryview else v for v in values]
+        finally:
+            if txn is not None:
+                txn.abort()
         return self._remote_many(values, misses, held, reply, t0, command, budget, time.monotonic_ns())
 
-    def _local_many(self, raw_keys: list[bytes], t0: int, command: str,
-                    budget: ReplyBudget | None) -> tuple[list[bytes | None], Misses, Held]:
+    def _local_many(self, raw_keys: list[bytes], t0: int, command: str, budget: ReplyBudget | None
+                    ) -> tuple[list[Value], Misses, Held, lmdb.Transaction | None]:
         """Local values for the keys the replica may answer (one read transaction for all)
         and the near cache's for keys outside the filters; the rest grouped by bucket. Among
-        the rest, the held keys, with the sequence the replica must reach to answer them."""
-        values: list[bytes | None] = [None] * len(raw_keys)
+        the rest, the held keys, with the sequence the replica must reach to answer them. The
+        replica's values are memoryviews into its map (copied once, by the reply: issue 29),
+        so the read transaction is returned open, for the caller to end after the reply."""
+        values: list[Value] = [None] * len(raw_keys)
         misses: Misses = {}
         held: Held = {}
         policy = self.policy
@@ -236,6 +247,7 @@ class Reads:
         stats = self.stats
         txn = None
         local = notfound = 0
+        done = False
         try:
             for i, raw in enumerate(raw_keys):
                 plan = plan_of(raw)
@@ -252,7 +264,7 @@ class Reads:
                     continue
                 feed, _, bucket, lkey, db, offset, _ = plan
                 if txn is None:
-                    txn = self.replica.env.begin()
+                    txn = self.replica.env.begin(buffers=True)
                 rec = txn.get(lkey, None, db)
                 if feed.floor_seq:  # some key of the bucket is held: is this one?
                     bucket, key, want = policy.held_raw(raw, feed, rec)
@@ -271,16 +283,17 @@ class Reads:
                     if budget is not None:
                         budget.spend(len(value))
                     values[i] = value
+            done = True
         finally:
-            if txn is not None:
+            if txn is not None and not done:
                 txn.abort()
             stats.gets_local += local
             stats.gets_notfound += notfound
         for bucket, items in held.items():  # NATS answers those the replica does not
             misses.setdefault(bucket, []).extend((i, key) for i, key, _ in items)
-        return values, misses, held
+        return values, misses, held, txn
 
-    async def _held_many(self, values: list[bytes | None], misses: Misses, held: Held,
+    async def _held_many(self, values: list[Value], misses: Misses, held: Held,
                          budget: ReplyBudget | None, t0: int, command: str) -> None:
         """Held keys of MGET/EXISTS: wait once per bucket (up to MINREV_WAIT_S) for the
         replica to reach them, answer those it may answer then, and leave the others in
@@ -334,8 +347,8 @@ class Reads:
             found[key], answered[key] = e, by
         return found, answered
 
-    async def _remote_many(self, values: list[bytes | None], misses: Misses, held: Held,
-                           reply: Callable[[list[bytes | None]], bytes], t0: int, command: str,
+    async def _remote_many(self, values: list[Value], misses: Misses, held: Held,
+                           reply: Callable[[list[Value]], bytes], t0: int, command: str,
                            budget: ReplyBudget | None, arrived: int) -> bytes:
         """Held keys first (_held_many), then the misses: per bucket, requests in flight
         joined and one batched multi_last read for the rest, then the reply."""

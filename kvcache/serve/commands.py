@@ -12,7 +12,7 @@ import asyncio
 import functools
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from .. import resp
@@ -523,8 +523,8 @@ def _unknown(args: list[bytes]) -> bytes:
                       f"with args beginning with: {shown}")
 
 
-def _values_reply(values: list[bytes | None], proto: int) -> bytes:
-    return resp.array([resp.bulk(v, proto) for v in values], proto)
+def _values_reply(values: Sequence[bytes | memoryview | None], proto: int) -> bytes:
+    return resp.bulk_array(values, proto)
 
 
 def _entry_reply(e: Entry, proto: int) -> bytes:

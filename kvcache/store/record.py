@@ -24,6 +24,7 @@ import re
 import struct
 import time
 from dataclasses import dataclass
+from typing import TypeVar
 
 RECORD = struct.Struct("<QQI")
 EXPIRES = struct.Struct("<Q")
@@ -39,7 +40,7 @@ TTL_BYTE = 19
 TTL_BIT = 0x80
 
 
-def has_ttl(raw: bytes) -> bool:
+def has_ttl(raw: bytes | memoryview) -> bool:
     """Does this stored record carry an expiry of its own (FLAG_TTL: an expires_ns field)?"""
     return raw[TTL_BYTE] >= TTL_BIT
 
@@ -106,7 +107,11 @@ _DURATION_UNIT = {"ns": 1.0, "us": 1e3, "\u00b5s": 1e3, "\u03bcs": 1e3, "ms": 1e
                   "m": 60e9, "h": 3600e9}
 
 
-def value_offset(raw: bytes) -> int:
+# A stored record as read: bytes, or a memoryview into the map (MGET's read transaction)
+Raw = TypeVar("Raw", bytes, memoryview)
+
+
+def value_offset(raw: bytes | memoryview) -> int:
     """Where the value starts in a record."""
     klen = RECORD.unpack_from(raw)[2]
     if klen & FLAG_TTL:
@@ -114,7 +119,7 @@ def value_offset(raw: bytes) -> int:
     return RECORD.size + klen
 
 
-def deadline(raw: bytes, max_age_ns: int = 0) -> int:
+def deadline(raw: bytes | memoryview, max_age_ns: int = 0) -> int:
     """When the record leaves the bucket (wall-clock ns), 0 for never: its own TTL, else the
     bucket's max_age counted from its creation, whichever comes first (`expiry`)."""
     _, created, klen = RECORD.unpack_from(raw)
@@ -122,7 +127,7 @@ def deadline(raw: bytes, max_age_ns: int = 0) -> int:
     return expiry(created, expires, max_age_ns)
 
 
-def live_value(raw: bytes, now_ns: int, max_age_ns: int = 0) -> bytes | None:
+def live_value(raw: Raw, now_ns: int, max_age_ns: int = 0) -> Raw | None:
     """The record's value, or None once it has expired (see deadline)."""
     if raw[TTL_BYTE] < TTL_BIT and not max_age_ns:
         return raw[RECORD.size + RECORD.unpack_from(raw)[2]:]
@@ -132,7 +137,7 @@ def live_value(raw: bytes, now_ns: int, max_age_ns: int = 0) -> bytes | None:
     return raw[value_offset(raw):]
 
 
-def stored_value(raw: bytes, offset: int | None, max_age_ns: int) -> bytes | None:
+def stored_value(raw: Raw, offset: int | None, max_age_ns: int) -> Raw | None:
     """The value a record read through a plan (kvcache.read.policy.Plan) answers with: from
     `offset` (None: after the record's own key), or None once expired (see deadline). The
     GET path's twin (kvcache.serve.get), MGET and EXISTS (kvcache.read.reads) and LocalReader's

@@ -236,7 +236,7 @@ class Replica:
                     out.append((lk, decode_key(lk, raw)))
         return out
 
-    def expired(self, bucket: str, raw: bytes, now_ns: int = 0) -> bool:
+    def expired(self, bucket: str, raw: bytes | memoryview, now_ns: int = 0) -> bool:
         """Has this record of `bucket` passed its deadline (record.deadline)?"""
         max_age = self.max_age.get(bucket, 0)
         if not has_ttl(raw) and not max_age:
