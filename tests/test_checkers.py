@@ -77,3 +77,26 @@ async def test_checkers_on_a_live_sidecar(nats_server, tmp_path) -> None:
         if sc:
             sc.kill()
         await nc.close()
+
+
+def test_a_wait_ends_at_once_when_the_predicate_gives_up():
+    """The harness's poller (support.poll): an exception is "not yet", but GiveUp (raised
+    when the sidecar awaited has exited, support.sidecar_proc.SidecarExited) ends the wait on
+    the spot instead of polling out its timeout."""
+    from support.poll import GiveUp, wait_until
+    from support.sidecar_proc import SidecarExited
+    calls = []
+
+    def exited():
+        calls.append(1)
+        raise SidecarExited("sidecar exited with 2")
+    with pytest.raises(GiveUp, match="exited with 2"):
+        wait_until(exited, 3600, "the sidecar to serve", interval=0)
+    assert len(calls) == 1
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 4:
+            raise OSError("not yet")
+        return "served"
+    assert wait_until(flaky, 3600, "the sidecar to serve", interval=0) == "served"

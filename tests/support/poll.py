@@ -17,6 +17,11 @@ class WaitTimeout(AssertionError):
     """A condition did not hold within its timeout."""
 
 
+class GiveUp(AssertionError):
+    """Raised by a predicate when the condition can no longer hold (the process it waits for
+    has exited): the wait ends at once with it instead of polling out its timeout."""
+
+
 class _Poll:
     """One wait's bookkeeping, shared by the sync and async pollers: the deadline, and the
     last value or error seen, for the failure message."""
@@ -45,11 +50,14 @@ class _Poll:
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str,
                interval: float = INTERVAL_S, detail: Callable[[], str] | None = None) -> Any:
     """Poll `predicate` until it returns something truthy (that value is returned); an
-    exception it raises counts as "not yet". WaitTimeout at the deadline."""
+    exception it raises counts as "not yet", but GiveUp, which ends the wait. WaitTimeout at
+    the deadline."""
     poll = _Poll(timeout, what, detail)
     while True:
         try:
             value, err = predicate(), None
+        except GiveUp:
+            raise
         except Exception as e:
             value, err = None, e
         if poll.saw(value, err):
@@ -66,6 +74,8 @@ async def until(predicate: Callable[[], Any], timeout: float = 30.0, what: str =
             value, err = predicate(), None
             if inspect.isawaitable(value):
                 value = await value
+        except GiveUp:
+            raise
         except Exception as e:
             value, err = None, e
         if poll.saw(value, err):

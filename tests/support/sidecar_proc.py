@@ -12,11 +12,11 @@ from pathlib import Path
 
 from kvcache.app.client import Client
 from kvcache.natsio.server import die_with_parent
-from support.poll import WaitTimeout, wait_until
+from support.poll import GiveUp, WaitTimeout, wait_until
 
 
-class SidecarExited(AssertionError):
-    """The sidecar process ended while a test waited for it to serve."""
+class SidecarExited(GiveUp):
+    """The sidecar process ended while a test waited for it to serve (the wait ends then)."""
 
 
 TRACEBACK = "Traceback (most recent call last)"
