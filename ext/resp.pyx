@@ -22,7 +22,8 @@ from kvcache import resp as _twin
 from kvcache.errors import ProtocolError
 from kvcache.resp import (  # noqa: F401  (re-exported: this module stands in for kvcache.resp)
     CRLF, EMPTY_ARRAY, GET_LEN, INLINE_MAX, NIL2, NIL3, NULL_ARRAY2, OK, ONE, PONG, ZERO,
-    ReplyError, array, boolean, bulk, double, error, integer, map_, null, push, set_, simple, verbatim,
+    ReplyError, array, boolean, bulk, bulk_array, double, error, integer, map_, null, push, set_, simple,
+    verbatim,
 )
 
 __all__ = list(_twin.__all__)

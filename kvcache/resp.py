@@ -35,6 +35,7 @@ __all__ = [
     "array",
     "boolean",
     "bulk",
+    "bulk_array",
     "double",
     "error",
     "integer",
