@@ -132,6 +132,7 @@ class NearCache:
         # step (one write transaction, the map grown when full)
         self._env = replica.env
         self._db = replica.cache_db(bucket)
+        self.db_name = replica.cache_db_name(bucket)  # for the GET fast path's own environment
         self._write_txn = replica.write
         self.bucket = bucket
         self.max_keys = max_keys
@@ -150,10 +151,6 @@ class NearCache:
     @property
     def db(self):  # the bucket's cache database handle (LMDB), for the GET fast path's plans
         return self._db
-
-    @property
-    def db_name(self) -> bytes:
-        return b"n:" + self.bucket.encode()
 
     def drain(self) -> None:
         """Move the keys of the GET fast path's sampled hits (`touched`) to the LRU's end."""

@@ -186,10 +186,15 @@ class Replica:
 
     # ------------------------------------------------------------------ lent to the near cache
 
+    @staticmethod
+    def cache_db_name(bucket: str) -> bytes:
+        """The name of the bucket's near-cache database (`n:<bucket>`)."""
+        return b"n:" + bucket.encode()
+
     def cache_db(self, bucket: str):
-        """The handle of the bucket's near-cache database (`n:<bucket>`, writer only), lent
-        with `env` and `write` to kvcache.store.nearcache, which owns what is stored in it."""
-        return self._open_rw(b"n:" + bucket.encode())
+        """The handle of the bucket's near-cache database (writer only), lent with `env` and
+        `write` to kvcache.store.nearcache, which owns what is stored in it."""
+        return self._open_rw(self.cache_db_name(bucket))
 
     # ------------------------------------------------------------------ reads
 
