@@ -32,11 +32,12 @@ PARTITION_ROWS: list[dict[str, str]] = []
 # elected and writes acknowledged by it age past max_stale_ms before the old one is healed).
 SHORT = dict(keys=300, rate=300.0, warmup=1.5, tail=5.0, max_stale_ms=2000, heartbeat_ms=1000,
              read_rate=1000.0)
-HOLD = {"a": 5.0, "b": 5.0, "c": 5.0, "d": 8.0, "e": 5.0, "f": 8.0, "g": 8.0, "h": 0.0, "i": 8.0}
+HOLD = {"a": 5.0, "b": 5.0, "c": 5.0, "d": 8.0, "e": 5.0, "f": 8.0, "g": 8.0, "h": 0.0, "i": 8.0,
+        "j": 8.0}
 # After a leader's heal nats-server itself takes seconds to be whole again (its black-holed
 # routes are replaced, then the old leader's higher term forces an election): the reads are
 # followed long enough to see the sidecar back after that, not timed against it.
-TAIL = {"d": 15.0, "f": 15.0, "g": 15.0, "i": 15.0}
+TAIL = {"d": 15.0, "f": 15.0, "g": 15.0, "i": 15.0, "j": 15.0}
 
 
 @pytest.fixture(scope="module")

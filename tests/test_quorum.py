@@ -50,8 +50,21 @@ def test_no_leader_offline_or_unmeasured_followers_prove_nothing():
     assert evidence(info(3, "n9", [None, None]), 10 * S) is None
     assert evidence(info(3, "n9", [0, 0], offline=(0, 1)), 10 * S) is None
     # a follower marked offline is skipped even with a small active
-    ev = evidence(info(3, "n9", [0, int(2 * S)], offline=(0,)), 10 * S)
+    ev = evidence(info(3, "n9", [1000, int(2 * S)], offline=(0,)), 10 * S)
     assert ev is not None and ev.as_of_ns == 8 * S
+
+
+def test_a_follower_never_heard_from_proves_nothing():
+    """nats-server reports `active` 0 for a follower it has not heard from since it became
+    leader (clusterInfo: a zero last-seen is 0; raft.go zeroes the other followers' on a
+    leader change). A leader cut off right after its election shows one follower at 0 and the
+    other ageing: seen as "heard just now", the replica stayed fresh at the cut-off leader's
+    sequence while the majority moved on (tests/test_partition.py, fault i, 149 stale reads
+    in CI at 3d575a0)."""
+    assert evidence(info(3, "n9", [0, int(6 * S)]), 10 * S) == Evidence(4 * S, 100, "n9")
+    assert evidence(info(3, "n9", [0, 0]), 10 * S) is None
+    assert evidence(info(5, "n9", [0, int(0.1 * S), int(0.2 * S), 0]), 10 * S) == \
+        Evidence(10 * S - int(0.2 * S), 100, "n9")
 
 
 def test_two_members_cannot_elect_without_the_leader():

@@ -78,8 +78,13 @@ def evidence(info: dict[str, Any], sent_ns: int) -> Evidence | None:
     need = n - (n // 2 + 1)
     if need == 0:  # two members: no quorum forms without the leader, which has every write
         return Evidence(sent_ns, seq, leader)
+    # `active` 0 is "never heard from": nats-server reports a zero last-seen time as 0
+    # (clusterInfo), and a follower turned leader starts with every other follower's zeroed
+    # (raft.go resets them on a leader change), so a leader cut off right after its election
+    # would otherwise show a follower "heard from just now" for as long as it stays cut off.
+    # A follower really heard from is always some nanoseconds ago.
     actives = sorted(int(r["active"]) for r in cluster.get("replicas") or []
-                     if not r.get("offline") and r.get("active") is not None)
+                     if not r.get("offline") and r.get("active"))
     if len(actives) < need:
         return None
     return Evidence(sent_ns - actives[need - 1], seq, leader)

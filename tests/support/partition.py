@@ -40,10 +40,11 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from kvcache.natsio.server import ClusterConfig, NatsServer, die_with_parent
 from support.poll import wait_until
@@ -57,6 +58,7 @@ NET = "10.213"
 PREFIX_RE = re.compile(r"^kvp(\d+)-")
 HERE = Path(__file__).resolve().parent
 CLONE_NEWNET = 0x40000000
+T = TypeVar("T")
 
 
 def mono() -> float:
@@ -526,29 +528,56 @@ class PartitionEnv:
     def wait_current(self, stream: str, timeout: float = 60) -> None:
         wait_until(lambda: self.current(stream), timeout, f"{stream}: a leader and every replica current")
 
-    def move_leader(self, stream: str, to: str, attempts: int = 12) -> str:
+    def via(self, host: str, call: Callable[[object], Awaitable[T]], timeout: float = 10) -> T:
+        """`call(nc)` on a connection to `host` alone, made for it: the control client may sit
+        on a server that a fault has cut from the one that must answer."""
+        import nats
+
+        async def go():
+            nc = await nats.connect(servers=[self.url(host)], connect_timeout=2,
+                                    allow_reconnect=False, name="partition-probe")
+            try:
+                return await call(nc)
+            finally:
+                await nc.close()
+        return self.ctl(go(), timeout)
+
+    def move_leader(self, stream: str, to: str, attempts: int = 12, current: bool = True,
+                    via: str | None = None) -> str:
         """Make `to` lead `stream`: stepdown with a preferred placement (nats-server 2.11+),
-        else plain stepdowns until it lands there. Returns the leader."""
-        async def stepdown(preferred: bool) -> dict:
+        else plain stepdowns until it lands there. Returns the leader. `current=False`: do
+        not wait for every replica to be current first (a fault has cut one off already);
+        `via`: ask through that server alone (see `via`)."""
+        async def stepdown(nc, preferred: bool) -> dict:
             body = json.dumps({"placement": {"preferred": to}}).encode() if preferred else b""
-            msg = await self.nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", body, timeout=5)
+            msg = await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", body, timeout=5)
             return json.loads(msg.data or b"{}")
+
+        async def lead(nc) -> str | None:
+            return (await nc.jetstream(timeout=3).stream_info(stream)).cluster.leader
+
+        def leader() -> str | None:
+            return self.leader(stream) if via is None else self.via(via, lead)
 
         preferred = True
         for _ in range(attempts):
-            self.wait_current(stream)
-            now = self.leader(stream)
+            if current:
+                self.wait_current(stream)
+            now = leader()
             if now == to:
                 return now
             try:
-                reply = self.ctl(stepdown(preferred), 10)
+                reply = (self.ctl(stepdown(self.nc, preferred), 10) if via is None
+                         else self.via(via, lambda nc, p=preferred: stepdown(nc, p)))
             except Exception:
                 reply = {}
             if preferred and "error" in reply and "placement" in json.dumps(reply["error"]).lower():
                 preferred = False  # a server without preferred placement: step down until it lands
-            wait_until(lambda now=now: self.leader(stream) not in (None, now), 30,
-                       f"{stream}: a new leader after stepdown")
-        raise AssertionError(f"{stream}: could not move the leader to {to}: {self.leader(stream)}")
+            new = wait_until(lambda now=now: (lead := leader()) not in (None, now) and lead,
+                             30, f"{stream}: a new leader after stepdown")
+            if new == to:
+                return new
+        raise AssertionError(f"{stream}: could not move the leader to {to}: {leader()}")
 
     def connected_server(self, client_name: str = "kvcache") -> str | None:
         """The server the sidecar (client `kvcache` from `sc`'s address) is connected to."""
@@ -650,6 +679,7 @@ FAULTS = {
     "f": "leader cut from the others; sidecar on a majority server",
     "g": "staggered: one follower cut from the leader a few ms before the other",
     "i": "leader moved off the sidecar's server, then cut; its consumer on a majority server",
+    "j": "sidecar's server made leader while cut from one follower, then cut from the other",
     "h": "rolling restart of all three servers",
     "stale-injected": "sidecar with a huge max_stale_ms cut from every server (the checker must see stale reads)",
 }
@@ -659,7 +689,7 @@ def _roles(fault: str, first: str) -> dict[str, str]:
     """Who leads the stream during the fault, and where the writer connects first (a server
     that stays in the majority and is neither the sidecar's nor the leader when it can)."""
     others = [h for h in SERVERS if h != first]
-    leader = others[0] if fault == "f" else first
+    leader = others[0] if fault in ("f", "j") else first
     writer = next(h for h in SERVERS if h not in (first, leader))
     return {"sidecar": first, "leader": leader, "writer": writer}
 
@@ -694,6 +724,30 @@ def apply_fault(env: PartitionEnv, fault: str, roles: dict[str, str], cfg: RunCo
             net.cut(target, f)
         notes.append(f"leader moved to {target} and cut")
         return lambda: net.heal(target)
+    if fault == "j":
+        # The sidecar's server is made leader while cut from one follower, then cut from the
+        # other: it never hears from the first in its term, and nats-server shows that
+        # follower's `active` as 0 ("never"), which must not read as "just now"
+        # (kvcache.feed.quorum; (i) meets the same by chance when its cut comes before the new
+        # leader's first answer from a follower). An election across the half-cut link may go
+        # to the third server instead: then heal, let the group settle and try again.
+        third = next(h for h in SERVERS if h not in (sc, leader))
+        attempt = 1
+        while True:
+            net.cut(sc, third)
+            try:
+                env.move_leader(roles["stream"], sc, attempts=1, current=False, via=sc)
+                break
+            except AssertionError:  # WaitTimeout is one
+                net.heal(sc)
+                if attempt == 3:
+                    raise AssertionError(f"{sc} did not become leader while cut from {third}") from None
+                env.wait_current(roles["stream"])
+                attempt += 1
+        net.cut(sc, leader)
+        notes.append(f"leader moved to {sc} (attempt {attempt}), cut from {third} before "
+                     f"and {leader} after")
+        return lambda: net.heal(sc)
     if fault == "g":
         t0 = mono()
         net.cut(followers[0], leader)
