@@ -7,7 +7,9 @@
 # output with the values in place in one writev (header, value, CRLF, the next replies...)
 # while the call's read transaction still holds the pages. What the socket does not take is
 # copied once, into the bytes the connection hands its transport, which writes it when the
-# client reads (no further copy). So a value costs the kernel's copy into the socket and, past
+# client reads (no further copy); before the first write of a reply past SNDBUF_FROM the
+# socket's send buffer is raised to hold it (_fit_sndbuf), so that up to SNDBUF_MAX nothing
+# is left to copy. So a value costs the kernel's copy into the socket and, past
 # the socket's buffer, one copy, against three before (into the output, into a bytes object,
 # and what the transport could not write at once); and the transaction never outlives the
 # call: a slow client holds the remainder, not the map.
@@ -18,7 +20,31 @@ cdef extern from "<sys/uio.h>" nogil:
         size_t iov_len
     ssize_t writev(int fd, const iovec* iov, int iovcnt)
 
+cdef extern from "<sys/socket.h>" nogil:
+    ctypedef unsigned int socklen_t
+    int SOL_SOCKET
+    int SO_SNDBUF
+    int getsockopt(int fd, int level, int name, void* value, socklen_t* size)
+    int setsockopt(int fd, int level, int name, const void* value, socklen_t size)
+
 from libc.errno cimport errno, EINTR
+
+from kvcache.serve.get import SNDBUF_FROM, SNDBUF_MAX
+
+cdef Py_ssize_t _SNDBUF_FROM = SNDBUF_FROM
+cdef Py_ssize_t _SNDBUF_MAX = SNDBUF_MAX
+
+
+cdef inline void _fit_sndbuf(int fd, Py_ssize_t need) noexcept nogil:
+    """kvcache.serve.get.fit_send_buffer: the socket's send buffer raised to hold `need`
+    bytes, at most SNDBUF_MAX, so that the reply goes in one writev instead of its rest being
+    copied and written on a later writable event. Never lowered; errors ignored (the write
+    then goes as before)."""
+    cdef int cur = 0
+    cdef int want = <int>(need if need < _SNDBUF_MAX else _SNDBUF_MAX)
+    cdef socklen_t size = sizeof(int)
+    if getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &cur, &size) == 0 and cur // 2 < want:  # Linux: 2x
+        setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &want, sizeof(int))
 
 
 cdef inline bint _may_leave_in_map(LocalGets g) except -1:
@@ -74,6 +100,8 @@ cdef bytes _output_range(LocalGets g, Py_ssize_t start, Py_ssize_t end, int fd):
         n += 1
     for k in range(n):
         total += iov[k].iov_len
+    if fd >= 0 and total >= _SNDBUF_FROM:
+        _fit_sndbuf(fd, total)
     while fd >= 0 and i < n:
         w = writev(fd, &iov[i], n - i)
         if w < 0:

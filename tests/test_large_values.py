@@ -5,7 +5,12 @@ max_reply_bytes) refuses with one line naming it. A real nats-server with `max_p
 the sidecar as a process."""
 from __future__ import annotations
 
+import fcntl
+import socket
+import struct
+import termios
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -15,6 +20,7 @@ from support.topology import nats_run
 
 from kvcache.app.client import Client
 from kvcache.natsio.server import NatsServer
+from kvcache.serve.get import SNDBUF_MAX
 
 pytestmark = pytest.mark.servers
 
@@ -74,6 +80,31 @@ def test_large_values_replicate_and_are_served_from_the_map(env):
     with Client(env["sock"], timeout=60) as c:
         assert c.get("blobs:v4m") == VALUES["v4m"]
         assert c.mget(["blobs:v1m", "blobs:nope", "blobs:v8m"]) == [VALUES["v1m"], None, VALUES["v8m"]]
+
+
+def test_a_large_reply_goes_into_the_socket_whole(env):
+    """A reply past the socket's default send buffer (about 208 KiB) raises the server's send
+    buffer to hold it (up to SNDBUF_MAX, net.core.wmem_max permitting): the whole 1 MiB reply
+    is in the client's receive queue before the client reads anything, where before only the
+    buffer's worth was, the rest copied and waiting for a writable event (kvcache.serve.get)."""
+    if (wmem_max := int(Path("/proc/sys/net/core/wmem_max").read_text())) < SNDBUF_MAX:
+        pytest.skip(f"net.core.wmem_max is {wmem_max}: the send buffer cannot grow to {SNDBUF_MAX}")
+    value = VALUES["v1m"]
+    reply = b"$%d\r\n%s\r\n" % (len(value), value)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(env["sock"])
+        s.sendall(b"*2\r\n$3\r\nGET\r\n$9\r\nblobs:v1m\r\n")
+        queued = wait_until(lambda: (n := _unread(s)) >= len(reply) and n, 10,
+                            "the whole reply in the client's receive queue", detail=lambda: f"{_unread(s)} bytes")
+        assert queued == len(reply)
+        got = b""
+        while len(got) < len(reply):
+            got += s.recv(1 << 20)
+        assert got == reply
+
+
+def _unread(s: socket.socket) -> int:
+    return struct.unpack("i", fcntl.ioctl(s.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
 
 
 def test_large_values_come_from_nats_and_then_from_the_near_cache(env):

@@ -38,8 +38,10 @@ every local read reads it (record.stored_value).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
+import socket
 import time
 from bisect import bisect_left
 from collections.abc import Callable
@@ -64,6 +66,16 @@ FLUSH_AT = 256 * 1024  # write out what a batch has answered once it is this big
 # copied into the output; at most MAXSEG of them a call (ext/server_get_write.pxi says why)
 LARGE_VALUE = 4096
 MAXSEG = 64
+# A reply of SNDBUF_FROM bytes or more, about to be written with its values from the map,
+# first raises its socket's send buffer to hold it whole, up to SNDBUF_MAX (Linux caps it at
+# net.core.wmem_max and books twice the size set). Past the default buffer (about 208 KiB on
+# Linux) the rest of a reply is copied into the output and waits for a writable event: for a
+# 512 KiB value that copy and the second write were a third of the server's CPU per GET
+# (bench/socket_bench.py --sizes). The buffer is a limit, not an allocation: the kernel holds
+# only what the client has not read, and a client that stops reading is cut off after
+# client_write_stall_ms as before (docs/architecture.md, "Large values").
+SNDBUF_FROM = 128 << 10
+SNDBUF_MAX = 1 << 20
 # How long a feed's "fresh enough" verdict is reused. The bound a read promises is
 # max_stale_ms (seconds, typically); reusing the answer for a millisecond saves a Python
 # call per batch, which at one GET a batch is a good part of the request's cost.
@@ -298,6 +310,8 @@ class LocalGets:
                 if size >= budget:
                     break
             self._last_size = size
+            if large and size >= SNDBUF_FROM:
+                fit_send_buffer(self._transport, size)
             replies = _write_out(self._fd, out) if large else b"".join(out)
         finally:
             if txn is not None:
@@ -321,6 +335,18 @@ def _write_out(fd: int, parts: list[bytes]) -> bytes:
     except OSError:
         pass  # the transport meets the error with the rest, and reports it
     return b"".join(parts)[sent:]
+
+
+def fit_send_buffer(transport: asyncio.BaseTransport | None, need: int) -> None:
+    """Raise the transport's socket send buffer to `need` bytes, at most SNDBUF_MAX (see
+    there); never lowers it. The C twin is _fit_sndbuf (ext/server_get_write.pxi)."""
+    sock = None if transport is None else transport.get_extra_info("socket")
+    if sock is None:
+        return
+    want = min(need, SNDBUF_MAX)
+    with contextlib.suppress(OSError):
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2 < want:  # Linux reports 2x
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, want)
 
 
 def _socket_fd(transport: asyncio.BaseTransport | None) -> int:
