@@ -19,7 +19,8 @@ import json
 
 from kvcache.errors import ProtocolError
 from kvcache.natsio.proto import (
-    MAX_CONTROL_LINE, MAX_PAYLOAD, RUN_FIELDS, AckMeta, Err, HMsg, Info, Msg, OK, PING, PONG,
+    MARK_DEL, MARK_PURGE, MAX_CONTROL_LINE, MAX_PAYLOAD, RUN_FIELDS, AckMeta, Err, HMsg, Info, Msg, OK,
+    PING, PONG, mark_op as _py_mark_op,
 )
 from kvcache.store.record import MAX_LMDB_KEY, RECORD, item as _py_item, parse_msg_ttl as _parse_msg_ttl
 
@@ -48,6 +49,9 @@ cdef object _OK = OK
 cdef object _json_loads = json.loads
 cdef object _RUN_FIELDS = RUN_FIELDS
 cdef Py_ssize_t _MAX_LMDB_KEY = MAX_LMDB_KEY
+cdef int _MARK_DEL = MARK_DEL
+cdef int _MARK_PURGE = MARK_PURGE
+assert _MARK_DEL > 0 and _MARK_PURGE > 0 and _MARK_DEL != _MARK_PURGE, "_delete_op: 0 is a put"
 assert RECORD.format == "<QQI" and RECORD.size == 20, "record layout changed: update _record()"
 
 include "natsproto_bytes.pxi"
@@ -293,7 +297,7 @@ cdef class NatsReader:
         cdef unsigned long long ts = self._ack[3]
         cdef Py_ssize_t hn = self._hdr_len
         cdef Py_ssize_t ttl_s = -1, ttl_e = 0
-        cdef bint delete = hn > 0 and _is_delete(b, hn, &ttl_s, &ttl_e)
+        cdef int op = _delete_op(b, hn, &ttl_s, &ttl_e) if hn > 0 else 0   # 0: a put
         cdef object key = self._lane_key
         cdef Py_ssize_t kn = PyBytes_GET_SIZE(key)
         cdef const unsigned char* kp = <const unsigned char*>PyBytes_AS_STRING(key)
@@ -308,21 +312,23 @@ cdef class NatsReader:
             run.sid = self._sid
             run.first_cseq = cseq
             run.items = []
+            run.marks = []
             run.deletes = 0
             run.top_sseq = 0
             PyList_Append(events, run)
-        if kn > _MAX_LMDB_KEY or (kn > 0 and kp[0] == 0) or (ttl_s >= 0 and not delete):
+        if kn > _MAX_LMDB_KEY or (kn > 0 and kp[0] == 0) or (ttl_s >= 0 and not op):
             # long keys and messages with a TTL of their own: the twin's item builder
-            it = _py_item(key, None if delete else
+            it = _py_item(key, None if op else
                           PyBytes_FromStringAndSize(<const char*>b + hn, self._total - hn), sseq, ts,
-                          0 if ttl_s < 0 or delete else
+                          0 if ttl_s < 0 or op else
                           _parse_msg_ttl(PyBytes_FromStringAndSize(<const char*>b + ttl_s, ttl_e - ttl_s)))
         else:
             it = PyTuple_New(2)
             _put(it, 0, key)
-            _put(it, 1, None if delete else _record(sseq, ts, b + hn, self._total - hn))
+            _put(it, 1, None if op else _record(sseq, ts, b + hn, self._total - hn))
         PyList_Append(run.items, it)
-        if delete:
+        if op:
+            PyList_Append(run.marks, (key, sseq, op, ts))
             run.deletes += 1
         run.last_cseq = cseq
         if sseq > run.top_sseq:

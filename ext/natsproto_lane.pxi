@@ -8,6 +8,7 @@ cdef class Run:
     cdef readonly unsigned long long first_cseq, last_cseq, top_sseq, last_ts, last_pending
     cdef readonly list items
     cdef readonly Py_ssize_t deletes
+    cdef readonly list marks
 
     def fields(self):
         return tuple(getattr(self, f) for f in _RUN_FIELDS)

@@ -382,7 +382,7 @@ def merged(events: list) -> list:
             prev = out[-1] if out else None
             if prev and prev[0] == "Run" and prev[1] == e.sid and prev[3] + 1 == e.first_cseq:
                 out[-1] = ("Run", e.sid, prev[2], e.last_cseq, max(prev[4], e.top_sseq), e.last_ts,
-                           e.last_pending, prev[7] + e.items, prev[8] + e.deletes)
+                           e.last_pending, prev[7] + e.items, prev[8] + e.deletes, prev[9] + e.marks)
             else:
                 out.append(("Run", *e.fields()))
         else:
@@ -390,14 +390,22 @@ def merged(events: list) -> list:
     return out
 
 
+DEL, PURGE = twin.MARK_DEL, twin.MARK_PURGE
+
+
+def lane_ts(sseq: int) -> int:
+    return 1_700_000_000_000_000_000 + sseq
+
+
 def expected_run(first_cseq: int, deliveries: list[tuple], pending: int = 0) -> tuple:
-    """(key, stream seq, value or None for a delete[, ttl ns]) in order, consumer sequences
-    from first_cseq."""
-    items = [item(d[0].encode(), d[2], d[1], 1_700_000_000_000_000_000 + d[1], *d[3:]) for d in deliveries]
+    """(key, stream seq, value, or DEL / PURGE for a delete[, ttl ns]) in order, consumer
+    sequences from first_cseq."""
+    items = [item(d[0].encode(), None if isinstance(d[2], int) else d[2], d[1], lane_ts(d[1]), *d[3:])
+             for d in deliveries]
+    marks = [(d[0].encode(), d[1], d[2], lane_ts(d[1])) for d in deliveries if isinstance(d[2], int)]
     last = deliveries[-1][1]
     return ("Run", LANE_SID, first_cseq, first_cseq + len(deliveries) - 1,
-            max(d[1] for d in deliveries), 1_700_000_000_000_000_000 + last, pending, items,
-            sum(d[2] is None for d in deliveries))
+            max(d[1] for d in deliveries), lane_ts(last), pending, items, len(marks), marks)
 
 
 SEC = 1_000_000_000
@@ -414,7 +422,7 @@ LANE_VECTORS = [
      + lane_frame("c", 12, 3, op="PUT", value=b"v") + lane_frame("d", 13, 4, extra=b"Nats-Marker-Reason: MaxAge\r\n")
      + lane_frame("e", 14, 5, extra=b"Nats-Msg-Id: x\r\n", value=b"kept")
      + lane_frame("f", 15, 6, op="bogus", value=b"a put"),
-     [expected_run(1, [("a", 10, None), ("b", 11, None), ("c", 12, b"v"), ("d", 13, None),
+     [expected_run(1, [("a", 10, DEL), ("b", 11, PURGE), ("c", 12, b"v"), ("d", 13, PURGE),
                        ("e", 14, b"kept"), ("f", 15, b"a put")])]),
     ("a gap starts a new run; statuses stay events, in order",
      lane_frame("a", 10, 1, value=b"1") + lane_frame("b", 11, 2, value=b"2") + HEARTBEAT
@@ -435,15 +443,50 @@ LANE_VECTORS = [
      + lane_frame("e", 15, 6, extra=b"Nats-Marker-Reason: MaxAge\r\nNats-TTL: 30s\r\n")
      + lane_frame("f", 16, 7, value=b"f", extra=b"Nats-TTL: bogus\r\n"),
      [expected_run(1, [("a", 10, b"1", 2 * SEC), ("b", 11, b"2", -1), ("c", 12, b"3", 5400 * SEC),
-                       (LONG_KEY, 13, b"L", 5 * SEC), ("d", 14, None), ("e", 15, None), ("f", 16, b"f")])]),
+                       (LONG_KEY, 13, b"L", 5 * SEC), ("d", 14, DEL), ("e", 15, PURGE), ("f", 16, b"f")])]),
     ("long keys are stored under a digest with the key in the record",
      lane_frame(LONG_KEY, 10, 1, value=b"L") + lane_frame(LONG_KEY, 11, 2, op="DEL"),
-     [expected_run(1, [(LONG_KEY, 10, b"L"), (LONG_KEY, 11, None)])]),
+     [expected_run(1, [(LONG_KEY, 10, b"L"), (LONG_KEY, 11, DEL)])]),
     ("other sids and non-ack replies are ordinary messages",
      msg_frame("$KV.config.x", 8, lane_ack(1, 1), b"v") + msg_frame("$KV.config.y", LANE_SID, "_INBOX.r", b"w")
      + lane_frame("z", 3, 1, value=b"z"),
      [("Msg", (8, "$KV.config.x", lane_ack(1, 1), b"v")), ("Msg", (LANE_SID, "$KV.config.y", "_INBOX.r", b"w")),
       expected_run(1, [("z", 3, b"z")])]),
+    ("marks: each delete's operation, as Operation.of decides it",
+     lane_frame("a", 10, 1, op="DEL") + lane_frame("b", 11, 2, op="PURGE", value=b"gone")
+     + lane_frame("c", 12, 3, extra=b"Nats-Marker-Reason: Remove\r\n")
+     + lane_frame("d", 13, 4, extra=b"Nats-Marker-Reason: MaxAge\r\n")
+     + lane_frame("e", 14, 5, op="del") + lane_frame("f", 15, 6, op="Unknown", value=b"a put")
+     + lane_frame(LONG_KEY, 16, 7, op="purge") + lane_frame("g", 17, 8, extra=b"Nats-Marker-Reason: Purge\r\n")
+     + lane_frame("h", 18, 9, extra=b"Nats-Marker-Reason: remove\r\n")
+     + lane_frame("i", 19, 10, extra=b"Nats-Marker-Reason: \t Remove  \r\n"),
+     [expected_run(1, [("a", 10, DEL), ("b", 11, PURGE), ("c", 12, DEL), ("d", 13, PURGE), ("e", 14, DEL),
+                       ("f", 15, b"a put"), (LONG_KEY, 16, PURGE), ("g", 17, PURGE), ("h", 18, PURGE),
+                       ("i", 19, DEL)])]),
+    ("marks: repeated headers, the last value counts; a KV-Operation outranks a marker",
+     lane_frame("a", 10, 1, value=b"1", extra=b"KV-Operation: DEL\r\nKV-Operation: PUT\r\n")
+     + lane_frame("b", 11, 2, extra=b"KV-Operation: PUT\r\nKV-Operation: purge\r\n")
+     + lane_frame("c", 12, 3, extra=b"Nats-Marker-Reason: Remove\r\nNats-Marker-Reason: MaxAge\r\n")
+     + lane_frame("d", 13, 4, extra=b"Nats-Marker-Reason: MaxAge\r\nNats-Marker-Reason: Remove\r\n")
+     + lane_frame("e", 14, 5, value=b"5", extra=b"Nats-Marker-Reason: Remove\r\n", op="PUT")
+     + lane_frame("f", 15, 6, extra=b"KV-Operation: DEL\r\nNats-Marker-Reason: MaxAge\r\n")
+     + lane_frame("g", 16, 7, value=b"7", extra=b"KV-Operation:\r\n")
+     + lane_frame("h", 17, 8, extra=b"Nats-Marker-Reason:\r\n")
+     + lane_frame("i", 18, 9, value=b"9", extra=b"kv-operation: DEL\r\n")
+     + lane_frame("j", 19, 10, extra=b"KV-Operation : DEL\r\n"),
+     [expected_run(1, [("a", 10, b"1"), ("b", 11, PURGE), ("c", 12, PURGE), ("d", 13, DEL), ("e", 14, b"5"),
+                       ("f", 15, DEL), ("g", 16, b"7"), ("h", 17, PURGE), ("i", 18, b"9"), ("j", 19, DEL)])]),
+    ("marks: whitespace only str.strip() knows, non-ASCII and invalid UTF-8 in the values",
+     lane_frame("a", 10, 1, extra=b"KV-Operation: DEL\x1c\r\n")
+     + lane_frame("b", 11, 2, extra=b"KV-Operation: \xc2\xa0purge\r\n")
+     + lane_frame("c", 12, 3, extra=b"Nats-Marker-Reason: Remove\xe2\x80\x83\r\n")
+     + lane_frame("d", 13, 4, extra=b"Nats-Marker-Reason: \x1fRemove\xc2\x85\r\n")
+     + lane_frame("e", 14, 5, value=b"5", extra=b"KV-Operation: DEL\xff\r\n")
+     + lane_frame("f", 15, 6, extra=b"Nats-Marker-Reason: Remove\xff\r\n")
+     + lane_frame("g", 16, 7, value=b"7", extra=b"KV-Operation: DE\xc2\xa0L\r\n")
+     + lane_frame("h", 17, 8, extra=b"Nats-Marker-Reason: Re\x1cmove\r\n"),
+     [expected_run(1, [("a", 10, DEL), ("b", 11, PURGE), ("c", 12, DEL), ("d", 13, DEL), ("e", 14, b"5"),
+                       ("f", 15, PURGE), ("g", 16, b"7"), ("h", 17, PURGE)])]),
 ]
 
 
@@ -476,12 +519,22 @@ def test_lane_can_be_removed(mod):
 _lane_key = st.one_of(st.lists(_tok, min_size=1, max_size=4).map(".".join), st.just(LONG_KEY))
 
 
+# header lines that decide a delivery's operation, the odd ones included
+OP_LINES = [b"KV-Operation: DEL", b"KV-Operation: purge", b"KV-Operation: PUT", b"KV-Operation: bogus",
+            b"KV-Operation:", b"Nats-Marker-Reason: Remove", b"Nats-Marker-Reason: MaxAge",
+            b"Nats-Marker-Reason: remove", b"Nats-Marker-Reason:", b"KV-Operation: DEL\x1c",
+            b"KV-Operation: \xc2\xa0PURGE", b"KV-Operation: DEL\xff", b"Nats-Marker-Reason: Remove\xe2\x80\x83",
+            b"Nats-Marker-Reason: \x1fRemove", b"Nats-Marker-Reason: Remove\xc2", b"kv-operation: DEL",
+            b"KV-Operation : del", b"Nats-Marker-Reason:\tRemove\t"]
+
+
 @st.composite
 def lane_stream(draw) -> bytes:
     frames_: list[bytes] = []
     cseq = draw(st.integers(1, 5))
     for _ in range(draw(st.integers(1, 12))):
-        kind = draw(st.sampled_from(["put", "put", "hdr", "ttl", "del", "marker", "gap", "status", "other"]))
+        kind = draw(st.sampled_from(["put", "put", "hdr", "ttl", "del", "marker", "ops", "gap", "status",
+                                     "other"]))
         seq = draw(st.integers(1, 2**40))
         key = draw(_lane_key)
         value = draw(st.binary(max_size=40))
@@ -493,11 +546,14 @@ def lane_stream(draw) -> bytes:
             continue
         if kind == "gap":
             cseq += draw(st.integers(2, 4))
-        extra = b"Nats-Marker-Reason: Purge\r\n" if kind == "marker" else (
-            b"Nats-Expected-Last-Subject-Sequence: 3\r\n" if kind == "hdr" else b"")
+        extra = b"Nats-Marker-Reason: " + draw(st.sampled_from([b"Purge", b"Remove", b"MaxAge"])) + b"\r\n" \
+            if kind == "marker" else (b"Nats-Expected-Last-Subject-Sequence: 3\r\n" if kind == "hdr" else b"")
+        if kind == "ops":
+            extra = b"".join(line + b"\r\n" for line in draw(st.lists(st.sampled_from(OP_LINES), min_size=1,
+                                                                        max_size=3)))
         if kind in ("ttl", "del", "marker") and draw(st.booleans()):
             extra += b"Nats-TTL: " + draw(st.sampled_from([b"2s", b"never", b"10", b"1m5s", b"x"])) + b"\r\n"
-        op = draw(st.sampled_from(["DEL", "PURGE", "del"])) if kind == "del" else None
+        op = draw(st.sampled_from(["DEL", "PURGE", "del", "Purge"])) if kind == "del" else None
         frames_.append(lane_frame(key, seq, cseq, op=op, value=value, extra=extra,
                                   pending=draw(st.integers(0, 9)), long_form=draw(st.booleans())))
         cseq += 1
@@ -514,17 +570,21 @@ def lane_reference(wire: bytes) -> list:
             out.append((type(e).__name__, tuple(e)))
             continue
         hdrs = e.headers if type(e) is HMsg else None
-        value = e.payload if Operation.of(hdrs) is Operation.PUT else None
+        op = Operation.of(hdrs)
+        value = e.payload if op is Operation.PUT else None
         key = e.subject[len(LANE_PREFIX):].encode()
         prev = out[-1] if out else None
         ttl = parse_msg_ttl(hdrs.get("Nats-TTL")) if hdrs and value is not None else 0
         it = item(key, value, ack.stream_seq, ack.timestamp_ns, ttl)
+        marks = [] if value is not None else [
+            (key, ack.stream_seq, DEL if op is Operation.DEL else PURGE, ack.timestamp_ns)]
         if prev and prev[0] == "Run" and prev[3] + 1 == ack.consumer_seq:
             out[-1] = ("Run", LANE_SID, prev[2], ack.consumer_seq, max(prev[4], ack.stream_seq),
-                       ack.timestamp_ns, ack.pending, prev[7] + [it], prev[8] + (value is None))
+                       ack.timestamp_ns, ack.pending, prev[7] + [it], prev[8] + (value is None),
+                       prev[9] + marks)
         else:
             out.append(("Run", LANE_SID, ack.consumer_seq, ack.consumer_seq, ack.stream_seq,
-                        ack.timestamp_ns, ack.pending, [it], int(value is None)))
+                        ack.timestamp_ns, ack.pending, [it], int(value is None), marks))
     return out
 
 
@@ -550,10 +610,54 @@ def test_lane_has_no_reference_leaks(mod):
             rec = it[1]
             if rec is not None:
                 assert sys.getrefcount(rec) == 3   # the item, the variable, the argument
-    del runs, run_, it, rec
+        for mark in run_.marks:
+            assert sys.getrefcount(mark) == 3
+    del runs, run_, it, rec, mark
     gc.collect()
     before = len(gc.get_objects())
     for _ in range(200):
         lane_run(mod, [wire])
     gc.collect()
     assert len(gc.get_objects()) - before < 50
+
+
+def test_lane_vectors_are_what_the_ordinary_path_says():
+    """The vectors' expected runs (operations written out by hand) agree with Operation.of."""
+    for name, wire, expected in LANE_VECTORS:
+        assert lane_reference(wire) == expected, name
+
+
+@pytest.mark.parametrize("mod", IMPLS)
+def test_marks_carry_what_a_delete_item_loses(mod):
+    """Per delete item, in order: the key as delivered (a long key's text, not its digest),
+    the stream sequence, 1 for DEL or 2 for PURGE, the timestamp; `deletes == len(marks)`."""
+    assert (twin.MARK_DEL, twin.MARK_PURGE) == (1, 2)
+    assert twin.RUN_FIELDS[-2:] == ("deletes", "marks")
+    wire = (lane_frame("a", 10, 1, op="DEL") + lane_frame("b", 11, 2, op="PURGE", value=b"gone")
+            + lane_frame("c", 12, 3, extra=b"Nats-Marker-Reason: Remove\r\n")
+            + lane_frame("d", 13, 4, extra=b"Nats-Marker-Reason: MaxAge\r\n")
+            + lane_frame("e", 14, 5, op="del") + lane_frame("f", 15, 6, op="Unknown", value=b"put")
+            + lane_frame(LONG_KEY, 16, 7, op="DEL") + lane_frame("g", 17, 8, value=b"put"))
+    (r,) = lane_run(mod, [wire])
+    assert r.marks == [(b"a", 10, 1, lane_ts(10)), (b"b", 11, 2, lane_ts(11)), (b"c", 12, 1, lane_ts(12)),
+                       (b"d", 13, 2, lane_ts(13)), (b"e", 14, 1, lane_ts(14)),
+                       (LONG_KEY.encode(), 16, 1, lane_ts(16))]
+    assert all(type(f) is int for m in r.marks for f in m[1:]) and all(type(m[0]) is bytes for m in r.marks)
+    assert r.deletes == len(r.marks) == 6
+    assert [v is None for _, v in r.items] == [True] * 5 + [False, True, False]
+    assert r.items[6][0] != LONG_KEY.encode()   # the item: under the digest; the mark: the key
+    assert r.items[5][1][:16] == item(b"f", b"put", 15, lane_ts(15))[1][:16]   # revision, created
+    (r,) = lane_run(mod, [lane_frame("p", 1, 1, value=b"v")])
+    assert r.marks == [] and r.deletes == 0
+    other = twin_run(r)
+    assert r == other
+    other.marks = [(b"p", 1, DEL, lane_ts(1))]
+    assert r != other   # marks count in a Run's equality
+
+
+def twin_run(r):
+    """The twin's Run with r's fields (Runs of either kind compare by their fields)."""
+    t = twin.Run(r.sid, r.first_cseq)
+    for f in twin.RUN_FIELDS:
+        setattr(t, f, getattr(r, f))
+    return t

@@ -35,7 +35,8 @@ subject. Its messages with a JetStream ack reply then come out not as Msg/HMsg b
 `Run` events: consecutive deliveries (consumer sequences without a gap) as replica items
 (`kvcache.store.record.item`: the key is the subject minus its first prefix_len bytes), so that the
 feed does no per-message work in Python. Anything else on that sid (heartbeats, pull-request
-statuses) stays an ordinary event, in order.
+statuses) stays an ordinary event, in order. A delete item keeps only the LMDB key, so each Run
+also carries `marks`: per delete, what the item drops (see Run).
 """
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ from kvcache.store.record import item as _item
 from kvcache.store.record import parse_msg_ttl
 
 __all__ = [
+    "MARK_DEL",
+    "MARK_PURGE",
     "OK",
     "PING",
     "PONG",
@@ -64,6 +67,7 @@ __all__ = [
     "ProtocolError",
     "Run",
     "decode_headers",
+    "mark_op",
     "parse_ack",
     "status_headers",
 ]
@@ -129,13 +133,31 @@ PONG = Pong()
 OK = Ok()
 
 RUN_FIELDS = ("sid", "first_cseq", "last_cseq", "top_sseq", "last_ts", "last_pending", "items",
-              "deletes")
+              "deletes", "marks")
+
+# A mark's op (Run.marks): which delete a delivery stands for. 0 is a put, in C as here.
+MARK_DEL = 1
+MARK_PURGE = 2
+_MARK_OF = {Operation.PUT: 0, Operation.DEL: MARK_DEL, Operation.PURGE: MARK_PURGE}
+
+
+def mark_op(headers: dict | None) -> int:
+    """Operation.of(headers) as a mark's op: 0 for a put, MARK_DEL or MARK_PURGE. The native
+    lane asks this too when its byte-level scan cannot decide alone (a value edged with
+    whitespace that only str.strip() knows, such as NBSP)."""
+    return _MARK_OF[Operation.of(headers)]
 
 
 class Run:
     """Consecutive fast-lane deliveries of one subscription: consumer sequences first_cseq ..
     last_cseq without a gap, the highest stream sequence among them, the last one's timestamp
-    and pending count, `items` in delivery order and how many of them are deletes."""
+    and pending count, `items` in delivery order and how many of them are deletes.
+
+    `marks` has one `(key, seq, op, ts)` per delete item, in delivery order: what the item
+    (`(lmdb_key, None)`) loses and a revision index needs: the NATS key's bytes as delivered
+    (not the digest a long key is stored under), the stream sequence, MARK_DEL or MARK_PURGE
+    (as Operation.of decides; a server marker is DEL only for the reason `Remove`) and the
+    timestamp in ns. `deletes == len(marks)`."""
 
     __slots__ = RUN_FIELDS
 
@@ -144,6 +166,7 @@ class Run:
         self.first_cseq = self.last_cseq = cseq
         self.top_sseq = self.last_ts = self.last_pending = self.deletes = 0
         self.items: list = []
+        self.marks: list = []
 
     def fields(self) -> tuple:
         return tuple(getattr(self, f) for f in RUN_FIELDS)
@@ -270,11 +293,13 @@ def _deliver(events: list, sid: int, ack: AckMeta, key: bytes, header_block: byt
         run = Run(sid, cseq)
         events.append(run)
     headers = decode_headers(header_block)[2] if header_block else None
-    op = Operation.of(headers)
-    value = payload if op is Operation.PUT else None
+    op = mark_op(headers)
+    value = None if op else payload
     ttl = parse_msg_ttl(headers.get("Nats-TTL")) if headers and value is not None else 0
     run.items.append(_item(key, value, ack.stream_seq, ack.timestamp_ns, ttl))
-    run.deletes += value is None
+    if op:
+        run.marks.append((key, ack.stream_seq, op, ack.timestamp_ns))
+        run.deletes += 1
     run.last_cseq = cseq
     run.top_sseq = max(run.top_sseq, ack.stream_seq)
     run.last_ts = ack.timestamp_ns
