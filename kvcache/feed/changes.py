@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from ..config import BucketConfig
@@ -67,9 +67,23 @@ class ChangeHub:
         self.flushes = 0     # flushes handed to listeners
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        # called with the bucket after every batch a feed applies, whatever it held (the
+        # buckets' streams wake their blocked readers on it: kvcache.serve.streams)
+        self.followers: list[Callable[[str], None]] = []
 
     def add(self, listener: Listener) -> None:
         self.listeners.append(listener)
+
+    def follow(self, fn: Callable[[str], None]) -> None:
+        self.followers.append(fn)
+
+    def advanced(self, bucket: str) -> None:
+        """A feed applied a batch of `bucket` (its replica and revision index moved on)."""
+        for fn in self.followers:
+            try:
+                fn(bucket)
+            except Exception:  # a follower's bug must not stop the feed
+                log.exception("change follower %r failed", fn)
 
     @property
     def active(self) -> bool:

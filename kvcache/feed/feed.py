@@ -218,6 +218,8 @@ class Feed(Maintenance):
             self.freshness.proofs.clear()  # the old numbering proves nothing; this info's own evidence stays
             self.note_evidence(info, self._info_sent_ns)
         if self._full:
+            renumbered = kind in ("recreated", "rewound")
+            m.horizon = max(0, first - 1) if renumbered else max(m.horizon, first - 1)
             if count_it and reason != "first sync":
                 m.resyncs += 1
             if m.stream:
@@ -494,13 +496,17 @@ class Feed(Maintenance):
         changes = self.replica.changes_of(self.bucket, items) if hub is not None and hub.active else None
         if outside and changes is not None:
             changes += outside
-        self.replica.apply_items(self.bucket, items, m, deletes=any(r.deletes for r in runs),
-                                 deadlines=self._deadlines)
+        deletes = any(r.deletes for r in runs)
+        marks = [mk for r in runs for mk in r.marks] if deletes else ()
+        self.replica.apply_items(self.bucket, items, m, deletes=deletes, deadlines=self._deadlines,
+                                 marks=marks)
         if self._deadlines:
             self._sweep_wake.set()
         self.meta = m
         if changes:
             hub.changed(self.bucket, changes)  # type: ignore[union-attr]  # set with changes
+        if hub is not None and hub.followers:
+            hub.advanced(self.bucket)
         if self._seen is not None:
             self._seen.update(lk for lk, _ in items)
         for lk, rec in reversed(last.items):
@@ -545,7 +551,10 @@ class Feed(Maintenance):
         m = self.meta
         if self._full:
             self._full = False
-            removed = self._sweep(self._seen) if self._seen is not None else 0
+            removed = 0
+            if self._seen is not None:
+                removed = self._sweep(self._seen)
+                self.replica.drop_tombstones(self.bucket, self._seen)
             self._seen = None
             m.synced = True
             self.replica.put_meta(self.bucket, m)

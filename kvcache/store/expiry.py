@@ -18,6 +18,7 @@ import lmdb
 
 from .lmdbenv import as_bytes
 from .record import MAX_LMDB_KEY, Item, deadline, decode_key, has_ttl
+from .revindex import Index
 
 DUE = struct.Struct(">Q")  # the expiry index's key prefix: big-endian, so LMDB orders by time
 
@@ -72,10 +73,12 @@ def first_due(txn: lmdb.Transaction, index: lmdb._Database) -> int | None:
 
 
 def sweep(txn: lmdb.Transaction, db: lmdb._Database, index: lmdb._Database, max_age: int,
-          now_ns: int, limit: int, removed_keys: list[str] | None = None) -> tuple[int, bool]:
+          now_ns: int, limit: int, removed_keys: list[str] | None = None,
+          revs: Index | None = None) -> tuple[int, bool]:
     """In a write transaction: remove the records of `db` whose deadline has passed by
     `now_ns`, reading at most `limit` due entries of `index`: (records removed, whether more
-    entries are due). See Replica.sweep_expired."""
+    entries are due). `revs`: the bucket's revision index, whose entries of the removed
+    records go with them. See Replica.sweep_expired."""
     cur = txn.cursor(db=index)
     removed = seen = 0
     again: list[tuple[bytes, bytes]] = []
@@ -88,7 +91,10 @@ def sweep(txn: lmdb.Transaction, db: lmdb._Database, index: lmdb._Database, max_
         if raw is not None:
             due = deadline(raw, max_age)
             if due and due <= now_ns:
-                txn.delete(lk, db=db)
+                if revs is not None:
+                    revs.remove([lk])
+                else:
+                    txn.delete(lk, db=db)
                 removed += 1
                 if removed_keys is not None:
                     removed_keys.append(decode_key(lk, raw))

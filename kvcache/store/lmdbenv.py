@@ -30,8 +30,9 @@ MAX_DBS = 256
 
 def dbs_for(buckets: int, existing: int = 0) -> int:
     """Room for `buckets` buckets (and `existing` databases already in the file), with margin:
-    each has its records, its expiry index and its near cache."""
-    return max(MAX_DBS, 3 * buckets + 16, existing + 16)
+    each has its records, its expiry index, its near cache, its revision index and its
+    tombstones."""
+    return max(MAX_DBS, 5 * buckets + 16, existing + 16)
 
 
 @overload

@@ -30,7 +30,7 @@ import lmdb
 
 from ..errors import ReplicaError
 from ..keys import subject_match
-from . import expiry
+from . import expiry, revindex
 from .lmdbenv import MAX_DBS, dbs_for, disk_hint, grow, open_writer, release_readonly_env, shared_readonly_env
 from .lmdbenv import as_bytes as _bytes
 from .record import (
@@ -41,10 +41,9 @@ from .record import (
     deadline,
     decode_key,
     decode_record,
-    encode_record,
     has_ttl,
+    item,
     live_value,
-    lkey_of,
     lmdb_key,
 )
 
@@ -53,7 +52,8 @@ T = TypeVar("T")
 log = logging.getLogger("kvcache.replica")
 
 
-FORMAT_VERSION = 2  # 2: records carry their Nats-TTL expiry; expiry index per bucket
+# 2: records carry their Nats-TTL expiry; expiry index per bucket. 3: revision index per bucket
+FORMAT_VERSION = 3
 META_DB = b"__meta__"
 FORMAT_KEY = b"__format__"
 BUCKETS_KEY = b"__buckets__"  # configured bucket names, default first (for LocalReader)
@@ -77,6 +77,11 @@ class BucketMeta:
     # The bucket's `keys` filters, for readers in other processes (LocalReader tells a key
     # outside them from an absent one). None: written by a version that did not record them.
     filters: list[str] | None = None
+    # The revision index (kvcache.store.revindex) is exact for changes after this revision:
+    # the stream's first sequence - 1 when the last full sync began. What the stream dropped
+    # before that (a delete's marker, a purge) may have left no entry: a reader resuming from
+    # below it must start again from 0 (kvcache.serve.streams).
+    horizon: int = 0
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -151,7 +156,7 @@ class Replica:
         def write(txn: lmdb.Transaction) -> None:
             names = [bytes(k) for k, _ in txn.cursor()]
             for name in names:
-                if not name.startswith((b"kv:", b"x:", b"n:")):
+                if not name.startswith((b"kv:", b"x:", b"n:", b"r:", b"t:")):
                     continue
                 txn.drop(self.env.open_db(name, txn=txn), delete=True)
             txn.drop(self._meta, delete=False)
@@ -183,6 +188,15 @@ class Replica:
     def _index(self, bucket: str):
         """The bucket's expiry index (writer only)."""
         return self._open_rw(expiry.index_name(bucket))
+
+    def _revs(self, bucket: str) -> tuple[lmdb._Database, lmdb._Database]:
+        """The bucket's revision index and tombstones (kvcache.store.revindex; writer only)."""
+        r, t = revindex.names(bucket)
+        return self._open_rw(r), self._open_rw(t)
+
+    def revs_ro(self, bucket: str):
+        """The bucket's revision index handle for readers; None until the writer made it."""
+        return self.db_ro(revindex.names(bucket)[0])
 
     # ------------------------------------------------------------------ lent to the near cache
 
@@ -386,39 +400,38 @@ class Replica:
         """Apply one batch and its position in a single transaction, growing the map if full.
 
         `puts` is (key, value, revision, created_ns); deletes are keys. Deletes are applied
-        after puts, so a key should appear in at most one of them.
+        after puts, so a key should appear in at most one of them. (The feed applies what it
+        is delivered with apply_items; this is the same for callers holding plain values.)
         """
-        puts, deletes = list(puts), list(deletes)
-        db = self.db(bucket)
-        meta_key, meta_raw = bucket.encode(), meta.encode()
-
-        def write(txn: lmdb.Transaction) -> None:
-            for key, value, revision, created in puts:
-                kb = key.encode()
-                lkey = lkey_of(kb)
-                txn.put(lkey, encode_record(kb, lkey, value, revision, created), db=db)
-            for key in deletes:
-                txn.delete(lmdb_key(key), db=db)
-            txn.put(meta_key, meta_raw, db=self._meta)
-
-        self.write(f"bucket {bucket}", write)
+        items = [item(key.encode(), value, revision, created) for key, value, revision, created in puts]
+        items += [(lmdb_key(key), None) for key in deletes]
+        self.apply_items(bucket, items, meta)
 
     def apply_items(self, bucket: str, items: Sequence[Item], meta: BucketMeta,
-                    deletes: bool = True, deadlines: bool = True) -> None:
+                    deletes: bool = True, deadlines: bool = True,
+                    marks: Sequence[revindex.Mark] = (), revisions: bool = True) -> None:
         """Apply delivered items (see record.item) in stream order, and the position, in a
         single transaction. `deletes=False` promises that no item is a delete, so the whole
         batch goes to LMDB in one putmulti call; `deadlines=False`, that no record has a
-        deadline (a stream with neither max_age nor per-message TTLs): no expiry filing."""
+        deadline (a stream with neither max_age nor per-message TTLs): no expiry filing.
+        `revisions`: keep the bucket's revision index (kvcache.store.revindex) with the
+        records; `marks`, the delete items' (kvcache.natsio.proto.Run.marks): a delete
+        without one leaves no entry, as a removal the stream keeps no marker of."""
         db = self.db(bucket)
         meta_key, meta_raw = bucket.encode(), meta.encode()
         due = expiry.due_entries(items, self.max_age.get(bucket, 0)) if deadlines else None
         index = self._index(bucket) if due else None  # opened outside: that takes a write txn
+        revs = self._revs(bucket) if revisions else None
 
         def write(txn: lmdb.Transaction) -> None:
             cur = txn.cursor(db=db)
             if due:
                 txn.cursor(db=index).putmulti(due)
-            if not deletes:
+            if revs is not None:
+                idx = revindex.Index(txn, db, *revs)
+                idx.apply(items, marks)
+                idx.finish(self._meta, bucket)
+            elif not deletes:
                 cur.putmulti(items)
             else:
                 run: list[Item] = []
@@ -458,30 +471,51 @@ class Replica:
         whether more entries are due). An entry whose record was replaced since, or whose
         deadline moved (a new max_age), is dropped or filed again under the new deadline.
         `removed_keys`: the removed records' keys are appended to it."""
-        db, index = self.db(bucket), self._index(bucket)
+        db, index, revs = self.db(bucket), self._index(bucket), self._revs(bucket)
         max_age = self.max_age.get(bucket, 0)
-        return self.write(f"bucket {bucket} expiry",
-                          lambda txn: expiry.sweep(txn, db, index, max_age, now_ns, limit, removed_keys))
+
+        def write(txn: lmdb.Transaction) -> tuple[int, bool]:
+            idx = revindex.Index(txn, db, *revs)
+            done = expiry.sweep(txn, db, index, max_age, now_ns, limit, removed_keys, idx)
+            idx.finish(self._meta, bucket)
+            return done
+
+        return self.write(f"bucket {bucket} expiry", write)
 
     def delete_lkeys(self, bucket: str, lkeys: Iterable[bytes]) -> int:
-        db = self.db(bucket)
+        """Remove keys the stream no longer holds, with their revision index entries."""
+        db, revs = self.db(bucket), self._revs(bucket)
         lkeys = list(lkeys)
 
         def write(txn: lmdb.Transaction) -> int:
-            return sum(1 for lk in lkeys if txn.delete(lk, db=db))
+            idx = revindex.Index(txn, db, *revs)
+            n = idx.remove(lkeys)
+            idx.finish(self._meta, bucket)
+            return n
 
         return self.write(f"bucket {bucket}", write)
+
+    def max_removed(self, bucket: str) -> int:
+        """The highest revision ever removed from the bucket's revision index (0: none)."""
+        with self.env.begin(db=self._meta) as txn:
+            return int(txn.get(revindex.REMOVED_PREFIX + bucket.encode(), b"0"))
+
+    def drop_tombstones(self, bucket: str, keep: set[bytes]) -> int:
+        """After a full sync: the revision index's deletes of keys it did not deliver (their
+        markers are gone from the stream) go too (revindex.Index.drop_tombstones)."""
+        db, revs = self.db(bucket), self._revs(bucket)
+        return self.write(f"bucket {bucket}", lambda txn: revindex.Index(txn, db, *revs).drop_tombstones(keep))
 
     def put_meta(self, bucket: str, meta: BucketMeta) -> None:
         raw = meta.encode()
         self.write("meta", lambda txn: txn.put(bucket.encode(), raw, db=self._meta))
 
     def clear_bucket(self, bucket: str) -> None:
-        db, index = self.db(bucket), self._index(bucket)
+        db, index, (rdb, tdb) = self.db(bucket), self._index(bucket), self._revs(bucket)
 
         def write(txn: lmdb.Transaction) -> None:
-            txn.drop(db, delete=False)
-            txn.drop(index, delete=False)
+            for d in (db, index, rdb, tdb):
+                txn.drop(d, delete=False)
 
         self.write(f"bucket {bucket}", write)
 

@@ -1,0 +1,216 @@
+"""A bucket's revision index: its keys in revision order, one entry per key at its latest
+revision, so that the bucket reads as a Redis stream (`@<bucket>`, kvcache.serve.streams) and
+"what changed after revision N" is one range scan, as a NATS watch resumed from N delivers it.
+
+Two databases per bucket, written in the replica's transactions together with the records
+they index (Replica.apply_items, the sweeps), so the index never disagrees with the records:
+
+- `r:<bucket>`: `revision u64 BE` -> the entry. A put's entry is `P` + its LMDB key: the record
+  under that key holds the value, creation time and full key. A delete's or purge's is `D` or
+  `U` + `created u64 LE` + the key's bytes: its marker is still in the stream (a NATS watch
+  delivers it), but no record is left to ask.
+- `t:<bucket>`: LMDB key -> `revision u64 BE`, for deleted keys only: where a later put of the
+  key, or its removal, finds the marker's entry (a put finds its predecessor's revision in the
+  record it replaces).
+
+Big-endian revisions make LMDB keep the entries in revision order. Each write looks up the
+key's previous revision in the same B-tree operation that writes the record (a cursor's
+`replace`/`pop` returns the old value), so the index costs a put (and a delete, for a key
+that had an entry) per item; what that does to a 1M-key sync is in bench/README.md.
+"""
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import lmdb
+
+from .record import RECORD, Item, deadline, decode_key, lkey_of, value_offset
+
+REV = struct.Struct(">Q")
+CREATED = struct.Struct("<Q")
+PUT, DEL, PURGE = b"P", b"D", b"U"
+# the meta database's key of a bucket's highest removed revision (no bucket name has a ':')
+REMOVED_PREFIX = b"removed:"
+OP_NAMES = {PUT[0]: "PUT", DEL[0]: "DEL", PURGE[0]: "PURGE"}
+# kvcache.natsio.proto's MARK_DEL / MARK_PURGE -> the entry's tag
+_MARK_TAG = {1: DEL, 2: PURGE}
+
+# A delete item's mark (kvcache.natsio.proto.Run.marks): (key bytes, sequence, op, created ns)
+Mark = tuple[bytes, int, int, int]
+
+
+def names(bucket: str) -> tuple[bytes, bytes]:
+    """The names of the bucket's index and tombstone databases."""
+    b = bucket.encode()
+    return b"r:" + b, b"t:" + b
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEntry:
+    """One entry of a bucket's stream: the key at `revision`; `value` None for a delete or
+    purge (`op` DEL or PURGE). `value` may be a memoryview into the map (a buffers
+    transaction): use it before the transaction ends."""
+
+    revision: int
+    key: bytes
+    op: str
+    value: bytes | memoryview | None
+    created: int
+
+
+class Index:
+    """The write side, inside one of the replica's write transactions: `db` the records,
+    `rdb`/`tdb` the index and tombstone databases of the same bucket."""
+
+    def __init__(self, txn: lmdb.Transaction, db, rdb, tdb) -> None:
+        self.txn = txn
+        self.records = txn.cursor(db=db)
+        self.rdb = rdb
+        self.tdb = tdb
+        self.removed = 0  # the highest revision whose entry this transaction removed
+        # Are there tombstones at all? A put then need not look for one (most buckets have
+        # few deletes; a lookup per put would be the index's largest cost).
+        self.tombs = txn.stat(tdb)["entries"] > 0
+
+    def _forget(self, lk: bytes, old: bytes | memoryview | None) -> None:
+        """Drop the entry of the key's previous state: its record `old`, else its tombstone."""
+        if old is not None:
+            rev = RECORD.unpack_from(old)[0]
+            self.txn.delete(REV.pack(rev), db=self.rdb)
+        elif self.tombs:
+            t = self.txn.pop(lk, db=self.tdb)
+            if t is None:
+                return
+            self.txn.delete(t, db=self.rdb)
+            rev = REV.unpack(t)[0]
+        else:
+            return
+        if rev > self.removed:
+            self.removed = rev
+
+    def finish(self, meta_db, bucket: str) -> None:
+        """Keep the highest revision ever removed from the index (XINFO STREAM's
+        max-deleted-entry-id) in the meta database, under `removed:<bucket>`."""
+        if self.removed:
+            key = REMOVED_PREFIX + bucket.encode()
+            if self.removed > int(self.txn.get(key, b"0", db=meta_db)):
+                self.txn.put(key, b"%d" % self.removed, db=meta_db)
+
+    def apply(self, items: Sequence[Item], marks: Sequence[Mark]) -> None:
+        """Write `items` (record.item's, in stream order) to the records and the index; a
+        delete item's mark is the next of `marks` whose key it is (marks are in the order of
+        the delete items they belong to; a mark whose key is not among the items, one the
+        caller filtered out, is skipped)."""
+        txn, cur, rdb = self.txn, self.records, self.rdb
+        tdb = self.tdb
+        mi = 0
+        for lk, rec in items:
+            if rec is not None:
+                old = cur.replace(lk, rec)
+                if old is not None or self.tombs:
+                    self._forget(lk, old)
+                txn.put(REV.pack(RECORD.unpack_from(rec)[0]), PUT + lk, db=rdb)
+                continue
+            old = cur.pop(lk)
+            self._forget(lk, old)
+            while mi < len(marks) and lkey_of(marks[mi][0]) != lk:
+                mi += 1
+            if mi == len(marks):
+                continue  # no mark: a removal the stream keeps no marker of
+            key, seq, op, created = marks[mi]
+            mi += 1
+            rev = REV.pack(seq)
+            txn.put(rev, _MARK_TAG.get(op, DEL) + CREATED.pack(created) + key, db=rdb)
+            txn.put(lk, rev, db=tdb)
+            self.tombs = True
+
+    def remove(self, lkeys: Sequence[bytes]) -> int:
+        """Remove keys the stream no longer holds (a purge without markers, its limits, an
+        expiry): their records and their entries, a tombstone's too. Returns records removed."""
+        n = 0
+        for lk in lkeys:
+            old = self.records.pop(lk)
+            n += old is not None
+            self._forget(lk, old)
+        return n
+
+    def drop_tombstones(self, keep: set[bytes]) -> int:
+        """Remove the tombstones (and their entries) of keys not in `keep`: after a full
+        sync, the markers the stream no longer holds. Returns how many went."""
+        gone = []
+        for lk, rev in self.txn.cursor(db=self.tdb):
+            if bytes(lk) not in keep:
+                gone.append((bytes(lk), bytes(rev)))
+        for lk, rev in gone:
+            self.txn.delete(lk, db=self.tdb)
+            self.txn.delete(rev, db=self.rdb)
+        return len(gone)
+
+
+def entries(txn: lmdb.Transaction, db, rdb, first: int, last: int, count: int | None,
+            reverse: bool, now_ns: int, max_age_ns: int) -> Iterator[StreamEntry]:
+    """The entries with revisions in [first, last], ascending (or descending), at most
+    `count` (None: all). An entry whose record has expired (its own TTL or the bucket's
+    max_age, record.deadline) is absent, as from every read; so is a marker past max_age."""
+    if first > last or count == 0:
+        return
+    cur = txn.cursor(db=rdb)
+    if reverse:
+        ok = cur.set_range(REV.pack(last))
+        if not ok:
+            ok = cur.last()
+        elif REV.unpack(cur.key())[0] > last:
+            ok = cur.prev()
+        step = cur.prev
+    else:
+        ok = cur.set_range(REV.pack(first))
+        step = cur.next
+    n = 0
+    while ok:
+        rev = REV.unpack(cur.key())[0]
+        if rev < first or rev > last:
+            break
+        e = _entry(txn, db, rev, cur.value(), now_ns, max_age_ns)
+        if e is not None:
+            yield e
+            n += 1
+            if count is not None and n >= count:
+                break
+        ok = step()
+
+
+def _entry(txn: lmdb.Transaction, db, rev: int, raw: bytes | memoryview, now_ns: int,
+           max_age_ns: int) -> StreamEntry | None:
+    tag = raw[0]
+    if tag == PUT[0]:
+        lk = bytes(raw[1:])
+        rec = txn.get(lk, db=db)
+        if rec is None or RECORD.unpack_from(rec)[0] != rev:
+            return None  # cannot happen while index and records are written together
+        due = deadline(rec, max_age_ns)
+        if due and now_ns >= due:
+            return None
+        start = value_offset(rec)
+        key = lk if lk[:1] != b"\0" else decode_key(lk, bytes(rec[:start])).encode()  # a long key's text
+        return StreamEntry(rev, key, "PUT", rec[start:], RECORD.unpack_from(rec)[1])
+    created = CREATED.unpack_from(raw, 1)[0]
+    if max_age_ns and now_ns >= created + max_age_ns:
+        return None
+    return StreamEntry(rev, bytes(raw[1 + CREATED.size:]), OP_NAMES.get(tag, "DEL"), None, created)
+
+
+def length(txn: lmdb.Transaction, rdb) -> int:
+    """Entries in the index (some may have expired and not been swept yet)."""
+    return txn.stat(rdb)["entries"]
+
+
+def bounds(txn: lmdb.Transaction, rdb) -> tuple[int, int]:
+    """The lowest and highest revision with an entry, (0, 0) when there is none."""
+    cur = txn.cursor(db=rdb)
+    if not cur.first():
+        return 0, 0
+    lo = REV.unpack(cur.key())[0]
+    cur.last()
+    return lo, REV.unpack(cur.key())[0]

@@ -1,0 +1,113 @@
+"""The revision index (kvcache.store.revindex) kept by the replica with its records, on a real
+LMDB in a temporary directory: one entry per key at its latest revision, deletes and purges
+as entries while their markers last, and removals (sweeps, expiry, a full sync's leftovers)
+leaving none. Checked against a model: the latest message per key of the deliveries."""
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from kvcache.natsio.proto import MARK_DEL, MARK_PURGE
+from kvcache.store import revindex
+from kvcache.store.record import MAX_LMDB_KEY, item, lkey_of
+from kvcache.store.replica import BucketMeta, Replica
+
+MiB = 1 << 20
+T0 = 1_700_000_000_000_000_000
+
+
+@pytest.fixture
+def replica(tmp_path):
+    r = Replica(str(tmp_path / "replica"), map_size=64 * MiB)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def listing(replica: Replica, bucket: str = "b", first: int = 0, last: int = (1 << 64) - 1,
+            count: int | None = None, reverse: bool = False) -> list[tuple[int, bytes, str, bytes | None]]:
+    rdb = replica.revs_ro(bucket)
+    with replica.env.begin() as txn:
+        return [(e.revision, bytes(e.key), e.op, None if e.value is None else bytes(e.value))
+                for e in revindex.entries(txn, replica.db(bucket), rdb, first, last, count, reverse,
+                                          time.time_ns(), replica.max_age.get(bucket, 0))]
+
+
+def deliver(replica: Replica, msgs: list[tuple[int, bytes, str, bytes | None]], applied: int) -> None:
+    """Apply messages (seq, key, op, value) the way the feed does: items and delete marks."""
+    items, marks = [], []
+    for seq, key, op, value in msgs:
+        if op == "PUT":
+            items.append(item(key, value, seq, T0 + seq))
+        else:
+            items.append((lkey_of(key), None))
+            marks.append((key, seq, MARK_DEL if op == "DEL" else MARK_PURGE, T0 + seq))
+    replica.apply_items("b", items, BucketMeta(stream="KV_b", applied_seq=applied, synced=True), marks=marks)
+
+
+def model(msgs) -> list[tuple[int, bytes, str, bytes | None]]:
+    latest: dict[bytes, tuple] = {}
+    for seq, key, op, value in msgs:
+        latest[key] = (seq, key, op, value if op == "PUT" else None)
+    return sorted(latest.values())
+
+
+def test_one_entry_per_key_at_its_latest_revision(replica):
+    msgs = [(1, b"a", "PUT", b"1"), (2, b"b", "PUT", b"2"), (3, b"a", "PUT", b"3"),
+            (4, b"b", "DEL", None), (5, b"c", "PUT", b"5"), (6, b"c", "PURGE", None),
+            (7, b"b", "PUT", b"7"), (8, b"d", "DEL", None)]
+    deliver(replica, msgs[:3], 3)
+    deliver(replica, msgs[3:], 8)
+    assert listing(replica) == model(msgs) == [
+        (3, b"a", "PUT", b"3"), (6, b"c", "PURGE", None), (7, b"b", "PUT", b"7"), (8, b"d", "DEL", None)]
+    assert listing(replica, first=7) == model(msgs)[2:]
+    assert listing(replica, reverse=True, count=2) == model(msgs)[::-1][:2]
+    assert listing(replica, first=4, last=6) == [(6, b"c", "PURGE", None)]
+    assert replica.max_removed("b") == 5  # c's put, when its purge came
+
+
+def test_generated_histories_match_the_model(replica):
+    rng = random.Random(30)
+    keys = [b"k%d" % i for i in range(40)] + [b"long." + b"x" * MAX_LMDB_KEY]
+    msgs = []
+    seq = 0
+    for batch in range(60):
+        part = []
+        for _ in range(rng.randint(1, 25)):
+            seq += 1
+            op = rng.choices(["PUT", "DEL", "PURGE"], [8, 1, 1])[0]
+            part.append((seq, rng.choice(keys), op, b"v%d" % seq if op == "PUT" else None))
+        msgs += part
+        deliver(replica, part, seq)
+        if batch % 10 == 9:
+            assert listing(replica) == model(msgs)
+            cut = rng.randint(0, seq)
+            assert listing(replica, first=cut + 1) == [e for e in model(msgs) if e[0] > cut]
+
+
+def test_removals_take_their_entries(replica):
+    deliver(replica, [(1, b"a", "PUT", b"1"), (2, b"b", "PUT", b"2"), (3, b"c", "DEL", None),
+                      (4, b"d", "DEL", None)], 4)
+    assert replica.delete_lkeys("b", [b"a", b"c"]) == 1  # a's record; c's marker goes too
+    assert [e[1] for e in listing(replica)] == [b"b", b"d"]
+    assert replica.drop_tombstones("b", keep={b"b"}) == 1  # d's marker: not in a full sync's listing
+    assert [e[1] for e in listing(replica)] == [b"b"]
+    deliver(replica, [(5, b"d", "PUT", b"5")], 5)  # a put after a dropped tombstone
+    assert listing(replica) == [(2, b"b", "PUT", b"2"), (5, b"d", "PUT", b"5")]
+
+
+def test_expired_records_and_markers_read_as_absent(replica):
+    replica.max_age["b"] = 10**9  # one second
+    now = time.time_ns()
+    items = [item(b"old", b"x", 1, now - 5 * 10**9), item(b"new", b"y", 2, now)]
+    replica.apply_items("b", items, BucketMeta(stream="KV_b", applied_seq=2, synced=True))
+    replica.apply_items("b", [(b"gone", None)], BucketMeta(stream="KV_b", applied_seq=3, synced=True),
+                        marks=[(b"gone", 3, MARK_DEL, now - 5 * 10**9)])
+    assert [e[1] for e in listing(replica)] == [b"new"]
+    removed, _ = replica.sweep_expired("b", time.time_ns())
+    assert removed == 1
+    with replica.env.begin() as txn:
+        assert revindex.length(txn, replica.revs_ro("b")) == 2  # new, and the marker (read as absent)
