@@ -40,6 +40,7 @@ from .serve.info import Info
 from .serve.multi import Transactions
 from .serve.pubsub import PubSub
 from .serve.server import ClientConnection, RespServer, claim_socket_path, direct_buckets, local_gets
+from .serve.streams import Streams
 from .serve.tracking import Tracking
 from .store.nearcache import NearCache
 from .store.replica import Replica
@@ -148,12 +149,14 @@ class Sidecar:
                             on_first=hub.wake)
         pubsub = PubSub(self.cfg.notify_keyspace_events, self.cfg.default_bucket)
         transactions = Transactions(policy)
-        for listener in (tracking, pubsub, transactions):  # one hub: one consumer per bucket
+        streams = Streams(self.cfg, policy, on_first=hub.wake)
+        for listener in (tracking, pubsub, transactions, streams):  # one hub: one consumer per bucket
             hub.add(listener)
+        hub.follow(streams.advanced)
         reads = Reads(self.cfg, policy, self.router, self.stats, access)
         info = Info(self.cfg, self.stats, policy, self.router, access, tracking, pubsub, gets.cache_reads)
         self.commands = Commands(self.cfg, reads, self.stats, tracking, pubsub, transactions, info,
-                                 clients.values)
+                                 streams, clients.values)
         hub.start_watch(self.feeds.values())
         self.server = RespServer(self.cfg, self.commands, self.stats, gets, clients)
         await self.server.start()

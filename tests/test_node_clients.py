@@ -1,6 +1,6 @@
-"""node-redis v5 (its client-side cache over RESP3, `multi()`, WATCH) and ioredis (`multi()`,
-WATCH) against a real sidecar over the Unix socket, from tests/node/clients.mjs; nats-py
-writes the keys between the script's steps.
+"""node-redis v5 (its client-side cache over RESP3, `multi()`, WATCH, its stream API) and
+ioredis (`multi()`, WATCH, its stream API) against a real sidecar over the Unix socket, from
+tests/node/clients.mjs; nats-py writes the keys between the script's steps.
 
 The Node packages are pinned in tests/node/package-lock.json and installed by `make
 install-test` (npm ci). Skipped, saying why, only when `node` is absent.
@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.kvwatch import nats_watch_from
 from support.poll import wait_until
 from support.sidecar_proc import SidecarProcess
 from support.topology import nats_run
@@ -36,17 +37,26 @@ def env(nats_server_module, tmp_path_factory) -> Iterator[dict]:
         kv = await js.create_key_value(bucket="nd", direct=True)
         for k in ("cache", "multi", "iomulti"):
             await kv.put(k, b"v1")
+        for bucket in STREAM_BUCKETS:  # a bucket each: the stream scenarios compare whole listings
+            skv = await js.create_key_value(bucket=bucket, history=1)
+            for k in ("s.a", "s.b", "s.c", "s.d"):
+                await skv.put(k, k.encode())
+            await skv.put("s.a", b"again")
+            await skv.delete("s.b")
     nats_run(url, setup)
-    sc = SidecarProcess(tmp_path_factory.mktemp("nd") / "sc", url, ["nd"])
+    sc = SidecarProcess(tmp_path_factory.mktemp("nd") / "sc", url, ["nd", *STREAM_BUCKETS])
     with sc:
         sc.start()
         yield {"url": url, "sc": sc, "sock": sc.socket}
         assert sc.stop() == 0
 
 
-def write(url: str, key: str, value: bytes | None) -> None:
+STREAM_BUCKETS = ("ndstream", "iostream")
+
+
+def write(url: str, key: str, value: bytes | None, bucket: str = "nd") -> None:
     async def fn(js):
-        kv = await js.key_value("nd")
+        kv = await js.key_value(bucket)
         await (kv.put(key, value) if value is not None else kv.delete(key))
     nats_run(url, fn)
 
@@ -131,5 +141,35 @@ def test_multi_and_watch(env, scenario, key):
         assert watched == ("WatchError" if scenario == "node-redis-multi" else None)
         refused = s.next()["write"]
         assert "EXECABORT" in refused or "READONLY" in refused or "read replica" in refused, refused
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("scenario,bucket", [("node-redis-stream", "ndstream"), ("ioredis-stream", "iostream")])
+def test_stream_apis_follow_a_bucket(env, scenario, bucket):
+    """Each library's own stream API on `@<bucket>`: XRANGE and XREAD from 0 are the whole
+    bucket, XREAD from a middle revision exactly the keys changed since, both as a NATS watch
+    resumed from the same sequence delivers them; a blocked XREAD from `$` wakes with a put,
+    then with a delete (op DEL, no value)."""
+    s = Script(scenario, env["sock"], bucket)
+    try:
+        first = s.next()
+        full = [tuple(r[:3]) for r in first["listing"]]
+        assert full == [tuple(r) for r in nats_watch_from(env["url"], bucket, 0)]
+        assert first["read"] == first["listing"] and first["name"] == f"@{bucket}"
+        assert dict((r[1], r[3]) for r in first["listing"]) == {"s.a": "again", "s.b": None, "s.c": "s.c",
+                                                                  "s.d": "s.d"}
+        second = s.next()
+        assert [tuple(r[:3]) for r in second["resumed"]] == [
+            tuple(r) for r in nats_watch_from(env["url"], bucket, second["mid"])]
+        assert second["resumed"] and all(r[0] > second["mid"] for r in second["resumed"])
+        for turn, value in (("put", b"live"), ("delete", None)):
+            s.go()
+            write(env["url"], "s.live", value, bucket)
+            s.resume()
+            got = s.next()
+            assert got["turn"] == turn
+            assert [(r[1], r[2], r[3]) for r in got["live"]] == [
+                ("s.live", "PUT" if value else "DEL", value.decode() if value else None)]
     finally:
         s.close()

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Generator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import AsyncIterator, Generator, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from kvcache import native
 from kvcache.entry import Entry, Operation
@@ -40,6 +40,8 @@ _Op = Generator[Sequence[Arg], Any, T]  # sent: a decoded reply, whatever the co
 its result."""
 
 _READ_SIZE = 256 * 1024
+# How long one XREAD of watch() waits for a change before asking again (below the timeout)
+WATCH_BLOCK_MS = 2000
 _INCOMPLETE = object()  # ReplyReader's "no full reply yet", distinct from a RESP3 false
 
 
@@ -196,6 +198,30 @@ def _keys(pattern: str) -> _Op[list[str]]:
     return list(dict.fromkeys(map(_text, reply)))
 
 
+def _stream_entries(bucket: str, reply: object) -> list[Entry]:
+    """An XREAD reply on `@bucket` (RESP2: [[name, [[id, [field, value, ...]], ...]]], or
+    None when nothing came) as Entries: value None for a delete or purge."""
+    if reply is None:
+        return []
+    try:
+        [(_, rows)] = cast("list[tuple[bytes, list]]", reply)
+        out = []
+        for entry_id, flat in rows:
+            fields = dict(zip(flat[::2], flat[1::2], strict=True))
+            out.append(Entry(bucket=bucket, key=_text(fields[b"key"]), value=fields.get(b"value"),
+                             revision=int(_text(entry_id).partition("-")[0]),
+                             created=int(_text(fields[b"created"])),
+                             operation=Operation.from_header(_text(fields[b"op"]))))
+        return out
+    except (TypeError, ValueError, KeyError):
+        raise ResponseError(f"unexpected XREAD reply: {reply!r:.200}") from None
+
+
+def _xread(bucket: str, after: int, count: int, block_ms: int) -> _Op[list[Entry]]:
+    reply = yield ("XREAD", "COUNT", count, "BLOCK", block_ms, "STREAMS", f"@{bucket}", f"{after}-0")
+    return _stream_entries(bucket, reply)
+
+
 def _info(section: str | None) -> _Op[dict[str, dict[str, object]]]:
     reply = yield ("INFO",) if section is None else ("INFO", section)
     return parse_info(_text(reply))
@@ -293,6 +319,24 @@ class Client:
     def keys(self, pattern: str = "*") -> list[str]:
         return self._run(_keys(pattern))
 
+    def watch(self, bucket: str, after: int = 0, count: int = 1000,
+              block_ms: int = WATCH_BLOCK_MS) -> Iterator[Entry]:
+        """Follow a bucket through its stream `@bucket` (docs/commands.md, "Streams"): every
+        key whose latest change is above revision `after` (0: the whole bucket first), then
+        each change as the sidecar applies it, in revision order, for as long as the caller
+        iterates. A delete or purge is an Entry with value None (its `operation` says which).
+        Keep the last entry's revision to resume from it, after a restart of either side.
+        An error reply (the replica stale or resyncing, a revision no longer answered
+        exactly) raises ResponseError: read again from the last revision, or from 0 when
+        the error says so. `block_ms` must stay below the client's timeout."""
+        if self.timeout is not None and block_ms >= self.timeout * 1000:
+            raise ValueError(f"block_ms {block_ms} must be below the client's timeout ({self.timeout}s)")
+        last = after
+        while True:
+            for entry in self._run(_xread(bucket, last, count, block_ms)):
+                last = entry.revision
+                yield entry
+
     def info(self, section: str | None = None) -> dict[str, dict[str, object]]:
         return self._run(_info(section))
 
@@ -384,6 +428,17 @@ class AsyncClient:
 
     async def keys(self, pattern: str = "*") -> list[str]:
         return await self._run(_keys(pattern))
+
+    async def watch(self, bucket: str, after: int = 0, count: int = 1000,
+                    block_ms: int = WATCH_BLOCK_MS) -> AsyncIterator[Entry]:
+        """Client.watch, for asyncio: `async for entry in client.watch("config"): ...`."""
+        if self.timeout is not None and block_ms >= self.timeout * 1000:
+            raise ValueError(f"block_ms {block_ms} must be below the client's timeout ({self.timeout}s)")
+        last = after
+        while True:
+            for entry in await self._run(_xread(bucket, last, count, block_ms)):
+                last = entry.revision
+                yield entry
 
     async def info(self, section: str | None = None) -> dict[str, dict[str, object]]:
         return await self._run(_info(section))

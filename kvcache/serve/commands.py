@@ -30,6 +30,7 @@ from .keyspace_events import parse_flags
 from .multi import CONTROL, QUEUED, Transactions
 from .pubsub import SUBSCRIBED_OK, PubSub
 from .scan import KeyListing
+from .streams import Streams
 from .tracking import TRACKED, Tracking, key_args
 
 __all__ = ["CommandError", "Commands"]
@@ -44,7 +45,7 @@ georadiusbymember getdel getex getset hdel hincrby hincrbyfloat hmset hset hsetn
 incrbyfloat linsert lmove lmpop lpop lpush lpushx lrem lset ltrim migrate move mset msetnx
 persist pexpire pexpireat pfadd pfmerge psetex publish rename renamenx restore rpop rpoplpush
 rpush rpushx sadd sdiffstore set setbit setex setnx setrange sinterstore smove spop srem
-sunionstore swapdb unlink xack xadd xautoclaim xclaim xdel xgroup xtrim zadd zdiffstore zincrby
+sunionstore swapdb unlink xack xadd xautoclaim xclaim xdel xgroup xreadgroup xsetid xtrim zadd zdiffstore zincrby
 zinterstore zmpop zpopmax zpopmin zrangestore zrem zremrangebylex zremrangebyrank
 zremrangebyscore zunionstore sort restore-asking
 """.split())
@@ -57,6 +58,7 @@ SUBCOMMANDS: dict[bytes, frozenset[bytes]] = {
     b"config": frozenset(b"get help resetstat rewrite set".split()),
     b"command": frozenset(b"count docs getkeys getkeysandflags help info list".split()),
     b"pubsub": frozenset(b"channels help numpat numsub shardchannels shardnumsub".split()),
+    b"xinfo": frozenset(b"consumers groups help stream".split()),
 }
 
 
@@ -109,6 +111,12 @@ COMMAND_SPECS: dict[str, tuple[int, tuple[str, ...], int, int, int, tuple[str, .
     "pubsub": (-2, (), 0, 0, 0, ("@slow",)),
     "reset": (1, ("noscript", "loading", "stale", "fast", "no_auth", "allow_busy"), 0, 0, 0,
               ("@fast", "@connection")),
+    "xread": (-4, ("readonly", "blocking", "movablekeys"), 0, 0, 0, ("@read", "@stream", "@slow", "@blocking")),
+    "xrange": (-4, ("readonly",), 1, 1, 1, ("@read", "@stream", "@slow")),
+    "xrevrange": (-4, ("readonly",), 1, 1, 1, ("@read", "@stream", "@slow")),
+    "xlen": (2, ("readonly", "fast"), 1, 1, 1, ("@read", "@stream", "@fast")),
+    "xinfo": (-2, (), 0, 0, 0, ("@slow",)),
+    "xpending": (-3, ("readonly",), 1, 1, 1, ("@read", "@stream", "@slow")),
 }
 
 # COMMAND DOCS: name -> (summary, group, since: the Redis version that introduced it, or
@@ -154,6 +162,12 @@ COMMAND_DOCS: dict[str, tuple[str, str, str | None]] = {
                      "pubsub", "2.0.0"),
     "pubsub": ("A container for Pub/Sub commands", "pubsub", "2.8.0"),
     "reset": ("Reset the connection", "connection", "6.2.0"),
+    "xread": ("Return new entries of a bucket's stream (@bucket), blocking if asked", "stream", "5.0.0"),
+    "xrange": ("Return a range of a bucket's stream (@bucket) by revision", "stream", "5.0.0"),
+    "xrevrange": ("Return a range of a bucket's stream (@bucket) in reverse", "stream", "5.0.0"),
+    "xlen": ("Return the number of entries of a bucket's stream (@bucket)", "stream", "5.0.0"),
+    "xinfo": ("A container for stream introspection commands", "stream", "5.0.0"),
+    "xpending": ("Pending entries of a consumer group (a bucket's stream has none)", "stream", "5.0.0"),
 }
 
 if TYPE_CHECKING:  # the connection the server hands every handler
@@ -179,7 +193,7 @@ class Commands:
     in request order); a CommandError becomes the RESP error reply."""
 
     def __init__(self, cfg: Config, reads: Reads, stats: Stats, tracking: Tracking, pubsub: PubSub,
-                 transactions: Transactions, info: Info,
+                 transactions: Transactions, info: Info, streams: Streams,
                  clients: Callable[[], Iterable[Session]] = lambda: ()) -> None:
         self.cfg = cfg
         self.reads = reads
@@ -190,6 +204,7 @@ class Commands:
         self.pubsub = pubsub
         self.transactions = transactions
         self.info_source = info
+        self.streams = streams  # XREAD, XRANGE, XREVRANGE, XLEN, XINFO of `@<bucket>`
         self.timing: dict[bytes, Latency] | None = None  # per command, once time_commands() is called
         # `clients`: every open connection, oldest first (CLIENT LIST, CLIENT KILL)
         self.session = SessionCommands(cfg, tracking, pubsub, transactions, self.dispatch, clients)
@@ -200,6 +215,8 @@ class Commands:
             b"config": self.config, b"ttl": self.ttl, b"pttl": self.pttl,
             b"expiretime": self.expiretime, b"pexpiretime": self.pexpiretime,
             b"type": self.type, b"strlen": self.strlen, b"getrange": self.getrange,
+            b"xread": streams.xread, b"xrange": streams.xrange, b"xrevrange": streams.xrevrange,
+            b"xlen": self.xlen, b"xinfo": self.xinfo, b"xpending": self.xpending,
             **self.session.table(),
         }
 
@@ -237,6 +254,7 @@ class Commands:
         self.tracking.disable(conn)
         self.pubsub.drop(conn)
         self.transactions.unwatch(conn)
+        self.streams.forget(conn)
 
     def dispatch(self, conn: Session, args: list[bytes]) -> Reply:
         self.stats.commands += 1
@@ -358,7 +376,24 @@ class Commands:
 
     @arity(2)
     def type(self, conn: Session, args: list[bytes]) -> Reply:
+        if args[1][:1] == b"@":
+            return self.streams.type(conn, args)
         return self.reads.one(args[1], "TYPE", lambda e: STRING_TYPE if e is not None else NONE_TYPE)
+
+    @arity(2)
+    def xlen(self, conn: Session, args: list[bytes]) -> Reply:
+        return self.streams.xlen(conn, args)
+
+    @arity(2, exact=False)
+    def xinfo(self, conn: Session, args: list[bytes]) -> Reply:
+        return self.streams.xinfo(conn, args)
+
+    @arity(3, exact=False)
+    def xpending(self, conn: Session, args: list[bytes]) -> Reply:
+        """No consumer group exists on a bucket's stream (XGROUP CREATE is a write)."""
+        self.streams.stream_of(args[1])
+        raise CommandError(f"NOGROUP No such key '{args[1][:64].decode(errors='replace')}' or consumer group "
+                           f"'{args[2][:64].decode(errors='replace')}'")
 
     @arity(2)
     def strlen(self, conn: Session, args: list[bytes]) -> Reply:

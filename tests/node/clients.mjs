@@ -73,8 +73,66 @@ async function ioredisMulti() {
   client.disconnect();
 }
 
+// A bucket's stream `@<bucket>` (<key> is the bucket here) through each library's own stream
+// API: rows are [revision, key, op, value or null].
+const nodeRows = (messages) => messages.map(({ id, message }) =>
+  [Number(id.split('-')[0]), message.key, message.op, message.value ?? null]);
+const ioRows = (entries) => entries.map(([id, flat]) => {
+  const f = {};
+  for (let i = 0; i < flat.length; i += 2) f[flat[i]] = flat[i + 1];
+  return [Number(id.split('-')[0]), f.key, f.op, f.value ?? null];
+});
+
+async function nodeRedisStream() {
+  const stream = `@${key}`;
+  const client = createClient({ socket: { path } });
+  await client.connect();
+  const listing = nodeRows(await client.xRange(stream, '-', '+'));
+  const [{ name, messages }] = await client.xRead({ key: stream, id: '0' });
+  out({ listing, name, read: nodeRows(messages) });
+  const mid = listing[Math.floor(listing.length / 2)][0];
+  const resumed = await client.xRead({ key: stream, id: `${mid}-0` });
+  out({ mid, resumed: resumed ? nodeRows(resumed[0].messages) : [] });
+  const blocking = client.duplicate();  // node-redis: a blocking read needs its own connection
+  await blocking.connect();
+  for (const turn of ['put', 'delete']) {
+    const last = listing.length ? `${listing[listing.length - 1][0]}-0` : '0';
+    const pending = blocking.xRead({ key: stream, id: '$' }, { BLOCK: 20000 });
+    await sleep(200);  // the read is blocked on the sidecar before the writer's turn
+    await writerTurn();
+    const got = await pending;
+    out({ turn, live: got ? nodeRows(got[0].messages) : null, last });
+  }
+  await blocking.close();
+  await client.close();
+}
+
+async function ioredisStream() {
+  const stream = `@${key}`;
+  const client = new Redis({ path, lazyConnect: true, maxRetriesPerRequest: 1 });
+  await client.connect();
+  const listing = ioRows(await client.xrange(stream, '-', '+'));
+  const [[name, entries]] = await client.xread('STREAMS', stream, '0');
+  out({ listing, name, read: ioRows(entries) });
+  const mid = listing[Math.floor(listing.length / 2)][0];
+  const resumed = await client.xread('STREAMS', stream, `${mid}-0`);
+  out({ mid, resumed: resumed ? ioRows(resumed[0][1]) : [] });
+  const blocking = new Redis({ path, lazyConnect: true, maxRetriesPerRequest: 1 });
+  await blocking.connect();
+  for (const turn of ['put', 'delete']) {
+    const pending = blocking.xread('BLOCK', 20000, 'STREAMS', stream, '$');
+    await sleep(200);
+    await writerTurn();
+    const got = await pending;
+    out({ turn, live: got ? ioRows(got[0][1]) : null });
+  }
+  blocking.disconnect();
+  client.disconnect();
+}
+
 const scenarios = { 'node-redis-cache': nodeRedisCache, 'node-redis-multi': nodeRedisMulti,
-                    'ioredis-multi': ioredisMulti };
+                    'ioredis-multi': ioredisMulti, 'node-redis-stream': nodeRedisStream,
+                    'ioredis-stream': ioredisStream };
 const timer = setTimeout(() => { out({ error: 'timed out' }); process.exit(2); }, 60000);
 scenarios[scenario]().then(() => { clearTimeout(timer); process.exit(0); },
   (e) => { out({ error: String(e && e.stack || e) }); process.exit(1); });
