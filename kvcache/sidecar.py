@@ -154,7 +154,8 @@ class Sidecar:
             hub.add(listener)
         hub.follow(streams.advanced)
         reads = Reads(self.cfg, policy, self.router, self.stats, access)
-        info = Info(self.cfg, self.stats, policy, self.router, access, tracking, pubsub, gets.cache_reads)
+        info = Info(self.cfg, self.stats, policy, self.router, access, tracking, pubsub, gets.cache_reads,
+                    streams)
         self.commands = Commands(self.cfg, reads, self.stats, tracking, pubsub, transactions, info,
                                  streams, clients.values)
         hub.start_watch(self.feeds.values())

@@ -119,12 +119,16 @@ def test_blocked_readers_wake_on_the_feed(env):
     t = threading.Thread(target=reader)
     t.start()
     ready.wait(5)
-    wait_until(lambda: b"cmd=xread" in r.execute_command("CLIENT", "LIST"), 10, "the reader blocked")
+    wait_until(lambda: r.info("clients")["blocked_clients"] == 1, 10, "the reader blocked")
+    assert b"cmd=xread" in r.execute_command("CLIENT", "LIST")
+    sent = r.info("stats")["stream_entries_sent"]
     rev = put(env["url"], "live", b"now")
     t.join(30)
     assert not t.is_alive()
     assert got and as_rows(got[0][1]) == [(rev, "live", "PUT")]
     assert got[0][1][0][1][b"value"] == b"now"
+    assert r.info("clients")["blocked_clients"] == 0
+    assert r.info("stats")["stream_entries_sent"] == sent + 1
     # a BLOCK that times out is the null reply
     t0 = time.monotonic()
     assert r.xread({f"@{BUCKET}": "$"}, block=300) == []

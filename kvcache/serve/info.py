@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from ..read.policy import ReadPolicy
     from ..read.router import Router
     from .pubsub import PubSub
+    from .streams import Streams
     from .tracking import Tracking
 
 DEFAULT_SECTIONS = frozenset({"server", "clients", "stats", "replication", "buckets", "peers"})
@@ -50,8 +51,10 @@ class Info:
 
     def __init__(self, cfg: Config, stats: Stats, policy: ReadPolicy, router: Router, access: AccessLog,
                  tracking: Tracking | None = None, pubsub: PubSub | None = None,
-                 fast_cache_reads: Callable[[], dict[str, tuple[int, int]]] | None = None) -> None:
+                 fast_cache_reads: Callable[[], dict[str, tuple[int, int]]] | None = None,
+                 streams: Streams | None = None) -> None:
         self.cfg = cfg
+        self.streams = streams
         self.stats = stats
         self.policy = policy
         self.router = router
@@ -89,6 +92,7 @@ class Info:
                 ("subscribers_cut_off", st.subscribers_cut_off),
                 ("tracking_clients", len(self.tracking.clients) if self.tracking else 0),
                 ("pubsub_clients", self.pubsub.clients() if self.pubsub else 0),
+                ("blocked_clients", self.streams.blocked if self.streams else 0),
             ],
             "stats": [
                 ("gets_local", st.gets_local), ("gets_cached", st.gets_cached),
@@ -97,6 +101,7 @@ class Info:
                 ("gets_stale", st.gets_stale), ("reads_gathered", st.reads_gathered),
                 ("reads_coalesced", st.reads_coalesced),
                 ("stream_list_requests", st.stream_list_requests),
+                ("stream_entries_sent", self.streams.entries_sent if self.streams else 0),
                 ("total_commands_processed", st.commands),
                 ("total_connections_received", st.connections_received),
                 ("protocol_errors", st.protocol_errors),

@@ -70,7 +70,7 @@ class Streams:
         self._seen: dict[int, dict[str, int]] = {}
         # (bucket, after, count, proto) -> the stream's part of an XREAD reply, shared by the
         # readers one wake round resumes (cleared when the round is over)
-        self._round: dict[tuple[str, int, int | None, int], tuple[bytes, int]] = {}
+        self._round: dict[tuple[str, int, int | None, int], tuple[bytes, int, int]] = {}
         self.entries_sent = 0
         self.blocked = 0
 
@@ -196,7 +196,7 @@ class Streams:
                                              self.cfg.max_reply_bytes, proto)
                 if not entries:
                     continue
-                hit = (resp.bulk(key, proto) + resp.array(entries), top)
+                hit = (resp.bulk(key, proto) + resp.array(entries), top, len(entries))
                 if self.waiting or self.blocked:  # others may read the same in this round
                     if not self._round:
                         asyncio.get_running_loop().call_soon(self._round.clear)
@@ -205,7 +205,7 @@ class Streams:
                 seen = self._seen.setdefault(conn.id, {})
                 if hit[1] > seen.get(bc.name, 0):
                     seen[bc.name] = hit[1]
-                self.entries_sent += 1
+                self.entries_sent += hit[2]
             parts.append(hit[0])
         if not parts:
             return None
