@@ -41,7 +41,7 @@ def env(tmp_path_factory) -> Iterator[dict]:
 
     try:
         nats_run(server.url, setup)
-        sc = SidecarProcess(d / "sc", server.url, [BUCKET])
+        sc = SidecarProcess(d / "sc", server.url, [BUCKET], extra=["--listen", "127.0.0.1:0"])
         with sc:
             sc.start(timeout=60)
             yield {"url": server.url, "sock": sc.socket, "dir": d, "server": server, "sc": sc}
@@ -133,6 +133,16 @@ def test_blocked_readers_wake_on_the_feed(env):
     t0 = time.monotonic()
     assert r.xread({f"@{BUCKET}": "$"}, block=300) == []
     assert time.monotonic() - t0 >= 0.25
+
+
+def test_the_tcp_listener_serves_the_same_stream(env):
+    with redis.Redis(unix_socket_path=env["sock"]) as r:
+        listen = r.info("server")["listen"]
+        entries = r.xrange(f"@{BUCKET}")
+    host, port = listen.rsplit(":", 1)
+    with redis.Redis(host=host, port=int(port), protocol=3) as t:
+        assert t.xrange(f"@{BUCKET}") == entries
+        assert t.xread({f"@{BUCKET}": 0}) == {f"@{BUCKET}".encode(): [entries]}
 
 
 def test_resp3_multi_and_errors(env):
