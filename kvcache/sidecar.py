@@ -152,7 +152,7 @@ class Sidecar:
         streams = Streams(self.cfg, policy, on_first=hub.wake)
         for listener in (tracking, pubsub, transactions, streams):  # one hub: one consumer per bucket
             hub.add(listener)
-        hub.follow(streams.advanced)
+        hub.follow(streams)
         reads = Reads(self.cfg, policy, self.router, self.stats, access)
         info = Info(self.cfg, self.stats, policy, self.router, access, tracking, pubsub, gets.cache_reads,
                     streams)

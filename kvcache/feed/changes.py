@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Protocol
 
 from ..config import BucketConfig
@@ -47,6 +47,13 @@ class Watched(Protocol):
     def fresh_within(self, max_stale_ms: int) -> bool: ...
 
 
+class Follower(Protocol):
+    """Something told of every batch applied and every removal, whatever it held."""
+
+    def advanced(self, bucket: str) -> None: ...
+    def removed(self, bucket: str) -> None: ...
+
+
 class Listener(Protocol):
     """Something in the server that reacts to the replica's changes."""
 
@@ -67,23 +74,32 @@ class ChangeHub:
         self.flushes = 0     # flushes handed to listeners
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        # called with the bucket after every batch a feed applies, whatever it held (the
-        # buckets' streams wake their blocked readers on it: kvcache.serve.streams)
-        self.followers: list[Callable[[str], None]] = []
+        # told of every batch a feed applies and every removal with no message, whatever
+        # they held (the buckets' streams: kvcache.serve.streams)
+        self.followers: list[Follower] = []
 
     def add(self, listener: Listener) -> None:
         self.listeners.append(listener)
 
-    def follow(self, fn: Callable[[str], None]) -> None:
-        self.followers.append(fn)
+    def follow(self, follower: Follower) -> None:
+        self.followers.append(follower)
 
     def advanced(self, bucket: str) -> None:
         """A feed applied a batch of `bucket` (its replica and revision index moved on)."""
-        for fn in self.followers:
+        for f in self.followers:
             try:
-                fn(bucket)
+                f.advanced(bucket)
             except Exception:  # a follower's bug must not stop the feed
-                log.exception("change follower %r failed", fn)
+                log.exception("change follower %r failed", f)
+
+    def removed(self, bucket: str) -> None:
+        """Keys of `bucket` left the replica with no message (a purge without markers, the
+        stream's limits, expiry, a cleared bucket): its revision index lost entries."""
+        for f in self.followers:
+            try:
+                f.removed(bucket)
+            except Exception:
+                log.exception("change follower %r failed", f)
 
     @property
     def active(self) -> bool:

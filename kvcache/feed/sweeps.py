@@ -128,10 +128,13 @@ class Maintenance:
         """Delete records that left the stream with no message; tell the hub (`del`)."""
         hub = self.hub
         if hub is None or not hub.active:
-            return self.replica.delete_lkeys(self.bucket, lkeys)
-        keys = self.replica.keys_of(self.bucket, lkeys)
-        removed = self.replica.delete_lkeys(self.bucket, lkeys)
-        hub.changed(self.bucket, [(k, DEL) for _, k in keys])
+            removed = self.replica.delete_lkeys(self.bucket, lkeys)
+        else:
+            keys = self.replica.keys_of(self.bucket, lkeys)
+            removed = self.replica.delete_lkeys(self.bucket, lkeys)
+            hub.changed(self.bucket, [(k, DEL) for _, k in keys])
+        if hub is not None and hub.followers:
+            hub.removed(self.bucket)
         return removed
 
     async def _sweep_loop(self) -> None:
@@ -158,6 +161,8 @@ class Maintenance:
                     gone: list[str] | None = [] if hub is not None and hub.active else None
                     removed, more = self.replica.sweep_expired(self.bucket, time.time_ns(), EXPIRY_PAGE, gone)
                     self.removed_upstream += removed
+                    if removed and hub is not None and hub.followers:
+                        hub.removed(self.bucket)
                     if gone:
                         hub.changed(self.bucket, [(k, EXPIRED) for k in gone])  # type: ignore[union-attr]
                     if more:
@@ -248,6 +253,8 @@ class Maintenance:
                 self.replica.clear_bucket(self.bucket)
                 if keys:
                     hub.changed(self.bucket, [(k, DEL) for k in keys])  # type: ignore[union-attr]
+                if hub is not None and hub.followers:
+                    hub.removed(self.bucket)
             return n
         removed = 0
         after: bytes | None = None

@@ -39,6 +39,7 @@ from ..errors import CommandError, ReplyTooLarge
 from ..store import revindex
 from . import stream_ids
 from .stream_ids import U64, format_id
+from .stream_tail import Tail
 
 if TYPE_CHECKING:
     from ..feed.feed import Feed
@@ -50,6 +51,8 @@ NOT_A_STREAM = ("ERR '{key}' is not a stream: kvcache's streams are '@<bucket>',
                 "changes (XREAD, XRANGE, XREVRANGE, XLEN, XINFO STREAM)")
 # XINFO STREAM FULL's default number of entries, as Redis
 XINFO_FULL_COUNT = 10
+# A bucket's tail is kept while someone reads it: dropped at a batch when none has for this long
+TAIL_IDLE_S = 10.0
 
 # (key, bucket config, feed, revisions above which to read)
 Want = tuple[bytes, BucketConfig, "Feed", int]
@@ -68,9 +71,8 @@ class Streams:
         self.waiting: dict[str, dict[asyncio.Future, None]] = {}
         # connection id -> bucket -> the highest revision handed out to it
         self._seen: dict[int, dict[str, int]] = {}
-        # (bucket, after, count, proto) -> the stream's part of an XREAD reply, shared by the
-        # readers one wake round resumes (cleared when the round is over)
-        self._round: dict[tuple[str, int, int | None, int], tuple[bytes, int, int]] = {}
+        # bucket -> the recent end of its stream, encoded once for every reader (stream_tail)
+        self._tails: dict[str, Tail] = {}
         self.entries_sent = 0
         self.blocked = 0
 
@@ -82,7 +84,7 @@ class Streams:
 
     @property
     def wants_flushes(self) -> bool:
-        return bool(self.waiting)
+        return bool(self.waiting or self._tails)
 
     def changed(self, bucket: str, changes: list) -> None:
         pass
@@ -90,15 +92,32 @@ class Streams:
     def flushed(self, bucket: str, why: str) -> None:
         """The bucket's replica can no longer be vouched for (a full resync, a lost
         consumer, past max_stale_ms): its blocked readers end with an error."""
-        self._round.clear()
+        self._tails.pop(bucket, None)
         self._wake(bucket, {"resync": "a full resync began", "consumer": "its consumer was lost",
                             "stale": "its replica passed max_stale_ms"}.get(why, why))
 
     def advanced(self, bucket: str) -> None:
-        """A feed applied a batch of `bucket`: its blocked readers look again."""
-        if self._round:
-            self._round.clear()
+        """A feed applied a batch of `bucket`: its tail takes the new entries (each encoded
+        once, here), its blocked readers look again."""
+        tail = self._tails.get(bucket)
+        if tail is not None:
+            if bucket not in self.waiting and time.monotonic() - tail.used > TAIL_IDLE_S:
+                del self._tails[bucket]  # nobody follows it now: no encoding for nobody
+            else:
+                self._extend(bucket, tail)
         self._wake(bucket, None)
+
+    def removed(self, bucket: str) -> None:
+        """Entries left the bucket's index with no newer one: its tail cannot tell."""
+        self._tails.pop(bucket, None)
+
+    def _extend(self, bucket: str, tail: Tail) -> None:
+        rdb = self.replica.revs_ro(bucket)
+        if rdb is None:
+            return
+        with self.replica.env.begin(buffers=True) as txn:
+            tail.extend(revindex.entries(txn, self.replica.db(bucket), rdb, tail.top + 1, U64, None, False,
+                                         time.time_ns(), self.replica.max_age.get(bucket, 0)))
 
     def _wake(self, bucket: str, why: str | None) -> None:
         waiting = self.waiting.pop(bucket, None)
@@ -177,36 +196,40 @@ class Streams:
                 if size > limit:
                     raise ReplyTooLarge(f"ERR reply too large: its entries exceed max_reply_bytes ({limit}); "
                                         "ask for fewer with COUNT")
-        if out:
-            seen = self._seen.setdefault(conn.id, {})
-            if top > seen.get(bc.name, 0):
-                seen[bc.name] = top
-            self.entries_sent += len(out)
         return out, top
 
+    def _handed(self, conn: Session, bucket: str, n: int, top: int) -> None:
+        """n entries, up to revision `top`, go to the connection: never older than these."""
+        if n:
+            seen = self._seen.setdefault(conn.id, {})
+            if top > seen.get(bucket, 0):
+                seen[bucket] = top
+            self.entries_sent += n
+
     def _read(self, conn: Session, wants: Sequence[Want], count: int | None) -> bytes | None:
-        """XREAD's reply for what is there now, None when no stream has anything."""
+        """XREAD's reply for what is there now, None when no stream has anything. From the
+        bucket's tail when the ID falls in it; else from the index, and the tail starts."""
         proto = conn.proto
+        budget = self.cfg.max_reply_bytes
         parts: list[bytes] = []
-        for key, bc, _, after in wants:
-            shared = (bc.name, after, count, proto)
-            hit = self._round.get(shared)
-            if hit is None:
-                entries, top = self._entries(conn, bc, after + 1, U64, count, False,
-                                             self.cfg.max_reply_bytes, proto)
-                if not entries:
-                    continue
-                hit = (resp.bulk(key, proto) + resp.array(entries), top, len(entries))
-                if self.waiting or self.blocked:  # others may read the same in this round
-                    if not self._round:
-                        asyncio.get_running_loop().call_soon(self._round.clear)
-                    self._round[shared] = hit
-            else:
-                seen = self._seen.setdefault(conn.id, {})
-                if hit[1] > seen.get(bc.name, 0):
-                    seen[bc.name] = hit[1]
-                self.entries_sent += hit[2]
-            parts.append(hit[0])
+        for key, bc, feed, after in wants:
+            got = None
+            tail = self._tails.get(bc.name)
+            if tail is not None and tail.covers(after):
+                got = tail.answer(after, count, budget, time.time_ns())
+                if got is None:  # an entry passed its deadline, or COUNT among blanks
+                    del self._tails[bc.name]
+                    tail = None
+            if got is None:
+                entries, top = self._entries(conn, bc, after + 1, U64, count, False, budget, proto)
+                got = (resp.array(entries), len(entries), top)
+                if tail is None:
+                    self._tails[bc.name] = Tail(feed.meta.applied_seq, _encode)
+            data, n, top = got
+            if not n:
+                continue
+            self._handed(conn, bc.name, n, top)
+            parts.append(resp.bulk(key, proto) + data)
         if not parts:
             return None
         if proto == 3:
@@ -296,7 +319,8 @@ class Streams:
         self._vouch(conn, bc, feed)
         if first > 1:
             self._exact_after(bc, feed, first - 1)
-        entries, _ = self._entries(conn, bc, first, last, count, reverse, None, conn.proto)
+        entries, top = self._entries(conn, bc, first, last, count, reverse, None, conn.proto)
+        self._handed(conn, bc.name, len(entries), top)
         return resp.array(entries)
 
     def xrange(self, conn: Session, args: list[bytes]) -> bytes:
