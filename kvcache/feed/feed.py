@@ -499,7 +499,7 @@ class Feed(Maintenance):
         deletes = any(r.deletes for r in runs)
         marks = [mk for r in runs for mk in r.marks] if deletes else ()
         self.replica.apply_items(self.bucket, items, m, deletes=deletes, deadlines=self._deadlines,
-                                 marks=marks)
+                                 marks=marks, fresh=self._full and self._seen is None)
         if self._deadlines:
             self._sweep_wake.set()
         self.meta = m
