@@ -34,10 +34,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import random
 import resource
 import socket
+import struct
 import sys
+import termios
 import threading
 import time
 from dataclasses import dataclass, field
@@ -136,6 +139,7 @@ class Phase:
     connected: int = 0
     cut_off: int = 0
     omem: int = 0          # CLIENT LIST omem summed over every connection but the bystander's
+    kernel: int = 0        # replies queued in the kernel for the stuck sockets (FIONREAD, summed)
     seconds: float = 0.0
 
     def pct(self, q: float) -> float:
@@ -220,6 +224,12 @@ def open_stuck(sock: str, n: int, pipeline: int, large: int) -> list[socket.sock
     return conns
 
 
+def unread(s: socket.socket) -> int:
+    """Bytes waiting in a socket's receive queue: for a Unix socket, what the sidecar wrote
+    that the kernel holds (charged to the sidecar's send buffer; not in its RSS)."""
+    return struct.unpack("i", fcntl.ioctl(s.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
 # ----------------------------------------------------------------------------- the run
 
 def run(work: Path, args: argparse.Namespace) -> tuple[list[Phase], dict[str, object]]:
@@ -259,6 +269,7 @@ def run(work: Path, args: argparse.Namespace) -> tuple[list[Phase], dict[str, ob
         wait_until(lambda: clients(sock)[0] >= args.stuck + 1, 30, f"{args.stuck} stuck connections registered")
         time.sleep(args.settle)
         stuck = measure(Phase(f"{args.stuck} stuck readers"), sock, small, sampler, args.gets, args.timeout)
+        stuck.kernel = sum(unread(s) for s in conns)
         stuck.seconds = time.monotonic() - t_open
         phases.append(stuck)
         if args.stall_ms and stuck.cut_off > phases[0].cut_off:
@@ -301,19 +312,23 @@ def table(phases: list[Phase], facts: dict[str, object], args: argparse.Namespac
              f"a bystander's {args.gets:,} GETs of a {len(SMALL_VALUE)}-byte key per phase (kvcache.Client, "
              f"one at a time); kvcache {facts.get('version', '?')}, native {facts.get('native', '?')}", "",
              "| phase | bystander p50 µs | p99 µs | max µs | sidecar RSS MiB, max during (at end) | RssAnon MiB, "
-             "max (at end) | replies held (CLIENT LIST omem) MiB | connected clients | clients_cut_off |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "max (at end) | replies held (CLIENT LIST omem) MiB | in the kernel (unread in the sockets) MiB | "
+             "connected clients | clients_cut_off |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in phases:
         lines.append(f"| {p.name} | {p.pct(0.5):.1f} | {p.pct(0.99):.1f} | {max(p.lat_us):.0f} | "
                      f"{p.max_rss / MIB:,.0f} ({p.end_rss / MIB:,.0f}) | {p.max_anon / MIB:,.0f} "
-                     f"({p.end_anon / MIB:,.0f}) | {p.omem / MIB:,.1f} | {p.connected} | {p.cut_off} |")
+                     f"({p.end_anon / MIB:,.0f}) | {p.omem / MIB:,.1f} | {p.kernel / MIB:,.1f} | {p.connected} | "
+                     f"{p.cut_off} |")
     stuck = phases[1]
     grown = stuck.max_rss - base.max_rss
     lines += ["",
               f"RSS growth with the stuck readers: {grown / MIB:,.0f} MiB, {grown / max(1, args.stuck) / MIB:.2f} MiB "
               f"per stuck connection (RssAnon {(stuck.max_anon - base.max_anon) / max(1, args.stuck) / MIB:.2f}); "
               f"the replies the sidecar held for them: {stuck.omem / max(1, args.stuck) / MIB:.2f} MiB each "
-              f"(of {args.pipeline * args.value_size / MIB:,.0f} MiB requested); "
+              f"(of {args.pipeline * args.value_size / MIB:,.0f} MiB requested), and the kernel "
+              f"{stuck.kernel / max(1, args.stuck) / MIB:.2f} MiB each (a reply of 128 KiB or more raises its "
+              f"socket's send buffer to up to 1 MiB, which Linux books twice: SNDBUF_MAX, kvcache/serve/get.py); "
               f"p99 {stuck.pct(0.99) / base.pct(0.99):.2f}× the baseline's, p50 {stuck.pct(0.5) / base.pct(0.5):.2f}×.",
               f"Bounds: a connection stops reading requests once more than {WRITE_HIGH_WATER // MIB} MiB of its "
               f"output is unsent (WRITE_HIGH_WATER, kvcache/serve/connection.py), so it holds at most that plus "

@@ -95,16 +95,25 @@ async def load(url: str, n: int, value_size: int, chunk: int, deadline: float) -
 
 # ----------------------------------------------------------------------------- (a) kvcache
 
-def bench_kvcache(url: str, n: int, work: Path, timeout: float) -> Result:
+def replica_disk_bytes(data_dir: Path) -> int:
+    """What the replica's LMDB file takes on disk (allocated blocks: the map is sparse)."""
+    f = data_dir / "replica" / "data.mdb"
+    return f.stat().st_blocks * 512 if f.exists() else 0
+
+
+def bench_kvcache(url: str, n: int, work: Path, timeout: float, src: Path = ROOT,
+                  kind: str = "kvcache") -> Result:
     data_dir = work / "kvcache"
     sock = str(work / "kvcache.sock")
     log_path = work / "kvcache.log"
     args = [sys.executable, "-m", "kvcache", "serve", "--nats", url, "--bucket", BUCKET,
             "--data-dir", str(data_dir), "--socket", sock, "--log-level", "info"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": str(src) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    name = "kvcache serve (process start to synced)" if src == ROOT else f"kvcache from {src} (process start to synced)"
     with open(log_path, "ab") as log:
         t0 = time.monotonic()
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+        # started in `src`: `python -m` puts the working directory before PYTHONPATH
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=src,
                                 stdin=subprocess.DEVNULL, env=env, preexec_fn=die_with_parent)
     try:
         deadline = t0 + timeout
@@ -121,11 +130,12 @@ def bench_kvcache(url: str, n: int, work: Path, timeout: float) -> Result:
                 seconds = time.monotonic() - t0
                 own = [ln for ln in log_path.read_text().splitlines() if "synced" in ln and "keys in" in ln]
                 note = own[-1].split(": ", 1)[-1] if own else ""
-                return Result("kvcache serve (process start to synced)", n, seconds, True,
-                              f"feed's own log: {note}" if note else "", kind="kvcache")
+                disk = f"replica {replica_disk_bytes(data_dir) / (1 << 20):,.0f} MiB on disk"
+                return Result(name, n, seconds, True,
+                              f"feed's own log: {note}; {disk}" if note else disk, kind=kind)
             time.sleep(0.02)
-        return Result("kvcache serve (process start to synced)", state.get("keys", 0), None, False,
-                      f"not synced after {timeout:.0f}s: {state}", kind="kvcache")
+        return Result(name, state.get("keys", 0), None, False,
+                      f"not synced after {timeout:.0f}s: {state}", kind=kind)
     finally:
         if proc.poll() is None:
             proc.terminate()
@@ -326,7 +336,8 @@ def versions() -> str:
 
 
 METHODS = ("kvcache", "raw", "raw-scan", "watch", "watch-raised")
-REPEATED = ("kvcache", "raw", "raw-scan")  # seconds each: best of `repeat`; nats-py's watch runs once
+# seconds each: best of `repeat`; nats-py's watch runs once. kvcache-other: --other-src's kvcache
+REPEATED = ("kvcache", "kvcache-other", "raw", "raw-scan")
 
 
 @dataclass
@@ -363,7 +374,7 @@ class SyncRun:
 
 async def run(work: Path, n: int, value_size: int = 100, chunk: int = 5000, timeout: float = 300,
               stall: float = 15, load_timeout: float = 900, window: int = 16384,
-              methods: tuple[str, ...] = METHODS, repeat: int = 1) -> SyncRun:
+              methods: tuple[str, ...] = METHODS, repeat: int = 1, other_src: Path | None = None) -> SyncRun:
     """Start a nats-server under `work`, load n keys, measure each method in turn (the quick
     ones best of `repeat`), stop it."""
     out = SyncRun(n, value_size, versions=versions())
@@ -373,12 +384,16 @@ async def run(work: Path, n: int, value_size: int = 100, chunk: int = 5000, time
         out.load_seconds = await load(server.url, n, value_size, chunk, time.monotonic() + load_timeout)
         print(f"loaded {n:,} keys ({value_size} B values) in {out.load_seconds:.1f}s "
               f"({n / out.load_seconds:,.0f} publishes/s); {out.versions}", file=sys.stderr, flush=True)
+        if other_src is not None:  # alternate with this tree's kvcache, run after run
+            methods = tuple(m for k in methods for m in ((k, "kvcache-other") if k == "kvcache" else (k,)))
         for kind in methods:
             runs: list[Result] = []
             for i in range(repeat if kind in REPEATED else 1):
-                if kind == "kvcache":  # a fresh data directory each time: a full sync, not a resume
-                    (work / f"run{i}").mkdir()
-                    r = bench_kvcache(server.url, n, work / f"run{i}", timeout)
+                if kind in ("kvcache", "kvcache-other"):  # a fresh data directory: a full sync, not a resume
+                    run_dir = work / f"{kind}-run{i}"
+                    run_dir.mkdir()
+                    r = bench_kvcache(server.url, n, run_dir, timeout, *(
+                        (other_src, kind) if kind == "kvcache-other" else ()))
                 elif kind in ("raw", "raw-scan"):
                     r = await bench_raw(server.url, n, timeout, stall, window, scan=kind == "raw-scan")
                 else:
@@ -408,6 +423,9 @@ def main() -> int:
     p.add_argument("--window", type=int, default=16384, help="raw consumer: messages per pull request")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
     p.add_argument("--repeat", type=int, default=1, help=f"runs of {', '.join(REPEATED)} (the best is kept)")
+    p.add_argument("--other-src", type=Path, default=None, metavar="DIR",
+                   help="also sync with the kvcache of this source tree (e.g. a worktree of an older "
+                        "commit, its extensions built), after each run of this one")
     args = p.parse_args()
     methods = tuple(m for m in args.methods.split(",") if m)
     if unknown := set(methods) - set(METHODS):
@@ -415,7 +433,8 @@ def main() -> int:
     exit_on_sigterm()
     with tempfile.TemporaryDirectory(prefix="kvcache-bench-") as tmp:
         out = asyncio.run(run(Path(tmp), args.keys, args.value_size, args.chunk, args.timeout,
-                              args.stall, args.load_timeout, args.window, methods, args.repeat))
+                              args.stall, args.load_timeout, args.window, methods, args.repeat,
+                              args.other_src))
     print("\n" + out.table())
     return 0
 
