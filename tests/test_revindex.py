@@ -127,3 +127,17 @@ def test_expired_records_and_markers_read_as_absent(replica):
     assert removed == 1
     with replica.env.begin() as txn:
         assert revindex.length(txn, replica.revs_ro("b")) == 2  # new, and the marker (read as absent)
+
+
+def test_markers_leave_when_the_stream_drops_them(replica):
+    deliver(replica, [(1, b"a", "PUT", b"1"), (2, b"b", "DEL", None), (3, b"c.x", "PURGE", None),
+                      (4, b"d", "DEL", None), (5, b"e", "PUT", b"5"), (6, b"f", "DEL", None)], 6)
+    assert replica.drop_markers_below("b", 3) == 1  # the stream now starts at 3: b's marker is gone
+    assert [e[1] for e in listing(replica)] == [b"a", b"c.x", b"d", b"e", b"f"]
+    # a pass over `c.*` that saw no marker for c.x, up to sequence 5: c.x's goes, d's and f's stay
+    assert replica.drop_tombstones("b", keep=set(), max_revision=5, within=["c.*"]) == 1
+    assert replica.drop_tombstones("b", keep={b"d"}, max_revision=5) == 0  # f's is newer than the pass
+    assert [e[1] for e in listing(replica)] == [b"a", b"d", b"e", b"f"]
+    assert replica.max_removed("b") == 3
+    deliver(replica, [(7, b"b", "PUT", b"7")], 7)  # a key whose tombstone went, written again
+    assert [e[1] for e in listing(replica)] == [b"a", b"d", b"e", b"f", b"b"]

@@ -275,3 +275,30 @@ def test_kvcache_clients_watch_a_bucket(env):
         return got
     got = asyncio.run(follow())
     assert [(g.key, g.operation) for g in got] == [("watched", Operation.DEL), ("async", Operation.PUT)]
+
+
+def test_markers_the_stream_drops_leave_the_stream(env, tmp_path):
+    """A delete stays an entry while its marker is in the stream; `purge_deletes` (a subject
+    purge of each marker) takes it out of the stream, and out of `@<bucket>` too, once the
+    sidecar has seen the purge: the listing is again what a NATS watch from 0 delivers."""
+    async def setup(js):
+        kv = await js.create_key_value(bucket="pd", history=1)
+        await kv.put("live", b"1")
+        await kv.put("gone", b"2")
+        await kv.delete("gone")
+        await kv.put("purged", b"3")
+        await kv.purge("purged")
+    nats_run(env["url"], setup)
+    sc = SidecarProcess(tmp_path / "sc", env["url"], ["pd"])
+    with sc:
+        sc.start(timeout=60)
+        r = redis.Redis(unix_socket_path=sc.socket)
+        assert [k for _, k, _ in as_rows(r.xrange("@pd"))] == ["live", "gone", "purged"]
+
+        async def purge(js):
+            await (await js.key_value("pd")).purge_deletes(olderthan=0)
+        nats_run(env["url"], purge)
+        sc.wait_for(lambda: len(r.xrange("@pd")) == 1, 20, "the purged markers to leave the stream")
+        assert as_rows(r.xrange("@pd")) == nats_watch_from(env["url"], 0, "pd")
+        assert r.xlen("@pd") == 1
+        assert sc.stop() == 0

@@ -257,6 +257,8 @@ class Maintenance:
                     hub.removed(self.bucket)
             return n
         removed = 0
+        if not self._full and self.replica.drop_markers_below(self.bucket, first) and self.hub is not None:
+            self.hub.removed(self.bucket)  # deletes the stream no longer holds leave its stream
         after: bytes | None = None
         while True:
             if self._full:
@@ -338,6 +340,7 @@ class Maintenance:
         info = await self._stream_info()
         snapshot = info.get("state", {}).get("last_seq", 0)
         live: set[bytes] = set()
+        markers: set[bytes] = set()  # keys whose last message is a delete or purge marker
         consumer: PullConsumer | None = None
         cache = self.cache
         cached = set(cache.keys()) if cache is not None else set()
@@ -347,7 +350,10 @@ class Maintenance:
                 for lk, rec in r.items:
                     if rec is None:
                         live.discard(lk)
-                    elif cache is None or lk in cached or self.cfg.replicates(decode_key(lk, rec)):
+                        markers.add(lk)
+                        continue
+                    markers.discard(lk)
+                    if cache is None or lk in cached or self.cfg.replicates(decode_key(lk, rec)):
                         live.add(lk)  # with a near cache, only what the replica or the cache holds
             return runs[-1].last_pending == 0
 
@@ -366,7 +372,13 @@ class Maintenance:
         within = [f[len(self.prefix):] for f in only] if only else None
         if cache is not None:  # cached keys the stream no longer holds go too
             cache.invalidate([lk for lk in cached if lk not in live])
-        return self._sweep(live, max_revision=snapshot, within=within)
+        removed = self._sweep(live, max_revision=snapshot, within=within)
+        # the revision index's deletes whose marker the stream no longer holds (purged
+        # deletes, a subject purge) go too: a NATS watch would not deliver them either
+        if self.replica.drop_tombstones(self.bucket, markers, max_revision=snapshot, within=within) and \
+                self.hub is not None:
+            self.hub.removed(self.bucket)
+        return removed
 
 
 def _front_removal_possible(config: dict) -> bool:

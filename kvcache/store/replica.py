@@ -501,11 +501,35 @@ class Replica:
         with self.env.begin(db=self._meta) as txn:
             return int(txn.get(revindex.REMOVED_PREFIX + bucket.encode(), b"0"))
 
-    def drop_tombstones(self, bucket: str, keep: set[bytes]) -> int:
-        """After a full sync: the revision index's deletes of keys it did not deliver (their
-        markers are gone from the stream) go too (revindex.Index.drop_tombstones)."""
+    def drop_tombstones(self, bucket: str, keep: set[bytes], max_revision: int | None = None,
+                        within: list[str] | None = None) -> int:
+        """After a pass listing what the stream holds (a full sync, a reconcile): the
+        revision index's deletes of keys it did not deliver (their markers are gone from the
+        stream) go too; only up to `max_revision`, only keys matching `within` (patterns)
+        when given (revindex.Index.drop_tombstones)."""
         db, revs = self.db(bucket), self._revs(bucket)
-        return self.write(f"bucket {bucket}", lambda txn: revindex.Index(txn, db, *revs).drop_tombstones(keep))
+        match = None if within is None else (lambda key: any(subject_match(p, key) for p in within))
+
+        def write(txn: lmdb.Transaction) -> int:
+            idx = revindex.Index(txn, db, *revs)
+            n = idx.drop_tombstones(keep, max_revision, match)
+            idx.finish(self._meta, bucket)
+            return n
+
+        return self.write(f"bucket {bucket}", write)
+
+    def drop_markers_below(self, bucket: str, first: int) -> int:
+        """The stream's first sequence is `first`: deletes and purges below it in the
+        revision index have no marker left (revindex.Index.drop_markers_below)."""
+        db, revs = self.db(bucket), self._revs(bucket)
+
+        def write(txn: lmdb.Transaction) -> int:
+            idx = revindex.Index(txn, db, *revs)
+            n = idx.drop_markers_below(first)
+            idx.finish(self._meta, bucket)
+            return n
+
+        return self.write(f"bucket {bucket}", write)
 
     def put_meta(self, bucket: str, meta: BucketMeta) -> None:
         raw = meta.encode()

@@ -21,7 +21,7 @@ that had an entry) per item; what that does to a 1M-key sync is in bench/README.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import lmdb
@@ -160,16 +160,48 @@ class Index:
             self._forget(lk, old)
         return n
 
-    def drop_tombstones(self, keep: set[bytes]) -> int:
-        """Remove the tombstones (and their entries) of keys not in `keep`: after a full
-        sync, the markers the stream no longer holds. Returns how many went."""
+    def drop_tombstones(self, keep: set[bytes], max_revision: int | None = None,
+                        within: Callable[[str], bool] | None = None) -> int:
+        """Remove the tombstones (and their entries) of keys not in `keep`: the markers the
+        stream no longer holds, after a pass that listed those it does (a full sync, a
+        reconcile). Only markers up to `max_revision` (the pass's snapshot: a later one it
+        could not have seen), of keys `within` accepts (the pass's filter), when given.
+        Returns how many went."""
         gone = []
         for lk, rev in self.txn.cursor(db=self.tdb):
-            if bytes(lk) not in keep:
-                gone.append((bytes(lk), bytes(rev)))
+            if bytes(lk) in keep:
+                continue
+            if max_revision is not None and REV.unpack(rev)[0] > max_revision:
+                continue
+            if within is not None:
+                raw = self.txn.get(bytes(rev), db=self.rdb)
+                if raw is None or not within(bytes(raw[1 + CREATED.size:]).decode()):
+                    continue
+            gone.append((bytes(lk), bytes(rev)))
         for lk, rev in gone:
             self.txn.delete(lk, db=self.tdb)
             self.txn.delete(rev, db=self.rdb)
+            self.removed = max(self.removed, REV.unpack(rev)[0])
+        return len(gone)
+
+    def drop_markers_below(self, first: int) -> int:
+        """The stream's first sequence moved to `first`: delete and purge entries below it
+        have no marker left (records below it go through `remove`). Returns how many went."""
+        gone = []
+        cur = self.txn.cursor(db=self.rdb)
+        ok = cur.first()
+        while ok:
+            rev = REV.unpack(cur.key())[0]
+            if rev >= first:
+                break
+            raw = cur.value()
+            if raw[0] != PUT[0]:
+                gone.append((rev, lkey_of(bytes(raw[1 + CREATED.size:]))))
+            ok = cur.next()
+        for rev, lk in gone:
+            self.txn.delete(REV.pack(rev), db=self.rdb)
+            self.txn.delete(lk, db=self.tdb)
+            self.removed = max(self.removed, rev)
         return len(gone)
 
 

@@ -27,8 +27,8 @@ def nats_watch_from(url: str, bucket: str, seq: int) -> list[tuple[int, str, str
                 msg = await sub.next_msg(timeout=5)
                 op = (msg.headers or {}).get("KV-Operation", "PUT")
                 out.append((msg.metadata.sequence.stream, msg.subject[len(f"$KV.{bucket}."):], op))
-                if msg.metadata.sequence.stream >= last:
-                    return out
+                if msg.metadata.sequence.stream >= last or not msg.metadata.num_pending:
+                    return out  # the last sequence may be a message since removed
         finally:
             await nc.close()
     return asyncio.run(go())
