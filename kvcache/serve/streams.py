@@ -22,9 +22,10 @@ The rules every read follows, as GET's:
   began there, and what the stream dropped before may have left no entry) is an error that
   says to read from 0; so is an ID past the bucket's last revision.
 - A blocked XREAD waits on a future per reader (no task per key): the feed's every applied
-  batch (ChangeHub.advanced) wakes the bucket's readers, who share the reply of a wake round
-  when they read from the same ID. A resync, a lost consumer or a replica passing
-  max_stale_ms (ChangeHub.flushed) ends their wait with an error instead.
+  batch (ChangeHub.advanced) wakes the bucket's readers. What they read is mostly the same
+  recent entries, encoded once in the bucket's tail (kvcache.serve.stream_tail) as the batch
+  is applied. A resync, a lost consumer or a replica passing max_stale_ms
+  (ChangeHub.flushed) ends their wait with an error instead.
 """
 from __future__ import annotations
 
