@@ -218,7 +218,7 @@ def run(work: Path, args: argparse.Namespace) -> str:
     sidecar = readers = None
     try:
         asyncio.run(make_bucket(server.url))
-        sidecar, sock = start_sidecar(work, server.url, keys=0,
+        sidecar, sock = start_sidecar(work, server.url, keys=0, src=args.sidecar_src,
                                       extra=["--client-write-stall-ms", str(args.stall_ms), "--max-clients",
                                              str(args.readers + args.stuck + 100)])
         before = asyncio.run(consumer_count(server.url))
@@ -238,7 +238,7 @@ def run(work: Path, args: argparse.Namespace) -> str:
         time.sleep(2.0)  # the last replies
         cpu = cpu_seconds(sidecar.pid) - cpu0
         window = time.monotonic() - t0
-        with Client(sock, timeout=10) as c:
+        with Client(sock, timeout=120) as c:  # an overloaded sidecar answers late, not never
             info = c.info("clients")["clients"]
         readers.wait(wall + 120)
         data = json.loads(out.read_text())
@@ -281,6 +281,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--stall-ms", type=int, default=3000)
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--sidecar-src", type=Path, default=None, metavar="DIR",
+                    help="run the kvcache of this source tree (a worktree of another commit, built)")
     ap.add_argument("--inject-miss", type=int, default=0, metavar="N",
                     help="the readers forget every N-th reply: the missing count must show it")
     args = ap.parse_args()
