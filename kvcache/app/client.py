@@ -217,6 +217,12 @@ def _stream_entries(bucket: str, reply: object) -> list[Entry]:
         raise ResponseError(f"unexpected XREAD reply: {reply!r:.200}") from None
 
 
+def _check_block(block_ms: int, timeout: float | None) -> None:
+    """watch()'s XREAD must come back before the client gives up on the connection."""
+    if timeout is not None and block_ms >= timeout * 1000:
+        raise ValueError(f"block_ms {block_ms} must be below the client's timeout ({timeout}s)")
+
+
 def _xread(bucket: str, after: int, count: int, block_ms: int) -> _Op[list[Entry]]:
     reply = yield ("XREAD", "COUNT", count, "BLOCK", block_ms, "STREAMS", f"@{bucket}", f"{after}-0")
     return _stream_entries(bucket, reply)
@@ -329,8 +335,7 @@ class Client:
         An error reply (the replica stale or resyncing, a revision no longer answered
         exactly) raises ResponseError: read again from the last revision, or from 0 when
         the error says so. `block_ms` must stay below the client's timeout."""
-        if self.timeout is not None and block_ms >= self.timeout * 1000:
-            raise ValueError(f"block_ms {block_ms} must be below the client's timeout ({self.timeout}s)")
+        _check_block(block_ms, self.timeout)
         last = after
         while True:
             for entry in self._run(_xread(bucket, last, count, block_ms)):
@@ -432,8 +437,7 @@ class AsyncClient:
     async def watch(self, bucket: str, after: int = 0, count: int = 1000,
                     block_ms: int = WATCH_BLOCK_MS) -> AsyncIterator[Entry]:
         """Client.watch, for asyncio: `async for entry in client.watch("config"): ...`."""
-        if self.timeout is not None and block_ms >= self.timeout * 1000:
-            raise ValueError(f"block_ms {block_ms} must be below the client's timeout ({self.timeout}s)")
+        _check_block(block_ms, self.timeout)
         last = after
         while True:
             for entry in await self._run(_xread(bucket, last, count, block_ms)):

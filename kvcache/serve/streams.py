@@ -173,8 +173,8 @@ class Streams:
 
     # ------------------------------------------------------------------ reading
 
-    def _entries(self, conn: Session, bc: BucketConfig, first: int, last: int, count: int | None,
-                 reverse: bool, budget: int | None, proto: int) -> tuple[list[bytes], int]:
+    def _entries(self, bc: BucketConfig, first: int, last: int, count: int | None,
+                 reverse: bool, budget: int | None) -> tuple[list[bytes], int]:
         """Encoded entries with revisions in [first, last] (at most `count`, and past `budget`
         bytes of values none more; None: no bound but max_reply_bytes, over which the read is
         refused), and the highest revision among them."""
@@ -222,7 +222,7 @@ class Streams:
                     del self._tails[bc.name]
                     tail = None
             if got is None:
-                entries, top = self._entries(conn, bc, after + 1, U64, count, False, budget, proto)
+                entries, top = self._entries(bc, after + 1, U64, count, False, budget)
                 got = (resp.array(entries), len(entries), top)
                 if tail is None:
                     self._tails[bc.name] = Tail(feed.meta.applied_seq, _encode)
@@ -320,7 +320,7 @@ class Streams:
         self._vouch(conn, bc, feed)
         if first > 1:
             self._exact_after(bc, feed, first - 1)
-        entries, top = self._entries(conn, bc, first, last, count, reverse, None, conn.proto)
+        entries, top = self._entries(bc, first, last, count, reverse, None)
         self._handed(conn, bc.name, len(entries), top)
         return resp.array(entries)
 
@@ -380,8 +380,8 @@ class Streams:
                 st = txn.stat(rdb)
                 length, leaf, branch = st["entries"], st["leaf_pages"], st["branch_pages"]
         removed = self.replica.max_removed(bc.name)
-        first, lo = self._entries(conn, bc, 0, U64, 1, False, None, proto)
-        last, _ = self._entries(conn, bc, 0, U64, 1, True, None, proto)
+        first, lo = self._entries(bc, 0, U64, 1, False, None)
+        last, _ = self._entries(bc, 0, U64, 1, True, None)
         head = [
             (b"length", resp.integer(length)),
             # the index's LMDB pages stand where Redis counts its radix tree's
@@ -393,7 +393,7 @@ class Streams:
             (b"recorded-first-entry-id", resp.bulk(format_id(lo))),
         ]
         if full:
-            entries, _ = self._entries(conn, bc, 0, U64, count or None, False, None, proto)
+            entries, _ = self._entries(bc, 0, U64, count or None, False, None)
             pairs = [*head, (b"entries", resp.array(entries)), (b"groups", resp.array([]))]
         else:
             pairs = [*head, (b"groups", resp.integer(0)),

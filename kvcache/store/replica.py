@@ -472,29 +472,15 @@ class Replica:
         whether more entries are due). An entry whose record was replaced since, or whose
         deadline moved (a new max_age), is dropped or filed again under the new deadline.
         `removed_keys`: the removed records' keys are appended to it."""
-        db, index, revs = self.db(bucket), self._index(bucket), self._revs(bucket)
+        db, index = self.db(bucket), self._index(bucket)
         max_age = self.max_age.get(bucket, 0)
-
-        def write(txn: lmdb.Transaction) -> tuple[int, bool]:
-            idx = revindex.Index(txn, db, *revs)
-            done = expiry.sweep(txn, db, index, max_age, now_ns, limit, removed_keys, idx)
-            idx.finish(self._meta, bucket)
-            return done
-
-        return self.write(f"bucket {bucket} expiry", write)
+        return self._indexed(bucket, lambda idx: expiry.sweep(idx.txn, db, index, max_age, now_ns, limit,
+                                                              removed_keys, idx), " expiry")
 
     def delete_lkeys(self, bucket: str, lkeys: Iterable[bytes]) -> int:
         """Remove keys the stream no longer holds, with their revision index entries."""
-        db, revs = self.db(bucket), self._revs(bucket)
         lkeys = list(lkeys)
-
-        def write(txn: lmdb.Transaction) -> int:
-            idx = revindex.Index(txn, db, *revs)
-            n = idx.remove(lkeys)
-            idx.finish(self._meta, bucket)
-            return n
-
-        return self.write(f"bucket {bucket}", write)
+        return self._indexed(bucket, lambda idx: idx.remove(lkeys))
 
     def max_removed(self, bucket: str) -> int:
         """The highest revision ever removed from the bucket's revision index (0: none)."""
@@ -507,29 +493,26 @@ class Replica:
         revision index's deletes of keys it did not deliver (their markers are gone from the
         stream) go too; only up to `max_revision`, only keys matching `within` (patterns)
         when given (revindex.Index.drop_tombstones)."""
-        db, revs = self.db(bucket), self._revs(bucket)
         match = None if within is None else (lambda key: any(subject_match(p, key) for p in within))
-
-        def write(txn: lmdb.Transaction) -> int:
-            idx = revindex.Index(txn, db, *revs)
-            n = idx.drop_tombstones(keep, max_revision, match)
-            idx.finish(self._meta, bucket)
-            return n
-
-        return self.write(f"bucket {bucket}", write)
+        return self._indexed(bucket, lambda idx: idx.drop_tombstones(keep, max_revision, match))
 
     def drop_markers_below(self, bucket: str, first: int) -> int:
         """The stream's first sequence is `first`: deletes and purges below it in the
         revision index have no marker left (revindex.Index.drop_markers_below)."""
+        return self._indexed(bucket, lambda idx: idx.drop_markers_below(first))
+
+    def _indexed(self, bucket: str, fn: Callable[[revindex.Index], T], what: str = "") -> T:
+        """`fn` on the bucket's records and revision index in one write transaction, the
+        highest revision it removed kept for XINFO (revindex.Index.finish)."""
         db, revs = self.db(bucket), self._revs(bucket)
 
-        def write(txn: lmdb.Transaction) -> int:
+        def write(txn: lmdb.Transaction) -> T:
             idx = revindex.Index(txn, db, *revs)
-            n = idx.drop_markers_below(first)
+            out = fn(idx)
             idx.finish(self._meta, bucket)
-            return n
+            return out
 
-        return self.write(f"bucket {bucket}", write)
+        return self.write(f"bucket {bucket}{what}", write)
 
     def put_meta(self, bucket: str, meta: BucketMeta) -> None:
         raw = meta.encode()

@@ -243,14 +243,17 @@ def _entry(txn: lmdb.Transaction, db, rev: int, raw: bytes | memoryview, now_ns:
     if tag == PUT[0]:
         lk = bytes(raw[1:])
         rec = txn.get(lk, db=db)
-        if rec is None or RECORD.unpack_from(rec)[0] != rev:
+        if rec is None:
             return None  # cannot happen while index and records are written together
+        stored, created, _ = RECORD.unpack_from(rec)
+        if stored != rev:
+            return None  # nor this
         due = deadline(rec, max_age_ns)
         if due and now_ns >= due:
             return None
         start = value_offset(rec)
         key = lk if lk[:1] != b"\0" else decode_key(lk, bytes(rec[:start])).encode()  # a long key's text
-        return StreamEntry(rev, key, "PUT", rec[start:], RECORD.unpack_from(rec)[1], due)
+        return StreamEntry(rev, key, "PUT", rec[start:], created, due)
     created = CREATED.unpack_from(raw, 1)[0]
     due = created + max_age_ns if max_age_ns else 0
     if due and now_ns >= due:
