@@ -22,6 +22,7 @@ from ..config import BucketConfig, Config, strip_url_auth, tls_context, url_auth
 from ..errors import KvcacheError, UpstreamError, describe
 from ..ops.stats import Stats
 from .connection import NatsConnection
+from .servers import ServerChoice, parse_url
 
 log = logging.getLogger("kvcache")
 
@@ -62,6 +63,8 @@ class Upstream:
         self.url = ""  # the server the main connection uses now (no credentials)
         self._stopping = stopping
         self._fail = fail
+        self._choices: list[ServerChoice] = []  # each connection's (kvcache.natsio.servers)
+        self._leaving_why = ""  # why the main connection is being moved (leave_servers_without_quorum)
 
     async def open(self) -> NatsConnection:
         """The main connection, to the configured servers (read now: the embedded server's
@@ -73,6 +76,8 @@ class Upstream:
 
     async def close(self) -> None:
         """Close the main connection, whatever state it is in."""
+        for choice in self._choices:
+            choice.close()
         nc = self.nc
         if nc is None or nc.is_closed:
             return
@@ -101,6 +106,27 @@ class Upstream:
 
         first_done = False
         tls_failed = asyncio.Event()
+        # Where a reconnect goes: a server that answers, never one that drops packets while
+        # another answers, whatever the pool's order (kvcache.natsio.servers).
+        choice = ServerChoice(n.connect_timeout_s)
+        self._choices.append(choice)
+        at = [""]  # the netloc the connection is on (nats-py forgets it once disconnected)
+
+        async def on_disconnect() -> None:
+            if not peer:
+                await self._on_disconnect()
+            if nc.is_reconnecting and not self._stopping.is_set():
+                why = "connection lost"
+                if not peer and self._leaving_why:
+                    why, self._leaving_why = self._leaving_why, ""
+                await choice.leaving(at[0], why, nc.servers)
+
+        async def on_reconnect() -> None:
+            url = nc.connected_url
+            at[0] = url.netloc if url else ""
+            took = choice.connected(at[0])
+            if not peer:
+                await self._on_reconnect(choice, took)
 
         async def on_error(e: Exception) -> None:
             if not first_done:
@@ -117,11 +143,13 @@ class Upstream:
             # (max_outstanding_pings + 1) pings: under the tightest max_stale_ms, not nats-py's
             # 2-minute default, which left reads waiting on a dead server for minutes.
             ping_interval=self.ping_interval(), max_outstanding_pings=PINGS_OUTSTANDING,
-            error_cb=on_error, disconnected_cb=self._on_disconnect,
-            reconnected_cb=self._on_reconnect,
+            error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
+            reconnect_to_server_handler=choice.choose,
+            # the first connect goes through the pool in the probes' order (below)
+            dont_randomize=True,
         )
         if peer:  # a read-only peer: its connection's ups and downs are no business of the feeds
-            opts.update(name="kvcache-peer", disconnected_cb=_noop, reconnected_cb=_noop)
+            opts.update(name="kvcache-peer")
         if n.creds:
             opts["user_credentials"] = n.creds
         if n.nkey:
@@ -138,6 +166,9 @@ class Upstream:
         if tls is not None:
             opts["tls"] = tls
         _quiet_tls_eof()
+        # The first connect is nats-py's own (no handler): it gets the servers that answer first.
+        await choice.probe([parse_url(u) for u in urls], wait_for_one_besides="")
+        opts["servers"] = choice.ordered(urls)
         # nats-py retries the first connect forever when reconnects are unlimited; a sidecar
         # that cannot reach NATS at start must say so and exit instead. So: a bounded first
         # attempt, then reconnect forever once we have been connected. Bounded in time too:
@@ -161,6 +192,9 @@ class Upstream:
         if e is None:
             nc.options["max_reconnect_attempts"] = -1
             first_done = True
+            choice.options = nc.options
+            at[0] = nc.connected_url.netloc if nc.connected_url else ""
+            choice.connected(at[0])
             return nc
         if not isinstance(e, (OSError, asyncio.TimeoutError, nats.errors.Error)):
             raise e
@@ -205,16 +239,19 @@ class Upstream:
     async def _on_disconnect(self) -> None:
         if self._stopping.is_set() or self.nc is None:
             return
-        log.warning("disconnected from NATS")
+        log.warning("disconnected from NATS at %s", self.url or "?")
         self.stats.nats_connected = False
         for feed in self.feeds.values():
             feed.connection_lost()
 
-    async def _on_reconnect(self) -> None:
+    async def _on_reconnect(self, choice: ServerChoice, took: float) -> None:
         url = self.nc.connected_url if self.nc else None
         self.url = self.stats.nats_url = url.geturl() if url else ""
-        log.info("reconnected to NATS at %s", self.url or "?")
+        left = choice.servers.get(choice.moved_from)
+        log.info("reconnected to NATS at %s, %.2fs after leaving %s (%s)", self.url or "?", took,
+                 choice.moved_from or "?", left.why if left else "connection lost")
         self.stats.nats_connected = True
+        self.stats.nats_last_move_ms = round(took * 1000)
         for feed in self.feeds.values():
             feed.connection_lost()  # recreate consumers now rather than after the watchdog
 
@@ -230,8 +267,8 @@ class Upstream:
         any replicated bucket: a server cut off from its peers (its STREAM.INFO names itself
         leader with silent followers, or no leader at all), while another server of the
         cluster may reach the majority. After HOP_AFTER_STALE x max_stale_ms without evidence
-        for every such bucket, force a reconnect (nats-py takes the next server of its pool);
-        the feeds recreate their consumers there. When hopping does not help (the whole
+        for every such bucket, force a reconnect (to a server that answers, other than this
+        one: kvcache.natsio.servers); the feeds recreate their consumers there. When hopping does not help (the whole
         cluster has no quorum), the wait doubles up to HOP_MAX_S."""
         feeds = list(self.feeds.values())
         bound = min((f.cfg.max_stale_ms for f in feeds), default=5000)
@@ -255,6 +292,7 @@ class Upstream:
                         "moving to another server", self.url or "?", now - since)
             self.stats.server_moves += 1
             since, wait = None, min(wait * 2, HOP_MAX_S)
+            self._leaving_why = "no quorum shown"
             await nc.force_reconnect()
 
 
@@ -278,7 +316,3 @@ def _quiet_tls_eof() -> None:
     logger = logging.getLogger("asyncio")
     if _tls_eof_filter not in logger.filters:
         logger.addFilter(_tls_eof_filter)
-
-
-async def _noop() -> None:
-    pass

@@ -125,6 +125,7 @@ class Snapshot:
     peers: list[tuple[tuple[str, str, str], int, float, int, tuple[int, ...]]] = field(default_factory=list)
     nats: list[tuple[str, str, int, int]] = field(default_factory=list)
     lmdb: tuple[int, int, int] = (0, 0, 0)  # map size, used, max map size
+    nats_last_move_s: float = 0.0  # the main connection's latest reconnect (Stats.nats_last_move_ms)
 
 
 class SidecarCollector:
@@ -191,6 +192,7 @@ class SidecarCollector:
                                p.inflight, tuple(getattr(p.stats, k) for k, _ in PEER_COUNTERS)))
         snap.nats = [(name, server_of(nc), int(nc.is_connected), nc.stats.get("reconnects", 0))
                      for name, nc in sorted(self.connections().items())]
+        snap.nats_last_move_s = self.stats.nats_last_move_ms / 1000
         map_size, used = policy.replica.usage()
         snap.lmdb = (map_size, used, self.cfg.max_map_size_mb << 20)
         return snap
@@ -231,6 +233,9 @@ def families(snap: Snapshot) -> Iterator[Metric]:
         reconnects.add_metric([name], n)
     yield connected
     yield reconnects
+    yield GaugeMetricFamily("kvcache_nats_last_move_seconds", "The main NATS connection's latest reconnect: "
+                            "from leaving a server to connected to another (0: none yet)",
+                            value=snap.nats_last_move_s)
     map_size, used, max_size = snap.lmdb
     yield GaugeMetricFamily("kvcache_lmdb_map_size_bytes", "The replica's LMDB map size (grows as needed)",
                             value=map_size)

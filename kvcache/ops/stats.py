@@ -37,6 +37,7 @@ class Stats:
     embedded_nats: bool = False  # the sidecar runs its own nats-server
     server_moves: int = 0  # moves off a server that showed no quorum (Upstream.leave_servers_without_quorum)
     nats_connected: bool = False  # the sidecar's own NATS connection is up (readiness, metrics)
+    nats_last_move_ms: int = 0  # the latest reconnect: from leaving a server to connected again
     metrics_listen: str = ""  # the metrics listener's address once bound ("" without one)
     # Keys read by the command layer, by (bucket, source, result): source local, cache, peer,
     # leader or stale; result hit, miss or error (the command failed: no NATS answer and no

@@ -78,6 +78,7 @@ class Info:
                 ("embedded_nats", int(st.embedded_nats)),
                 ("nats_connected", int(st.nats_connected)),
                 ("nats_server_moves", st.server_moves),
+                ("nats_last_move_ms", st.nats_last_move_ms),
                 ("metrics_listen", st.metrics_listen),
                 ("ready_on_fallback", int(cfg.ready_on_fallback)),
                 ("native", ",".join(f"{k}={v.split()[0]}" for k, v in native.report().items())),
