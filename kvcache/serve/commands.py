@@ -249,6 +249,20 @@ class Commands:
         task.add_done_callback(lambda _: hist.observe(time.monotonic_ns() - t0))
         return task
 
+    def pipelined_keys(self, args: list[bytes]) -> list[tuple[str, str]] | None:
+        """The (bucket, key)s of a read that may go to NATS while reads before it on the same
+        connection are still there (a pipelined GET or MGET: kvcache.serve.connection), or
+        None for any other command, or a read it cannot resolve (it waits its turn). Keys,
+        not raw names: `k` and `bucket:k` are one key, whose reads must not overtake each other."""
+        name = args[0].lower()
+        if not (name == b"get" and len(args) == 2) and not (name == b"mget" and len(args) > 1):
+            return None
+        resolve = self.reads.policy.resolve
+        try:
+            return [(bc.name, key) for bc, key in map(resolve, args[1:])]
+        except CommandError:
+            return None
+
     def forget(self, conn: Session) -> None:
         """A connection closed: its tracking, subscriptions and watched keys go with it."""
         self.tracking.disable(conn)

@@ -3,8 +3,13 @@
 Pipelined requests that can be answered at once are answered in one write (one per 256 KiB
 of replies). A request that needs NATS suspends the connection's reading until its reply is
 written, which keeps replies in order and applies backpressure to a client that pipelines
-faster than upstream answers. A client that does not read its replies is paused the same way
-(transport write buffer limits), so neither can grow our memory without bound; one that then
+faster than upstream answers. Pipelined reads (GET, MGET) behind a read that went to NATS
+are sent too, up to PIPELINE_MAX in flight, so a pipeline of cold keys costs about one round
+trip, not one per key; their replies wait in `_replies` and leave in request order. A read
+runs ahead only when no read of one of its keys is in flight on the connection (a later read
+of a key must not be answered before an earlier one: floors would then not keep them in
+order), and only plain reads do: the first other command waits for everything before it.
+A client that does not read its replies is paused the same way (transport write buffer limits), so neither can grow our memory without bound; one that then
 reads nothing at all of what is queued for `client_write_stall_ms` is cut off (its output buffer
 stayed above the high-water mark without draining), as Redis's client-output-buffer-limit does,
 so it does not hold its slot and buffers for ever.
@@ -20,9 +25,11 @@ that constructs it (no import cycle).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Awaitable
+from collections import deque
+from collections.abc import Awaitable, Iterable
 from typing import TYPE_CHECKING, Protocol, cast
 
 from .. import native, resp
@@ -49,6 +56,8 @@ WRITE_HIGH_WATER = 1 << 20
 # the event loop's iteration and answers them together (ext/server_get.pyx, _stash): with one
 # client there is nothing to gather, and the deferral would only add a callback per request.
 DEFER_FROM = 2
+# Pipelined reads in flight at once on one connection (see the module docstring)
+PIPELINE_MAX = 512
 TOO_MANY_CLIENTS = resp.error("ERR max number of clients reached")
 SHUTTING_DOWN = resp.error("ERR kvcache is shutting down")
 
@@ -83,13 +92,16 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
     __slots__ = (
         "_busy_argv",
         "_drop_busy",
+        "_in_flight",
         "_in_process",
         "_pushq",
+        "_replies",
         "_reply_off",
         "_skip",
         "_skip_next",
         "_stall",
         "_stall_size",
+        "_waiting",
         "after_reply",
         "authenticated",
         "channels",
@@ -155,7 +167,14 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         self._drop_busy = False  # the reply of the command in flight is to be dropped
         self._muted = self.gate
         self.no_evict = self.no_touch = False  # CLIENT NO-EVICT / NO-TOUCH: shown, nothing more
-        self._busy_argv = 0  # argument bytes of the command waiting for NATS (argv-mem)
+        self._busy_argv = 0  # argument bytes of the commands waiting for NATS (argv-mem)
+        # Replies in request order while any waits for NATS: bytes, or the future of a command
+        # in flight; `_busy` (the hot path's flag: buffer, answer nothing) is the first future.
+        self._replies: deque[bytes | asyncio.Future] = deque()
+        self._in_flight: dict[tuple[str, str], int] = {}  # keys of the pipelined reads in flight
+        # A command read behind reads in flight that may not run ahead: it runs once they are
+        # answered (a ProtocolError: the framing error to answer then).
+        self._waiting: list[bytes] | ProtocolError | None = None
 
     @property
     def subscribed(self) -> bool:
@@ -212,8 +231,9 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         self._unregister()
         self._closing = True
         self._disarm_stall()
-        if self._busy is not None:
-            self._busy.cancel()
+        for reply in self._replies:
+            if reply.__class__ is not bytes:
+                reply.cancel()  # type: ignore[union-attr]  # a future
 
     def _unregister(self) -> None:
         """Out of the server's registry (CLIENT LIST, REDIRECT targets, max_clients) and the
@@ -315,10 +335,11 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         and any GET the fast path cannot
         answer (remote, invalid, stale replica, lower-case or inline), goes through dispatch.
         So does every command while CLIENT REPLY OFF or SKIP is in force (`_muted`): replies
-        are then dropped per command (see _reply_mode_step), which a run could not count."""
+        are then dropped per command (see _reply_mode_step), which a run could not count.
+        A read that needs NATS may take the pipelined reads behind it along (_run_ahead)."""
         srv = self.srv
         srv.gets.flush()  # this connection's deferred GETs (if any) are answered before what follows
-        if self._closing or self._paused_writing or self._draining:
+        if self._closing or self._paused_writing or self._draining or self._replies:
             return
         reader = self.reader
         commands = srv.commands
@@ -328,8 +349,12 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         t0 = time.monotonic_ns() if gets.timed else 0  # their latency (kvcache.ops.latency)
         try:
             while True:
+                waiting, self._waiting = self._waiting, None
+                if waiting.__class__ is ProtocolError:  # met behind reads in flight: now its turn
+                    self._protocol_error(cast(ProtocolError, waiting))
+                    return
                 # the GETs at the front of the buffer, as data_received answers them
-                if not self._muted:
+                if waiting is None and not self._muted:
                     replies, answered, nf, _ = gets.answer(reader, b"", self.proto, FLUSH_AT - size)
                     if answered:
                         local += answered
@@ -345,14 +370,17 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
                                 break
                             continue
                 # anything else, or a GET the GET path leaves to the generic path
-                try:
-                    args = reader.next_command()
-                except ProtocolError as e:
-                    if out:
-                        self.transport.write(b"".join(out))
-                        out.clear()
-                    self._protocol_error(e)
-                    return
+                if waiting is not None:
+                    args = cast("list[bytes]", waiting)
+                else:
+                    try:
+                        args = reader.next_command()
+                    except ProtocolError as e:
+                        if out:
+                            self.transport.write(b"".join(out))
+                            out.clear()
+                        self._protocol_error(e)
+                        return
                 if args is None:
                     break
                 # the generic path: counters first, so an INFO in the batch sees them
@@ -361,11 +389,7 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
                     if t0:
                         gets.observe(time.monotonic_ns() - t0, local)
                     local = notfound = 0
-                try:
-                    reply = commands.dispatch(self, args)
-                except Exception:  # a bug must cost one reply, never the sidecar
-                    log.exception("command %r failed", args[:1])
-                    reply = resp.error("ERR internal error")
+                reply = self._dispatch(args)
                 if self._reply_off or self._skip or self._skip_next:  # CLIENT REPLY OFF/SKIP
                     reply = self._reply_mode_step(reply)
                 if reply.__class__ is bytes:
@@ -385,11 +409,10 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
                     self.transport.write(b"".join(out))
                     out.clear()
                 self.transport.pause_reading()
-                self._busy_argv = sum(map(len, args))  # held until it is answered (argv-mem)
-                # the command itself is the task (not a wrapper awaiting it), so cancelling it
-                # on connection_lost, even before it started, closes the coroutine
-                busy = self._busy = asyncio.ensure_future(cast("Awaitable[bytes]", reply))
-                busy.add_done_callback(self._finished)
+                keys = None if self._muted else commands.pipelined_keys(args)
+                self._send(cast("Awaitable[bytes]", reply), args, keys or ())
+                if keys is not None:
+                    self._run_ahead()
                 return
             if out:
                 self.transport.write(b"".join(out))
@@ -403,39 +426,118 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
             if not self.transport.is_closing():
                 self.transport.close()
 
-    def _finished(self, task: asyncio.Future) -> None:
-        """The command that needed NATS is done: write its reply (unless CLIENT REPLY drops
-        it), read again."""
-        if self._busy is task:
-            self._busy = None
-        self._busy_argv = 0
-        self._last_io = time.monotonic_ns()  # a reply written: Redis's lastinteraction too
-        drop, self._drop_busy = self._drop_busy, False
-        if task.cancelled():  # by connection_lost, or (a bug) from inside: say so, go on
-            reply = resp.error("ERR request cancelled")
-        else:
-            e = task.exception()  # retrieved also when the client is gone: no "never retrieved"
-            if e is None:
-                reply = task.result()
-            elif isinstance(e, KvcacheError):
-                reply = resp.error(str(e) if str(e).startswith(("ERR", "READONLY")) else f"ERR {e}")
+    def _dispatch(self, args: list[bytes]) -> bytes | Awaitable[bytes]:
+        try:
+            return self.srv.commands.dispatch(self, args)
+        except Exception:  # a bug must cost one reply, never the sidecar
+            log.exception("command %r failed", args[:1])
+            return resp.error("ERR internal error")
+
+    def _send(self, reply: Awaitable[bytes], args: list[bytes], keys: Iterable[tuple[str, str]]) -> None:
+        """A command that waits for NATS: its reply joins `_replies` (`keys`: a pipelined
+        read's, in flight until it is answered)."""
+        # the command itself is the task (not a wrapper awaiting it), so cancelling it on
+        # connection_lost, even before it started, closes the coroutine
+        task = asyncio.ensure_future(reply)
+        in_flight = self._in_flight
+        for k in keys:
+            in_flight[k] = in_flight.get(k, 0) + 1
+        argv = sum(map(len, args))
+        task.add_done_callback(functools.partial(self._landed, keys=keys, argv=argv))
+        self._busy_argv += argv  # held until it is answered (argv-mem)
+        if self._busy is None:
+            self._busy = task
+        self._replies.append(task)
+
+    def _run_ahead(self) -> None:
+        """Behind a read that went to NATS, send the pipelined reads already buffered (up to
+        PIPELINE_MAX waiting), each with a key no read in flight has; a read answered at once
+        takes its place in line. Stops at the first other command, which waits (`_waiting`)."""
+        reader = self.reader
+        commands = self.srv.commands
+        in_flight = self._in_flight
+        while len(self._replies) < PIPELINE_MAX and self._waiting is None and not self._closing:
+            try:
+                args = reader.next_command()
+            except ProtocolError as e:
+                self._waiting = e
+                return
+            if args is None:
+                return
+            keys = commands.pipelined_keys(args)
+            if keys is None or any(k in in_flight for k in keys):
+                self._waiting = args
+                return
+            reply = self._dispatch(args)
+            if reply.__class__ is bytes:
+                self._replies.append(cast(bytes, reply))
             else:
-                log.error("async command failed", exc_info=e)
-                reply = resp.error("ERR internal error")
+                self._send(cast("Awaitable[bytes]", reply), args, keys)
+
+    def _landed(self, task: asyncio.Future, keys: Iterable[tuple[str, str]], argv: int) -> None:
+        """A command that waited for NATS is done: its keys are no longer in flight; write
+        every reply now due in order (a drop for CLIENT REPLY, tracking's invalidations
+        after it), then send more pipelined reads or, with nothing left, read again."""
+        in_flight = self._in_flight
+        for k in keys:
+            n = in_flight[k] - 1
+            if n:
+                in_flight[k] = n
+            else:
+                del in_flight[k]
+        self._busy_argv -= argv
+        replies = self._replies
+        if not replies or replies[0] is not task:
+            return  # answered out of order: it waits for those before it
+        self._last_io = time.monotonic_ns()  # a reply written: Redis's lastinteraction too
         transport = self.transport
+        out: list[bytes] = []
+        while replies:
+            head = replies[0]
+            if head.__class__ is bytes:
+                out.append(cast(bytes, replies.popleft()))
+                continue
+            if not cast(asyncio.Future, head).done():
+                break
+            replies.popleft()
+            reply = self._reply_of(cast(asyncio.Future, head))
+            drop, self._drop_busy = self._drop_busy, False
+            if not drop:
+                out.append(reply)
+            if self.after_reply:  # keys kvcache cannot vouch for (server_tracking): after it
+                if out and not transport.is_closing():
+                    transport.write(b"".join(out))
+                out.clear()
+                names, self.after_reply = self.after_reply, []
+                self.srv.commands.tracking.after_reply(self, names)
         if transport.is_closing():
-            return  # the connection was lost (which cancelled the task) or closed meanwhile
-        if not drop:
-            transport.write(reply)
-        if self.after_reply:  # keys kvcache cannot vouch for (server_tracking): now, after it
-            names, self.after_reply = self.after_reply, []
-            self.srv.commands.tracking.after_reply(self, names)
+            return  # the connection was lost (which cancelled the tasks) or closed meanwhile
+        if out:
+            transport.write(b"".join(out))
+        if replies:
+            self._busy = cast(asyncio.Future, replies[0])
+            if not self._draining:
+                self._run_ahead()
+            return
+        self._busy = None
         if self._draining:
             transport.close()
             return
         if not self._paused_writing:
             transport.resume_reading()
         self._process()
+
+    def _reply_of(self, task: asyncio.Future) -> bytes:
+        """A command's reply from its finished task: an error reply for its failure."""
+        if task.cancelled():  # by connection_lost, or (a bug) from inside: say so, go on
+            return resp.error("ERR request cancelled")
+        e = task.exception()  # retrieved also when the client is gone: no "never retrieved"
+        if e is None:
+            return cast(bytes, task.result())
+        if isinstance(e, KvcacheError):
+            return resp.error(str(e) if str(e).startswith(("ERR", "READONLY")) else f"ERR {e}")
+        log.error("async command failed", exc_info=e)
+        return resp.error("ERR internal error")
 
     def close_after_reply(self) -> None:
         self._closing = True
@@ -541,16 +643,13 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         self.transport.close()
 
     async def drain(self) -> None:
-        """Graceful shutdown: the request in flight gets its reply, then the connection
+        """Graceful shutdown: the requests in flight get their replies, then the connection
         closes; requests not yet started are not answered."""
         self._draining = True
-        busy = self._busy
-        if busy is not None:
-            try:
-                await asyncio.shield(busy)
-            except (asyncio.CancelledError, Exception):
-                pass
-            # A request that ended just before the drain has its _finished (which writes the
+        busy = [r for r in self._replies if r.__class__ is not bytes]
+        if busy:
+            await asyncio.wait([asyncio.shield(cast(asyncio.Future, r)) for r in busy])
+            # A request that ended just before the drain has its _landed (which writes the
             # reply) scheduled but not run yet, and shield() of a done future does not yield.
             await asyncio.sleep(0)
         if self.transport and not self.transport.is_closing():
