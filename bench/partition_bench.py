@@ -70,7 +70,7 @@ def main() -> int:
                   f"max_stale_ms {a.max_stale_ms}, heartbeat_ms {a.heartbeat_ms}):\n{table(rows)}\n", flush=True)
     print(f"summary over {a.runs} run(s), {time.monotonic() - t0:.0f}s:")
     print("fault | runs with stale | stale reads (total) | regressions (total) | availability % (min–max) "
-          "| recovery s (max) | description")
+          "| longest outage s (max) | recovery s (max) | description")
     failed = False
     for f, vs in summary.items():
         stale_runs = sum(1 for v in vs if v.stale)
@@ -78,7 +78,8 @@ def main() -> int:
         rec_s = "not recovered" if None in rec else f"{max(rec):.2f}"
         av = [100 * v.availability for v in vs]
         print(f"{f} | {stale_runs}/{len(vs)} | {sum(len(v.stale) for v in vs):,} | "
-              f"{sum(len(v.regressions) for v in vs):,} | {min(av):.1f}–{max(av):.1f} | {rec_s} | {FAULTS[f]}")
+              f"{sum(len(v.regressions) for v in vs):,} | {min(av):.1f}–{max(av):.1f} | "
+              f"{max(v.outage_s for v in vs):.2f} | {rec_s} | {FAULTS[f]}")
         failed |= bool(stale_runs) or any(v.regressions for v in vs) or None in rec
         failed |= f == "c" and min(av) < 90.0
     print("verdict:", "FAIL (stale reads, regressions, no recovery, or (c) under 90% available)" if failed else "pass")

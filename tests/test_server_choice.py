@@ -20,7 +20,6 @@ from urllib.parse import urlparse
 import nats
 import nats.errors
 import pytest
-from support.poll import wait_until
 from support.sidecar_proc import SidecarProcess
 
 from kvcache.natsio.servers import BACKOFF_MAX_S, SHORT_ATTEMPT_S, ServerChoice, parse_url

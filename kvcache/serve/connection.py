@@ -9,10 +9,11 @@ trip, not one per key; their replies wait in `_replies` and leave in request ord
 runs ahead only when no read of one of its keys is in flight on the connection (a later read
 of a key must not be answered before an earlier one: floors would then not keep them in
 order), and only plain reads do: the first other command waits for everything before it.
-A client that does not read its replies is paused the same way (transport write buffer limits), so neither can grow our memory without bound; one that then
-reads nothing at all of what is queued for `client_write_stall_ms` is cut off (its output buffer
-stayed above the high-water mark without draining), as Redis's client-output-buffer-limit does,
-so it does not hold its slot and buffers for ever.
+A client that does not read its replies is paused the same way (transport write buffer
+limits), so neither can grow our memory without bound; one that then reads nothing at all of
+what is queued for `client_write_stall_ms` is cut off (its output buffer stayed above the
+high-water mark without draining), as Redis's client-output-buffer-limit does, so it does not
+hold its slot and buffers for ever.
 
 Local GETs, the bulk of the traffic, skip the generic dispatch: see ClientConnection._process.
 
@@ -56,7 +57,8 @@ WRITE_HIGH_WATER = 1 << 20
 # the event loop's iteration and answers them together (ext/server_get.pyx, _stash): with one
 # client there is nothing to gather, and the deferral would only add a callback per request.
 DEFER_FROM = 2
-# Pipelined reads in flight at once on one connection (see the module docstring)
+# Pipelined replies waiting on one connection, and keys of its reads in flight (see the module
+# docstring): what a pipeline may hold of the sidecar's memory and of NATS's attention at once
 PIPELINE_MAX = 512
 TOO_MANY_CLIENTS = resp.error("ERR max number of clients reached")
 SHUTTING_DOWN = resp.error("ERR kvcache is shutting down")
@@ -451,12 +453,14 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
 
     def _run_ahead(self) -> None:
         """Behind a read that went to NATS, send the pipelined reads already buffered (up to
-        PIPELINE_MAX waiting), each with a key no read in flight has; a read answered at once
-        takes its place in line. Stops at the first other command, which waits (`_waiting`)."""
+        PIPELINE_MAX replies waiting and PIPELINE_MAX keys in flight), each with a key no read
+        in flight has; a read answered at once takes its place in line. Stops at the first
+        other command, which waits (`_waiting`)."""
         reader = self.reader
         commands = self.srv.commands
         in_flight = self._in_flight
-        while len(self._replies) < PIPELINE_MAX and self._waiting is None and not self._closing:
+        while (len(self._replies) < PIPELINE_MAX and len(in_flight) < PIPELINE_MAX and self._waiting is None
+               and not self._closing):
             try:
                 args = reader.next_command()
             except ProtocolError as e:

@@ -29,6 +29,7 @@ The rules, per read sent at `sent` answering counter `c` of key `k` (nil: no val
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,6 +144,9 @@ class Verdict:
     stale: list[StaleRead] = field(default_factory=list)
     regressions: list[Regression] = field(default_factory=list)
     recovery_s: float | None = 0.0
+    # the longest stretch of the window with no fresh successful read (by reply time, any
+    # connection): the worst time from the fault to serving again
+    outage_s: float = 0.0
     acks: int = 0
     failures: dict[str, int] = field(default_factory=dict)
 
@@ -167,6 +171,7 @@ def judge(acks: Acks, reads: Iterable[Read], max_stale_ms: float, window: tuple[
     high: dict[tuple[int, str], int] = {}
     bad_until = None       # reply time of the last failed or stale read
     last_good = None       # reply time of the last fresh successful read
+    good: list[float] = []  # reply times of the fresh successful reads
     avail = total = 0.0
     for i, r in enumerate(rows):
         stale = False
@@ -185,8 +190,10 @@ def judge(acks: Acks, reads: Iterable[Read], max_stale_ms: float, window: tuple[
             v.failures[r.status] = v.failures.get(r.status, 0) + 1
         if not r.succeeded or stale:
             bad_until = r.recv if bad_until is None else max(bad_until, r.recv)
-        elif last_good is None or r.recv > last_good:
-            last_good = r.recv
+        else:
+            good.append(r.recv)
+            if last_good is None or r.recv > last_good:
+                last_good = r.recv
         if w0 <= r.sent < w1:
             v.window_reads += 1
             v.window_ok += r.succeeded
@@ -199,6 +206,8 @@ def judge(acks: Acks, reads: Iterable[Read], max_stale_ms: float, window: tuple[
             if r.succeeded:
                 avail += b - a
     v.availability = avail / total if total else 1.0
+    marks = [w0, *sorted(t for t in good if w0 < t < w1), w1]
+    v.outage_s = max(b - a for a, b in itertools.pairwise(marks))
     if bad_until is None or bad_until <= heal:
         v.recovery_s = 0.0
     elif last_good is None or last_good <= bad_until:
@@ -232,14 +241,15 @@ def read_reads(path: str | Path) -> list[Read]:
 
 # ----------------------------------------------------------------------------- the table
 
-COLUMNS = ("fault", "reads", "succeeded %", "availability %", "stale", "regressions", "recovery s",
-           "writes acked")
+COLUMNS = ("fault", "reads", "succeeded %", "availability %", "longest outage s", "stale", "regressions",
+           "recovery s", "writes acked")
 
 
 def row(fault: str, v: Verdict) -> dict[str, str]:
     rec = "not recovered" if v.recovery_s is None else f"{v.recovery_s:.2f}"
     return {"fault": fault, "reads": f"{v.reads:,}", "succeeded %": f"{v.succeeded_pct:.1f}",
-            "availability %": f"{100 * v.availability:.1f}", "stale": f"{len(v.stale):,}",
+            "availability %": f"{100 * v.availability:.1f}", "longest outage s": f"{v.outage_s:.2f}",
+            "stale": f"{len(v.stale):,}",
             "regressions": f"{len(v.regressions):,}", "recovery s": rec, "writes acked": f"{v.acks:,}"}
 
 
