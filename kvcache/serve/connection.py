@@ -352,8 +352,8 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         try:
             while True:
                 waiting, self._waiting = self._waiting, None
-                if waiting.__class__ is ProtocolError:  # met behind reads in flight: now its turn
-                    self._protocol_error(cast(ProtocolError, waiting))
+                if isinstance(waiting, ProtocolError):  # met behind reads in flight: now its turn
+                    self._protocol_error(waiting)
                     return
                 # the GETs at the front of the buffer, as data_received answers them
                 if waiting is None and not self._muted:
@@ -372,9 +372,8 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
                                 break
                             continue
                 # anything else, or a GET the GET path leaves to the generic path
-                if waiting is not None:
-                    args = cast("list[bytes]", waiting)
-                else:
+                args: list[bytes] | None = waiting
+                if args is None:
                     try:
                         args = reader.next_command()
                     except ProtocolError as e:
@@ -474,7 +473,7 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
                 return
             reply = self._dispatch(args)
             if reply.__class__ is bytes:
-                self._replies.append(cast(bytes, reply))
+                self._replies.append(reply)
             else:
                 self._send(cast("Awaitable[bytes]", reply), args, keys)
 
@@ -501,10 +500,10 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
             if head.__class__ is bytes:
                 out.append(cast(bytes, replies.popleft()))
                 continue
-            if not cast(asyncio.Future, head).done():
+            if not head.done():
                 break
             replies.popleft()
-            reply = self._reply_of(cast(asyncio.Future, head))
+            reply = self._reply_of(head)
             drop, self._drop_busy = self._drop_busy, False
             if not drop:
                 out.append(reply)
@@ -519,7 +518,7 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         if out:
             transport.write(b"".join(out))
         if replies:
-            self._busy = cast(asyncio.Future, replies[0])
+            self._busy = replies[0]
             if not self._draining:
                 self._run_ahead()
             return
