@@ -23,7 +23,7 @@ import nats
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from support.checkers import lag_probe, percentile, settled
 from support.sidecar_proc import SidecarProcess
-from support.topology import start_cluster, start_single
+from support.topology import replicated_kv, start_cluster, start_single
 
 BUCKET = "lag"
 KEY = "lag.probe"
@@ -34,8 +34,8 @@ async def measure(urls: list[str], replicas: int, tmp: Path, rate: float, second
     sc = None
     try:
         js = nc.jetstream(timeout=10)
-        kv = await settled(lambda: js.create_key_value(bucket=BUCKET, replicas=replicas))
-        await kv.put(KEY, b"-1")
+        kv = await replicated_kv(js, bucket=BUCKET, replicas=replicas)
+        await settled(lambda: kv.put(KEY, b"-1"))
         sc = await asyncio.to_thread(SidecarProcess(tmp / f"sc{replicas}", ",".join(urls), buckets=[BUCKET],
                                              extra=["--log-level", "warning"]).start)
         arrived: dict[int, float] = {}

@@ -40,7 +40,7 @@ import nats.js.errors
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from support.checkers import SETTLING, MonotonicReads, differences, lag_probe, percentile, settled
 from support.sidecar_proc import SidecarProcess
-from support.topology import ProxyHost, start_cluster
+from support.topology import ProxyHost, replicated_kv, start_cluster
 
 from kvcache.app.client import AsyncClient, KvcacheError
 
@@ -92,7 +92,7 @@ class Soak:
         self.nc = await nats.connect(servers=self.cluster.urls, connect_timeout=5, reconnect_time_wait=0.2,
                                      max_reconnect_attempts=-1, error_cb=quiet)
         self.js = self.nc.jetstream(timeout=5)
-        self.kv = await settled(lambda: self.js.create_key_value(bucket=BUCKET, replicas=3, history=5))
+        self.kv = await replicated_kv(self.js, bucket=BUCKET, replicas=3, history=5)
         for key in self.keys:
             await settled(lambda key=key: self.kv.put(key, b"v0"))
         self.proxies = await asyncio.to_thread(

@@ -35,7 +35,7 @@ from support.checkers import (
     wait_synced,
 )
 from support.sidecar_proc import SidecarProcess
-from support.topology import DelayProxy
+from support.topology import DelayProxy, replicated_kv, start_server
 
 from kvcache.store.replica import FORMAT_KEY, META_DB
 
@@ -194,7 +194,7 @@ async def cluster_js(nats_cluster):
 
 async def cluster_bucket(js, sidecars, nats_cluster):
     b = new_bucket()
-    kv = await settled(lambda: js.create_key_value(bucket=b, replicas=3, history=64))
+    kv = await replicated_kv(js, bucket=b, replicas=3, history=64)
     for k in READ_KEYS:
         await settled(lambda k=k: kv.put(k, b"v0"))
     sc = sidecars(",".join(nats_cluster.urls), b).start(wait_synced=False)
@@ -209,7 +209,7 @@ async def test_stream_leader_killed_and_restarted_during_writes(nats_cluster, cl
         await asyncio.sleep(0.3)
         victim = await kill_stream_leader(cluster_js, nats_cluster, f"KV_{b}")
         await asyncio.sleep(1.0)  # writes to the new leader
-        await asyncio.to_thread(victim.start)
+        await start_server(victim)
         await asyncio.to_thread(nats_cluster.wait_ready)
         return time.monotonic()
 
@@ -228,7 +228,7 @@ async def test_all_cluster_servers_restarted(nats_cluster, cluster_js, sidecars)
         await until(lambda: "disconnected from NATS" in sc.log(), 20, "the sidecar to notice")
         await asyncio.sleep(0.5)  # served from the replica alone meanwhile
         for s in nats_cluster.servers:
-            await asyncio.to_thread(s.start)
+            await start_server(s)
         await asyncio.to_thread(nats_cluster.wait_ready)
         return time.monotonic()
 

@@ -22,7 +22,7 @@ from support.checkers import (
     wait_synced,
 )
 from support.sidecar_proc import SidecarProcess
-from support.topology import start_single
+from support.topology import replicated_kv, start_single
 
 from kvcache import LocalReader
 from kvcache.errors import UpstreamError
@@ -479,7 +479,7 @@ async def test_stream_leader_failover(nats_cluster, sidecars):
     victim = None
     try:
         js = conn.jetstream(timeout=10)
-        kv = await js.create_key_value(bucket=b, replicas=3, history=2)
+        kv = await replicated_kv(js, bucket=b, replicas=3, history=2)
         for i in range(100):
             await settled(lambda i=i: kv.put(f"k.{i:03d}", b"before"))
         sc = sidecars(",".join(nats_cluster.urls), b).start(wait_synced=False)
@@ -513,7 +513,7 @@ async def test_consumers_are_made_on_the_stream_leader(nats_cluster):
     nc = NatsConnection()
     await nc.connect(servers=nats_cluster.urls, connect_timeout=5)
     try:
-        kv = await settled(lambda: nc.jetstream(timeout=10).create_key_value(bucket=b, replicas=3))
+        kv = await replicated_kv(nc.jetstream(timeout=10), bucket=b, replicas=3)
         await settled(lambda: kv.put("k", b"v"))
         stream = f"KV_{b}"
         hosts: list[tuple[str, str]] = []
@@ -658,7 +658,7 @@ async def test_a_leaderless_stream_ends_consumer_placement_at_once(nats_cluster)
     stream = f"KV_{b}"
     setup = await nats.connect(servers=nats_cluster.urls, connect_timeout=5)
     try:
-        kv = await settled(lambda: setup.jetstream(timeout=10).create_key_value(bucket=b, replicas=2))
+        kv = await replicated_kv(setup.jetstream(timeout=10), bucket=b, replicas=2)
         await settled(lambda: kv.put("k", b"v"))
         leader = (await setup.jetstream().stream_info(stream)).cluster.leader
     finally:

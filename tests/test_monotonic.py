@@ -20,10 +20,10 @@ from support.checkers import (
     MixedReads,
     kill_stream_leader,
     new_bucket,
-    settled,
     until,
     wait_synced,
 )
+from support.topology import replicated_kv, start_server
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -72,7 +72,7 @@ async def test_reads_never_go_back_across_a_leader_kill(nats_cluster, sidecars):
     js = nc.jetstream(timeout=2)
     try:
         b = new_bucket()
-        kv = await settled(lambda: js.create_key_value(bucket=b, replicas=3, history=1))
+        kv = await replicated_kv(js, bucket=b, replicas=3, history=1)
         writer = CounterWriter(kv, KEYS, rate=WRITE_RATE)
         await writer.prime()
         sc = sidecars(",".join(nats_cluster.urls), f"{b}:k.>").start(wait_synced=False)
@@ -90,7 +90,7 @@ async def test_reads_never_go_back_across_a_leader_kill(nats_cluster, sidecars):
             await progressed(READS // 5)
             victim = await kill_stream_leader(js, nats_cluster, f"KV_{b}")
             await progressed(reads.reads + READS // 5)  # reads and writes with the new leader
-            await asyncio.to_thread(victim.start)
+            await start_server(victim)
             await asyncio.to_thread(nats_cluster.wait_ready)
             await progressed(max(READS, reads.reads + READS // 5))
         finally:

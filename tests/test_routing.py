@@ -16,9 +16,9 @@ import nats
 import pytest
 import redis
 from nats.js.api import StreamConfig, StreamSource
-from support.poll import wait_until
+from support.poll import until, wait_until
 from support.sidecar_proc import SidecarProcess, write_config
-from support.topology import DelayProxy, add_hub_mirror, nats_run
+from support.topology import DelayProxy, add_hub_mirror, nats_run, replicated_kv, settled
 
 from kvcache.natsio import jetstream as jsapi
 from kvcache.natsio.connection import NatsConnection
@@ -235,9 +235,11 @@ async def test_strong_reads_use_the_bucket_stream_not_a_mirror(server, router_of
 
 @pytest.fixture(scope="module")
 def cluster_bucket(nats_cluster):
+    """Bucket `rc` (R3) holding `k`, its stream led and every replica current before the put
+    (issue 35: a put made as soon as the create was answered found no responder)."""
     async def setup(js):
-        kv = await js.create_key_value(bucket="rc", direct=True, replicas=3)
-        await kv.put("k", b"c")
+        kv = await replicated_kv(js, bucket="rc", direct=True, replicas=3)
+        await settled(lambda: kv.put("k", b"c"))
     nats_run(nats_cluster.urls[0], setup)
     return nats_cluster
 
@@ -255,10 +257,9 @@ async def test_sigstopped_cluster_member_is_hedged_around(cluster_bucket, router
             stack.push_async_callback(close_quietly, nc)
             peers.append(Peer(s.server_name, nc, "KV_rc", "rc"))
         r = router_of(peers, timeout=0.5, probe_backoff_s=0.2, refresh_s=0.1)
-        for _ in range(200):                      # wait for every replica to have the key
-            if all([await p.get("k", TIMEOUT) for p in peers]):
-                break
-            await asyncio.sleep(0.05)
+        async def every_replica_has_it() -> bool:
+            return all([await p.get("k", TIMEOUT) for p in peers])
+        await until(every_replica_has_it, 30, "every member's replica of KV_rc to answer k")
         await read_n(r, 60, "rc")
         # A follower: stopping the stream leader also stalls the other members' Direct Get
         # answers until a new leader is elected (that is the cluster, not the router).
@@ -280,11 +281,12 @@ async def test_sigstopped_cluster_member_is_hedged_around(cluster_bucket, router
 
 @pytest.fixture(scope="module")
 def hub_and_mirrors(nats_cluster, leaf_servers):
-    """Bucket `rs` (R3) on the hub; a mirror of it in each leaf's domain, caught up."""
+    """Bucket `rs` (R3) on the hub, led and every replica current before the first write; a
+    mirror of it in each leaf's domain, caught up."""
     async def hub(js):
-        kv = await js.create_key_value(bucket="rs", direct=True, replicas=3, history=5)
-        await kv.put("far.k", b"far")
-        await kv.put("local.k", b"near")
+        kv = await replicated_kv(js, bucket="rs", direct=True, replicas=3, history=5)
+        await settled(lambda: kv.put("far.k", b"far"))
+        await settled(lambda: kv.put("local.k", b"near"))
         return (await js.stream_info("KV_rs")).state.last_seq
     last = nats_run(nats_cluster.urls[0], hub)
 
@@ -371,23 +373,25 @@ def test_sidecar_discovers_mirrors_from_alternates(hub_and_mirrors, tmp_path):
     domains' mirrors are not among them: those are [[peer]] entries)."""
     cluster, _ = hub_and_mirrors
 
+    def alternates_of(info: dict) -> list[str]:
+        return [a["name"] for a in info.get("alternates", [])]
+
     async def hub_mirror(js):
         await js.add_stream(StreamConfig(name="KV_rs_hubm", mirror=StreamSource(name="KV_rs"),
                                          mirror_direct=True, allow_direct=True, num_replicas=1))
         # KV_rs's leader learns of the new stream from the meta group's log, which may reach
-        # it after the create was answered: ask until it lists the mirror (bounded)
-        deadline = asyncio.get_running_loop().time() + 15
-        while True:
+        # it after the create was answered: ask until it lists the mirror
+        async def listing() -> dict | None:
             m = await js._nc.request("$JS.API.STREAM.INFO.KV_rs", b"", timeout=TIMEOUT)
             upstream = json.loads(m.data)
-            alternates = [a["name"] for a in upstream.get("alternates", [])]
-            if "KV_rs_hubm" in alternates or asyncio.get_running_loop().time() > deadline:
-                break
-            await asyncio.sleep(0.1)
+            return upstream if "KV_rs_hubm" in alternates_of(upstream) else None
+        upstream = await until(listing, 60, "KV_rs's STREAM.INFO to list KV_rs_hubm as an alternate")
+
         # the new mirror answers Direct Gets at once: until it has caught up, "not found"
-        while (await js.stream_info("KV_rs_hubm")).state.last_seq < upstream["state"]["last_seq"]:
-            await asyncio.sleep(0.05)
-        return alternates
+        async def caught_up() -> bool:
+            return (await js.stream_info("KV_rs_hubm")).state.last_seq >= upstream["state"]["last_seq"]
+        await until(caught_up, 60, "mirror KV_rs_hubm to catch up with KV_rs")
+        return alternates_of(upstream)
     assert "KV_rs_hubm" in nats_run(cluster.urls[0], hub_mirror)
     cfg = sidecar_config(tmp_path / "kvcache.toml", cluster.urls[0], [], discover_peers=True)
     with SidecarProcess(tmp_path / "sc", None, extra=["--config", cfg]) as sc:
@@ -415,9 +419,9 @@ def lagging_mirror(nats_cluster, tmp_path_factory):
     try:
         wait_until(lambda: leaf.monitor("/leafz").get("leafnodes", 0) >= 1, 15, "leaf lag connected")
 
-        async def hub(js):
-            kv = await js.create_key_value(bucket="mono", direct=True, replicas=3)
-            return await kv.put("k", b"v1")
+        async def hub(js):   # led, every replica current, before the first write (issue 35)
+            kv = await replicated_kv(js, bucket="mono", direct=True, replicas=3)
+            return await settled(lambda: kv.put("k", b"v1"))
         rev = nats_run(hub0.url, hub)
 
         nats_run(leaf.url, lambda js: add_hub_mirror(js, "KV_mono_lag", "KV_mono", rev))

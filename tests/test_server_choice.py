@@ -10,10 +10,8 @@ them first on most reconnects and waited out the whole connect timeout on each.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import socket
-import time
 from collections.abc import Iterator
 from urllib.parse import urlparse
 
@@ -21,6 +19,7 @@ import nats
 import nats.errors
 import pytest
 from support.sidecar_proc import SidecarProcess
+from support.topology import replicated_kv, settled
 
 from kvcache.natsio.servers import BACKOFF_MAX_S, SHORT_ATTEMPT_S, ServerChoice, parse_url
 
@@ -144,31 +143,10 @@ async def _ready_bucket(url: str, bucket: str) -> None:
     """An R3 bucket, led, every replica current, with one key."""
     nc = await nats.connect(url)
     try:
-        js = nc.jetstream()
-        kv = await js.create_key_value(bucket=bucket, replicas=3, history=1)
-        deadline = time.monotonic() + 60
-        while True:
-            info = await js.stream_info(f"KV_{bucket}")
-            c = info.cluster
-            if c and c.leader and c.replicas and len(c.replicas) == 2 and all(r.current for r in c.replicas):
-                break
-            assert time.monotonic() < deadline, f"KV_{bucket} not led with current replicas: {c}"
-            await asyncio.sleep(0.1)
-        await _put(kv, "k", b"v0")
+        kv = await replicated_kv(nc.jetstream(), bucket=bucket, replicas=3, history=1)
+        await settled(lambda: kv.put("k", b"v0"))
     finally:
         await nc.close()
-
-
-async def _put(kv, key: str, value: bytes, timeout: float = 60) -> int:
-    """A write acknowledged, retried while the stream elects a leader."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return await kv.put(key, value)
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.APIError):
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.2)
 
 
 def _server_info(sc: SidecarProcess) -> dict:
@@ -203,7 +181,7 @@ async def test_a_sidecar_cut_from_its_server_moves_to_one_that_answers(nats_clus
             offset = len(sc.log())
             holes.enter_context(black_holes(ports))
             stopped.pause()
-            seq = await _put(kv, "k", b"after the stop")
+            seq = await settled(lambda: kv.put("k", b"after the stop"))
         finally:
             await nc.close()
 

@@ -12,7 +12,7 @@ import nats.js.errors
 import pytest
 from nats.aio.client import Client as NATS
 from nats.js.api import ExternalStream, StreamConfig, StreamSource
-from support.topology import Cluster
+from support.topology import Cluster, replicated_kv, settled
 
 from kvcache.errors import KvcacheError
 from kvcache.natsio.server import NatsServer, find_binary, free_port
@@ -115,11 +115,28 @@ async def test_single_server_kv(nats_server: NatsServer) -> None:
 # -- cluster --------------------------------------------------------------------------------
 
 
+async def test_replicated_kv_returns_a_led_and_current_bucket(nats_cluster: Cluster) -> None:
+    """Issue 35: fixtures rely on replicated_kv returning only once the new R3 stream has a
+    leader and both followers are online and current, as STREAM.INFO (asked again here, through
+    another member) reports them; and the cluster it runs on is routed and meta-current."""
+    assert nats_cluster.wait_ready() in {s.server_name for s in nats_cluster.servers}
+    async with connect(nats_cluster.servers[1].url) as nc:
+        js = nc.jetstream(timeout=5)
+        kv = await replicated_kv(js, bucket="ready", replicas=3, history=1)
+        info = await js.stream_info("KV_ready")
+        assert info.cluster is not None and info.cluster.leader
+        assert len(info.cluster.replicas or []) == 2, info.cluster
+        assert all(r.current and not r.offline for r in info.cluster.replicas), info.cluster
+        rev = await settled(lambda: kv.put("k", b"v"))
+        assert (await kv.get("k")).revision == rev
+        await js.delete_key_value("ready")
+
+
 async def test_cluster_r3_bucket_survives_leader_kill(nats_cluster: Cluster) -> None:
     s0, _, s2 = nats_cluster.servers
     async with connect(s0.url) as nc0:
-        kv0 = await nc0.jetstream().create_key_value(bucket="ha", direct=True, replicas=3)
-        rev = await kv0.put("k", b"v1")
+        kv0 = await replicated_kv(nc0.jetstream(), bucket="ha", direct=True, replicas=3)
+        rev = await settled(lambda: kv0.put("k", b"v1"))
 
     async with connect(s2.url) as nc2:
         kv2 = await nc2.jetstream().key_value("ha")
@@ -166,9 +183,9 @@ async def test_leaf_mirror_and_cross_domain_direct_get(
     leaf1 = leaf_servers["leaf1"]
     async with connect(nats_cluster.servers[0].url) as hub, connect(leaf1.url) as nc1:
         hub_js = hub.jetstream()
-        kv = await hub_js.create_key_value(bucket="lx", direct=True, replicas=3)
+        kv = await replicated_kv(hub_js, bucket="lx", direct=True, replicas=3)
         for i in range(10):
-            await kv.put(f"key{i}", f"v{i}".encode())
+            await settled(lambda i=i: kv.put(f"key{i}", f"v{i}".encode()))
         hub_state = (await hub_js.stream_info("KV_lx")).state
 
         # Direct Get against the hub domain, from a client of leaf1.

@@ -25,27 +25,15 @@ from kvcache import LocalReader
 from kvcache.app.client import AsyncClient, KvcacheError
 from kvcache.app.reader import StaleReplica
 from support.poll import until
+from support.topology import SETTLING, settled
 
 State = dict[str, tuple[bytes, int]]   # key -> (value, revision) of every live key
 
 
 # ----------------------------------------------------------------------------- waiting
 
-# What JetStream answers while a clustered stream is being created or elects a new leader.
-SETTLING = (nats.errors.NoRespondersError, nats.errors.TimeoutError,
-            nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError)
-
-
-async def settled(call, timeout: float = 60.0):
-    """`call()` retried while JetStream is settling (an R3 stream electing a leader)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return await call()
-        except SETTLING:
-            if time.monotonic() >= deadline:
-                raise
-            await asyncio.sleep(0.2)
+# SETTLING and settled (set-up calls retried while a replicated stream elects its leader)
+# live with the cluster helpers, support.topology; imported here for the existing callers.
 
 
 async def kill_stream_leader(js, cluster, stream: str):

@@ -1,25 +1,104 @@
 """Real nats-server topologies for the tests: a single server, a JetStream cluster, leaf nodes.
 
 Everything listens on 127.0.0.1 with free ports and keeps its state under the given
-directory. Readiness is checked through each server's HTTP monitor, never by sleeping.
+directory. Readiness is checked through each server's HTTP monitor (and a replicated
+stream's through STREAM.INFO: wait_stream_current, replicated_kv), never by sleeping.
 """
 from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
 import threading
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import nats
-from nats.js.api import ExternalStream, StreamConfig, StreamSource
+import nats.errors
+import nats.js.errors
+from nats.js.api import ExternalStream, StreamConfig, StreamInfo, StreamSource
 
 from kvcache.natsio.server import ClusterConfig, NatsServer, free_port
 from support.poll import until, wait_until
 
 HOST = "127.0.0.1"
 
+# Set-up waits on a cluster are bounded generously: on a loaded CI host an election or a
+# replica's catch-up can take many seconds, and a healthy cluster ends the wait at once.
+SETTLE_TIMEOUT_S = 60.0
 
+T = TypeVar("T")
+
+
+class NotReady(Exception):
+    """What a readiness check still misses; the poller reports the last one on timeout."""
+
+
+# ---------------------------------------------------------------------------- replicated streams
+
+# What JetStream answers while a clustered stream is being created or elects a leader: no
+# interest yet in its subjects on the server the client is on (NoResponders, which js.publish
+# turns into NoStreamResponse), no leader to answer (a timeout), or 503.
+SETTLING = (nats.errors.NoRespondersError, nats.errors.TimeoutError,
+            nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError)
+
+
+async def settled(call: Callable[[], Awaitable[T]], timeout: float = SETTLE_TIMEOUT_S) -> T:
+    """`call()` retried while JetStream is settling (a replicated stream electing a leader,
+    or its leader's subject interest not yet routed to the client's server), re-raised past
+    the deadline. For set-up only: a test of the product must see those errors."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await call()
+        except SETTLING:
+            if time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+def _stream_missing(info: StreamInfo) -> str | None:
+    """What keeps `info`'s stream from taking writes on every replica: no leader, a replica
+    not listed yet, offline or not current; None when there is nothing."""
+    want = (info.config.num_replicas or 1) - 1
+    if info.cluster is None:   # a server that is not clustered: no election, no replicas
+        return None if want == 0 else f"no cluster info for an R{want + 1} stream"
+    if not info.cluster.leader:
+        return "no leader"
+    reps = info.cluster.replicas or []
+    if len(reps) < want:
+        return f"leader {info.cluster.leader}, {len(reps)} of {want} replicas listed"
+    behind = [f"{r.name} ({'offline' if r.offline else f'not current, lag {r.lag}'})"
+              for r in reps if r.offline or not r.current]
+    if behind:
+        return f"leader {info.cluster.leader}, replica {', '.join(behind)}"
+    return None
+
+
+async def wait_stream_current(js, stream: str, timeout: float = SETTLE_TIMEOUT_S) -> StreamInfo:
+    """Until `stream` has a leader and every replica is online and current (STREAM.INFO);
+    returns that info. A stream's create is answered before its followers have caught up, and
+    a write made while the group still elects is answered NoResponders: wait on the state
+    itself, not on time. WaitTimeout names what was still missing."""
+    async def ready() -> StreamInfo:
+        info = await js.stream_info(stream)
+        if missing := _stream_missing(info):
+            raise NotReady(missing)
+        return info
+    return await until(ready, timeout, f"stream {stream}: a leader and every replica current",
+                       interval=0.1)
+
+
+async def replicated_kv(js, timeout: float = SETTLE_TIMEOUT_S, **config: Any):
+    """`js.create_key_value(**config)` (retried while the cluster settles), then
+    wait_stream_current on its stream: the bucket a fixture can write to and mirror. Write to
+    it through `settled(lambda: kv.put(...))`: interest in the new leader's subjects may
+    still be on its way over the routes to the client's server."""
+    kv = await settled(lambda: js.create_key_value(**config), timeout)
+    await wait_stream_current(js, f"KV_{config['bucket']}", timeout)
+    return kv
 
 
 def start_single(tmp_path: Path, name: str = "single", domain: str | None = None) -> NatsServer:
@@ -63,17 +142,42 @@ class Cluster:
             return leader
         return None
 
-    def wait_ready(self, timeout: float = 30) -> str:
-        """Wait for an agreed meta leader and a healthy JetStream on every running member."""
-        wait_until(self.meta_leader, timeout, f"JetStream meta leader in cluster {self.name}")
-        wait_until(
-            lambda: all(s.monitor("/healthz").get("status") == "ok" for s in self.servers if s.running),
-            timeout,
-            f"healthz ok on every member of cluster {self.name}",
-        )
+    def readiness(self) -> str:
+        """The meta leader's name when the running members are ready for replicated streams:
+        each routed to every other one, all agreeing on one meta leader, which sees every
+        other member online and current, and healthz ok everywhere. Otherwise NotReady
+        saying what is missing (the first thing found)."""
+        running = [s for s in self.servers if s.running]
+        names = {s.server_name for s in running}
+        for s in running:
+            remotes = {r.get("remote_name") for r in s.monitor("/routez").get("routes") or []}
+            if missing := names - {s.server_name} - remotes:
+                raise NotReady(f"{s.server_name} has no route to {sorted(missing)}")
         leader = self.meta_leader()
-        assert leader
+        if not leader:
+            raise NotReady("no meta leader all members agree on")
+        if leader not in names:
+            raise NotReady(f"meta leader {leader} is not a running member")
+        meta = self.server(leader).monitor("/jsz").get("meta_cluster") or {}
+        peers = {p.get("name"): p for p in meta.get("replicas") or []}
+        for name in sorted(names - {leader}):
+            p = peers.get(name)
+            if p is None or p.get("offline") or not p.get("current"):
+                raise NotReady(f"meta leader {leader} sees {name} as {p or 'absent'}")
+        for s in running:
+            if (health := s.monitor("/healthz")).get("status") != "ok":
+                raise NotReady(f"{s.server_name} healthz: {health}")
         return leader
+
+    def wait_ready(self, timeout: float = SETTLE_TIMEOUT_S) -> str:
+        """Until `readiness()` holds; the meta leader's name. An agreed meta leader alone is
+        not enough: a member whose routes or meta log are still catching up cannot yet take
+        its part in a new R3 stream (the create fails or the stream's election waits on it),
+        and the fixture's first writes fail. Running members only (a test may have killed
+        one)."""
+        return wait_until(self.readiness, timeout,
+                          f"cluster {self.name}: routes, one meta leader, every member current, healthz ok",
+                          interval=0.1)
 
     def stop(self) -> None:
         for s in self.servers:
@@ -107,6 +211,22 @@ def start_cluster(tmp_path: Path, n: int = 3, domain: str | None = "hub", name: 
         cluster.stop()
         raise
     return cluster
+
+
+async def start_server(server: NatsServer, timeout: float = SETTLE_TIMEOUT_S) -> NatsServer:
+    """(Re)start `server` from a coroutine: launched from the calling thread (the test's,
+    which outlives the test) and only waited for in a worker thread. With
+    `asyncio.to_thread(server.start)` the worker launches it, and the server gets SIGTERM
+    (PR_SET_PDEATHSIG) when the test's event loop shuts its executor down: a module's
+    cluster then goes on with a member gone, and the next R3 bucket never has every
+    replica current."""
+    server.launch()
+    try:
+        await asyncio.to_thread(server.wait_ready, timeout)
+    except BaseException:
+        server.kill()
+        raise
+    return server
 
 
 def start_leaf(tmp_path: Path, hub: Cluster, domain: str, name: str | None = None, timeout: float = 15) -> NatsServer:
