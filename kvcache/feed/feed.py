@@ -43,7 +43,7 @@ from .changes import ChangeHub
 from .consumer import ConsumerLost, PullConsumer, Run
 from .freshness import Freshness
 from .holds import Holds
-from .quorum import NO_FENCE, Evidence, Fence
+from .quorum import ANCHOR_MAX_BYTES, NO_FENCE, Evidence, Fence
 from .sweeps import Maintenance
 
 log = logging.getLogger("kvcache.feed")
@@ -83,7 +83,7 @@ class Feed(Maintenance):
         # stream, quorum evidence (kvcache.feed.freshness).
         self.freshness = Freshness(bucket, heartbeat_s, self.meta.fresh_at_ns)
         self._info_sent_ns = 0  # when the last STREAM.INFO that answered was asked
-        self.anchor = ""  # a key with a message in the stream (the last applied): see Fence
+        self.anchor = ""  # a key with a message in the stream (the last batch's): see Fence
         self._anchor_task: asyncio.Task | None = None
         self.upstream_seq = 0
         self.consumers_created = 0
@@ -343,6 +343,25 @@ class Feed(Maintenance):
             self._anchor_task = asyncio.get_running_loop().create_task(self._find_anchor())
         return None if ev is None else Fence(ev.seq, self.anchor)
 
+    def _note_anchor(self, items: list) -> None:
+        """Fence.anchor from a batch just applied: its newest put whose record is at most
+        ANCHOR_MAX_BYTES, else its newest put. A fenced read asks for the anchor beside a key
+        not known to have a message (kvcache.read.peer), and the anchor's value comes back
+        with it: a small one costs that read a header, a large one its whole value. The
+        anchor stays one of the latest puts (as likely as any key to still have its message,
+        which is all an anchor must have); the preference is only within the batch."""
+        newest = None
+        for lk, rec in reversed(items):
+            if rec is None:
+                continue
+            if len(rec) <= ANCHOR_MAX_BYTES:
+                self.anchor = decode_key(lk, rec)
+                return
+            if newest is None:
+                newest = (lk, rec)
+        if newest is not None:
+            self.anchor = decode_key(*newest)
+
     async def _find_anchor(self) -> None:
         """A key with a message, for Fence.anchor, before the feed applied any: the stream's
         last message (one leader API request, once)."""
@@ -509,10 +528,7 @@ class Feed(Maintenance):
             hub.advanced(self.bucket)
         if self._seen is not None:
             self._seen.update(lk for lk, _ in items)
-        for lk, rec in reversed(last.items):
-            if rec is not None:
-                self.anchor = decode_key(lk, rec)
-                break
+        self._note_anchor(last.items)
         self._last_meta_write = now
         self.freshness.last_msg_ns = last.last_ts
         self.upstream_seq = max(self.upstream_seq, top)

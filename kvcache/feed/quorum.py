@@ -36,6 +36,9 @@ from typing import Any
 RAFT_HEARTBEAT_S = 1.0
 # Proofs kept that the replica has not reached yet (writes in flight): more than a poll's worth
 PENDING_MAX = 16
+# A Fence's anchor comes back, value and all, with each fenced read that asks for it: the
+# feed prefers a key whose record is at most this big (kvcache.feed.feed.Feed._note_anchor).
+ANCHOR_MAX_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -95,9 +98,10 @@ class Fence:
     """What a fallback answer must show to count as current (Router.fence): the answering
     server held stream sequence `seq` (its Direct Get batch reply names its last sequence,
     Nats-UpTo-Sequence), so it holds every write the bucket acknowledged before the evidence
-    of `seq`. `anchor`: a key known to have a message, asked for beside the key read, so
-    that a "no such key" reply still carries the server's sequence. seq 0: nothing to show
-    (a stream with one copy)."""
+    of `seq`. `anchor`: a key known to have a message, asked for beside a key read that may
+    have none (kvcache.read.peer.Peer._fenced_get), so that a "no such key" reply still
+    carries the server's sequence; the feed picks a small one when it can (ANCHOR_MAX_BYTES).
+    seq 0: nothing to show (a stream with one copy)."""
 
     seq: int
     anchor: str = ""

@@ -6,6 +6,13 @@ use `multi_last` batches (at most 1024 subjects a request, pinned to one snapsho
 the leader API `$JS.API.STREAM.MSG.GET`, which is also what `CONSISTENCY strong` reads use
 (read-after-write). A peer also measures its requests, the figures the router chooses by
 (kvcache.read.router).
+
+A fenced single-key read (kvcache.feed.quorum.Fence) is a one-key `multi_last` batch: the
+key's entry, then the end-of-batch reply naming the answering server's last sequence. The
+fence's anchor key goes along only when the key is not known to have a message (a not-found
+must still end in that reply, and a 404 carries none): a key this peer has seen with a
+message (KNOWN_KEYS) is asked alone, two messages back like the plain Direct Get's one plus
+the proof, and asked again with the anchor in the rare case that it has lost its message.
 """
 from __future__ import annotations
 
@@ -36,6 +43,7 @@ EWMA_TAU_S = 0.5      # decay time of the latency estimate between sparse sample
 EWMA_ALPHA = 0.1      # least weight of a new (faster) sample
 SAMPLES = 256          # latency samples kept per peer for percentiles
 RESORT_EVERY = 16      # percentiles are re-sorted after this many new samples
+KNOWN_KEYS = 4096      # keys a peer remembers having a message: fenced reads ask them without the anchor
 
 
 @dataclass
@@ -111,6 +119,9 @@ class Peer:
     unanswered_since: float = 0.0
     _started: dict = field(default_factory=dict)   # request id -> perf_counter() at start
     _ids: Iterator[int] = field(default_factory=itertools.count)
+    # Keys this peer last answered with a message (a put or a delete marker), oldest first: a
+    # hint only, for which request form a fenced read sends (_fenced_get), never an answer.
+    _has_message: dict = field(default_factory=dict)
 
     @property
     def inflight(self) -> int:
@@ -189,15 +200,12 @@ class Peer:
                   fence: Fence = NO_FENCE) -> Entry | None:
         """The key's newest entry as this peer holds it. With a `fence`, a Direct Get answer
         counts only from a server that shows it holds the fence's sequence (a one-key batch
-        get, whose end-of-batch reply names the server's last sequence)."""
-        if fence.seq and self.direct and not leader:
-            # a one-key multi_last (with the fence's anchor key beside it): its end-of-batch
-            # names the server's last sequence, which the fence checks
-            return (await self.get_many([key], timeout, fence=fence))[key]
+        get, whose end-of-batch reply names the server's last sequence: _fenced_get)."""
         if self.direct and not leader:
             rid, start = self._begin()
             try:
-                e = await self.direct_request(key, b"", timeout)
+                e = await (self._fenced_get(key, fence, timeout) if fence.seq
+                           else self.direct_request(key, b"", timeout))
             except BaseException as exc:
                 err = self._error(rid, exc)
                 if not isinstance(err, nats.errors.NoRespondersError):
@@ -225,7 +233,81 @@ class Peer:
                 msg = await self.nc.request(subject, payload, timeout=timeout)
         except nats.errors.TimeoutError:
             raise UpstreamError(f"peer {self.label}: Direct Get timed out after {timeout:.1f}s") from None
-        return self._entry_from_msg(msg, key)
+        e = self._entry_from_msg(msg, key)
+        if key is not None:
+            self._saw(key, e is not None)
+        return e
+
+    async def _fenced_get(self, key: str, fence: Fence, timeout: float) -> Entry | None:
+        """The key's newest entry from a server that shows, in the same reply, that it holds
+        stream sequence `fence.seq`; BehindQuorum from any other (the router then asks the
+        next peer).
+
+        One `multi_last` batch: the key's last message, then the 204 end-of-batch whose
+        Nats-UpTo-Sequence is the answering server's last sequence (a request reaches one
+        member of the Direct Get queue group, and every message of its reply comes from that
+        member). A key without a message gets a 404 instead, which carries no sequence, so
+        the fence's anchor (a key known to have a message) is asked beside any key this peer
+        has not seen with one: a not-found then still ends in the 204. A key it has seen is
+        asked alone, one message fewer (the anchor's header and value), and asked again with
+        the anchor should it answer 404 (its message removed since). Nothing is taken from an
+        earlier reply: the hint only chooses the request."""
+        subject = jsapi.kv_subject(self.bucket, key)
+        can_anchor = bool(fence.anchor) and fence.anchor != key
+        anchored = can_anchor and key not in self._has_message
+        request = f"{self.api}.DIRECT.GET.{self.stream}"
+        for _ in range(2):
+            subjects = [subject, jsapi.kv_subject(self.bucket, fence.anchor)] if anchored else [subject]
+            payload = b'{"multi_last":%s,"batch":%d}' % (json.dumps(subjects).encode(), len(subjects))
+            try:
+                msgs = await (self.nc.fast_batch(request, payload, timeout) if isinstance(self.nc, NatsConnection)
+                              else request_batch(self.nc, request, payload, timeout))
+            except nats.errors.TimeoutError:
+                raise UpstreamError(f"peer {self.label}: multi_last timed out") from None
+            found: Msg | None = None
+            tail = pending = -1    # from the end-of-batch reply; -1: none came
+            for msg in msgs:
+                hdrs = msg.headers or {}
+                status = hdrs.get("Status")
+                if not status:
+                    if hdrs.get("Nats-Subject") == subject:
+                        found = msg  # the anchor's own entry is no answer: only its batch's tail is
+                elif status == "204":
+                    tail = int(hdrs.get("Nats-UpTo-Sequence", 0) or 0)
+                    pending = int(hdrs.get("Nats-Num-Pending", 0) or 0)
+                elif status == "404":  # none of the subjects has a message: no sequence to check
+                    if anchored or not can_anchor:
+                        raise BehindQuorum(f"peer {self.label}: cannot show it holds stream "
+                                           f"sequence {fence.seq} (no key to anchor the read)")
+                    self._has_message.pop(key, None)
+                else:
+                    raise UpstreamError(f"peer {self.label}: multi_last failed: {status} "
+                                        f"{hdrs.get('Description', '')}".rstrip())
+            if tail < 0:               # the 404 of a key asked alone: again, anchored
+                anchored = True
+                continue
+            if tail < fence.seq:
+                raise BehindQuorum(f"peer {self.label}: holds the stream up to {tail}, "
+                                   f"below {fence.seq} which a quorum had within max_stale_ms")
+            if found is None and pending > 0:
+                # The batch ended before the key (the server's byte limit, reached by the
+                # anchor's value): the key alone, with its own proof.
+                anchored = False
+                continue
+            e = self._entry_from_msg(found, key) if found is not None else None
+            self._saw(key, e is not None)
+            return e
+        raise UpstreamError(f"peer {self.label}: no reply showed key {key} with the server's sequence")
+
+    def _saw(self, key: str, has_message: bool) -> None:
+        """Remember whether the key answered with a message (the oldest of KNOWN_KEYS goes)."""
+        known = self._has_message
+        if not has_message:
+            known.pop(key, None)
+        elif key not in known:
+            known[key] = None
+            if len(known) > KNOWN_KEYS:
+                del known[next(iter(known))]
 
     def _entry_from_msg(self, msg: Msg, key: str | None = None) -> Entry | None:
         hdrs = msg.headers or {}
@@ -350,6 +432,7 @@ class Peer:
                         if budget is not None:
                             budget.spend(len(msg.data))
                         out[key] = self._entry_from_msg(msg, key)
+                        self._saw(key, True)
             if not more or not got_any:
                 return up_to
         return up_to
