@@ -649,11 +649,11 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         """Graceful shutdown: the requests in flight get their replies, then the connection
         closes; requests not yet started are not answered."""
         self._draining = True
-        busy = [r for r in self._replies if r.__class__ is not bytes]
-        if busy:
-            await asyncio.wait([asyncio.shield(cast(asyncio.Future, r)) for r in busy])
+        busy = [r for r in self._replies if isinstance(r, asyncio.Future)]
+        if busy:  # (asyncio.wait cancels none of them if the drain itself is cancelled)
+            await asyncio.wait(busy)
             # A request that ended just before the drain has its _landed (which writes the
-            # reply) scheduled but not run yet, and shield() of a done future does not yield.
+            # reply) scheduled but not run yet, and wait() on done futures does not yield.
             await asyncio.sleep(0)
         if self.transport and not self.transport.is_closing():
             self.transport.close()
