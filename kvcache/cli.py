@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "serve its last known value (marked stale) instead of an error; every bucket")
     serve.add_argument("--discover-peers", action=argparse.BooleanOptionalAction, dest="discover_peers",
                        default=None, help="also read from the mirrors each bucket stream lists as alternates")
+    serve.add_argument("--share-stream-state", action=argparse.BooleanOptionalAction, dest="share_stream_state",
+                       default=None, help="share stream-state polls with the other sidecars of each bucket "
+                       "(core subject kvcache.state.>): one STREAM.INFO per bucket per period for the fleet")
     serve.add_argument("--socket-mode", type=_octal, dest="socket_mode", metavar="MODE",
                        help="the socket's file mode, octal: who may read")
     serve.add_argument("--max-args", type=int, dest="max_args", metavar="N",

@@ -100,6 +100,9 @@ class Config:
     access_log_max_bytes: int = 64 * 1024 * 1024  # rotate access.log at this size
     access_log_files: int = 10  # rotated files kept (access.log.1 .. .N)
     discover_peers: bool = False  # add the mirrors each bucket stream lists as `alternates`
+    # Share stream-state polls with the other sidecars of each bucket (kvcache.feed.fleet): one
+    # STREAM.INFO per bucket per period for the whole fleet instead of one per sidecar.
+    share_stream_state: bool = True
     serve_stale: bool = False  # default of [[bucket]] serve_stale (see BucketConfig)
     cache_max_keys: int = 0  # default of [[bucket]] cache_max_keys: the near cache (store/nearcache.py)
     cache_max_bytes: int = 0  # default of [[bucket]] cache_max_bytes

@@ -20,6 +20,7 @@ from .demo import DEMO_BUCKET, ensure_demo_bucket
 from .errors import BucketNotFound, ConfigError, KvcacheError, describe
 from .feed.changes import ChangeHub
 from .feed.feed import Feed
+from .feed.fleet import StateShare
 from .feed.freshness import SILENT_HEARTBEATS
 from .feed.quorum import NO_FENCE
 from .feed.statepoll import SHARED_FROM, StatePoll
@@ -64,6 +65,7 @@ class Sidecar:
         self.replica: Replica | None = None
         self.feeds: dict[str, Feed] = {}
         self.state_poll: StatePoll | None = None  # with SHARED_FROM buckets or more
+        self.share: StateShare | None = None  # the fleet's shared stream-state polls
         feeds = self.feeds
         # A bucket's max_age and what its fallback answers must show, from its feed (the
         # feeds dict fills as each bucket starts)
@@ -121,6 +123,9 @@ class Sidecar:
         policy = ReadPolicy(self.cfg, self.replica, self.feeds, floors)
         gets = local_gets(self.cfg, policy, every_get_to_commands=access.enabled)
         hub = self.hub
+        # The fleet's shared stream-state polls (kvcache.feed.fleet): set on each feed before it
+        # starts, followed once it has (the answers are checked against its stream's identity).
+        share = self.share = StateShare(nc) if self.cfg.share_stream_state else None
         for b in self.cfg.buckets:
             feed = Feed(nc, b, self.replica, heartbeat_s=self.cfg.heartbeat_ms / 1000,
                         timeout=timeout, on_fatal=self._fatal,
@@ -130,15 +135,18 @@ class Sidecar:
             max_keys, max_bytes = self.cfg.cache_bounds(b)
             if (max_keys or max_bytes) and ">" not in b.keys:
                 feed.set_cache(NearCache(self.replica, b.name, max_keys, max_bytes, self.cfg.cache_admission))
+            feed.share = share
             try:
                 await feed.start(watch=not shared_watch)
             except BucketNotFound:
                 raise BucketNotFound(f"bucket '{b.name}' does not exist on {self.upstream.url}") from None
             self.feeds[b.name] = feed
+            if share is not None:
+                await share.follow(feed)
             self.router.add(Peer("main", nc, feed.stream, b.name,
                                  direct=bool(feed.stream_config.get("allow_direct"))))
         if shared_watch:
-            self.state_poll = StatePoll(nc, self.feeds.values(), timeout, self.stats)
+            self.state_poll = StatePoll(nc, self.feeds.values(), timeout, self.stats, share)
             self.state_poll.start()
         await self._add_peers(timeout)
         self._hopper = asyncio.ensure_future(self.upstream.leave_servers_without_quorum())
@@ -289,6 +297,8 @@ class Sidecar:
             await _step("peer connections", self.peer_conns.close(), STOP_STEP_S)
         if self.state_poll is not None:
             await _step("stream state poll", self.state_poll.stop(), STOP_STEP_S)
+        if self.share is not None:
+            await _step("shared stream state", self.share.close(), STOP_STEP_S)
         for name, feed in self.feeds.items():
             await _step(f"feed {name}", feed.stop(), STOP_STEP_S)
         if self.upstream.nc and not self.upstream.nc.is_closed:

@@ -231,7 +231,9 @@ def test_serve_help_names_every_default_and_variable():
         var = m.group(1)
         assert var == config_sources.env_var(action.dest)
         if isinstance(action, __import__("argparse").BooleanOptionalAction):
-            argv, env_value = [action.option_strings[0]], "true"
+            # the flag that changes the default: --no-X for a setting on by default
+            on = config_sources.default_of(action.dest) is True
+            argv, env_value = [action.option_strings[1 if on else 0]], "false" if on else "true"
         else:
             flag_value, env_value = special.get(action.dest) or (samples.get(action.type, "x"),) * 2
             argv = [action.option_strings[0], flag_value]

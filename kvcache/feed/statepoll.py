@@ -9,7 +9,9 @@ its own stream's entry: the same check on the same document, so no bucket's boun
 A stream missing from the listing, or listed without a leader (a member's state may be far
 behind its leader's: it would look like a purge), is asked about on its own. Each entry is
 also that feed's quorum evidence (kvcache.feed.quorum): the meta leader gathers it from the
-stream's leader after the page was asked for, so the page's send time bounds it.
+stream's leader after the page was asked for, so the page's send time bounds it. With the
+fleet's shared polls (kvcache.feed.fleet), only the streams no other sidecar answers for are
+looked at, and each entry is shared in turn.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from ..ops.stats import Stats
 
 if TYPE_CHECKING:
     from .feed import Feed
+    from .fleet import StateShare
 
 log = logging.getLogger("kvcache.feed")
 
@@ -38,8 +41,10 @@ class StatePoll:
     """Watches the streams of `feeds` with STREAM.LIST pages; the feeds' own watch loops are
     off (Feed.start(watch=False))."""
 
-    def __init__(self, nc: NatsConnection, feeds: Iterable[Feed], timeout: float, stats: Stats) -> None:
+    def __init__(self, nc: NatsConnection, feeds: Iterable[Feed], timeout: float, stats: Stats,
+                 share: StateShare | None = None) -> None:
         self.nc = nc
+        self.share = share  # the fleet's shared polls (kvcache.feed.fleet), if the sidecar shares them
         self.feeds = list(feeds)
         self.timeout = timeout
         self.stats = stats
@@ -61,8 +66,13 @@ class StatePoll:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self.period())
-            if not any(feed.watching() or feed.quorum for feed in self.feeds):
+            period = self.period()
+            await asyncio.sleep(period)
+            wanted = [feed for feed in self.feeds if feed.watching() or feed.quorum]
+            share = self.share
+            if share is not None:  # another sidecar of the fleet may poll these for this one
+                wanted = [feed for feed in wanted if share.should_poll(feed.bucket, period)]
+            if not wanted:
                 continue
             try:
                 listed = await self.list_streams()
@@ -71,8 +81,10 @@ class StatePoll:
             except Exception as e:  # the next period tries again; the data is still served
                 log.warning("stream state poll (STREAM.LIST) failed: %s", e)
                 continue
-            for feed in self.feeds:
+            for feed in wanted:
                 info, sent = listed.get(feed.stream, (None, 0))
+                if share is not None and info is not None:
+                    await share.publish(feed.bucket, info, sent)
                 if not feed.watching():
                     if feed.quorum and info is not None:  # evidence for fallback reads (Feed.fence)
                         feed.note_evidence(info, sent)

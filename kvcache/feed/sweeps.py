@@ -34,6 +34,9 @@ from .changes import DEL, EXPIRED, ChangeHub
 from .consumer import PullConsumer, Run
 from .quorum import Evidence
 
+if TYPE_CHECKING:
+    from .fleet import StateShare
+
 log = logging.getLogger("kvcache.feed")
 
 EXPIRY_PAGE = 2_000     # records looked at per turn of the event loop (~3 ms) by removal passes
@@ -68,6 +71,13 @@ class Maintenance:
     _deadlines: bool
     _sweep_wake: asyncio.Event  # a deadline may have been filed (see _sweep_loop)
     _hint_tasks: set[asyncio.Task]
+    # The fleet's shared polls (kvcache.feed.fleet), when the sidecar shares them; set before
+    # start. The state checks, own or shared, run one at a time (_state_lock); a shared answer
+    # older than the newest already checked (`_state_seq`) is evidence only.
+    share: StateShare | None = None
+    state_shared: int = 0
+    _state_lock: asyncio.Lock | None = None
+    _state_seq: int = 0
 
     if TYPE_CHECKING:  # Feed's properties and methods the passes call
         @property
@@ -75,6 +85,7 @@ class Maintenance:
         @property
         def quorum(self) -> bool: ...
         async def _stream_info(self) -> dict: ...
+        _info_sent_ns: int
         def note_evidence(self, info: dict, sent_ns: int) -> Evidence | None: ...
         async def wait_applied(self, seq: int, timeout: float) -> bool: ...
         def _clear_cache(self, why: str) -> None: ...
@@ -187,10 +198,12 @@ class Maintenance:
         (_on_removal_request). Only while caught up: before that the feed itself plans."""
         while True:
             await asyncio.sleep(self.watch_period())
+            if self.share is not None and not self.share.should_poll(self.bucket, self.watch_period()):
+                continue  # another sidecar of the fleet polls for this one (apply_state)
             try:
                 if not self.watching():
                     if self.quorum:  # the evidence fallback reads need (Feed.fence) goes on
-                        await self._stream_info()
+                        await self._poll_state()
                     continue
                 await self.check_state()
             except asyncio.CancelledError:
@@ -205,11 +218,38 @@ class Maintenance:
         poll listed it (kvcache.feed.statepoll) at `sent_ns`, else STREAM.INFO is asked. Either
         way the look is also the feed's quorum evidence (Feed.note_evidence): this poll is
         what keeps a replicated stream's replica fresh."""
+        if self._state_lock is None:
+            self._state_lock = asyncio.Lock()
+        async with self._state_lock:
+            return await self._check_state(force, info, sent_ns)
+
+    async def _poll_state(self) -> dict:
+        """STREAM.INFO asked by this sidecar, shared with the fleet (kvcache.feed.fleet)."""
+        info = await self._stream_info()
+        if self.share is not None:
+            await self.share.publish(self.bucket, info, self._info_sent_ns)
+        return info
+
+    async def apply_state(self, info: dict, sent_ns: int) -> None:
+        """Another sidecar's STREAM.INFO of this stream, asked at `sent_ns` (kvcache.feed.fleet):
+        taken as this feed's own poll would be. Not if it belongs to another stream of the
+        same name (recreated since, another domain's): then this feed polls for itself."""
+        created = info.get("created", "")
+        if created and self.meta.stream_created and created != self.meta.stream_created:
+            return
+        self.state_shared += 1
+        if self.watching() and int((info.get("state") or {}).get("last_seq", 0) or 0) >= self._state_seq:
+            await self.check_state(info=info, sent_ns=sent_ns)
+        elif self.quorum:
+            self.note_evidence(info, sent_ns)
+
+    async def _check_state(self, force: bool, info: dict | None, sent_ns: int) -> int:
         self.state_polls += 1
         if info is None:
-            info = await self._stream_info()
+            info = await self._poll_state()
         else:
             self.note_evidence(info, sent_ns)
+        self._state_seq = max(self._state_seq, int((info.get("state") or {}).get("last_seq", 0) or 0))
         config = info.get("config", {})
         max_age = int(config.get("max_age", 0) or 0)
         msg_ttl = bool(config.get("allow_msg_ttl"))

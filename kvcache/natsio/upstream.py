@@ -298,10 +298,11 @@ class Upstream:
 
 # What a permissions violation names; the publishes the feeds cannot do without (the rest are
 # reads, which fail on their own, and consumer deletes, which the server does by itself), and
-# the subscriptions they can (purge and message-delete requests, see feed/feed.py).
+# the subscriptions they can (purge and message-delete requests, see feed/feed.py; the fleet's
+# shared stream state, see feed/fleet.py: without it a sidecar polls for itself).
 _PERMISSION_DENIED = re.compile(r'permissions violation for (publish|subscription) to "([^"]*)"', re.I)
 _FEED_PUBLISH = re.compile(r"\.API\.(STREAM\.INFO|CONSUMER\.CREATE|CONSUMER\.MSG\.NEXT)\.")
-_OPTIONAL_SUBSCRIBE = re.compile(r"\.API\.STREAM\.(PURGE|MSG\.DELETE)\.")
+_OPTIONAL_SUBSCRIBE = re.compile(r"\.API\.STREAM\.(PURGE|MSG\.DELETE)\.|^kvcache\.state\.")
 PERMISSION_LOG_S = 60.0
 
 

@@ -117,7 +117,7 @@ class Info:
                 upstream_seq=max(f.upstream_seq, f.meta.applied_seq), lag_ms=f.lag_ms(),
                 max_stale_ms=f.cfg.max_stale_ms,
                 resyncs=f.meta.resyncs, removed_upstream=f.removed_upstream,
-                state_polls=f.state_polls, **_cache_fields(f, fast.get(name, (0, 0)))))
+                state_polls=f.state_polls, state_shared=f.state_shared, **_cache_fields(f, fast.get(name, (0, 0)))))
                 for name, f in policy.feeds.items()],
             "peers": [(p.label, _fields(
                 stream=p.stream, state=router.state(p), ewma_us=int(p.stats.ewma_us),
