@@ -40,13 +40,10 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..natsio.connection import NatsConnection
 from .quorum import evidence, needs_quorum
-
-if TYPE_CHECKING:
-    from .feed import Feed
 
 log = logging.getLogger("kvcache.feed")
 
@@ -54,6 +51,17 @@ SUBJECT_PREFIX = "kvcache.state"
 # Another sidecar's useful answer within this many periods: this one does not poll.
 HEARD_WITHIN_PERIODS = 1.5
 CLOCK_AHEAD_WARN_MS = 1000
+
+
+class Feed(Protocol):
+    """What the shared polls need of a bucket's feed (kvcache.feed.feed.Feed, whose
+    maintenance half, kvcache.feed.sweeps, polls and takes the answers): a Protocol, so that
+    this module and the feed do not import each other."""
+
+    bucket: str
+    stream: str
+
+    async def apply_state(self, info: dict, sent_ns: int) -> None: ...
 
 
 def state_subject(domain: str | None, bucket: str) -> str:
