@@ -59,7 +59,8 @@ class Feed(Protocol):
     this module and the feed do not import each other."""
 
     bucket: str
-    stream: str
+
+    def same_stream(self, info: dict) -> bool: ...
 
     async def apply_state(self, info: dict, sent_ns: int) -> None: ...
 
@@ -131,8 +132,8 @@ class StateShare:
         try:
             doc = json.loads(data)
             sender, sent_ns, info = str(doc["from"]), int(doc["sent_ns"]), doc["info"]
-            if (info.get("config") or {}).get("name") != feed.stream:
-                return  # a stream of another name: not this feed's
+            if not feed.same_stream(info):
+                return  # another stream of the name (recreated, another domain's): not heard
         except (ValueError, KeyError, TypeError, AttributeError):
             log.warning("bucket %s: a stream-state message that is not kvcache's on %s: ignored",
                         feed.bucket, state_subject(self.domain, feed.bucket))

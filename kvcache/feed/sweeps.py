@@ -230,15 +230,21 @@ class Maintenance:
             await self.share.publish(self.bucket, info, self._info_sent_ns)
         return info
 
-    async def apply_state(self, info: dict, sent_ns: int) -> None:
-        """Another sidecar's STREAM.INFO of this stream, asked at `sent_ns` (kvcache.feed.fleet):
-        taken as this feed's own poll would be. Not if it belongs to another stream of the
-        same name (recreated since, another domain's): then this feed polls for itself."""
+    def same_stream(self, info: dict) -> bool:
+        """Is `info` about this feed's stream, not another of the same name (recreated since,
+        another domain's)? Another sidecar's answer about another stream is no answer for
+        this one (kvcache.feed.fleet): neither applied nor a reason not to poll."""
+        if (info.get("config") or {}).get("name") != self.stream:
+            return False
         created = info.get("created", "")
-        if created and self.meta.stream_created and created != self.meta.stream_created:
-            return
+        return not (created and self.meta.stream_created and created != self.meta.stream_created)
+
+    async def apply_state(self, info: dict, sent_ns: int) -> None:
+        """Another sidecar's STREAM.INFO of this stream (`same_stream`), asked at `sent_ns`
+        (kvcache.feed.fleet): taken as this feed's own poll would be; one older than the
+        newest already checked is evidence only."""
         self.state_shared += 1
-        if self.watching() and int((info.get("state") or {}).get("last_seq", 0) or 0) >= self._state_seq:
+        if self.watching() and _last_seq(info) >= self._state_seq:
             await self.check_state(info=info, sent_ns=sent_ns)
         elif self.quorum:
             self.note_evidence(info, sent_ns)
@@ -249,7 +255,7 @@ class Maintenance:
             info = await self._poll_state()
         else:
             self.note_evidence(info, sent_ns)
-        self._state_seq = max(self._state_seq, int((info.get("state") or {}).get("last_seq", 0) or 0))
+        self._state_seq = max(self._state_seq, _last_seq(info))
         config = info.get("config", {})
         max_age = int(config.get("max_age", 0) or 0)
         msg_ttl = bool(config.get("allow_msg_ttl"))
@@ -419,6 +425,10 @@ class Maintenance:
                 self.hub is not None:
             self.hub.removed(self.bucket)
         return removed
+
+
+def _last_seq(info: dict) -> int:
+    return int((info.get("state") or {}).get("last_seq", 0) or 0)
 
 
 def _front_removal_possible(config: dict) -> bool:
