@@ -17,7 +17,6 @@ from pathlib import Path
 
 from .errors import CommandError, ConfigError
 from .keys import FilterSet, valid_filter
-from .serve.keyspace_events import parse_flags
 
 BUCKET_NAME = re.compile(r"^[a-zA-Z0-9_-]+$")
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the terminating NUL
@@ -195,6 +194,39 @@ def _loopback(host: str) -> bool:
 
 # ---------------------------------------------------------------------------- validation
 
+# `notify-keyspace-events`: Redis's class characters in the order CONFIG GET shows them, and
+# the ones kvcache refuses. kvcache's events are in the classes `g` (del), `$` (set) and `x`
+# (expired); the other data-type classes are accepted and never fire, as they never would in
+# Redis for a database of strings. `m` (key misses) and `n` (new keys) are refused: kvcache
+# does not send those. Checked here for the setting and for CONFIG SET alike.
+KEYSPACE_CLASSES = "g$lshzxetd"
+REFUSED_KEYSPACE_CLASSES = {"m": "key-miss events (m)", "n": "new-key events (n)"}
+
+
+def parse_keyspace_events(text: str) -> str:
+    """`notify-keyspace-events` as Redis reads it, in Redis's canonical order (`KEA` -> `AKE`).
+    Raises CommandError with Redis's words (CONFIG SET answers them; `validate` rewords them)."""
+    classes: set[str] = set()
+    space = event = False
+    for ch in text:
+        if ch == "A":
+            classes.update(KEYSPACE_CLASSES)
+        elif ch in KEYSPACE_CLASSES:
+            classes.add(ch)
+        elif ch == "K":
+            space = True
+        elif ch == "E":
+            event = True
+        elif ch in REFUSED_KEYSPACE_CLASSES:
+            raise CommandError(f"ERR kvcache does not send {REFUSED_KEYSPACE_CLASSES[ch]}")
+        else:
+            raise CommandError("ERR Invalid event class character. Use 'Ag$lshzxeKEtmdn'.")
+    if not (space or event):
+        return ""  # Redis keeps nothing when neither K nor E is given
+    shown = "A" if classes == set(KEYSPACE_CLASSES) else "".join(c for c in KEYSPACE_CLASSES if c in classes)
+    return shown + ("K" if space else "") + ("E" if event else "")
+
+
 def validate(cfg: Config) -> None:
     if not cfg.data_dir:
         raise ConfigError("data_dir must not be empty")
@@ -268,7 +300,7 @@ def validate(cfg: Config) -> None:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
     try:
-        parse_flags(cfg.notify_keyspace_events)
+        parse_keyspace_events(cfg.notify_keyspace_events)
     except CommandError as e:
         raise ConfigError(f"notify_keyspace_events: {str(e).removeprefix('ERR ')}") from None
     peer_names = [p.name for p in cfg.peers]

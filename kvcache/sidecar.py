@@ -31,7 +31,6 @@ from .ops.accesslog import AccessLog
 from .ops.health import BucketState, readiness
 from .ops.metrics import SidecarCollector, exposition
 from .ops.metrics_http import MetricsServer
-from .ops.stats import Stats
 from .read.peerset import PeerConnections, configured_peers, discovered_peers
 from .read.policy import ReadPolicy
 from .read.reads import Reads
@@ -43,6 +42,7 @@ from .serve.pubsub import PubSub
 from .serve.server import ClientConnection, RespServer, claim_socket_path, direct_buckets, local_gets
 from .serve.streams import Streams
 from .serve.tracking import Tracking
+from .stats import Stats
 from .store.nearcache import NearCache
 from .store.replica import Replica
 

@@ -1,16 +1,39 @@
 """The house rules that can be checked by reading the code, as rules over kvcache's folders
-(docs/architecture.md, Where it lives): no import cycle among kvcache's modules, the
-application side (app/) imports nothing of the sidecar's sides, and the store (store/) nothing
-of the sides built on it. TYPE_CHECKING imports count: an annotation is a dependency too."""
+(docs/architecture.md, Where it lives): kvcache's folders and top-level modules stand on
+floors, and a module imports only from its own floor or the ones below (no arrow back up); no
+import cycle among kvcache's modules; the application side (app/) imports nothing of the
+sidecar's sides, and the store (store/) nothing of the sides built on it. TYPE_CHECKING
+imports count: an annotation is a dependency too."""
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from support.modgraph import ROOT, cycles, graph
 
 FOLDERS = {"app", "serve", "read", "feed", "store", "natsio", "ops", "pipeline", "_native"}
+
+# The floors, ground floor first: folders by name, top-level modules by their name without
+# `kvcache.` ("kvcache" is the package itself). A module may import from its own floor and
+# the floors below it, never from one above.
+FLOORS: list[tuple[str, ...]] = [
+    # the shared modules, each imported by many sides: exceptions, the key grammar, the KV
+    # entry, the shared counters, the native extensions' table and the built extensions, RESP
+    ("errors", "keys", "entry", "stats", "native", "_native", "resp"),
+    ("store",),                                       # the LMDB replica: the sidecar's and the application's
+    ("app", "kvcache"),                               # the application side over it, and the public API
+    ("config", "config_sources", "config_nats"),      # the settings: read, checked, the NATS credentials
+    ("natsio",),                                      # NATS: the connection, the protocol, JetStream's API
+    ("feed",),                                        # the buckets' feeds into the replica
+    ("ops",),                                         # metrics, latency, health, logs, the access log
+    ("read",),                                        # the read decisions and reads to NATS and peers
+    ("serve",),                                       # the RESP server and the command layer
+    ("pipeline",),                                    # the Spark jobs
+    ("demo", "sidecar"),                              # wiring the parts together
+    ("cli", "__main__"),                              # the `kvcache` command
+]
 
 # folder (or top-level module) -> what its modules may not import: folders by name, top-level
 # modules by their module name
@@ -38,14 +61,65 @@ def leaks(g: dict[str, list[str]], rules: dict[str, set[str]] = RULES) -> list[s
             if folder(m) in rules and folder(d) in rules[folder(m)]]
 
 
+def floor(module: str, floors: list[tuple[str, ...]] = FLOORS) -> int:
+    """The floor a module stands on (0: the ground floor): its folder's, or its own."""
+    name = folder(module).removeprefix("kvcache.")
+    return next(i for i, names in enumerate(floors) if name in names)
+
+
+def climbs(g: dict[str, list[str]], floors: list[tuple[str, ...]] = FLOORS) -> list[str]:
+    """Every import from a lower floor to a higher one, as "importer -> imported"."""
+    return [f"{m} -> {d}" for m, deps in sorted(g.items()) for d in deps if floor(d, floors) > floor(m, floors)]
+
+
 def test_every_module_is_in_a_folder_or_a_shared_one():
     """A new module goes into the folder of its side; the top level holds the shared modules and
     the ones that wire or run the whole (a new one there is a decision: add it here)."""
     top = {m for m in graph() if m.count(".") == 1 and folder(m) == m}
     assert top == {f"kvcache.{m}" for m in ("__main__", "cli", "config", "config_sources", "config_nats",
-                                            "demo", "entry", "errors", "keys", "native", "resp", "sidecar")}
+                                            "demo", "entry", "errors", "keys", "native", "resp", "sidecar",
+                                            "stats")}
     on_disk = {p.name for p in (ROOT / "kvcache").iterdir() if p.is_dir() and p.name != "__pycache__"}
     assert on_disk == FOLDERS
+
+
+def test_every_folder_and_top_level_module_is_on_one_floor():
+    """The floors name every folder and top-level module once, and nothing else: a new one is
+    placed on a floor when it is added."""
+    placed = [name for names in FLOORS for name in names]
+    assert len(placed) == len(set(placed))
+    assert set(placed) == {folder(m).removeprefix("kvcache.") for m in graph()}
+
+
+def test_no_import_climbs_a_floor():
+    g = graph()
+    assert len(g) > 30  # the walk found the modules
+    assert climbs(g) == []
+
+
+def test_a_climb_is_found_when_there_is_one(tmp_path: Path):
+    """An arrow back up is reported, a TYPE_CHECKING one too, and only it: the checker over
+    the real graph with an arrow injected, and over a package written for the test (the arrow
+    config -> serve/ this layout once had, under TYPE_CHECKING)."""
+    g = {m: list(deps) for m, deps in graph().items()}
+    g["kvcache.store.replica"].append("kvcache.serve.get")
+    g["kvcache.stats"] = [*g["kvcache.stats"], "kvcache.ops.latency"]
+    assert climbs(g) == ["kvcache.stats -> kvcache.ops.latency", "kvcache.store.replica -> kvcache.serve.get"]
+    for path, text in {"__init__.py": "", "errors.py": "", "serve/__init__.py": "",
+                       "serve/keyspace_events.py": "from ..errors import CommandError\n",
+                       "config.py": "from typing import TYPE_CHECKING\nfrom .errors import ConfigError\n"
+                                    "if TYPE_CHECKING:\n    from .serve.keyspace_events import parse_flags\n"}.items():
+        (tmp_path / "kvcache" / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "kvcache" / path).write_text(text)
+    assert climbs(graph(tmp_path)) == ["kvcache.config -> kvcache.serve.keyspace_events"]
+
+
+def test_the_floors_keep_the_rules():
+    """What app/ and store/ may not import stands on floors above them: the floors alone would
+    refuse it, so the order cannot drift away from the rules below."""
+    for side, forbidden in RULES.items():
+        assert all(floor(f"kvcache.{name}.x" if name in FOLDERS else name) > floor(f"kvcache.{side}.x")
+                   for name in forbidden), side
 
 
 def test_no_import_cycle():

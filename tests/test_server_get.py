@@ -529,7 +529,7 @@ def through_socket(mod, env, wire: bytes, sndbuf: int, buffered: int = 0, proto:
     import socket
 
     from kvcache import resp as twin_resp
-    from kvcache.ops.stats import Stats
+    from kvcache.stats import Stats
     replica, feeds = env
     gets, _ = make(mod, replica, feeds)
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

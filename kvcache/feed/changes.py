@@ -32,8 +32,8 @@ log = logging.getLogger("kvcache.changes")
 SET, DEL, EXPIRED = "set", "del", "expired"
 # How often the staleness watch looks at each bucket, at most and at least: a tenth of the
 # smallest max_stale_ms, within these bounds.
-WATCH_MAX_S = 0.25
-WATCH_MIN_S = 0.005
+STALENESS_WATCH_MAX_S = 0.25
+STALENESS_WATCH_MIN_S = 0.005
 
 Change = tuple[str, str]  # (key, event)
 
@@ -152,7 +152,7 @@ class ChangeHub:
     async def _watch(self, feeds: list[Watched]) -> None:
         if not feeds:
             return
-        period = min(WATCH_MAX_S, max(WATCH_MIN_S, min(f.cfg.max_stale_ms for f in feeds) / 10_000))
+        period = min(STALENESS_WATCH_MAX_S, max(STALENESS_WATCH_MIN_S, min(f.cfg.max_stale_ms for f in feeds) / 10_000))
         fresh = {f.bucket: True for f in feeds}
         while True:
             if not any(lst.wants_flushes for lst in self.listeners):

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from ..natsio import jetstream as jsapi
 from ..natsio.connection import NatsConnection
-from ..ops.stats import Stats
+from ..stats import Stats
 
 if TYPE_CHECKING:
     from .feed import Feed

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 from prometheus_client.core import (
@@ -45,8 +45,10 @@ if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
 
     from ..config import Config
-    from ..serve.commands import Commands
-    from .stats import Stats
+    from ..feed.feed import Feed
+    from ..stats import Stats
+    from ..store.replica import Replica
+    from .accesslog import AccessLog
 
 # Samples formatted between two returns to the event loop: with 1,000 buckets a family has
 # up to 4,000, and formatting them in one go held the loop 20-40 ms (bench/README.md, Metrics)
@@ -128,12 +130,65 @@ class Snapshot:
     nats_last_move_s: float = 0.0  # the main connection's latest reconnect (Stats.nats_last_move_ms)
 
 
+# What the collector reads of the read side and the server, a floor above ops/ (docs/
+# architecture.md, Where it lives): named here, so that ops/ imports nothing of them.
+# kvcache.serve.commands.Commands is a CommandLayer (the type checker checks that at
+# kvcache.sidecar, which hands it over).
+class _ReadPolicy(Protocol):
+    @property
+    def feeds(self) -> Mapping[str, Feed]: ...
+    @property
+    def replica(self) -> Replica: ...
+
+
+class _Router(Protocol):
+    @property
+    def requests(self) -> int: ...
+    def peers(self) -> Iterable[Any]: ...  # kvcache.read.peer.Peer: name, bucket, stream, inflight, stats
+    def state(self, peer: Any, /) -> str: ...
+
+
+class _Reads(Protocol):
+    @property
+    def policy(self) -> _ReadPolicy: ...
+    @property
+    def router(self) -> _Router: ...
+
+
+class _Tracking(Protocol):
+    @property
+    def clients(self) -> Sized: ...
+    @property
+    def table(self) -> Sized: ...
+    @property
+    def invalidations(self) -> int: ...
+
+
+class _PubSub(Protocol):
+    @property
+    def messages(self) -> int: ...
+    def clients(self) -> int: ...
+
+
+class CommandLayer(Protocol):
+    @property
+    def timing(self) -> Mapping[bytes, Latency] | None: ...
+    @property
+    def reads(self) -> _Reads: ...
+    @property
+    def tracking(self) -> _Tracking: ...
+    @property
+    def pubsub(self) -> _PubSub: ...
+    @property
+    def access(self) -> AccessLog: ...
+
+
 class SidecarCollector:
     """Takes a Snapshot of the sidecar's parts. `gets` is the server's GET fast path
     (kvcache.serve.get.LocalGets or its C twin); `connections` names the NATS connections
     in use (main, and one per configured peer server set)."""
 
-    def __init__(self, cfg: Config, stats: Stats, commands: Commands, gets,
+    def __init__(self, cfg: Config, stats: Stats, commands: CommandLayer, gets,
                  connections: Callable[[], dict[str, NATS]]) -> None:
         self.cfg = cfg
         self.stats = stats

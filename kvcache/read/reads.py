@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
     from ..config import BucketConfig, Config
     from ..ops.accesslog import AccessLog
-    from ..ops.stats import Stats
+    from ..stats import Stats
     from ..store.record import Record
     from .router import Router
 

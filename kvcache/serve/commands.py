@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING, Any, cast
 
 from .. import resp
 from ..config import Config
+from ..config import parse_keyspace_events as parse_flags
 from ..entry import Entry
 from ..errors import CommandError, ReplyBudget, ReplyTooLarge
 from ..keys import glob_matcher
 from ..ops.latency import Latency
-from ..ops.stats import Stats
 from ..read.reads import Reads
+from ..stats import Stats
 from ..store.record import expiry
 from .commands_session import NO_AUTH, NOAUTH, SessionCommands
 from .info import Info
-from .keyspace_events import parse_flags
 from .multi import CONTROL, QUEUED, Transactions
 from .pubsub import SUBSCRIBED_OK, PubSub
 from .scan import KeyListing

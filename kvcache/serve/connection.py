@@ -39,7 +39,7 @@ from .get import FLUSH_AT, GET_CMD
 
 if TYPE_CHECKING:
     from ..config import Config
-    from ..ops.stats import Stats
+    from ..stats import Stats
     from .commands import Commands
     from .get import LocalGets
     from .tracking_mode import ClientTracking

@@ -56,8 +56,8 @@ from ..store.record import MAX_LMDB_KEY, RECORD, stored_value
 from ..store.replica import Replica
 
 if TYPE_CHECKING:
-    from ..ops.stats import Stats
     from ..resp import RequestReader
+    from ..stats import Stats
     from ..store.nearcache import NearCache
 
 FLUSH_AT = 256 * 1024  # write out what a batch has answered once it is this big

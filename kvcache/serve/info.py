@@ -16,9 +16,9 @@ from .. import __version__, native
 if TYPE_CHECKING:
     from ..config import Config
     from ..ops.accesslog import AccessLog
-    from ..ops.stats import Stats
     from ..read.policy import ReadPolicy
     from ..read.router import Router
+    from ..stats import Stats
     from .pubsub import PubSub
     from .streams import Streams
     from .tracking import Tracking

@@ -8,10 +8,10 @@ default bucket, `bucket:key` for the others. One feed per bucket serves every su
 subscriber costs a dictionary entry, never a NATS consumer.
 
 `notify-keyspace-events` takes Redis's flags (config key `notify_keyspace_events`, `CONFIG
-SET` at run time). kvcache's events are in the classes `g` (del), `$` (set) and `x` (expired);
-the other data-type classes are accepted and never fire, as they never would in Redis for a
-database of strings. `m` (key misses) and `n` (new keys) are refused: kvcache does not send
-those.
+SET` at run time), read by kvcache.config.parse_keyspace_events. kvcache's events are in the
+classes `g` (del), `$` (set) and `x` (expired) (EVENT_CLASS); the other data-type classes are
+accepted and never fire, as they never would in Redis for a database of strings. `m` (key
+misses) and `n` (new keys) are refused: kvcache does not send those.
 
 A subscriber that does not read is cut off alone once its pending output passes
 `pubsub_max_output_bytes` (Redis's pub/sub output buffer limit); writing to the others does not
@@ -24,10 +24,10 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from .. import resp
+from ..config import KEYSPACE_CLASSES, parse_keyspace_events
 from ..errors import CommandError
 from ..feed.changes import Change
 from ..keys import glob_matcher
-from .keyspace_events import CLASS_FLAGS, EVENT_CLASS, parse_flags
 
 if TYPE_CHECKING:
     from .session import Session as ClientConnection
@@ -36,6 +36,8 @@ log = logging.getLogger("kvcache.pubsub")
 
 KEYSPACE = b"__keyspace@0__:"
 KEYEVENT = b"__keyevent@0__:"
+# The keyspace class (kvcache.config.KEYSPACE_CLASSES) of each event kvcache sends
+EVENT_CLASS = {"set": "$", "del": "g", "expired": "x"}
 # What a RESP2 connection may run while subscribed, and Redis's words for the rest
 SUBSCRIBED_OK = frozenset({b"subscribe", b"ssubscribe", b"unsubscribe", b"sunsubscribe",
                            b"psubscribe", b"punsubscribe", b"ping", b"quit", b"reset"})
@@ -54,11 +56,11 @@ class PubSub:
         self.patterns: dict[bytes, tuple[Callable[[str], bool], set[ClientConnection]]] = {}
         self.default_bucket = default_bucket
         self.messages = 0  # messages delivered (one per subscriber)
-        self.set_flags(parse_flags(flags))
+        self.set_flags(parse_keyspace_events(flags))
 
     def set_flags(self, flags: str) -> None:
         self.flags = flags
-        classes = set(CLASS_FLAGS) if "A" in flags else set(flags)
+        classes = set(KEYSPACE_CLASSES) if "A" in flags else set(flags)
         self._events = {e for e, c in EVENT_CLASS.items() if c in classes}
         self._space = "K" in flags
         self._event = "E" in flags

@@ -24,8 +24,8 @@ from .connection import SERVER_GET, ClientConnection
 if TYPE_CHECKING:
     from ..config import Config
     from ..feed.feed import Feed
-    from ..ops.stats import Stats
     from ..read.policy import ReadPolicy
+    from ..stats import Stats
     from .commands import Commands
     from .get import LocalGets
 

@@ -1,5 +1,11 @@
 """Redis stream IDs as the `@<bucket>` streams take them (kvcache.serve.streams): Redis's
-grammar and errors (../shared/notes/redis-streams.md, section 1), mapped onto revisions.
+grammar and errors, mapped onto revisions. As Redis reads them, an ID is `<ms>-<seq>`, two
+unsigned 64-bit decimals (a leading `+` allowed, at most 127 bytes in all); `<ms>` alone is
+an incomplete ID, its sequence 0 as a start and 2^64-1 as an end; XRANGE also takes `-` (the
+smallest ID), `+` (the largest) and, since Redis 6.2, `(` before an ID for an exclusive bound.
+A malformed ID answers "ERR Invalid stream ID specified as stream command argument"; an
+exclusive start at the largest ID, "ERR invalid start ID for the interval", and an exclusive
+end at the smallest, "ERR invalid end ID for the interval".
 
 An entry's ID is `<revision>-0`, so an ID bound comes down to a revision bound: an interval
 `[start, end]` of IDs holds the entries whose revisions are in `[first, last]`, and "after

@@ -1,8 +1,10 @@
-"""The server's shared state: counters the connections, the command layer and INFO share.
+"""The shared counters: what the NATS connections, the feeds, the reads, the server and the
+command layer count, and INFO and the metrics read.
 
 One plain object, written in place on the hot path (an attribute increment, no lock: the
-server runs on one event loop), read by INFO. Its own module so that the connection code, the
-command layer and INFO depend on it and not on each other.
+sidecar runs on one event loop), read by INFO and at a metrics scrape. On the ground floor
+(docs/architecture.md, Where it lives): every side counts into it, so it imports nothing of
+kvcache, and the sides depend on it and not on each other.
 """
 from __future__ import annotations
 
