@@ -22,6 +22,7 @@ from .feed.changes import ChangeHub
 from .feed.feed import Feed
 from .feed.fleet import StateShare
 from .feed.freshness import SILENT_HEARTBEATS
+from .feed.names import consumer_name, sidecar_id
 from .feed.quorum import NO_FENCE
 from .feed.statepoll import SHARED_FROM, StatePoll
 from .natsio import jetstream as jsapi
@@ -125,13 +126,17 @@ class Sidecar:
         hub = self.hub
         # The fleet's shared stream-state polls (kvcache.feed.fleet): set on each feed before it
         # starts, followed once it has (the answers are checked against its stream's identity).
-        share = self.share = StateShare(nc) if self.cfg.share_stream_state else None
+        # Who this sidecar is among the fleet, kept in the data directory (kvcache.feed.names):
+        # its consumers' name, which a restart finds and replaces, and its place in the polls.
+        sid = sidecar_id(self.cfg.data_dir)
+        share = self.share = StateShare(nc, sid=sid) if self.cfg.share_stream_state else None
         for b in self.cfg.buckets:
             feed = Feed(nc, b, self.replica, heartbeat_s=self.cfg.heartbeat_ms / 1000,
                         timeout=timeout, on_fatal=self._fatal,
                         on_hold=gets.forget_fresh,  # a held key must not ride a cached verdict
                         on_renumbered=functools.partial(floors.forget, b.name),
-                        on_removed=functools.partial(floors.forget, b.name), hub=hub)
+                        on_removed=functools.partial(floors.forget, b.name), hub=hub,
+                        consumer_name=consumer_name(sid))
             max_keys, max_bytes = self.cfg.cache_bounds(b)
             if (max_keys or max_bytes) and ">" not in b.keys:
                 feed.set_cache(NearCache(self.replica, b.name, max_keys, max_bytes, self.cfg.cache_admission))

@@ -424,10 +424,12 @@ async def test_deleted_consumer_is_recreated(nats_server_module, nc, sidecars):
         return sorted(c.name for c in await js.consumers_info(stream) if c.name.startswith("kvcache_"))
 
     (first,) = await until(consumer_names, what="the feed's consumer")
+    made = (await js.consumer_info(stream, first)).created
     await js.delete_consumer(stream, first)
     await until(lambda: "recreating consumer" in sc.log(), what="feed notices the deleted consumer")
-    names = await until(consumer_names, what="a new consumer")
-    assert first not in names
+    # made again under the same name (the sidecar's, kvcache.feed.names): a new consumer
+    assert await until(consumer_names, what="a new consumer") == [first]
+    assert (await js.consumer_info(stream, first)).created != made
     rev = await kv.put("b", b"2")
     await until(lambda: replica_state(sc.data_dir, b).get("b") == (b"2", rev), what="updates after recreation")
     row = await wait_synced(sc, b, keys=2)

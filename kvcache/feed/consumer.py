@@ -1,6 +1,8 @@
 """The JetStream pull-consumer protocol one feed reads a bucket through.
 
-A consumer is ephemeral, AckNone, in memory and filtered to the bucket's key filters, made on
+A consumer is ephemeral, AckNone, in memory and filtered to the bucket's key filters, named
+for the sidecar's data directory (kvcache.feed.names: what a killed predecessor left under the
+name is replaced, not left to age out), made on
 the stream leader (nats-server places an R1 consumer on a random replica, whose store may lag),
 pulled in windows (the server never sends more than asked for, so a big bucket cannot overflow
 us as a slow consumer), and watched: a consumer-sequence gap, silent heartbeats, a deleted
@@ -15,8 +17,8 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from ..errors import KvcacheError
 from ..natsio import jetstream as jsapi
@@ -26,8 +28,14 @@ log = logging.getLogger("kvcache.feed")
 
 PULL_BATCH = 8192
 PULL_MAX_BYTES = 16 * 1024 * 1024
-PULL_EXPIRES_S = 30.0
+# A pull request lives this long; its idle heartbeats (every heartbeat_ms) are what shows the
+# consumer alive, so its expiry only costs a request per consumer per PULL_EXPIRES_S: in a
+# fleet, N x buckets of them (bench/README.md, "A fleet on one cluster").
+PULL_EXPIRES_S = 600.0
 PLACEMENT_TRIES = 32    # consumers made to get one on the stream leader (R3: all miss with p = 2e-6)
+# Creation refused because a consumer of the name exists with another configuration
+# (JSConsumerAlreadyExists, JSConsumerNameExistErr): a predecessor's, replaced.
+NAME_TAKEN = (10148, 10013)
 # 409 descriptions that end one pull request and nothing more: pull again.
 REQUEST_ENDED = ("Batch Completed", "Exceeds MaxBytes", "Exceeded MaxWaiting")
 
@@ -47,15 +55,18 @@ else:
     Run = proto.Run  # consecutive deliveries as replica items; see kvcache.natsio.proto.Run
 
 
-# Clean-ups left to run after their consumer is done with (deleting it on the server): held
-# here so they are not garbage-collected half-way (asyncio keeps only weak references).
-_BACKGROUND: set[asyncio.Future] = set()
+# Deletions left to run after their consumer is done with, by (connection, stream, name): held
+# here so they are not garbage-collected half-way (asyncio keeps only weak references), and so
+# that a consumer made again under the same name waits for its predecessor's deletion rather
+# than racing it (the deletion would remove the new one).
+_DELETIONS: dict[tuple[int, str, str], asyncio.Future] = {}
 
 
-def _in_background(coro: Coroutine[Any, Any, None]) -> None:
-    task = asyncio.ensure_future(coro)
-    _BACKGROUND.add(task)
-    task.add_done_callback(_BACKGROUND.discard)
+def _delete_in_background(consumer: PullConsumer) -> None:
+    key = (id(consumer.nc), consumer.stream, consumer.name)
+    task = asyncio.ensure_future(consumer._delete_quietly())
+    _DELETIONS[key] = task
+    task.add_done_callback(lambda t: _DELETIONS.pop(key, None) if _DELETIONS.get(key) is t else None)
 
 
 def _consumer_name() -> str:
@@ -76,7 +87,7 @@ class PullConsumer:
                  start_seq: int | None, headers_only: bool, heartbeat_s: float,
                  on_batch: Callable[[list[Run]], bool], on_idle: Callable[[int], None],
                  after_create: Callable[[dict], Awaitable[None]] | None = None,
-                 api: str = "$JS.API", timeout: float = 5.0) -> None:
+                 api: str = "$JS.API", timeout: float = 5.0, name: str | None = None) -> None:
         self.nc = nc
         self.stream = stream
         self.prefix = prefix
@@ -89,8 +100,12 @@ class PullConsumer:
         self.after_create = after_create
         self.api = api
         self.timeout = timeout
-        self.name = _consumer_name()
+        # A fixed name (kvcache.feed.names) is kept across placement tries; without one each
+        # try gets a random name, as ephemeral consumers do.
+        self.name = name or _consumer_name()
+        self._fixed_name = name is not None
         self.placement_retries = 0
+        self.replaced = 0  # consumers of our name found on the server and deleted first
         self.initial_pending = 0
         self.delivered = 0
         self._inbox = nc.new_inbox()
@@ -145,7 +160,7 @@ class PullConsumer:
             except Exception:  # the connection may be gone; the server drops the interest anyway
                 pass
             if created:
-                _in_background(self._delete_quietly())
+                _delete_in_background(self)
 
     def fail(self, message: str, reason: str) -> None:
         """End the consumer with ConsumerLost(message, reason) (the first failure wins)."""
@@ -171,7 +186,8 @@ class PullConsumer:
         for attempt in range(PLACEMENT_TRIES):
             if attempt:
                 self.placement_retries += 1
-                self.name = _consumer_name()
+                if not self._fixed_name:
+                    self.name = _consumer_name()
             info = await self._create()
             try:
                 stream_info = await jsapi.stream_info(self.nc, self.stream, self.timeout, self.api,
@@ -181,7 +197,7 @@ class PullConsumer:
                 await self._delete_quietly()
                 raise ConsumerLost(f"no consumer on the stream leader: {e}", "placement") from None
             except BaseException:
-                _in_background(self._delete_quietly())
+                _delete_in_background(self)
                 raise
             if why is None:
                 self.host = jsapi.stream_leader(info)
@@ -192,6 +208,30 @@ class PullConsumer:
         raise ConsumerLost(f"no consumer on the stream leader in {PLACEMENT_TRIES} tries: {why}", "placement")
 
     async def _create(self) -> dict:
+        """CONSUMER.CREATE under our name. One of the name already on the server is a killed
+        predecessor's (or ours, whose deletion did not get through): with another
+        configuration the server refuses ours; with the same one it hands back the old one,
+        which has delivered to an inbox nobody reads. Either way it is deleted and ours made:
+        at most one consumer per sidecar and bucket, however often it was killed."""
+        pending = _DELETIONS.get((id(self.nc), self.stream, self.name))
+        if pending is not None:  # our last consumer of this name is being deleted: not ours to race
+            await asyncio.wait([pending])
+        for attempt in range(2):
+            try:
+                info = await self._create_request()
+            except jsapi.ApiError as e:
+                if e.err_code not in NAME_TAKEN or attempt:
+                    raise
+            else:
+                used = (info.get("delivered") or {}).get("consumer_seq", 0) or info.get("num_waiting", 0)
+                if not used or attempt:
+                    return info
+            self.replaced += 1
+            log.info("%s: replacing consumer %s left by an earlier run", self.stream, self.name)
+            await self._delete_quietly(self.timeout)
+        raise AssertionError("unreachable")
+
+    async def _create_request(self) -> dict:
         cfg: dict = {
             "name": self.name,
             "ack_policy": "none",
@@ -215,10 +255,10 @@ class PullConsumer:
             {"stream_name": self.stream, "config": cfg, "action": "create"}, self.timeout,
         )
 
-    async def _delete_quietly(self) -> None:
+    async def _delete_quietly(self, timeout: float = 1.0) -> None:
         try:
             await jsapi.api_request(
-                self.nc, f"{self.api}.CONSUMER.DELETE.{self.stream}.{self.name}", None, 1.0)
+                self.nc, f"{self.api}.CONSUMER.DELETE.{self.stream}.{self.name}", None, timeout)
         except Exception:  # inactive_threshold reaps it anyway
             pass
 

@@ -62,8 +62,10 @@ class Feed(Maintenance):
                  on_hold: Callable[[], None] | None = None,
                  on_renumbered: Callable[[], None] | None = None,
                  on_removed: Callable[[int | None], None] | None = None,
-                 hub: ChangeHub | None = None) -> None:
+                 hub: ChangeHub | None = None, consumer_name: str | None = None) -> None:
         self.nc = nc
+        # The name its consumers take on the stream (kvcache.feed.names); None: random ones.
+        self.consumer_name = consumer_name
         self.on_fatal = on_fatal
         self.cfg = bucket
         self.bucket = bucket.name
@@ -94,6 +96,7 @@ class Feed(Maintenance):
         self._seen: set[bytes] | None = None
         self._reconcile_pending = False
         self._reconnected = False
+        self._retry_now = asyncio.Event()  # cuts the wait between consumers short (reconnected)
         self._consumer: PullConsumer | None = None
         self._task: asyncio.Task | None = None
         self._reconcile_task: asyncio.Task | None = None
@@ -294,6 +297,14 @@ class Feed(Maintenance):
         if self._consumer:
             self._consumer.fail("connection lost", "connection")
 
+    def reconnected(self) -> None:
+        """Called on reconnect. The consumer of the lost connection was failed at the
+        disconnect; one made since was made through the new connection (nats-py sends what
+        was asked meanwhile once it is back) and is kept: failing it too made a rolling
+        restart of the cluster recreate a consumer twice. A wait between consumers is cut
+        short, so the feed starts over now rather than after its backoff."""
+        self._retry_now.set()
+
     # -------------------------------------------------------------- health
 
     @property
@@ -444,7 +455,11 @@ class Feed(Maintenance):
                     backoff = 0.1
             self.freshness.caught_up = False
             self.freshness.interrupted = True
-            await asyncio.sleep(backoff * (0.5 + random.random()))
+            try:
+                await asyncio.wait_for(self._retry_now.wait(), backoff * (0.5 + random.random()))
+            except TimeoutError:
+                pass
+            self._retry_now.clear()
             backoff = min(backoff * 2, 5.0)
             planned = await self._replan()
 
@@ -461,7 +476,7 @@ class Feed(Maintenance):
             self.nc, self.stream, self.prefix, self.filters, start_seq=start,
             headers_only=False, heartbeat_s=self.heartbeat_s,
             on_batch=self._on_batch, on_idle=self._on_idle, after_create=self._check_identity,
-            timeout=self.timeout,
+            timeout=self.timeout, name=self.consumer_name,
         )
         self._consumer = consumer
         if self._full:

@@ -1,6 +1,6 @@
 """A stream's state, asked once for the whole fleet: one sidecar polls, every sidecar learns.
 
-Each feed needs its stream's state every max_stale_ms / 4: the quorum evidence that keeps a
+Each feed needs its stream's state every watch_period: the quorum evidence that keeps a
 replicated bucket fresh (kvcache.feed.quorum) and the first sequence that shows removals no
 message announces (kvcache.feed.sweeps). Asked by every sidecar, that is one STREAM.INFO per
 sidecar per bucket per period, landing on the few stream leaders: 0.8 requests/s per sidecar
@@ -74,10 +74,11 @@ class StateShare:
     subscription per bucket, and `should_poll` / `publish` for the loops that poll."""
 
     def __init__(self, nc: NatsConnection, domain: str | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, sid: str | None = None) -> None:
         self.nc = nc
         self.domain = domain
-        self.id = os.urandom(8).hex()  # this sidecar, among the fleet (lower ids poll)
+        # this sidecar, among the fleet (lower ids poll): its data directory's (kvcache.feed.names)
+        self.id = sid or os.urandom(8).hex()
         self._clock = clock
         self._heard: dict[str, tuple[float, str]] = {}   # bucket -> (when, from) of the last useful answer
         self._polled: dict[str, float] = {}               # bucket -> when this sidecar last published

@@ -28,7 +28,7 @@ log = logging.getLogger("kvcache.feed")
 SILENT_HEARTBEATS = 2
 # The least max_stale_ms a replicated stream's replica can keep on an idle stream: quorum
 # evidence is up to a raft heartbeat (kvcache.feed.quorum.RAFT_HEARTBEAT_S) plus a state poll
-# (max_stale_ms / 4) old when it arrives; a start warning names buckets below it.
+# (Maintenance.watch_period) old when it arrives; a start warning names buckets below it.
 QUORUM_MIN_STALE_MS = 1500
 
 
@@ -62,7 +62,7 @@ class Freshness:
         (a replicated stream) vouched for by a quorum within max_stale_ms; else the age of the
         newest state we are sure to hold (`ages_ms`). Decisions use `ages_ms` itself against
         their own bound (`within`): a quorum's evidence is always some hundreds of ms old
-        (polled every max_stale_ms / 4), which is no lag to show while it is within bound."""
+        (polled every watch_period), which is no lag to show while it is within bound."""
         consumer, evidence = self.ages_ms(applied)
         return consumer if evidence <= self.cfg.max_stale_ms else max(consumer, evidence)
 
@@ -130,7 +130,7 @@ class Freshness:
         if quorum and not self.quorum and self.cfg.max_stale_ms < QUORUM_MIN_STALE_MS:
             log.warning("bucket %s: max_stale_ms %d is below %d ms: its stream is replicated, and a "
                         "quorum's word about it is up to a raft heartbeat (%g s) plus a state poll "
-                        "(max_stale_ms / 4) old, so the replica will often count as stale",
+                        "(max_stale_ms / 4 at this bound) old, so the replica will often count as stale",
                         self.cfg.name, self.cfg.max_stale_ms, QUORUM_MIN_STALE_MS, RAFT_HEARTBEAT_S)
         self.quorum = quorum
         ev = evidence(info, sent_ns)

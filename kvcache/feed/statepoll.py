@@ -2,7 +2,7 @@
 
 Each feed watches its stream's state for removals no message announces (a purge, limits
 moving the first sequence, a max_age change: kvcache.feed.sweeps). Alone, a feed asks STREAM.INFO
-every max_stale_ms / 4; with 1,000 buckets that was 800 JetStream API requests a second from
+every watch_period; with 1,000 buckets that was 800 JetStream API requests a second from
 an idle sidecar. From SHARED_FROM buckets on, one task lists the account's streams instead
 (STREAM.LIST, up to 256 a page) once per the shortest of their periods, and gives each feed
 its own stream's entry: the same check on the same document, so no bucket's bound is looser.

@@ -4,7 +4,7 @@ says so.
 - Expiry: records past their deadline (per-message TTL, the bucket's max_age) are hidden by
   every reader at once; the sweep removes them when they come due, from the per-bucket expiry
   index (no pass over the replica), and refiles the index when max_age changes.
-- Removals with no message, while running: a STREAM.INFO poll every max_stale_ms/4 (or, with
+- Removals with no message, while running: a STREAM.INFO poll every watch_period (or, with
   many buckets, the sidecar's one STREAM.LIST poll: kvcache.feed.statepoll) sees the first
   sequence move past keys (limits, a whole purge); purge and message-delete requests
   seen on the stream's API subjects lead to a headers-only pass over the purged filter.
@@ -32,7 +32,8 @@ from ..store.record import decode_key
 from ..store.replica import BucketMeta, Replica
 from .changes import DEL, EXPIRED, ChangeHub
 from .consumer import PullConsumer, Run
-from .quorum import Evidence
+from .names import RECONCILE_SUFFIX
+from .quorum import RAFT_HEARTBEAT_S, Evidence
 
 if TYPE_CHECKING:
     from .fleet import StateShare
@@ -41,7 +42,10 @@ log = logging.getLogger("kvcache.feed")
 
 EXPIRY_PAGE = 2_000     # records looked at per turn of the event loop (~3 ms) by removal passes
 SWEEP_MAX_S = 1.0       # the expiry index is looked at least this often (reads hide expired records anyway)
-WATCH_MIN_S, WATCH_MAX_S = 0.25, 5.0  # bounds of the stream state poll's period (max_stale_ms / 4)
+# The stream state poll's period (Maintenance.poll_period), its bounds, and the margin it
+# leaves the quorum evidence under max_stale_ms.
+STATE_POLL_MIN_S, STATE_POLL_MAX_S = 0.25, 5.0
+EVIDENCE_MARGIN_S = 0.25
 HINT_CHECKS_S = (0.1, 1.0)  # after a purge request is seen: look again this long after it
 RECONCILE_TRIES = 3
 
@@ -60,6 +64,7 @@ class Maintenance:
     meta: BucketMeta
     heartbeat_s: float
     timeout: float
+    consumer_name: str | None
     max_age_ns: int
     first_seq: int
     removed_upstream: int
@@ -182,7 +187,18 @@ class Maintenance:
                 log.warning("bucket %s: expiry sweep failed: %s", self.bucket, e)
 
     def watch_period(self) -> float:
-        return min(WATCH_MAX_S, max(WATCH_MIN_S, self.cfg.max_stale_ms / 4000))
+        """Seconds between looks at the stream's state: what max_stale_ms leaves for them.
+
+        The look is also the quorum evidence that keeps a replicated stream's replica fresh
+        (kvcache.feed.quorum), and evidence is as old as the period plus the followers'
+        `active` (up to a raft heartbeat, 1 s, on an idle stream) plus a round trip just
+        before the next answer lands. So the period is max_stale_ms less a raft heartbeat and
+        EVIDENCE_MARGIN_S, kept between max_stale_ms / 4 and / 2 (and 0.25 s to 5 s): 0.75 s
+        at 2 s, 2.5 s at the default 5 s. Polling faster buys nothing a read can see, and it
+        is what a fleet's one poller per bucket costs the cluster (kvcache.feed.fleet)."""
+        bound = self.cfg.max_stale_ms / 1000
+        budget = min(bound / 2, max(bound / 4, bound - RAFT_HEARTBEAT_S - EVIDENCE_MARGIN_S))
+        return min(STATE_POLL_MAX_S, max(STATE_POLL_MIN_S, budget))
 
     def watching(self) -> bool:
         """Is the stream's state to be looked at now? Only while caught up: before that the
@@ -190,7 +206,7 @@ class Maintenance:
         return self.caught_up and not self._full and self.meta.synced
 
     async def _watch_loop(self) -> None:
-        """Watch the stream's state (one STREAM.INFO every max_stale_ms / 4, 0.25 s to 5 s)
+        """Watch the stream's state (one STREAM.INFO every watch_period, 0.25 s to 5 s)
         for removals that leave no message the feed could follow: a whole-stream purge and
         the stream's limits (max_msgs, max_bytes, max_age) remove from the front, so the
         first sequence moves past keys whose newest revision is gone; a max_age change moves
@@ -411,6 +427,7 @@ class Maintenance:
             self.nc, self.stream, self.prefix, only or self.filters, start_seq=None,
             headers_only=True, heartbeat_s=self.heartbeat_s,
             on_batch=collect, on_idle=idle, timeout=self.timeout,
+            name=self.consumer_name and self.consumer_name + RECONCILE_SUFFIX,
         )
         await consumer.run()
         if self._full:

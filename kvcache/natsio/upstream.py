@@ -47,6 +47,8 @@ class BucketFeed(Protocol):
 
     def connection_lost(self) -> None: ...
 
+    def reconnected(self) -> None: ...
+
 
 class Upstream:
     """The main NATS connection (`open`, then `nc` and `url`) and the peers' (`connect`).
@@ -253,7 +255,7 @@ class Upstream:
         self.stats.nats_connected = True
         self.stats.nats_last_move_ms = round(took * 1000)
         for feed in self.feeds.values():
-            feed.connection_lost()  # recreate consumers now rather than after the watchdog
+            feed.reconnected()  # start over now rather than after the feed's backoff
 
     def ping_interval(self) -> float:
         """Seconds between the main connection's pings: a server that stops answering is left
