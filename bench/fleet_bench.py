@@ -167,7 +167,7 @@ def api_verb(subject: str) -> str:
     return rest[0] if rest else "?"
 
 
-@dataclass
+@dataclass(eq=False)  # each request its own (hashed by identity: _pulled's set)
 class ConsumerEvent:
     t: float        # time.monotonic()
     verb: str       # CONSUMER.CREATE or CONSUMER.DELETE
@@ -186,7 +186,8 @@ class ApiCounter:
         self.lock = threading.Lock()
         self.counts: collections.Counter[str] = collections.Counter()
         self.events: list[ConsumerEvent] = []
-        self.pulled: set[str] = set()  # consumers that were sent a CONSUMER.MSG.NEXT: ones in use
+        # CONSUMER.MSG.NEXT requests, (stream, name) -> when: a consumer pulled from was in use
+        self.pulls: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
         self.missed: list[list[float | None]] = []  # [disconnected at, reconnected at or None]
         self.errors: list[str] = []
         self.nc = None
@@ -222,7 +223,8 @@ class ApiCounter:
         with self.lock:
             self.counts[verb] += 1
             if verb == "CONSUMER.MSG.NEXT":
-                self.pulled.add(msg.subject.rsplit(".", 1)[-1])
+                parts = msg.subject.split(".")
+                self.pulls[(parts[-2], parts[-1])].append(time.monotonic())
             elif verb in ("CONSUMER.CREATE", "CONSUMER.DELETE"):
                 parts = msg.subject.split(".")
                 r = reply.split(".")
@@ -236,13 +238,31 @@ class ApiCounter:
                                                  parts[5] if len(parts) > 5 else "",
                                                  ".".join(r[:2]), ho))
 
+    def _pulled(self, events: list[ConsumerEvent]) -> set[ConsumerEvent]:
+        """The CREATEs whose consumer was pulled from before the next CREATE or DELETE of its
+        name on its stream: the ones placed and used. A sidecar's consumers keep one name
+        (kvcache.feed.names) across placement tries and restarts, so a name alone no longer
+        tells a kept consumer from a misplaced try."""
+        marks: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+        for e in events:
+            marks[(e.stream, e.name)].append(e.t)
+        used = set()
+        for e in events:
+            if e.verb != "CONSUMER.CREATE":
+                continue
+            later = [t for t in marks[(e.stream, e.name)] if t > e.t]
+            until = min(later, default=float("inf"))
+            if any(e.t <= t < until for t in self.pulls.get((e.stream, e.name), ())):
+                used.add(e)
+        return used
+
     def snapshot(self) -> collections.Counter[str]:
         with self.lock:
             return collections.Counter(self.counts)
 
     def tally(self, t0: float, t1: float) -> Creates:
         with self.lock:
-            return tally([e for e in self.events if t0 <= e.t < t1], set(self.pulled))
+            return tally([e for e in self.events if t0 <= e.t < t1], self._pulled(self.events))
 
     def events_between(self, t0: float, t1: float) -> list[ConsumerEvent]:
         with self.lock:
@@ -251,12 +271,12 @@ class ApiCounter:
     def dump(self, path: Path, t_zero: float) -> None:
         """Every CONSUMER.CREATE/DELETE seen, one a line (seconds since t_zero)."""
         with self.lock:
-            rows, pulled = list(self.events), set(self.pulled)
+            rows, pulled = list(self.events), self._pulled(self.events)
         with open(path, "w") as f:
             f.write("t_s\tverb\tstream\tname\tconn\theaders_only\tpulled_from\n")
             for e in rows:
                 f.write(f"{e.t - t_zero:.3f}\t{e.verb}\t{e.stream}\t{e.name}\t{e.conn}\t{int(e.headers_only)}\t"
-                        f"{int(e.name in pulled)}\n")
+                        f"{int(e in pulled)}\n")
 
     def missed_between(self, t0: float, t1: float) -> float:
         """Seconds of [t0, t1) the subscriber was disconnected."""
@@ -512,9 +532,8 @@ class FleetSidecar(SidecarProcess):
     """SidecarProcess with a launch that does not wait (a storm starts them all at once)."""
 
     def __init__(self, data_dir: Path, socket: Path, urls: list[str], buckets: list[str],
-                 src: Path | None) -> None:
-        super().__init__(data_dir, ",".join(urls), buckets, socket=socket,
-                         extra=["--max-stale-ms", "2000", "--heartbeat-ms", "1000"],
+                 src: Path | None, settings: str = "--max-stale-ms 2000 --heartbeat-ms 1000") -> None:
+        super().__init__(data_dir, ",".join(urls), buckets, socket=socket, extra=settings.split(),
                          env={"PYTHONPATH": str(src)} if src else None)
         if src:  # kvcache from that source tree: -P keeps the working directory off sys.path
             self.args[1:1] = ["-P"]
@@ -719,7 +738,7 @@ def start_fleet(ctx: Ctx, n: int) -> tuple[list[FleetSidecar], str]:
     for i in range(n):
         name = f"n{n}-sc{i:02d}"
         sc = FleetSidecar(ctx.work / "sidecars" / name, ctx.sockdir / f"{name}.sock", ctx.cluster.urls,
-                          ctx.buckets, a.sidecar_src)
+                          ctx.buckets, a.sidecar_src, a.sidecar_settings)
         scs.append(sc)
         ctx.all_sidecars.append(sc)
     t0 = time.monotonic()
@@ -849,7 +868,7 @@ class Creates:
                    f"median {statistics.median(t):g}, max {t[-1]}" if t else ""))
 
 
-def tally(events: list[ConsumerEvent], pulled: set[str]) -> Creates:
+def tally(events: list[ConsumerEvent], pulled: set[ConsumerEvent]) -> Creates:
     c = Creates()
     c.deletes = sum(1 for e in events if e.verb == "CONSUMER.DELETE")
     run: collections.Counter = collections.Counter()  # misplaced feed CREATEs since the last placed one
@@ -859,7 +878,7 @@ def tally(events: list[ConsumerEvent], pulled: set[str]) -> Creates:
         if e.headers_only:
             c.headers += 1
             continue
-        if e.name not in pulled:
+        if e not in pulled:
             c.misplaced += 1
             run[key] += 1
         else:
@@ -1210,6 +1229,8 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=50.0, help="writes/s across the buckets")
     p.add_argument("--window", type=float, default=30.0, help="seconds of each steady-state measurement")
     p.add_argument("--start-batch", type=int, default=3, help="sidecars started together at set-up")
+    p.add_argument("--sidecar-settings", default="--max-stale-ms 2000 --heartbeat-ms 1000",
+                   help="the sidecars' flags (what a fleet's cost depends on)")
     p.add_argument("--skip-storm", action="store_true")
     p.add_argument("--skip-rolling", action="store_true")
     p.add_argument("--sidecar-src", type=Path, default=None, metavar="DIR",
