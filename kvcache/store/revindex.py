@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import lmdb
 
-from .record import RECORD, Item, deadline, decode_key, lkey_of, value_offset
+from .record import LONG_KEY_PREFIX, RECORD, Item, deadline, decode_key, expiry, lkey_of, value_offset
 
 REV = struct.Struct(">Q")
 CREATED = struct.Struct("<Q")
@@ -252,10 +252,11 @@ def _entry(txn: lmdb.Transaction, db, rev: int, raw: bytes | memoryview, now_ns:
         if due and now_ns >= due:
             return None
         start = value_offset(rec)
-        key = lk if lk[:1] != b"\0" else decode_key(lk, bytes(rec[:start])).encode()  # a long key's text
+        # a long key's text rides in its record (record.LONG_KEY_PREFIX); a short key is its LMDB key
+        key = decode_key(lk, bytes(rec[:start])).encode() if lk.startswith(LONG_KEY_PREFIX) else lk
         return StreamEntry(rev, key, "PUT", rec[start:], created, due)
     created = CREATED.unpack_from(raw, 1)[0]
-    due = created + max_age_ns if max_age_ns else 0
+    due = expiry(created, 0, max_age_ns)  # a marker has no TTL of its own: the bucket's max_age
     if due and now_ns >= due:
         return None
     return StreamEntry(rev, bytes(raw[1 + CREATED.size:]), OP_NAMES.get(tag, "DEL"), None, created, due)
