@@ -157,7 +157,7 @@ cdef class LocalGets(_ReplicaView):
         self._closed = True
 
     def forget_fresh(self):
-        """See kvcache.serve.get.LocalGets.forget_fresh: every bucket asks its feed again."""
+        """See kvcache.serve.get.LocalGets.forget_fresh: every bucket asks its witness again."""
         for b in self._buckets.values():
             (<_Bucket>b).fresh_until_ns = 0
 
@@ -198,15 +198,15 @@ cdef class LocalGets(_ReplicaView):
         cdef _Bucket b
         self._direct = []
         self._default = None
-        for name, feed, max_stale, all_keys, *rest in buckets:
+        for name, witness, max_stale, all_keys, *rest in buckets:
             near = rest[0] if rest else None
             b = self._bucket(name)
-            b.feed = feed
+            b.witness = witness
             b.max_stale = max_stale
             b.all_keys = all_keys
             if near is not None:
                 b = _cache_bucket(self, name, near)
-                b.feed = feed
+                b.witness = witness
                 b.max_stale = max_stale
             if all_keys or near is not None:
                 self._direct.append(b)
@@ -261,7 +261,7 @@ cdef class LocalGets(_ReplicaView):
             p = _Plan.__new__(_Plan)
             p.bucket = (self._bucket(plan.bucket) if plan.cache is None
                         else _cache_bucket(self, plan.bucket, plan.cache))
-            p.bucket.feed = plan.feed
+            p.bucket.witness = plan.witness
             p.bucket.max_stale = plan.max_stale_ms
             p.lkey = plan.lkey
             plan = p
@@ -389,15 +389,15 @@ cdef class LocalGets(_ReplicaView):
             self._key_obj[self._nkeys] = <PyObject*>(<_Plan>plan).lkey
         if b.cache and self._stashing:
             return 0
-        if b.feed is not self._fresh:
+        if b.witness is not self._fresh:
             if self._now == 0:
                 self._now = _now_ns()
             if b.fresh_until_ns <= self._now:
-                if not b.feed.fresh_for_all(b.max_stale):
+                if not b.witness.fresh_for_all(b.max_stale):
                     return 0
                 b.fresh_until_ns = self._now + FRESH_VERDICT_NS
-                b.max_age_ns = b.feed.max_age_ns
-            self._fresh = b.feed
+                b.max_age_ns = b.witness.max_age_ns
+            self._fresh = b.witness
         if not b.has_dbi:
             self._release()  # a handle opened after a transaction began is not valid in it
             self._open_dbi(b)

@@ -49,9 +49,9 @@ cdef extern from "<pthread.h>" nogil:
 
 
 cdef class _Bucket:
-    cdef object feed
+    cdef object witness  # the bucket's witness (kvcache.read.ledger.Witness)
     cdef object max_stale
-    cdef long long fresh_until_ns  # feed.fresh_for_all said yes: believed until then
+    cdef long long fresh_until_ns  # witness.fresh_for_all said yes: believed until then
     cdef unsigned long long max_age_ns  # the stream's max_age (0: none), read with the verdict
     cdef str name
     cdef bytes prefix      # b"<name>:"

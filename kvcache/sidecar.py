@@ -32,6 +32,7 @@ from .ops.accesslog import AccessLog
 from .ops.health import BucketState, readiness
 from .ops.metrics import SidecarCollector, exposition
 from .ops.metrics_http import MetricsServer
+from .read.ledger import Ledger
 from .read.peerset import PeerConnections, configured_peers, discovered_peers
 from .read.policy import ReadPolicy
 from .read.reads import Reads
@@ -70,9 +71,12 @@ class Sidecar:
         feeds = self.feeds
         # A bucket's max_age and what its fallback answers must show, from its feed (the
         # feeds dict fills as each bucket starts)
+        # What was handed out, so that no read goes back below it (kvcache.read.ledger): the
+        # router's floors, the holds, the streams' revisions per connection.
+        self.ledger = Ledger(max_age=lambda bucket: feeds[bucket].max_age_ns if bucket in feeds else 0)
         self.router = Router(cfg.nats.request_timeout_ms / 1000,
-                             max_age=lambda bucket: feeds[bucket].max_age_ns if bucket in feeds else 0,
-                             fence=lambda bucket: feeds[bucket].fence() if bucket in feeds else NO_FENCE)
+                             fence=lambda bucket: feeds[bucket].fence() if bucket in feeds else NO_FENCE,
+                             floors=self.ledger.floors)
         self.hub = ChangeHub()  # the feeds' changes, to tracking, pub/sub and WATCH
         self.peer_conns: PeerConnections | None = None
         self.server: RespServer | None = None
@@ -120,9 +124,10 @@ class Sidecar:
         # fast path over the feeds (the `feeds` dict fills as each bucket starts), the change
         # hub and its listeners, the reads, the command table, the server.
         access = AccessLog.from_config(self.cfg)
-        floors = self.router.floors
-        policy = ReadPolicy(self.cfg, self.replica, self.feeds, floors)
+        ledger = self.ledger
+        policy = ReadPolicy(self.cfg, self.replica, self.feeds, ledger)
         gets = local_gets(self.cfg, policy, every_get_to_commands=access.enabled)
+        ledger.on_hold = gets.forget_fresh  # a held key must not ride a cached verdict
         hub = self.hub
         # The fleet's shared stream-state polls (kvcache.feed.fleet): set on each feed before it
         # starts, followed once it has (the answers are checked against its stream's identity).
@@ -133,9 +138,11 @@ class Sidecar:
         for b in self.cfg.buckets:
             feed = Feed(nc, b, self.replica, heartbeat_s=self.cfg.heartbeat_ms / 1000,
                         timeout=timeout, on_fatal=self._fatal,
-                        on_hold=gets.forget_fresh,  # a held key must not ride a cached verdict
-                        on_renumbered=functools.partial(floors.forget, b.name),
-                        on_removed=functools.partial(floors.forget, b.name), hub=hub,
+                        # the feed reports what it applied; the ledger keeps what was handed out
+                        on_applied=functools.partial(ledger.applied, b.name),
+                        on_resync=functools.partial(ledger.resync_began, b.name),
+                        on_renumbered=functools.partial(ledger.renumbered, b.name),
+                        on_removed=functools.partial(ledger.removed, b.name), hub=hub,
                         consumer_name=consumer_name(sid))
             max_keys, max_bytes = self.cfg.cache_bounds(b)
             if (max_keys or max_bytes) and ">" not in b.keys:
@@ -146,6 +153,7 @@ class Sidecar:
             except BucketNotFound:
                 raise BucketNotFound(f"bucket '{b.name}' does not exist on {self.upstream.url}") from None
             self.feeds[b.name] = feed
+            ledger.witness(feed)
             if share is not None:
                 await share.follow(feed)
             self.router.add(Peer("main", nc, feed.stream, b.name,
@@ -156,19 +164,19 @@ class Sidecar:
         await self._add_peers(timeout)
         self._hopper = asyncio.ensure_future(self.upstream.leave_servers_without_quorum())
         if not access.enabled:
-            direct_buckets(gets, self.cfg, self.feeds)
+            direct_buckets(gets, self.cfg, ledger.witnesses)
         clients: dict[int, ClientConnection] = {}  # the server's registry, by CLIENT ID
         tracking = Tracking(self.cfg.tracking_table_max_keys, self.cfg.default_bucket, clients.get,
                             on_first=hub.wake)
         pubsub = PubSub(self.cfg.notify_keyspace_events, self.cfg.default_bucket)
         transactions = Transactions(policy)
-        streams = Streams(self.cfg, policy, on_first=hub.wake)
+        streams = Streams(self.cfg, self.replica, self.feeds, ledger, on_first=hub.wake)
         for listener in (tracking, pubsub, transactions, streams):  # one hub: one consumer per bucket
             hub.add(listener)
         hub.follow(streams)
         reads = Reads(self.cfg, policy, self.router, self.stats, access)
-        info = Info(self.cfg, self.stats, policy, self.router, access, tracking, pubsub, gets.cache_reads,
-                    streams)
+        info = Info(self.cfg, self.stats, self.replica, self.feeds, self.router, access, tracking, pubsub,
+                    gets.cache_reads, streams)
         self.commands = Commands(self.cfg, reads, self.stats, tracking, pubsub, transactions, info,
                                  streams, clients.values)
         hub.start_watch(self.feeds.values())

@@ -119,13 +119,13 @@ def test_fast_path_twins_agree(sidecar):
         results = []
         for mod in (twin_mod, native_mod):
             slow_calls.clear()
-            get = mod.LocalGet(r._plans, r._fresh_until, r.env.begin, slow)
+            get = mod.LocalGet(r._located, r._fresh_until, r.env.begin, slow)
             first = [get(k) for k in keys]
             again = [get(k) for k in keys]
             assert first == again
             assert set(slow_calls) >= set(keys)   # the first read of every key is checked
             results.append(first)
-            r._plans.clear()
+            r._located.clear()
             r._fresh_until.clear()
         assert results[0] == results[1]
         assert results[0][-4] == b"long value" and results[0][-3] == b"from lr2"
@@ -164,7 +164,7 @@ def test_expired_records_are_absent(tmp_path, nats_server_module):
             while time.time_ns() < due + 1_000_000:
                 time.sleep(0.05)
             for mod in [twin_mod] + ([native_mod] if native_mod else []):
-                get = mod.LocalGet(r._plans, r._fresh_until, r.env.begin, r._get_checked)
+                get = mod.LocalGet(r._located, r._fresh_until, r.env.begin, r._get_checked)
                 assert [get(k) for k in keys] == [b"p", None, None, b"never", b"long-liv"], mod
                 assert [get(k) for k in keys] == [b"p", None, None, b"never", b"long-liv"], mod
             assert r.entry("short") is None and r.entry(LONG_KEY) is None

@@ -207,7 +207,7 @@ def test_stale_replica_is_not_served_and_freshness_is_asked_once_per_call(mod, e
 @pytest.mark.parametrize("mod", IMPLS)
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "planned"])
 def test_forget_fresh_drops_the_cached_verdicts_at_once(mod, env, direct):
-    """A feed whose key became held (Feed.on_hold) says so at once: the verdict believed
+    """A feed whose key became held (Holds.on_hold, kvcache.read.ledger) says so at once: the verdict believed
     for FRESH_VERDICT_S must not answer another GET from the replica."""
     replica, feeds = env
     gets, _ = make(mod, replica, feeds, direct)

@@ -5,9 +5,12 @@ the replica is current, so every read checks the bucket's freshness (synced, and
 within `max_stale_ms` as the sidecar last recorded it) and raises StaleReplica otherwise.
 The check reads the meta record at most every FRESHNESS_TTL_S, to keep reads near raw LMDB cost.
 
-`get` is the hot path: a key's bucket, database handle, LMDB key and value offset are worked
-out once and cached (a bounded dict), so a read costs one dict lookup, one clock read, one
-short read transaction and the value's copy.
+`get` is the hot path: where a key lives (its bucket, database handle, LMDB key and the
+bucket's max_age) is worked out once and cached (a bounded dict), so a read costs one dict
+lookup, one clock read, one short read transaction and the value's copy. Whether the replica
+may answer is the sidecar's own rule (kvcache.store.verdict), with the meta record as its
+witness: fresh within max_stale_ms, the key inside its bucket's filters; no key is ever held
+here (holds live in the sidecar's memory).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from ..errors import KvcacheError, ReplicaError
 from ..keys import FilterSet, glob_matcher, split_address
 from ..store.record import live_value
 from ..store.replica import BUCKETS_KEY, META_DB, BucketMeta, Replica, decode_record, lmdb_key, meta_fresh
+from ..store.verdict import OUTSIDE, STALE, replica_verdict
 
 _APP_GET = native.load("app_get")
 
@@ -61,10 +65,13 @@ class LocalReader:
         self.default_bucket = bucket or (buckets[0] if buckets else None)
         self._fresh_until: dict[str, float] = {}
         self._filter_sets: dict[str, FilterSet] = {}  # bucket -> its `keys`, from its meta
-        self._plans: dict[str, tuple] = {}  # key -> (bucket, db, lmdb key, value offset or 0)
-        # The hot path: reads with a plan and a fresh bucket, else calls the method below.
+        self._stale: dict[str, StaleReplica] = {}  # bucket -> why it is stale (_refresh)
+        # key -> where it lives: (bucket, db, lmdb key, the bucket's max_age in ns or 0)
+        self._located: dict[str, tuple] = {}
+        # The hot path (kvcache.app.get / ext/app_get.pyx): a key already located in a bucket
+        # still fresh is read at once; anything else goes to _get_checked.
         self.get = _APP_GET.LocalGet(  # type: ignore[method-assign]  # per instance, on purpose
-            self._plans, self._fresh_until, self.env.begin, self._get_checked)
+            self._located, self._fresh_until, self.env.begin, self._get_checked)
 
     def buckets(self) -> list[str]:
         """Configured buckets in the sidecar's order (the first is the default)."""
@@ -81,32 +88,32 @@ class LocalReader:
         return self._get_checked(key)
 
     def _get_checked(self, key: str) -> bytes | None:
-        plan = self._plan(key)
-        if plan is None:
+        located = self._locate(key)
+        if located is None:
             return None
-        raw = self._txn_get(Replica.db_name(plan[0]), plan[2])
+        raw = self._txn_get(Replica.db_name(located[0]), located[2])
         if raw is None:
             return None
-        return live_value(raw, time.time_ns(), plan[3])
+        return live_value(raw, time.time_ns(), located[3])
 
-    def _plan(self, key: str) -> tuple | None:
-        """Check freshness (raises StaleReplica) and work out how to read `key`; None while
-        its bucket's database does not exist yet."""
+    def _locate(self, key: str) -> tuple | None:
+        """May the replica answer `key` (raises StaleReplica, NotReplicated)? Then where it
+        lives, cached for the hot path; None while its bucket's database does not exist yet."""
         bucket, name = self._address(key)
-        self._check_replicated(bucket, name)
+        self._verdict(bucket, name)
         db = self._replica.db_ro(Replica.db_name(bucket))
         if db is None:
             return None
         lkey = lmdb_key(name)
-        plan = (bucket, db, lkey, self._replica.max_age.get(bucket, 0))
-        if len(self._plans) >= PLAN_CACHE:
-            self._plans.clear()
-        self._plans[key] = plan
-        return plan
+        located = (bucket, db, lkey, self._replica.max_age.get(bucket, 0))
+        if len(self._located) >= PLAN_CACHE:
+            self._located.clear()
+        self._located[key] = located
+        return located
 
     def entry(self, key: str) -> Entry | None:
         bucket, name = self._address(key)
-        self._check_replicated(bucket, name)
+        self._verdict(bucket, name)
         lkey = lmdb_key(name)
         raw = self._txn_get(Replica.db_name(bucket), lkey)
         if raw is None or self._replica.expired(bucket, raw):
@@ -138,11 +145,22 @@ class LocalReader:
     # ------------------------------------------------------------------ internals
 
     def _address(self, key: str) -> tuple[str, str]:
+        """The bucket and key `key` names, the bucket's state read from its meta record
+        (_refresh)."""
         bucket, name, named = split_address(key, self.default_bucket)
         if not named:
             bucket = self._require_default()
-        self._check_fresh(bucket)
+        self._refresh(bucket)
         return bucket, name
+
+    def _verdict(self, bucket: str, name: str) -> None:
+        """The sidecar's rule (kvcache.store.verdict) over this process's witness: raises
+        StaleReplica or NotReplicated when the replica may not answer `name`."""
+        v = replica_verdict(_Witness(self, bucket), self.max_stale_ms, self._filters(bucket).match(name))
+        if v == STALE:
+            raise self._stale[bucket]
+        if v == OUTSIDE:
+            self._not_replicated(bucket, name)
 
     def replicates(self, key: str) -> bool:
         """Is `key` (`bucket:key` names a bucket) inside its bucket's filters, so that the
@@ -150,10 +168,9 @@ class LocalReader:
         bucket, name, _ = split_address(key, self.default_bucket)
         return self._filters(bucket or self._require_default()).match(name)
 
-    def _check_replicated(self, bucket: str, name: str) -> None:
+    def _not_replicated(self, bucket: str, name: str) -> None:
         filters = self._filters(bucket)
-        if not filters.match(name):
-            raise NotReplicated(f"key '{name}' is outside bucket '{bucket}''s filters "
+        raise NotReplicated(f"key '{name}' is outside bucket '{bucket}''s filters "
                                 f"(keys = {list(filters.filters)}): the replica does not hold it; "
                                 "read it through the sidecar's socket")
 
@@ -170,6 +187,15 @@ class LocalReader:
         return self.default_bucket
 
     def _check_fresh(self, bucket: str) -> None:
+        """StaleReplica unless the bucket's replica is fresh (KEYS: no key to judge)."""
+        self._refresh(bucket)
+        if bucket in self._stale:
+            raise self._stale[bucket]
+
+    def _refresh(self, bucket: str) -> None:
+        """The bucket's meta record, read at most every FRESHNESS_TTL_S while it is fresh:
+        the filters and max_age the sidecar runs with now, and whether the replica is fresh
+        within max_stale_ms (meta_fresh; the reason kept in `_stale` when not)."""
         now = time.monotonic()
         if self._fresh_until.get(bucket, 0.0) > now:
             return
@@ -179,15 +205,17 @@ class LocalReader:
         known = self._filter_sets.get(bucket)
         if known is not None and list(known.filters) != (meta.filters if meta.filters is not None else [">"]):
             del self._filter_sets[bucket]  # the sidecar restarted with other filters
-            self._plans.clear()
+            self._located.clear()
         if self._replica.max_age.get(bucket, 0) != meta.max_age_ns:
-            self._replica.max_age[bucket] = meta.max_age_ns  # plans carry it: make them anew
-            self._plans.clear()
+            self._replica.max_age[bucket] = meta.max_age_ns  # locations carry it: make them anew
+            self._located.clear()
         fresh, age_ms = meta_fresh(meta, self.max_stale_ms, time.time_ns())
         if not fresh:
-            raise StaleReplica(
+            self._stale[bucket] = StaleReplica(
                 f"bucket '{bucket}' replica is stale: synced={int(meta.synced)}, "
                 f"last confirmed {age_ms:.0f} ms ago (max_stale_ms={self.max_stale_ms})")
+            return
+        self._stale.pop(bucket, None)
         self._fresh_until[bucket] = now + FRESHNESS_TTL_S
 
     def _txn_get(self, dbname: bytes, key: bytes) -> bytes | None:
@@ -201,3 +229,22 @@ class LocalReader:
             except lmdb.MapResizedError:
                 self.env.set_mapsize(0)  # the writer grew the map: adopt its size
         raise ReplicaError("replica map resized repeatedly; try again")
+
+
+class _Witness:
+    """The sidecar's word on one bucket as this process sees it (kvcache.store.verdict.Witness):
+    fresh as the meta record last said (LocalReader._refresh, against the reader's own
+    max_stale_ms), and no key held: holds live in the sidecar's memory."""
+
+    __slots__ = ("bucket", "max_age_ns", "reader")
+
+    def __init__(self, reader: LocalReader, bucket: str) -> None:
+        self.reader = reader
+        self.bucket = bucket
+        self.max_age_ns = reader._replica.max_age.get(bucket, 0)
+
+    def fresh_within(self, max_stale_ms: int) -> bool:
+        return self.bucket not in self.reader._stale
+
+    def held_until(self, key: str | None, revision: int | None = None) -> int:
+        return 0

@@ -5,13 +5,14 @@ with nats-py's default pending limits drops messages as a slow consumer on big b
 never recovers. Here the consumer is pull-based, so nothing can be dropped and memory stays
 bounded by one pull window.
 
-This module holds the sync itself: planning a start (resume from the stored sequence, or a
-full resync when the stream no longer holds it, was recreated or rewound), and applying each
+This module holds the sync itself: choosing a start (`start_decision`: resume from the stored
+sequence, or a full resync when the stream no longer holds it, was recreated or rewound), and applying each
 socket read's deliveries in one LMDB transaction together with the last applied stream
-sequence. The feed composes the rest and answers the read policy through them: how current
-the replica is known to be (`fresh_within`, `lag_ms`: kvcache.feed.freshness), the holds that
-keep reads from going back (`handed_out`, `held_until`: kvcache.feed.holds) and the near
-cache's side (kvcache.feed.cachekeeper). The passes that keep the replica equal when no
+sequence. The feed composes the rest: how current the replica is known to be (`fresh_within`,
+`lag_ms`: kvcache.feed.freshness), the waits for its position (`wait_applied`:
+kvcache.feed.position) and the near cache's side (kvcache.feed.cachekeeper); what it applied
+it reports (`on_applied`, `on_resync`), and the read side's ledger (kvcache.read.ledger)
+keeps what was handed out. The passes that keep the replica equal when no
 message says so (expiry, removals, reconcile) are in kvcache.feed.sweeps.
 
 Two facts about the server shape the bookkeeping here:
@@ -37,12 +38,12 @@ from ..natsio import jetstream as jsapi
 from ..natsio.connection import NatsConnection
 from ..store.nearcache import NearCache, drop_store
 from ..store.record import decode_key
-from ..store.replica import Replica
+from ..store.replica import BucketMeta, Replica
 from .cachekeeper import CacheKeeper
 from .changes import ChangeHub
 from .consumer import ConsumerLost, PullConsumer, Run
 from .freshness import Freshness
-from .holds import Holds
+from .position import Position
 from .quorum import ANCHOR_MAX_BYTES, NO_FENCE, Evidence, Fence
 from .sweeps import Maintenance
 
@@ -59,7 +60,8 @@ class Feed(Maintenance):
     def __init__(self, nc: NatsConnection, bucket: BucketConfig, replica: Replica, *,
                  heartbeat_s: float = 2.0, timeout: float = 5.0,
                  on_fatal: Callable[[BaseException], None] | None = None,
-                 on_hold: Callable[[], None] | None = None,
+                 on_applied: Callable[[BucketMeta], None] | None = None,
+                 on_resync: Callable[[], None] | None = None,
                  on_renumbered: Callable[[], None] | None = None,
                  on_removed: Callable[[int | None], None] | None = None,
                  hub: ChangeHub | None = None, consumer_name: str | None = None) -> None:
@@ -113,15 +115,18 @@ class Feed(Maintenance):
         self._synced_event = asyncio.Event()
         self._last_meta_write = 0
         self._sync_started = 0.0
-        # Revisions handed out from NATS that the replica has not reached, and reads waiting
-        # for the replica (kvcache.feed.holds); `on_hold` is called when the first key is held.
-        self.holds = Holds(on_hold)
+        # Reads waiting for the replica to reach a sequence (kvcache.feed.position); and who is
+        # told of each move of the replica (`on_applied`) and of each full sync begun
+        # (`on_resync`): the read side's ledger (kvcache.read.ledger).
+        self.position = Position()
+        self.on_applied = on_applied
+        self.on_resync = on_resync
         # Called when the stream was recreated or rewound (its revisions start again): the
-        # router forgets the bucket's floors (Router.floors.forget).
+        # ledger forgets the bucket's floors (kvcache.read.ledger).
         self.on_renumbered = on_renumbered
         # Called when messages went with no marker: `first` when the stream dropped everything
         # below it, None after a purge or message delete request (which keys is unknown). The
-        # router forgets the floors those removals make moot (Router.floors.forget).
+        # ledger forgets the floors those removals make moot (kvcache.read.ledger).
         self.on_removed = on_removed
         # Where the changes this feed applies go (kvcache.feed.changes): tracking clients'
         # invalidations, keyspace notifications, WATCH (the sidecar's one hub).
@@ -157,7 +162,7 @@ class Feed(Maintenance):
         `watch=False`: the stream's state is watched by the sidecar's shared poll
         (kvcache.feed.statepoll), not by a loop of this feed's own."""
         info = await self._stream_info()
-        self._plan(info, reconcile=True)
+        self._choose_start(info, reconcile=True)
         self._task = asyncio.create_task(self._run(), name=f"feed:{self.bucket}")
         self._task.add_done_callback(self._task_done)
         self._sweep_task = asyncio.create_task(self._sweep_loop(), name=f"expiry:{self.bucket}")
@@ -183,10 +188,10 @@ class Feed(Maintenance):
                     raise
                 await asyncio.sleep(0.1)
 
-    def _plan(self, info: dict, reconcile: bool = False) -> None:
-        """Resume or resync. `reconcile`: also check, once caught up, for keys that vanished
-        without a trace in the stream (after a process start or a reconnect, when that is
-        likely)."""
+    def _choose_start(self, info: dict, reconcile: bool = False) -> None:
+        """Resume or resync (start_decision), and set the feed up for it. `reconcile`: also
+        check, once caught up, for keys that vanished without a trace in the stream (after a
+        process start or a reconnect, when that is likely)."""
         self.stream_config = info.get("config", {})
         self._set_deadlines(int(self.stream_config.get("max_age", 0) or 0),
                           bool(self.stream_config.get("allow_msg_ttl")))
@@ -195,22 +200,7 @@ class Feed(Maintenance):
         self.first_seq = first
         created = info.get("created", "")
         m = self.meta
-        reason = kind = None
-        count_it = bool(m.applied_seq)
-        if not m.stream:
-            reason = "first sync"
-        elif not m.synced:
-            # Also a crash or a lost consumer in the middle of a full sync: the initial set
-            # comes in subject order, so its progress cannot be resumed.
-            reason, kind = "previous full sync did not finish", "unfinished"
-            count_it = False
-        elif m.stream_created and created and m.stream_created != created:
-            reason, kind = "stream was recreated", "recreated"
-        elif last < m.applied_seq:
-            reason, kind = f"stream sequence went backwards ({last} < {m.applied_seq})", "rewound"
-        elif first > m.applied_seq + 1:
-            reason = f"stream no longer holds sequence {m.applied_seq + 1} (first is {first})"
-            kind = "truncated"
+        reason, kind, count_it = start_decision(m, info)
         if kind is not None:
             self.resync_reasons[kind] += 1
         self._full = reason is not None
@@ -287,7 +277,7 @@ class Feed(Maintenance):
 
     async def wait_applied(self, seq: int, timeout: float) -> bool:
         """True once the replica holds stream sequence `seq` (MINREV), False on timeout."""
-        return await self.holds.wait(seq, timeout, self.meta)
+        return await self.position.wait(seq, timeout, self.meta)
 
     def connection_lost(self) -> None:
         """Called on disconnect: stop claiming freshness, and start over on reconnect."""
@@ -325,17 +315,10 @@ class Feed(Maintenance):
         """What INFO, readiness and the lag metric show (Freshness.lag_ms)."""
         return self.freshness.lag_ms(self.meta.applied_seq)
 
-    def fresh_for_all(self, max_stale_ms: int) -> bool:
-        """May every key be answered locally without looking at it? Fresh within the bound
-        (fresh_within), and no key is held (see handed_out): the GET fast path asks this
-        alone, so while a key is held its GETs go to the command layer, which asks per key
-        (fresh_within, then held_until)."""
-        return not self.holds.floor_seq and self.fresh_within(max_stale_ms)
-
     def fresh_within(self, max_stale_ms: int) -> bool:
         """Is the replica fresh enough to answer: synced, and not staler than the bound
-        (Freshness.ages_ms)? Whether a given key may then be answered locally is
-        `held_until`'s question."""
+        (Freshness.ages_ms)? Whether a given key may then be answered locally is the read
+        side's rule (kvcache.store.verdict, with the ledger's holds)."""
         return self.meta.synced and self.freshness.within(max_stale_ms, self.meta.applied_seq)
 
     def proven_within(self, ms: int) -> bool:
@@ -407,22 +390,12 @@ class Feed(Maintenance):
                 self.meta.fresh_at_ns = at
         return ev
 
-    # -------------------------------------------------------------- revisions handed out
-
-    @property
-    def floor_seq(self) -> int:
-        """The highest revision handed out from NATS that the replica has not reached; 0 (the
-        common case) when no key is held, so a read path asks per key only when it is not."""
-        return self.holds.floor_seq
-
-    def handed_out(self, key: str, revision: int) -> None:
-        """An answer for `key` at `revision` went out from NATS: see Holds.handed_out."""
-        self.holds.handed_out(key, revision, self.meta)
-
-    def held_until(self, key: str, revision: int | None) -> int:
-        """0 when the replica's record of `key` (at `revision`, None: none) may answer it, else
-        the stream sequence to wait for: see Holds.held_until."""
-        return self.holds.held_until(key, revision, self.meta)
+    def _applied(self) -> None:
+        """The replica moved (a batch applied, or the position advanced): the waits it
+        reached end, and the ledger is told."""
+        self.position.moved(self.meta)
+        if self.on_applied is not None:
+            self.on_applied(self.meta)
 
     # -------------------------------------------------------------- consumer loop
 
@@ -487,7 +460,8 @@ class Feed(Maintenance):
             # Nothing is read locally until the sync ends, and then the replica holds every
             # revision handed out before it began; those of a stream since recreated (lower
             # sequences) would otherwise keep their keys held for good.
-            self.holds.clear()
+            if self.on_resync is not None:
+                self.on_resync()
         return consumer
 
     async def _check_identity(self, info: dict) -> None:
@@ -506,7 +480,7 @@ class Feed(Maintenance):
             log.warning("bucket %s: %s", self.bucket, e)
             return False
         reconnected, self._reconnected = self._reconnected, False
-        self._plan(info, reconcile=reconnected)
+        self._choose_start(info, reconcile=reconnected)
         return True
 
     def _on_batch(self, runs: list[Run]) -> bool:
@@ -550,7 +524,7 @@ class Feed(Maintenance):
         self.freshness.caught_up = caught_up
         if caught_up:
             self._reached_end()
-        self.holds.moved(self.meta)
+        self._applied()
         return False
 
     def _on_idle(self, last_stream_seq: int) -> None:
@@ -569,7 +543,7 @@ class Feed(Maintenance):
         if now - self._last_meta_write >= META_TOUCH_INTERVAL_NS:
             self._last_meta_write = now
             self.replica.put_meta(self.bucket, m)
-        self.holds.moved(self.meta)
+        self._applied()
 
     def _flush(self, why: str) -> None:
         """What was handed out from this bucket can no longer be vouched for (kvcache.feed.changes)."""
@@ -602,6 +576,34 @@ class Feed(Maintenance):
                 self._reconcile_task.cancel()
             self._reconcile_task = asyncio.get_running_loop().create_task(
                 self._reconcile(), name=f"reconcile:{self.bucket}")
+
+
+def start_decision(meta: BucketMeta, info: dict) -> tuple[str | None, str | None, bool]:
+    """Where a feed whose replica is at `meta` starts on the stream its STREAM.INFO `info`
+    shows: (why a full resync, None: resume after meta.applied_seq; its RESYNC_REASONS label,
+    None for a first sync or a resume; whether it counts as a resync). A pure function of the
+    two (Feed._choose_start acts on it)."""
+    state = info.get("state", {})
+    first, last = state.get("first_seq", 0), state.get("last_seq", 0)
+    created = info.get("created", "")
+    m = meta
+    reason = kind = None
+    count_it = bool(m.applied_seq)
+    if not m.stream:
+        reason = "first sync"
+    elif not m.synced:
+        # Also a crash or a lost consumer in the middle of a full sync: the initial set
+        # comes in subject order, so its progress cannot be resumed.
+        reason, kind = "previous full sync did not finish", "unfinished"
+        count_it = False
+    elif m.stream_created and created and m.stream_created != created:
+        reason, kind = "stream was recreated", "recreated"
+    elif last < m.applied_seq:
+        reason, kind = f"stream sequence went backwards ({last} < {m.applied_seq})", "rewound"
+    elif first > m.applied_seq + 1:
+        reason = f"stream no longer holds sequence {m.applied_seq + 1} (first is {first})"
+        kind = "truncated"
+    return reason, kind, count_it
 
 
 # The reasons metrics give full resyncs and consumer recreations by (every one is exported

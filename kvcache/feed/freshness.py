@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from ..config import BucketConfig
 from .quorum import RAFT_HEARTBEAT_S, Evidence, Proofs, evidence, needs_quorum
@@ -37,8 +38,11 @@ class Freshness:
     `interrupted`, `heard_ns` and `last_msg_ns` as it goes; `applied`, in the questions, is
     the replica's applied sequence (the evidence it reached depends on it)."""
 
-    def __init__(self, cfg: BucketConfig, heartbeat_s: float, heard_ns: int) -> None:
+    def __init__(self, cfg: BucketConfig, heartbeat_s: float, heard_ns: int,
+                 clock: Callable[[], int] = time.time_ns) -> None:
         self.cfg = cfg
+        # The wall clock every age is measured on (ns); tests set their own.
+        self.clock = clock
         # The consumer has applied everything the server had, and says so.
         self.caught_up = False
         # Catching up after an interruption (start, lost consumer, reconnect): see ages_ms.
@@ -55,7 +59,7 @@ class Freshness:
         # evidence seen so far.
         self.quorum = False
         self.proofs = Proofs()
-        self._born_ns = time.time_ns()
+        self._born_ns = clock()
 
     def lag_ms(self, applied: int) -> int:
         """What INFO, readiness and the lag metric show: 0 while caught up, heard from, and
@@ -91,7 +95,7 @@ class Freshness:
         A replicated stream's consumer may be caught up with a store a partition left behind,
         its server heartbeating all the while: its age is also that of the newest quorum
         evidence whose sequence the replica holds (kvcache.feed.quorum)."""
-        now = time.time_ns()
+        now = self.clock()
         heard = self.heard_ns
         if self.caught_up:
             lag = (now - heard) // 1_000_000 if heard and now - heard > self._silence_ns else 0
@@ -116,12 +120,12 @@ class Freshness:
     def proven_within(self, ms: int) -> bool:
         """Has a quorum shown this stream's state within `ms` (any evidence, reached or not)?
         Always for a stream with one copy."""
-        return not self.quorum or self.proofs.required(time.time_ns() - ms * 1_000_000) is not None
+        return not self.quorum or self.proofs.required(self.clock() - ms * 1_000_000) is not None
 
     def required(self) -> Evidence | None:
         """The evidence a fallback answer must match (Feed.fence): the least demanding one a
         quorum showed within max_stale_ms; None when there is none."""
-        return self.proofs.required(time.time_ns() - self.cfg.max_stale_ms * 1_000_000)
+        return self.proofs.required(self.clock() - self.cfg.max_stale_ms * 1_000_000)
 
     def note(self, info: dict, sent_ns: int, applied: int) -> Evidence | None:
         """A STREAM.INFO (or STREAM.LIST entry) asked at `sent_ns`, the replica at `applied`:

@@ -1,25 +1,26 @@
 """Where a read is answered: the decisions, for every path that hands out a value.
 
-A key is answered by the replica when it is inside its bucket's filters, the replica is fresh
-within the bound the read allows (`max_stale_ms`, or KV.GET's MAXSTALE), and the replica's
-record does not go back below a revision already handed out from NATS (the feed's floors);
-otherwise by NATS through the router (peers, then the leader), and the newer of the two
-answers wins; when NATS cannot answer, a stale replica may (the bucket's `serve_stale`).
+A key is answered by the replica when the replica is fresh within the bound the read allows
+(`max_stale_ms`, or KV.GET's MAXSTALE), the key is inside its bucket's filters, and the key is
+not *held* (its record would go back below a revision already handed out from NATS): the one
+rule, kvcache.store.verdict. Otherwise by the near cache (a key outside the filters), or by
+NATS through the router (peers, then the leader), and the newer of the two answers wins; when
+NATS cannot answer, a stale replica may (the bucket's `serve_stale`).
 
 This module decides and does nothing else: it reads the replica, the feeds' positions, the
 near cache and the router's floors to answer a question, and never counts, logs, waits or asks
-NATS. The questions: where may this key be answered (`local`, `held`, `local_now`, `cached`),
-may a read join a request to NATS already in flight (`may_join`), which answer is handed out
-(`newest`), may it fill the near cache (`fill`), and, when NATS fails, a stale answer or an
-error (`stale_entry`).
+NATS. A key is resolved once (`address`: its Plan, cached per raw key) and routed once
+(`route`: Local, Held, Cached or Remote); the other questions are may a read join a request
+to NATS already in flight (`may_join`), which answer is handed out (`newest`), may it fill
+the near cache (`fill`), and, when NATS fails, a stale answer or an error (`stale_entry`).
 
-Users: kvcache.read.reads, which carries out every read of the RESP command layer in that order
-(replica, wait for a held key, near cache, NATS, fill) and counts and logs it; the server's
-GET fast path (kvcache.serve.get and its C twin), which plans each raw key once through
-`ReadPolicy.plan` and asks per batch only the feed's `fresh_for_all`; and LocalReader in an
-application's process, which shares the addressing (kvcache.keys.split_address) and the
-freshness rule for a replica read from its files (kvcache.store.replica.meta_fresh), and loads
-nothing of this module. See docs/architecture.md, "Consistency".
+Users: kvcache.read.reads, which carries every route of the RESP command layer out (one key or
+many, in one loop) and counts and logs it; the server's GET fast path (kvcache.serve.get and
+its C twin), which plans each raw key once through `ReadPolicy.plan` and asks per batch only
+the feed's `fresh_for_all` (the same rule, for every key at once); and LocalReader in an
+application's process, which shares the addressing (kvcache.keys.split_address) and the rule
+with a witness of its own (the meta record), and loads nothing of this module. See
+docs/architecture.md, "Consistency".
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 from ..entry import Entry, Operation
 from ..errors import CommandError, KvcacheError, UpstreamError
 from ..keys import KEY_RE, RESERVED_PREFIX, split_address
-from ..store.record import LONG_KEY_PREFIX, RECORD, Record, expiry, lmdb_key
+from ..store.record import LONG_KEY_PREFIX, RECORD, expiry, lmdb_key
+from ..store.verdict import LOCAL, STALE, replica_verdict, stored_revision
 
 if TYPE_CHECKING:
     from ..config import BucketConfig, Config
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
     from ..store.nearcache import NearCache
     from ..store.replica import Replica
     from .flights import Flight
-    from .router import Floors
+    from .ledger import Ledger, Witness
 
 # How long a read of a held key (the replica could not answer it without going back) waits
 # for the replica to reach the revision already handed out (MINREV waits the same) before
@@ -53,26 +55,74 @@ STALE_SOURCE = "stale"
 
 
 class Plan(NamedTuple):
-    """How the replica answers one raw key, worked out once per distinct key: the bucket's
-    feed (asked per batch whether it is fresh for every key, `Feed.fresh_for_all`, or per
-    key), the bound, the bucket's name and LMDB database, the key as stored, and where the
+    """Where one raw key lives, worked out once per distinct key (ReadPolicy.address): the
+    bucket's witness (its feed's freshness with the ledger's holds: kvcache.read.ledger; the
+    rule asks it, kvcache.store.verdict), the bound, the bucket's
+    name and configuration, the KV key, the key as stored, its LMDB database and where the
     value starts in its record (None for a long key stored under a digest: read the record's
-    own key length). The one plan type of every local read: the GET fast path (both twins),
-    MGET and EXISTS (kvcache.read.reads).
+    own key length), whether the key is replicated (inside its bucket's filters), and for a key
+    outside them the bucket's near cache (`cache`, with `db` the cache's database; `db` None
+    when there is none: only NATS can answer). The one address type of every read: the
+    GET fast path (both twins: `ReadPolicy.plan`), and the command layer's (`ReadPolicy.route`).
 
-    `cache`: the key is outside the filters of a bucket with a near cache, and `db` is the
-    cache's database. The GET fast path answers a cached record (a value, or a cached
-    not-found) under the same freshness rule as the replica's keys and counts the hit into
-    the cache (NearCache.touched); a key not cached, or expired, it leaves to the generic
-    path (`cached`, then NATS). MGET and EXISTS take the generic path for such keys."""
+    The GET fast path answers a cached record (a value, or a cached not-found) under the same
+    freshness rule as the replica's keys and counts the hit into the cache (NearCache.hits);
+    a key not cached, or expired, it leaves to the generic path."""
 
-    feed: Feed
+    witness: Witness
     max_stale_ms: int
     bucket: str
     lkey: bytes
-    db: Any  # the bucket's LMDB database handle (the near cache's, with `cache`)
+    db: Any  # the bucket's LMDB database handle (the near cache's, with `cache`); None: neither
     offset: int | None
     cache: NearCache | None = None
+    key: str = ""
+    config: BucketConfig | None = None
+    replicated: bool = True
+
+
+# ---------------------------------------------------------------------- routes
+# What ReadPolicy.route decides for one key, and kvcache.read.reads carries out.
+
+class Remote(NamedTuple):
+    """NATS answers, through the router: the stream's leader when `strong`; the read's bound
+    (max_stale_ms or MAXSTALE: which requests in flight it may join); `min_rev`: only a
+    revision at or above it answers (else the leader is asked); `may_fill`: the answer is
+    offered to the near cache (a key outside the filters of a bucket with one); `may_serve_stale`:
+    when no peer can answer, the bucket's serve_stale may give the replica's stale record (a
+    replicated key, neither strong nor MINREV)."""
+
+    strong: bool
+    bound: int
+    min_rev: int | None
+    may_fill: bool
+    may_serve_stale: bool
+
+
+class Local(NamedTuple):
+    """The replica answers: its record (None: the key is absent). A decoded Record for a read
+    of one key; the stored bytes (a memoryview into the map, read in the caller's
+    transaction) for a read of many."""
+
+    record: Any
+
+
+class Held(NamedTuple):
+    """The replica answers once it has applied stream sequence `seq` (a newer revision of the
+    key was handed out from NATS, or MINREV asks for it): wait up to MINREV_WAIT_S, route the
+    key again and take only a Local answer; else `then`."""
+
+    seq: int
+    then: Remote
+
+
+class Cached(NamedTuple):
+    """The near cache answers: its entry (source `cache`; a cached not-found has no value)."""
+
+    entry: Entry
+
+
+Route = Local | Held | Cached | Remote
 
 
 def may_join(flight: Flight, arrived_ns: int, strong: bool, bound_ms: int) -> bool:
@@ -98,12 +148,14 @@ class ReadPolicy:
     questions and keeps the plan cache; carrying a read out (waiting, asking NATS, counting,
     logging) is kvcache.read.reads's."""
 
-    def __init__(self, cfg: Config, replica: Replica, feeds: dict[str, Feed], floors: Floors) -> None:
+    def __init__(self, cfg: Config, replica: Replica, feeds: dict[str, Feed], ledger: Ledger) -> None:
         self.cfg = cfg
         self.replica = replica
         self.feeds = feeds
-        self.floors = floors
-        self._plans: dict[bytes, Plan | Literal[False]] = {}
+        self.ledger = ledger
+        self.floors = ledger.floors
+        # raw key -> its Plan, or the CommandError that says why it names no key
+        self._plans: dict[bytes, Plan | CommandError] = {}
         self.in_filters = functools.lru_cache(maxsize=65536)(self._in_filters)
 
     # ------------------------------------------------------------------ addressing
@@ -141,123 +193,134 @@ class ReadPolicy:
         bc = self.cfg.bucket(bucket)
         return bc is not None and bc.replicates(key)
 
-    def plan(self, raw: bytes) -> Plan | Literal[False]:
-        """How the replica reads `raw`, cached per raw key; False when the key is invalid or
-        outside the filters (the generic path answers it: an error or a fallback read).
-        A key outside the filters of a bucket with a near cache is planned onto the cache
-        (Plan.cache). Freshness is not part of the plan: the caller asks it (once per batch)."""
+    def address(self, raw: bytes) -> Plan:
+        """Where `raw` lives (Plan), worked out once per raw key and cached (the filters are
+        asked here, once); CommandError for an invalid key (see `resolve`)."""
         plan = self._plans.get(raw)
-        if plan is not None:
-            return plan
-        try:
-            bc, key = self.resolve(raw)
-        except CommandError:
-            plan = False
-        else:
-            lkey = lmdb_key(key)
-            offset = None if lkey.startswith(LONG_KEY_PREFIX) else RECORD.size
-            feed = self.feeds[bc.name]
-            if self.in_filters(bc.name, key):
-                plan = Plan(feed, bc.max_stale_ms, bc.name, lkey, self.replica.db(bc.name), offset)
-            elif feed.cache is not None:
-                plan = Plan(feed, bc.max_stale_ms, bc.name, lkey, feed.cache.db, offset, feed.cache)
+        if plan is None:
+            try:
+                bc, key = self.resolve(raw)
+            except CommandError as e:
+                plan = e
             else:
-                plan = False
-        if len(self._plans) >= PLAN_CACHE:
-            self._plans.clear()
-        self._plans[raw] = plan
+                lkey = lmdb_key(key)
+                offset = None if lkey.startswith(LONG_KEY_PREFIX) else RECORD.size
+                feed = self.feeds[bc.name]
+                witness = self.ledger.witness(feed)
+                if self.in_filters(bc.name, key):
+                    plan = Plan(witness, bc.max_stale_ms, bc.name, lkey, self.replica.db(bc.name), offset,
+                                None, key, bc)
+                else:
+                    cache = feed.cache
+                    plan = Plan(witness, bc.max_stale_ms, bc.name, lkey, None if cache is None else cache.db,
+                                offset, cache, key, bc, False)
+            if len(self._plans) >= PLAN_CACHE:
+                self._plans.clear()
+            self._plans[raw] = plan
+        if isinstance(plan, CommandError):
+            raise CommandError(*plan.args)  # a new one each time: a raised one keeps its traceback
         return plan
 
-    # ------------------------------------------------------------------ may the replica answer?
+    def plan(self, raw: bytes) -> Plan | Literal[False]:
+        """The GET fast path's planner: the key's Plan when the replica or the near cache may
+        answer it there (its freshness is asked per batch: Witness.fresh_for_all); False when
+        the generic path must (an invalid key, or one outside the filters with no near cache)."""
+        try:
+            plan = self.address(raw)
+        except CommandError:
+            return False
+        return plan if plan.db is not None else False
 
-    def local(self, bc: BucketConfig, key: str, max_stale_ms: int | None = None) -> bool:
-        """Is the key replicated, and the replica fresh within the bound (the bucket's
-        max_stale_ms, or the read's own)? Whether its record may answer without going back
-        in time is asked apart (`held`)."""
-        return self.in_filters(bc.name, key) and self.feeds[bc.name].fresh_within(
-            bc.max_stale_ms if max_stale_ms is None else max_stale_ms)
+    # ------------------------------------------------------------------ the route
 
-    def held(self, bc: BucketConfig, key: str, rec: Record | None) -> int:
-        """0 when the replica's record (None: it has none) may answer the key; else the key is
-        held: the stream sequence the replica must reach first (a newer revision was handed
-        out from NATS, Feed.handed_out)."""
-        return self.feeds[bc.name].held_until(key, None if rec is None else rec.revision)
-
-    def local_now(self, bc: BucketConfig, key: str,
-                  max_stale_ms: int | None = None) -> tuple[bool, Record | None]:
-        """(True, the key's record or None) when the replica may answer the key now: fresh
-        within the bound and the key not held; else (False, None)."""
-        if self.local(bc, key, max_stale_ms):
-            rec = self.replica.get(bc.name, key)
-            if not self.held(bc, key, rec):
-                return True, rec
-        return False, None
-
-    def held_raw(self, raw: bytes, feed: Feed, rec: bytes | memoryview | None) -> tuple[str, str, int]:
-        """For a batch read while some key of the feed's bucket is held (Feed.floor_seq):
-        (bucket, key, the sequence the replica must reach first, 0 when its stored record
-        `rec` may answer now)."""
-        bc, key = self.resolve(raw)
-        revision = None
-        if rec is not None and not self.replica.expired(bc.name, rec):
-            revision = RECORD.unpack_from(rec)[0]
-        return bc.name, key, feed.held_until(key, revision)
+    def route(self, plan: Plan, strong: bool = False, max_stale_ms: int | None = None,
+              min_rev: int | None = None, txn: Any = None) -> Route:
+        """Where the key of `plan` is answered, decided once (docs/architecture.md,
+        "Consistency"): Local (the replica's record), Held (the replica, once it has applied a
+        sequence), Cached (the near cache's entry) or Remote (NATS). `strong`: CONSISTENCY
+        strong (the leader, always); `max_stale_ms`: the read's own bound (MAXSTALE);
+        `min_rev`: MINREV. `txn`: a read transaction of the caller's (buffers), in which the
+        replica's record is read as stored; without one, it is read and decoded (a Record).
+        Whether the replica may answer is the one rule, kvcache.store.verdict."""
+        witness = plan.witness
+        bound = plan.max_stale_ms if max_stale_ms is None else max_stale_ms
+        replicated = plan.replicated
+        if strong:
+            return Remote(True, bound, min_rev, plan.cache is not None, False)
+        if min_rev is not None and replicated:
+            # served locally once the replica reaches the revision, else by NATS at once
+            return Held(min_rev, Remote(False, bound, min_rev, False, False))
+        record = None
+        if replicated:
+            if txn is None:
+                record = self.replica.get(plan.bucket, plan.key)
+                v = replica_verdict(witness, bound, True, plan.key, record)
+            else:
+                record = txn.get(plan.lkey, None, plan.db)
+                v = replica_verdict(witness, bound, True, plan.key, record, stored_revision)
+            if v == LOCAL:
+                return Local(record)
+            if v > 0:
+                return Held(v, Remote(False, bound, None, False, True))
+            return Remote(False, bound, None, False, True)
+        cache = plan.cache
+        if cache is not None:
+            if replica_verdict(witness, bound, False) == STALE:
+                cache.count(plan.lkey)  # the ask counts towards the key's admission all the same
+            else:
+                entry = self._cached(plan, cache, min_rev)
+                if entry is not None:
+                    return Cached(entry)
+        return Remote(False, bound, min_rev, cache is not None, False)
 
     # ------------------------------------------------------------------ the near cache
 
-    def cached(self, bc: BucketConfig, key: str, max_stale_ms: int | None = None,
-               min_rev: int | None = None) -> Entry | None:
-        """The near cache's answer (source `cache`) for a key outside the filters, or None
-        when it has none it may give: not cached, expired, the bucket's feed not fresh within
-        the bound (the replica's own rule), a newer revision already handed out from NATS
+    def _cached(self, plan: Plan, cache: NearCache, min_rev: int | None) -> Entry | None:
+        """The near cache's answer (source `cache`) for a key outside the filters, the feed
+        fresh within the bound (the replica's own rule, asked by `route`), or None when it has
+        none it may give: not cached, expired, a newer revision already handed out from NATS
         (the router's floors), or below `min_rev` (KV.GET's MINREV: only a value at that
         revision or above). A cached not-found is an Entry with no value (operation DEL, the
         revision it is known at). Every ask counts towards the key's admission."""
-        feed = self.feeds[bc.name]
-        cache = feed.cache
-        if cache is None or self.in_filters(bc.name, key):
-            return None
-        lk = lmdb_key(key)
-        if not feed.fresh_within(bc.max_stale_ms if max_stale_ms is None else max_stale_ms):
-            cache.count(lk)
-            return None
+        lk = plan.lkey
         rec = cache.lookup(lk)
         if rec is None:
             return None
+        bucket, key = plan.bucket, plan.key
         if rec.value is None:
-            entry = Entry(bc.name, key, None, rec.revision, 0, 0, Operation.DEL, "cache")
+            entry = Entry(bucket, key, None, rec.revision, 0, 0, Operation.DEL, "cache")
         else:
-            due = expiry(rec.created, rec.expires, feed.max_age_ns)
+            due = expiry(rec.created, rec.expires, plan.witness.max_age_ns)
             if due and time.time_ns() >= due:
                 cache.invalidate([lk])
                 return None
-            entry = Entry(bc.name, key, rec.value, rec.revision, rec.created, 0, Operation.PUT, "cache",
+            entry = Entry(bucket, key, rec.value, rec.revision, rec.created, 0, Operation.PUT, "cache",
                           rec.expires)
-        if self.floors.below(bc.name, key, entry):
+        if self.floors.below(bucket, key, entry):
             return None
         if min_rev is not None and (entry.value is None or entry.revision < min_rev):
             return None
         return entry
 
-    def fill(self, bc: BucketConfig, key: str, entry: Entry | None, answered: str) -> None:
-        """A fallback read answered a key outside the filters: offer the answer to the near
-        cache (kvcache.store.nearcache admits it if the key is hot enough). Only an answer of the
-        bucket's own stream (its replicas or leader, `answered` by the main connection's peer;
-        a mirror may lag without bound), only while the feed vouches for the bucket and saw
-        no newer change on the way (Feed.fill_ok: for a not-found, which has no revision of
-        its own, no change at all), and never over a newer cached revision. A not-found
-        goes in as a cached not-found where nothing is cached; one that contradicts a cached
-        value (a lagging responder, or a removal no message told of) drops it instead, and
-        so does an answer that may not go in."""
-        feed = self.feeds[bc.name]
-        cache = feed.cache
-        if cache is None or self.in_filters(bc.name, key):
+    def fill(self, plan: Plan, entry: Entry | None, answered: str) -> None:
+        """A fallback read answered a key outside the filters (Remote.may_fill): offer the
+        answer to the near cache (kvcache.store.nearcache admits it if the key is hot enough).
+        Only an answer of the bucket's own stream (its replicas or leader, `answered` by the
+        main connection's peer; a mirror may lag without bound), only while the feed vouches
+        for the bucket and saw no newer change on the way (Feed.fill_ok: for a not-found,
+        which has no revision of its own, no change at all), and never over a newer cached
+        revision. A not-found goes in as a cached not-found where nothing is cached; one that
+        contradicts a cached value (a lagging responder, or a removal no message told of)
+        drops it instead, and so does an answer that may not go in."""
+        cache = plan.cache
+        if cache is None:
             return
-        lk = lmdb_key(key)
+        bucket, lk = plan.bucket, plan.lkey
+        feed = plan.witness.feed
         found = entry is not None and entry.value is not None and entry.operation is Operation.PUT
         # a value names its source; a not-found (or a deletion's marker) is the responder's
-        own = (entry.source in (f"main.{bc.name}", "leader") if found and entry is not None
-               else answered == f"main.{bc.name}")
+        own = (entry.source in (f"main.{bucket}", "leader") if found and entry is not None
+               else answered == f"main.{bucket}")
         revision = entry.revision if entry is not None else 0
         ok = own and feed.fill_ok(lk, revision)
         current = cache.current_revision(lk)  # (revision, a not-found) or None
@@ -278,11 +341,11 @@ class ReadPolicy:
             return
         if current is not None and current[0] >= revision:
             return  # what is cached is as new or newer: a lagging responder's answer
-        cache.offer_entry(key, lk, entry.value, entry.revision, entry.created, entry.expires)
+        cache.offer_entry(plan.key, lk, entry.value, entry.revision, entry.created, entry.expires)
 
     # ------------------------------------------------------------------ answers from NATS
 
-    def newest(self, bc: BucketConfig, key: str, remote: Entry | None) -> Entry | None:
+    def newest(self, plan: Plan, remote: Entry | None) -> Entry | None:
         """The answer to hand out for a key read from NATS. Higher revision wins. A remote
         not-found carries no revision, and a lagging responder may not have the key yet, so it
         never overrides a record the replica holds; a deletion overrides it through its
@@ -290,49 +353,55 @@ class ReadPolicy:
         (at or below its applied sequence) is no newer than what the replica knows, so the
         replica's answer wins, absent included: the key was deleted since, and a lagging
         peer's PUT must not bring it back after a local read showed it gone. A remote answer
-        above that is noted (Feed.handed_out): local reads must not go below it."""
-        if not self.in_filters(bc.name, key):
+        above that is noted (the ledger's holds): local reads must not go below it."""
+        if not plan.replicated:
             return remote
-        rec = self.replica.get(bc.name, key)
+        bucket, key = plan.bucket, plan.key
+        rec = self.replica.get(bucket, key)
         if rec is not None and (remote is None or remote.revision < rec.revision):
-            return Entry(bc.name, key, rec.value, rec.revision, rec.created, 0, Operation.PUT, "local")
+            return Entry(bucket, key, rec.value, rec.revision, rec.created, 0, Operation.PUT, "local")
         if remote is None:
             return None
-        feed = self.feeds[bc.name]
+        witness = plan.witness
+        feed = witness.feed
         if feed.synced and remote.revision <= feed.meta.applied_seq:
             return remote if rec is not None else None  # with a record: the same revision
-        feed.handed_out(key, remote.revision)
+        witness.handed_out(key, remote.revision)
         return remote
 
-    def stale_entry(self, bc: BucketConfig, key: str, err: KvcacheError, strong: bool = False,
-                    max_stale_ms: int | None = None) -> Entry | None:
-        """A fallback read failed. If it was one the replica passed on for staleness (a key of
-        the replicated set, neither CONSISTENCY strong nor MINREV) and no peer could answer
-        (UpstreamError), the bucket's serve_stale decides: the replica's last known value
-        (source STALE_SOURCE; None for a key it knows to be absent), or a RESP error saying why
-        neither answered. Even with serve_stale, the replica does not answer what it cannot
-        know (a key it lacks while it is not synced) or what would take a key's reads back in
-        time (a newer revision was already read from a peer): those stay errors."""
-        if strong or not isinstance(err, UpstreamError) or not self.in_filters(bc.name, key):
+    def stale_entry(self, plan: Plan, route: Remote, err: KvcacheError) -> Entry | None:
+        """A fallback read failed. If it was one the replica passed on for staleness
+        (Remote.may_serve_stale: a key of the replicated set, neither CONSISTENCY strong nor
+        MINREV) and no peer could answer (UpstreamError), the bucket's serve_stale decides:
+        the replica's last known value (source STALE_SOURCE; None for a key it knows to be
+        absent), or a RESP error saying why neither answered. Even with serve_stale, the
+        replica does not answer what it cannot know (a key it lacks while it is not synced) or
+        what would take a key's reads back in time (a newer revision was already read from a
+        peer): those stay errors."""
+        if not route.may_serve_stale or not isinstance(err, UpstreamError):
             raise CommandError(f"ERR upstream read failed: {err}")
-        feed = self.feeds[bc.name]
-        bound = bc.max_stale_ms if max_stale_ms is None else max_stale_ms
+        witness = plan.witness
+        feed = witness.feed
+        bucket, key = plan.bucket, plan.key
+        bound = route.bound
         if not feed.synced:
             why = "replica not synced"
-        elif feed.fresh_within(bound):  # the key was held (Feed.held_until), the replica is fresh
+        elif feed.fresh_within(bound):  # the key was held (the ledger's holds), the replica is fresh
             why = "replica behind a revision of the key already read from NATS"
         else:
             why = f"replica stale ({feed.lag_ms() / 1000:.1f}s behind, max_stale_ms {bound})"
-        message = f"ERR bucket {bc.name}: {why} and no peer could answer: {err}"
+        message = f"ERR bucket {bucket}: {why} and no peer could answer: {err}"
+        bc = plan.config
+        assert bc is not None
         if not self.cfg.serves_stale(bc):
             raise CommandError(message)
-        rec = self.replica.get(bc.name, key)
-        entry = None if rec is None else Entry(bc.name, key, rec.value, rec.revision, rec.created,
+        rec = self.replica.get(bucket, key)
+        entry = None if rec is None else Entry(bucket, key, rec.value, rec.revision, rec.created,
                                                0, Operation.PUT, STALE_SOURCE)
         if entry is None and not feed.synced:
             raise CommandError(f"{message}; not serving stale: the key may exist, the replica "
                                "has not finished its sync")
-        if self.floors.below(bc.name, key, entry) or feed.held_until(
+        if self.floors.below(bucket, key, entry) or witness.held_until(
                 key, None if entry is None else entry.revision):
             raise CommandError(f"{message}; not serving stale: a newer revision of the key "
                                "was already read from a peer")

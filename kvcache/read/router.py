@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -31,10 +30,10 @@ from typing import Any
 from ..entry import Entry
 from ..errors import ReplyBudget, UpstreamError
 from ..feed.quorum import NO_FENCE, Fence
-from ..store.record import expiry
+from .ledger import FLOORS_MAX, Floors
 from .peer import MULTI_LAST_MAX, Peer, PeerStats
 
-__all__ = ["MULTI_LAST_MAX", "HedgePolicy", "Peer", "PeerStats", "Router"]
+__all__ = ["FLOORS_MAX", "MULTI_LAST_MAX", "Floors", "HedgePolicy", "Peer", "PeerStats", "Router"]
 
 
 @dataclass
@@ -54,7 +53,6 @@ class HedgePolicy:
 
 
 Fetch = Callable[[Peer], Coroutine[Any, Any, Any]]
-FLOORS_MAX = 65536
 
 
 @dataclass
@@ -69,62 +67,12 @@ class PeerHealth:
     probing: bool = False
 
 
-class Floors:
-    """The highest revision read so far per key (the most recent FLOORS_MAX keys), so that
-    reads of a key never go back in time when peers of different lag answer them."""
-
-    def __init__(self, size: int = FLOORS_MAX, max_age: Callable[[str], int] | None = None) -> None:
-        # (bucket, key) -> (revision, the moment that revision leaves the bucket, 0: never)
-        self._rev: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()
-        self._by_bucket: dict[str, set[str]] = {}  # the keys with a floor, per bucket (forget)
-        self._size = size
-        # A bucket's max_age in ns (the sidecar's feeds say): a revision read may expire, and
-        # a not-found after that is the bucket's current state, not a lag.
-        self.max_age: Callable[[str], int] = max_age or (lambda bucket: 0)
-
-    def below(self, bucket: str, key: str, e: Entry | None) -> bool:
-        """Is this answer older than one already read (a not-found after a read value, too,
-        unless that value has expired since: its own TTL or the bucket's max_age)?"""
-        floor = self._rev.get((bucket, key))
-        if floor is None:
-            return False
-        if e is None:
-            return not (floor[1] and time.time_ns() >= floor[1])
-        return e.revision < floor[0]
-
-    def forget(self, bucket: str, below: int | None = None) -> None:
-        """The bucket's stream was recreated (its revisions start again from 1), or purged,
-        or dropped every message below `below`: those floors would make remote reads of the
-        keys fail as 'behind' when not-found is the bucket's state."""
-        keys = self._by_bucket.get(bucket)
-        if not keys:
-            return
-        rev = self._rev
-        gone = [key for key in keys if below is None or rev[(bucket, key)][0] < below]
-        for key in gone:
-            del rev[(bucket, key)]
-            keys.discard(key)
-
-    def saw(self, bucket: str, key: str, e: Entry | None) -> None:
-        if e is None:
-            return
-        k = (bucket, key)
-        if e.revision > self._rev.get(k, (0, 0))[0]:
-            self._rev[k] = (e.revision, expiry(e.created, e.expires, self.max_age(bucket)))
-            self._by_bucket.setdefault(bucket, set()).add(key)
-        if k in self._rev:
-            self._rev.move_to_end(k)
-        if len(self._rev) > self._size:
-            (old_bucket, old_key), _ = self._rev.popitem(last=False)
-            self._by_bucket[old_bucket].discard(old_key)
-
-
 class Router:
     """Chooses peers for fallback reads, hedges slow ones and ejects failing ones."""
 
     def __init__(self, timeout: float, policy: HedgePolicy | None = None, rng: random.Random | None = None,
                  max_age: Callable[[str], int] | None = None,
-                 fence: Callable[[str], Fence | None] | None = None) -> None:
+                 fence: Callable[[str], Fence | None] | None = None, floors: Floors | None = None) -> None:
         self.timeout = timeout
         self.policy = policy or HedgePolicy()
         self._peers: dict[str, list[Peer]] = {}
@@ -132,7 +80,8 @@ class Router:
         self._rng = rng or random.Random()
         self._tokens = self.policy.hedge_burst
         self._background: set[asyncio.Task] = set()
-        self.floors = Floors(max_age=max_age)
+        # the ledger's floors (kvcache.read.ledger): the highest revision read per key
+        self.floors = floors if floors is not None else Floors(max_age=max_age)
         # What a bucket's fallback answers must show (kvcache.feed.quorum.Fence; None: nothing can
         # show it current now): the sidecar passes the feeds' quorum evidence.
         self.fence: Callable[[str], Fence | None] = fence or (lambda bucket: NO_FENCE)

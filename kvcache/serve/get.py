@@ -30,9 +30,10 @@ replica's record, counted into the cache (its sketch at once, its LRU order thro
 NearCache.touched), and a key not cached or expired goes to the generic path. A bucket that
 replicates no key and has a near cache is planned like one that replicates every key: all its
 valid keys onto the cache. Freshness
-(`feed.fresh_for_all(max_stale_ms)`: fresh within the bound and no key held) is asked at most
-once per feed per call, and a yes is believed for FRESH_VERDICT_S. The decisions are the read
-policy's (kvcache.read.policy): its plan, the feed's verdict, and the record read the one way
+(`witness.fresh_for_all(max_stale_ms)`: the read side's one rule, kvcache.store.verdict, for
+every key of the bucket at once: fresh within the bound and no key held) is asked at most
+once per bucket per call, and a yes is believed for FRESH_VERDICT_S. The decisions are the read
+policy's (kvcache.read.policy): its plan, the witness's verdict, and the record read the one way
 every local read reads it (record.stored_value).
 """
 from __future__ import annotations
@@ -76,7 +77,7 @@ MAXSEG = 64
 # client_write_stall_ms as before (docs/architecture.md, "Large values").
 SNDBUF_FROM = 128 << 10
 SNDBUF_MAX = 1 << 20
-# How long a feed's "fresh enough" verdict is reused. The bound a read promises is
+# How long a bucket's "fresh enough" verdict is reused. The bound a read promises is
 # max_stale_ms (seconds, typically); reusing the answer for a millisecond saves a Python
 # call per batch, which at one GET a batch is a good part of the request's cost.
 FRESH_VERDICT_S = 0.001
@@ -107,7 +108,7 @@ class LocalGets:
         self._fd = -1
         self._transport: asyncio.Transport | None = None
         self._last_size = 0  # the last serve's output, written directly or not
-        self._fresh_until: dict[object, float] = {}  # feed -> monotonic time
+        self._fresh_until: dict[object, float] = {}  # witness -> monotonic time
         # The native path defers GET-only reads of many clients to the end of an event-loop
         # iteration (ext/server_get.pyx, _stash); this one answers each read at once: `defer`
         # and `call_soon` are taken and unused, `flush` has nothing to do.
@@ -148,8 +149,8 @@ class LocalGets:
         return {name: (c[0], c[1]) for name, c in self._cache_reads.items()}
 
     def forget_fresh(self) -> None:
-        """Drop every cached "fresh enough" verdict: the next GET of each feed asks again. A
-        feed asks for this when a key becomes held (Feed.on_hold): a verdict reused for
+        """Drop every cached "fresh enough" verdict: the next GET of each bucket asks again.
+        The ledger asks for this when a key becomes held (Holds.on_hold): a verdict reused for
         FRESH_VERDICT_S would answer that key from the replica, below a revision already
         handed out from NATS."""
         self._fresh_until.clear()
@@ -158,7 +159,7 @@ class LocalGets:
         """Nothing deferred here (see __init__)."""
 
     def set_buckets(self, buckets: list[tuple], default: str | None) -> None:
-        """`[(name, feed, max_stale_ms, replicates_every_key[, near_cache])]` and the default
+        """`[(name, witness, max_stale_ms, replicates_every_key[, near_cache])]` and the default
         bucket's name (None: no default); `near_cache` for a bucket that replicates no key and
         has a near cache (every key is planned onto it). A valid key of a bucket that
         replicates every key, or of such a bucket, is then read without asking the planner:
@@ -166,12 +167,13 @@ class LocalGets:
         planner would plan such keys (not with the access log on, where every GET must reach
         the command layer)."""
         self._direct = {}
-        for name, feed, max_stale, every, *rest in buckets:
+        for name, witness, max_stale, every, *rest in buckets:
             cache = rest[0] if rest else None
             if cache is not None:
-                self._direct[name.encode()] = Plan(feed, max_stale, name, b"", cache.db, RECORD.size, cache)
+                self._direct[name.encode()] = Plan(witness, max_stale, name, b"", cache.db, RECORD.size, cache,
+                                                   replicated=False)
             elif every:
-                self._direct[name.encode()] = Plan(feed, max_stale, name, b"", self.replica.db(name), RECORD.size)
+                self._direct[name.encode()] = Plan(witness, max_stale, name, b"", self.replica.db(name), RECORD.size)
         self._default = self._direct.get(default.encode()) if default is not None else None
         self.plans.clear()
 
@@ -261,20 +263,22 @@ class LocalGets:
                         txn = None
                 if not plan:
                     break
-                feed, max_stale, bucket, lkey, db, offset, cache = plan
-                max_age = feed.max_age_ns
-                if feed is not fresh:
+                witness = plan.witness
+                max_age = witness.max_age_ns
+                if witness is not fresh:
                     now = _monotonic()
-                    if self._fresh_until.get(feed, 0.0) <= now:
-                        if not feed.fresh_for_all(max_stale):
+                    if self._fresh_until.get(witness, 0.0) <= now:
+                        if not witness.fresh_for_all(plan.max_stale_ms):
                             break
-                        self._fresh_until[feed] = now + FRESH_VERDICT_S
-                    fresh = feed
+                        self._fresh_until[witness] = now + FRESH_VERDICT_S
+                    fresh = witness
                 if txn is None:
                     txn = self.replica.env.begin()
-                raw = txn.get(lkey, None, db)
+                raw = txn.get(plan.lkey, None, plan.db)
+                cache = plan.cache
+                bucket = plan.bucket
                 if cache is None:
-                    value = None if raw is None else stored_value(raw, offset, max_age)
+                    value = None if raw is None else stored_value(raw, plan.offset, max_age)
                     reads = self._reads
                 else:  # the near cache's record: a miss or an expired one is the generic path's
                     if raw is None:
@@ -282,10 +286,10 @@ class LocalGets:
                     if is_absent(raw):
                         value = None
                     else:
-                        value = stored_value(raw, offset, max_age)
+                        value = stored_value(raw, plan.offset, max_age)
                         if value is None:
                             break
-                    self._touch(cache, bucket, lkey)
+                    self._touch(cache, bucket, plan.lkey)
                     reads = self._cache_reads
                 answered += 1
                 counts = reads.get(bucket)

@@ -1,7 +1,7 @@
 """INFO: the sidecar's state as Redis-style `# Section` / `field:value` text.
 
-Assembled here from the narrow parts that hold the numbers (the shared Stats, the read
-policy's feeds, replica and router, the access log), so that the command table only parses
+Assembled here from the narrow parts that hold the numbers (the shared Stats, the replica,
+the feeds, the router, the access log), so that the command table only parses
 INFO's arguments. Every field is documented in docs/info.md.
 """
 from __future__ import annotations
@@ -15,10 +15,11 @@ from .. import __version__, native
 
 if TYPE_CHECKING:
     from ..config import Config
+    from ..feed.feed import Feed
     from ..ops.accesslog import AccessLog
-    from ..read.policy import ReadPolicy
     from ..read.router import Router
     from ..stats import Stats
+    from ..store.replica import Replica
     from .pubsub import PubSub
     from .streams import Streams
     from .tracking import Tracking
@@ -49,14 +50,16 @@ def _replication(replid: str) -> list[tuple[str, object]]:
 class Info:
     """Builds INFO's text on demand (nothing is computed between INFO calls)."""
 
-    def __init__(self, cfg: Config, stats: Stats, policy: ReadPolicy, router: Router, access: AccessLog,
+    def __init__(self, cfg: Config, stats: Stats, replica: Replica, feeds: dict[str, Feed], router: Router,
+                 access: AccessLog,
                  tracking: Tracking | None = None, pubsub: PubSub | None = None,
                  fast_cache_reads: Callable[[], dict[str, tuple[int, int]]] | None = None,
                  streams: Streams | None = None) -> None:
         self.cfg = cfg
         self.streams = streams
         self.stats = stats
-        self.policy = policy
+        self.replica = replica
+        self.feeds = feeds
         self.router = router
         self.access = access
         self.tracking = tracking
@@ -68,7 +71,7 @@ class Info:
         self.replid = os.urandom(20).hex()
 
     def sections(self) -> dict[str, list[tuple[str, object]]]:
-        st, cfg, policy, router = self.stats, self.cfg, self.policy, self.router
+        st, cfg, router = self.stats, self.cfg, self.router
         fast = self.fast_cache_reads()
         return {
             "server": [
@@ -113,12 +116,12 @@ class Info:
             ],
             "replication": _replication(self.replid),
             "buckets": [(name, _fields(
-                synced=int(f.synced), keys=policy.replica.count(name), applied_seq=f.meta.applied_seq,
+                synced=int(f.synced), keys=self.replica.count(name), applied_seq=f.meta.applied_seq,
                 upstream_seq=max(f.upstream_seq, f.meta.applied_seq), lag_ms=f.lag_ms(),
                 max_stale_ms=f.cfg.max_stale_ms,
                 resyncs=f.meta.resyncs, removed_upstream=f.removed_upstream,
                 state_polls=f.state_polls, state_shared=f.state_shared, **_cache_fields(f, fast.get(name, (0, 0)))))
-                for name, f in policy.feeds.items()],
+                for name, f in self.feeds.items()],
             "peers": [(p.label, _fields(
                 stream=p.stream, state=router.state(p), ewma_us=int(p.stats.ewma_us),
                 requests=p.stats.requests, errors=p.stats.errors, hedges=p.stats.hedges))

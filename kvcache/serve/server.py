@@ -23,7 +23,7 @@ from .connection import SERVER_GET, ClientConnection
 
 if TYPE_CHECKING:
     from ..config import Config
-    from ..feed.feed import Feed
+    from ..read.ledger import Witness
     from ..read.policy import ReadPolicy
     from ..stats import Stats
     from .commands import Commands
@@ -158,12 +158,12 @@ def local_gets(cfg: Config, policy: ReadPolicy, every_get_to_commands: bool) -> 
     return SERVER_GET.LocalGets(policy.replica, _no_plan if every_get_to_commands else policy.plan)
 
 
-def direct_buckets(gets: LocalGets, cfg: Config, feeds: dict[str, Feed]) -> None:
-    """Tell the fast path each bucket's feed and bound, which replicate every key, and which
-    replicate none and have a near cache (their keys need no plan: the replica, or the cache);
-    not with the access log on (local_gets)."""
-    gets.set_buckets([(b.name, feeds[b.name], b.max_stale_ms, list(b.keys) == [">"],
-                       feeds[b.name].cache if list(b.keys) == [] else None)
+def direct_buckets(gets: LocalGets, cfg: Config, witnesses: dict[str, Witness]) -> None:
+    """Tell the fast path each bucket's witness (kvcache.read.ledger) and bound, which
+    replicate every key, and which replicate none and have a near cache (their keys need no
+    plan: the replica, or the cache); not with the access log on (local_gets)."""
+    gets.set_buckets([(b.name, witnesses[b.name], b.max_stale_ms, list(b.keys) == [">"],
+                       witnesses[b.name].cache if list(b.keys) == [] else None)
                       for b in cfg.buckets], cfg.default_bucket)
 
 

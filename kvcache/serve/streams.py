@@ -12,16 +12,10 @@ for a delete or purge), `op` (PUT, DEL, PURGE) and `created` (ns since the epoch
 after ID N gives every key whose latest change is above N, in revision order, each once:
 what a NATS watch of a history-1 bucket resumed from sequence N delivers.
 
-The rules every read follows, as GET's:
-- The bucket's replica must be synced and fresh within its max_stale_ms, else the read is an
-  error saying which (there is no other copy of the index to fall back on).
-- Never older than what this connection already read: a stream whose last revision fell
-  below one it handed out (the bucket was recreated) is an error until the reader starts
-  again from 0.
-- No silent gap: an ID below the replica's horizon (BucketMeta.horizon: its last full sync
-  began there, and what the stream dropped before may have left no entry) is an error that
-  says to read from 0; so is an ID past the bucket's last revision.
-- A blocked XREAD waits on a future per reader (no task per key): the feed's every applied
+The rules every read follows, as GET's, are the read side's (kvcache.read.stream_rules: the
+replica vouched for, never older than what this connection already read, no silent gap), on
+the sidecar's one ledger of what was handed out (kvcache.read.ledger); this module reads the
+index and encodes. A blocked XREAD waits on a future per reader (no task per key): the feed's every applied
   batch (ChangeHub.advanced) wakes the bucket's readers. What they read is mostly the same
   recent entries, encoded once in the bucket's tail (kvcache.serve.stream_tail) as the batch
   is applied. A resync, a lost consumer or a replica passing max_stale_ms
@@ -37,14 +31,17 @@ from typing import TYPE_CHECKING
 from .. import resp
 from ..config import BucketConfig, Config
 from ..errors import CommandError, ReplyTooLarge
+from ..read import stream_rules
 from ..store import revindex
 from . import stream_ids
+from .arguments import integer, timeout_ms
 from .stream_ids import U64, format_id
 from .stream_tail import Tail
 
 if TYPE_CHECKING:
     from ..feed.feed import Feed
-    from ..read.policy import ReadPolicy
+    from ..read.ledger import Ledger
+    from ..store.replica import Replica
     from .session import Session
 
 STREAM_TYPE = resp.simple("stream")
@@ -63,15 +60,15 @@ class Streams:
     """The `@<bucket>` streams of one sidecar: the command handlers' reading and waiting,
     and the blocked readers (a change hub listener for flushes, a follower for batches)."""
 
-    def __init__(self, cfg: Config, policy: ReadPolicy, on_first: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, cfg: Config, replica: Replica, feeds: dict[str, Feed], ledger: Ledger,
+                 on_first: Callable[[], None] = lambda: None) -> None:
         self.cfg = cfg
-        self.replica = policy.replica
-        self.feeds = policy.feeds
+        self.replica = replica
+        self.feeds = feeds
+        self.ledger = ledger  # what each connection was handed (kvcache.read.ledger)
         self.on_first = on_first  # the first blocked reader: the hub's staleness watch starts
         # bucket -> the futures of its blocked readers (a dict: ordered, O(1) removal)
         self.waiting: dict[str, dict[asyncio.Future, None]] = {}
-        # connection id -> bucket -> the highest revision handed out to it
-        self._seen: dict[int, dict[str, int]] = {}
         # bucket -> the recent end of its stream, encoded once for every reader (stream_tail)
         self._tails: dict[str, Tail] = {}
         self.entries_sent = 0
@@ -128,7 +125,7 @@ class Streams:
                     fut.set_result(why)
 
     def forget(self, conn: Session) -> None:
-        self._seen.pop(conn.id, None)
+        self.ledger.forget(conn.id)
 
     # ------------------------------------------------------------------ addressing
 
@@ -148,28 +145,12 @@ class Streams:
         return bc, self.feeds[bc.name]
 
     def _vouch(self, conn: Session, bc: BucketConfig, feed: Feed) -> None:
-        """May the bucket's index answer now (see the module docstring)?"""
-        if not feed.synced:
-            raise CommandError(f"ERR bucket {bc.name}: replica not synced yet: its stream cannot be read")
-        if not feed.fresh_within(bc.max_stale_ms):
-            raise CommandError(f"ERR bucket {bc.name}: replica stale ({feed.lag_ms() / 1000:.1f}s behind, "
-                               f"max_stale_ms {bc.max_stale_ms}): its stream cannot be read")
-        seen = self._seen.get(conn.id)
-        if seen and seen.get(bc.name, 0) > feed.meta.applied_seq:
-            del seen[bc.name]  # said once: a read from 0 starts afresh
-            raise CommandError(f"ERR bucket {bc.name}: its last revision {feed.meta.applied_seq} is below "
-                               "one this connection already read (the bucket was recreated): read from 0")
+        """May the bucket's index answer now? (kvcache.read.stream_rules.vouch)"""
+        stream_rules.vouch(self.ledger, conn.id, bc, feed)
 
     def _exact_after(self, bc: BucketConfig, feed: Feed, after: int) -> None:
-        """Can "what changed after `after`" be answered exactly?"""
-        horizon, last = feed.meta.horizon, feed.meta.applied_seq
-        if 0 < after < horizon:
-            raise CommandError(f"ERR bucket {bc.name}: changes after revision {after} are no longer known "
-                               f"exactly (the replica's index starts after revision {horizon}, where its last "
-                               "full sync began): read from 0 for a full listing")
-        if after > last:
-            raise CommandError(f"ERR bucket {bc.name}: revision {after} is past its last revision {last} "
-                               "(was the bucket recreated?): read from 0")
+        """Can "what changed after `after`" be answered exactly? (stream_rules.exact_after)"""
+        stream_rules.exact_after(bc, feed.meta.horizon, feed.meta.applied_seq, after)
 
     # ------------------------------------------------------------------ reading
 
@@ -202,9 +183,7 @@ class Streams:
     def _handed(self, conn: Session, bucket: str, n: int, top: int) -> None:
         """n entries, up to revision `top`, go to the connection: never older than these."""
         if n:
-            seen = self._seen.setdefault(conn.id, {})
-            if top > seen.get(bucket, 0):
-                seen[bucket] = top
+            self.ledger.stream_handed(conn.id, bucket, top)
             self.entries_sent += n
 
     def _read(self, conn: Session, wants: Sequence[Want], count: int | None) -> bytes | None:
@@ -302,10 +281,7 @@ class Streams:
             self.blocked -= 1
 
     def _range(self, conn: Session, args: list[bytes], reverse: bool) -> bytes:
-        name = b"xrevrange" if reverse else b"xrange"
-        if len(args) not in (4, 6):
-            if len(args) < 4:
-                raise CommandError(f"ERR wrong number of arguments for '{name.decode()}' command")
+        if len(args) not in (4, 6):  # (at least 4: the command table's arity)
             raise CommandError("ERR syntax error")
         bc, feed = self.stream_of(args[1])
         hi_raw, lo_raw = (args[2], args[3]) if reverse else (args[3], args[2])
@@ -314,7 +290,7 @@ class Streams:
         if len(args) == 6:
             if args[4].lower() != b"count":
                 raise CommandError("ERR syntax error")
-            count = _int(args[5])
+            count = integer(args[5])
             if count <= 0:
                 return resp.array(None, conn.proto)
         self._vouch(conn, bc, feed)
@@ -426,13 +402,6 @@ def _encode(e: revindex.StreamEntry) -> bytes:
     return b"*2\r\n" + resp.bulk(format_id(e.revision)) + resp.bulk_array(fields)
 
 
-def _int(raw: bytes) -> int:
-    try:
-        return int(raw)
-    except ValueError:
-        raise CommandError("ERR value is not an integer or out of range") from None
-
-
 def _xread_args(args: list[bytes]) -> tuple[int | None, int | None, list[bytes], list[bytes]]:
     """XREAD [COUNT n] [BLOCK ms] STREAMS key... id...: Redis's checks and wording."""
     count: int | None = None
@@ -441,16 +410,11 @@ def _xread_args(args: list[bytes]) -> tuple[int | None, int | None, list[bytes],
     while i < len(args):
         opt = args[i].lower()
         if opt == b"count" and i + 1 < len(args):
-            count = _int(args[i + 1])
+            count = integer(args[i + 1])
             count = count if count > 0 else None
             i += 2
         elif opt == b"block" and i + 1 < len(args):
-            try:
-                block = int(args[i + 1])
-            except ValueError:
-                raise CommandError("ERR timeout is not an integer or out of range") from None
-            if block < 0:
-                raise CommandError("ERR timeout is negative")
+            block = timeout_ms(args[i + 1])
             i += 2
         elif opt == b"streams":
             rest = args[i + 1:]
@@ -473,5 +437,5 @@ def _xinfo_full(rest: list[bytes]) -> tuple[bool, int]:
     if len(rest) == 3:
         if rest[1].lower() != b"count":
             raise CommandError("ERR syntax error")
-        count = max(0, _int(rest[2]))
+        count = max(0, integer(rest[2]))
     return True, count
