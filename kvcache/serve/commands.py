@@ -9,11 +9,9 @@ sidecar (kvcache.sidecar) and passed in.
 from __future__ import annotations
 
 import asyncio
-import functools
-import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from .. import resp
 from ..config import Config
@@ -25,166 +23,40 @@ from ..ops.latency import Latency
 from ..read.reads import Reads
 from ..stats import Stats
 from ..store.record import expiry
-from .commands_session import NO_AUTH, NOAUTH, SessionCommands
+from .arguments import as_is, cursor, integer, non_negative, options, text
+from .command_table import BY_NAME, COMMANDS, NO_AUTH, WRITES, CommandSpec, arity_error, command_reply, key_args
+from .commands_session import NOAUTH, SessionCommands
 from .info import Info
 from .multi import CONTROL, QUEUED, Transactions
 from .pubsub import SUBSCRIBED_OK, PubSub
 from .scan import KeyListing
 from .streams import Streams
-from .tracking import TRACKED, Tracking, key_args
+from .tracking import Tracking
 
 __all__ = ["CommandError", "Commands"]
 
 Reply = bytes | Awaitable[bytes]
+Handler = Callable[["Session", list[bytes]], Reply]
 
 READONLY = resp.error("READONLY kvcache is a read replica")
-WRITE_COMMANDS = frozenset(b"""
-append bitfield bitop blmove blmpop blpop brpop brpoplpush bzmpop bzpopmax bzpopmin copy decr
-decrby del eval evalsha expire expireat flushall flushdb fcall function geoadd georadius
-georadiusbymember getdel getex getset hdel hincrby hincrbyfloat hmset hset hsetnx incr incrby
-incrbyfloat linsert lmove lmpop lpop lpush lpushx lrem lset ltrim migrate move mset msetnx
-persist pexpire pexpireat pfadd pfmerge psetex publish rename renamenx restore rpop rpoplpush
-rpush rpushx sadd sdiffstore set setbit setex setnx setrange sinterstore smove spop srem
-sunionstore swapdb unlink xack xadd xautoclaim xclaim xdel xgroup xreadgroup xsetid xtrim zadd zdiffstore zincrby
-zinterstore zmpop zpopmax zpopmin zrangestore zrem zremrangebylex zremrangebyrank
-zremrangebyscore zunionstore sort restore-asking
-""".split())
-
-# Redis 7.4's subcommands of the container commands kvcache has (CLIENT LIST's `cmd` names a
-# subcommand as `client|list`; one Redis does not have is NULL there, as in Redis)
-SUBCOMMANDS: dict[bytes, frozenset[bytes]] = {
-    b"client": frozenset(b"""caching getname getredir help id info kill list no-evict no-touch pause
-                          reply setinfo setname tracking trackinginfo unblock unpause""".split()),
-    b"config": frozenset(b"get help resetstat rewrite set".split()),
-    b"command": frozenset(b"count docs getkeys getkeysandflags help info list".split()),
-    b"pubsub": frozenset(b"channels help numpat numsub shardchannels shardnumsub".split()),
-    b"xinfo": frozenset(b"consumers groups help stream".split()),
-}
+# COMMAND's view of the table, by name (docs/commands.md must name each: tests/test_docs.py)
+COMMAND_SPECS: dict[str, CommandSpec] = {c.name: c for c in COMMANDS}
+# Reads a connection may send ahead while one before it waits for NATS (pipelined_keys)
+PIPELINED = frozenset({b"get", b"mget"})
 
 
-def _full_name(name: bytes, args: list[bytes]) -> bytes | None:
+def _full_name(spec: CommandSpec, args: list[bytes]) -> bytes | None:
+    """CLIENT LIST's `cmd`: Redis's full name (`client|list`); None for a subcommand Redis
+    does not have (NULL there, as in Redis)."""
+    name = spec.name.encode()
     if len(args) == 1:
         return name
     sub = args[1].lower()
-    return name + b"|" + sub if sub in SUBCOMMANDS[name] else None
+    return name + b"|" + sub if sub in spec.subcommands else None
 
-
-# COMMAND's view of the table: name -> (arity, flags, first key, last key, step, categories),
-# Redis 7's shape, so clients that introspect (redis-py's command(), redis-cli) get real rows.
-COMMAND_SPECS: dict[str, tuple[int, tuple[str, ...], int, int, int, tuple[str, ...]]] = {
-    "get": (2, ("readonly", "fast"), 1, 1, 1, ("@read", "@string", "@fast")),
-    "mget": (-2, ("readonly", "fast"), 1, -1, 1, ("@read", "@string", "@fast")),
-    "exists": (-2, ("readonly", "fast"), 1, -1, 1, ("@keyspace", "@read", "@fast")),
-    "kv.get": (-2, ("readonly",), 1, 1, 1, ("@read", "@string")),
-    "keys": (2, ("readonly",), 0, 0, 0, ("@keyspace", "@read", "@slow", "@dangerous")),
-    "scan": (-2, ("readonly",), 0, 0, 0, ("@keyspace", "@read", "@slow")),
-    "dbsize": (1, ("readonly", "fast"), 0, 0, 0, ("@keyspace", "@read", "@fast")),
-    "info": (-1, ("loading", "stale"), 0, 0, 0, ("@slow", "@dangerous")),
-    "ping": (-1, ("fast",), 0, 0, 0, ("@fast", "@connection")),
-    "echo": (2, ("fast",), 0, 0, 0, ("@fast", "@connection")),
-    "quit": (-1, ("noscript", "loading", "stale", "fast", "no_auth", "allow_busy"), 0, 0, 0,
-             ("@fast", "@connection")),
-    "hello": (-1, ("noscript", "loading", "stale", "fast", "no_auth", "allow_busy"), 0, 0, 0,
-              ("@fast", "@connection")),
-    "client": (-2, (), 0, 0, 0, ("@slow", "@connection")),
-    "command": (-1, ("loading", "stale"), 0, 0, 0, ("@slow", "@connection")),
-    "select": (2, ("loading", "stale", "fast"), 0, 0, 0, ("@fast", "@connection")),
-    "config": (-2, (), 0, 0, 0, ("@admin", "@slow", "@dangerous")),
-    "auth": (-2, ("noscript", "loading", "stale", "fast", "no_auth", "allow_busy"), 0, 0, 0,
-             ("@fast", "@connection")),
-    "ttl": (2, ("readonly", "fast"), 1, 1, 1, ("@keyspace", "@read", "@fast")),
-    "pttl": (2, ("readonly", "fast"), 1, 1, 1, ("@keyspace", "@read", "@fast")),
-    "expiretime": (2, ("readonly", "fast"), 1, 1, 1, ("@keyspace", "@read", "@fast")),
-    "pexpiretime": (2, ("readonly", "fast"), 1, 1, 1, ("@keyspace", "@read", "@fast")),
-    "type": (2, ("readonly", "fast"), 1, 1, 1, ("@keyspace", "@read", "@fast")),
-    "strlen": (2, ("readonly", "fast"), 1, 1, 1, ("@read", "@string", "@fast")),
-    "getrange": (4, ("readonly",), 1, 1, 1, ("@read", "@string", "@slow")),
-    "multi": (1, ("noscript", "loading", "stale", "fast", "allow_busy"), 0, 0, 0, ("@fast", "@transaction")),
-    "exec": (1, ("noscript", "loading", "stale", "skip_slowlog"), 0, 0, 0, ("@slow", "@transaction")),
-    "discard": (1, ("noscript", "loading", "stale", "fast", "allow_busy"), 0, 0, 0, ("@fast", "@transaction")),
-    "watch": (-2, ("noscript", "loading", "stale", "fast", "allow_busy"), 1, -1, 1, ("@fast", "@transaction")),
-    "unwatch": (1, ("noscript", "loading", "stale", "fast", "allow_busy"), 0, 0, 0, ("@fast", "@transaction")),
-    "subscribe": (-2, ("pubsub", "noscript", "loading", "stale"), 0, 0, 0, ("@pubsub", "@slow")),
-    "psubscribe": (-2, ("pubsub", "noscript", "loading", "stale"), 0, 0, 0, ("@pubsub", "@slow")),
-    "unsubscribe": (-1, ("pubsub", "noscript", "loading", "stale"), 0, 0, 0, ("@pubsub", "@slow")),
-    "punsubscribe": (-1, ("pubsub", "noscript", "loading", "stale"), 0, 0, 0, ("@pubsub", "@slow")),
-    "pubsub": (-2, (), 0, 0, 0, ("@slow",)),
-    "reset": (1, ("noscript", "loading", "stale", "fast", "no_auth", "allow_busy"), 0, 0, 0,
-              ("@fast", "@connection")),
-    "xread": (-4, ("readonly", "blocking", "movablekeys"), 0, 0, 0, ("@read", "@stream", "@slow", "@blocking")),
-    "xrange": (-4, ("readonly",), 1, 1, 1, ("@read", "@stream", "@slow")),
-    "xrevrange": (-4, ("readonly",), 1, 1, 1, ("@read", "@stream", "@slow")),
-    "xlen": (2, ("readonly", "fast"), 1, 1, 1, ("@read", "@stream", "@fast")),
-    "xinfo": (-2, (), 0, 0, 0, ("@slow",)),
-    "xpending": (-3, ("readonly",), 1, 1, 1, ("@read", "@stream", "@slow")),
-}
-
-# COMMAND DOCS: name -> (summary, group, since: the Redis version that introduced it, or
-# None for kvcache's own). Real entries, not an empty map: an empty reply to `COMMAND DOCS get`
-# would say there is no GET.
-COMMAND_DOCS: dict[str, tuple[str, str, str | None]] = {
-    "get": ("Get the value of a key", "string", "1.0.0"),
-    "mget": ("Get the values of all the given keys", "string", "1.0.0"),
-    "exists": ("Determine how many of the given keys exist", "generic", "1.0.0"),
-    "kv.get": ("Get a key's value with its revision, creation time, operation and source",
-               "string", None),
-    "keys": ("Find all keys matching the given pattern", "generic", "1.0.0"),
-    "scan": ("Incrementally iterate the keys space", "generic", "2.8.0"),
-    "dbsize": ("Return the number of keys in the default bucket", "server", "1.0.0"),
-    "info": ("Get information and statistics about the sidecar", "server", "1.0.0"),
-    "ping": ("Ping the server", "connection", "1.0.0"),
-    "echo": ("Echo the given string", "connection", "1.0.0"),
-    "quit": ("Close the connection", "connection", "1.0.0"),
-    "hello": ("Handshake with the server", "connection", "6.0.0"),
-    "client": ("A container for client connection commands", "connection", "2.4.0"),
-    "command": ("Get array of command details", "server", "2.8.13"),
-    "select": ("Change the selected database (only 0 exists)", "connection", "1.0.0"),
-    "config": ("Get configuration parameters (CONFIG SET notify-keyspace-events only)", "server", "2.0.0"),
-    "auth": ("Authenticate to the server", "connection", "1.0.0"),
-    "ttl": ("Get the time to live for a key in seconds", "generic", "1.0.0"),
-    "pttl": ("Get the time to live for a key in milliseconds", "generic", "2.6.0"),
-    "expiretime": ("Get the expiration Unix timestamp for a key", "generic", "7.0.0"),
-    "pexpiretime": ("Get the expiration Unix timestamp for a key in milliseconds", "generic", "7.0.0"),
-    "type": ("Determine the type stored at key", "generic", "1.0.0"),
-    "strlen": ("Get the length of the value stored in a key", "string", "2.2.0"),
-    "getrange": ("Get a substring of the string stored at a key", "string", "2.4.0"),
-    "multi": ("Mark the start of a transaction block", "transactions", "1.2.0"),
-    "exec": ("Execute all commands issued after MULTI", "transactions", "1.2.0"),
-    "discard": ("Discard all commands issued after MULTI", "transactions", "2.0.0"),
-    "watch": ("Watch the given keys to determine execution of the MULTI/EXEC block",
-              "transactions", "2.2.0"),
-    "unwatch": ("Forget about all watched keys", "transactions", "2.2.0"),
-    "subscribe": ("Listen for messages published to the given channels", "pubsub", "2.0.0"),
-    "psubscribe": ("Listen for messages published to channels matching the given patterns",
-                   "pubsub", "2.0.0"),
-    "unsubscribe": ("Stop listening for messages posted to the given channels", "pubsub", "2.0.0"),
-    "punsubscribe": ("Stop listening for messages posted to channels matching the given patterns",
-                     "pubsub", "2.0.0"),
-    "pubsub": ("A container for Pub/Sub commands", "pubsub", "2.8.0"),
-    "reset": ("Reset the connection", "connection", "6.2.0"),
-    "xread": ("Return new entries of a bucket's stream (@bucket), blocking if asked", "stream", "5.0.0"),
-    "xrange": ("Return a range of a bucket's stream (@bucket) by revision", "stream", "5.0.0"),
-    "xrevrange": ("Return a range of a bucket's stream (@bucket) in reverse", "stream", "5.0.0"),
-    "xlen": ("Return the number of entries of a bucket's stream (@bucket)", "stream", "5.0.0"),
-    "xinfo": ("A container for stream introspection commands", "stream", "5.0.0"),
-    "xpending": ("Pending entries of a consumer group (a bucket's stream has none)", "stream", "5.0.0"),
-}
 
 if TYPE_CHECKING:  # the connection the server hands every handler
     from .session import Session
-
-
-def arity(n: int, exact: bool = True):
-    """Reject a wrong argument count with Redis's own wording before the handler runs."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        def checked(self, conn, args):
-            if (len(args) != n) if exact else (len(args) < n):
-                name = args[0].decode(errors="replace").lower()
-                raise CommandError(f"ERR wrong number of arguments for '{name}' command")
-            return fn(self, conn, args)
-        return checked
-    return wrap
 
 
 class Commands:
@@ -208,17 +80,11 @@ class Commands:
         self.timing: dict[bytes, Latency] | None = None  # per command, once time_commands() is called
         # `clients`: every open connection, oldest first (CLIENT LIST, CLIENT KILL)
         self.session = SessionCommands(cfg, tracking, pubsub, transactions, self.dispatch, clients)
-        self._table: dict[bytes, Callable[[Session, list[bytes]], Reply]] = {
-            b"get": self.get, b"mget": self.mget, b"exists": self.exists,
-            b"kv.get": self.kv_get, b"keys": self.keys, b"scan": self.scan,
-            b"dbsize": self.dbsize, b"info": self.info, b"command": self.command,
-            b"config": self.config, b"ttl": self.ttl, b"pttl": self.pttl,
-            b"expiretime": self.expiretime, b"pexpiretime": self.pexpiretime,
-            b"type": self.type, b"strlen": self.strlen, b"getrange": self.getrange,
-            b"xread": streams.xread, b"xrange": streams.xrange, b"xrevrange": streams.xrevrange,
-            b"xlen": self.xlen, b"xinfo": self.xinfo, b"xpending": self.xpending,
-            **self.session.table(),
-        }
+        # name -> (bound handler, its row): every row of kvcache.serve.command_table, bound
+        # here to the part that runs it (a name that binds to nothing fails now, at start)
+        parts = {"commands": self, "session": self.session, "streams": streams}
+        self._table: dict[bytes, tuple[Handler, CommandSpec]] = {
+            name: (_bind(parts, spec.handler), spec) for name, spec in BY_NAME.items()}
 
     def time_commands(self) -> dict[bytes, Latency]:
         """Keep a latency histogram per command from now on (the metrics listener's
@@ -255,7 +121,7 @@ class Commands:
         None for any other command, or a read it cannot resolve (it waits its turn). Keys,
         not raw names: `k` and `bucket:k` are one key, whose reads must not overtake each other."""
         name = args[0].lower()
-        if not (name == b"get" and len(args) == 2) and not (name == b"mget" and len(args) > 1):
+        if name not in PIPELINED or arity_error(BY_NAME[name], args) is not None:
             return None
         resolve = self.reads.policy.resolve
         try:
@@ -271,52 +137,60 @@ class Commands:
         self.streams.forget(conn)
 
     def dispatch(self, conn: Session, args: list[bytes]) -> Reply:
+        """Run one command, in Redis's order of checks: known (else unknown command, or
+        -READONLY for a write), its argument count (the table's arity), then what the
+        connection's state stops (`_gate`), then the handler."""
         self.stats.commands += 1
         name = args[0].lower()
-        handler = self._table.get(name)
-        # CLIENT LIST's cmd: Redis's full name of the command looked up (`client|list`), or
-        # NULL (None) for one it does not know (an unknown command or subcommand)
-        if handler is not None:
-            conn.last_cmd = _full_name(name, args) if name in SUBCOMMANDS else name
+        bound = self._table.get(name)
+        reply: Reply
+        if bound is None:
+            # CLIENT LIST's cmd: NULL (None) for a command Redis does not know either
+            conn.last_cmd = name if name in WRITES else None
+            if conn.multi is not None:
+                conn.multi_failed = True  # an unknown command or a write queued: EXECABORT
+            reply = READONLY if name in WRITES else _unknown(args)
         else:
-            conn.last_cmd = name if name in WRITE_COMMANDS else None
-        try:
-            if conn.gate and handler is not None:  # unauthenticated, in MULTI, RESP2 subscribed
-                early = self._gate(conn, name, args)
-                if early is not None:
-                    return early
-            if handler is not None:
-                reply = handler(conn, args)
-            elif name in WRITE_COMMANDS:
-                reply = READONLY
+            handler, spec = bound
+            # CLIENT LIST's cmd: Redis's full name of the command looked up (`client|list`),
+            # NULL for a subcommand Redis does not have
+            conn.last_cmd = _full_name(spec, args) if spec.subcommands else name
+            wrong = arity_error(spec, args)
+            if wrong is not None:
+                reply = resp.error(wrong)
+                if conn.multi is not None:  # refused when queued: EXECABORT, as Redis
+                    if name == b"exec":  # as Redis's execCommandAbort: the transaction ends
+                        return self.session.abort(conn, wrong)
+                    conn.multi_failed = True
+                    return reply
             else:
-                reply = _unknown(args)
-        except (CommandError, ReplyTooLarge) as e:
-            reply = resp.error(str(e))
-        if conn.multi is not None and handler is None and name != b"multi":
-            conn.multi_failed = True  # an unknown command or a write queued: EXECABORT
+                if conn.gate:  # unauthenticated, in MULTI, RESP2 subscribed
+                    early = self._gate(conn, name, args)
+                    if early is not None:
+                        return early
+                try:
+                    reply = handler(conn, args)
+                except (CommandError, ReplyTooLarge) as e:
+                    reply = resp.error(str(e))
         if conn.tracking is not None:
-            return self._tracked(conn, name, args, reply)
+            return self._tracked(conn, name, args, reply, bound[1] if bound is not None else None)
         return reply
 
     def _gate(self, conn: Session, name: bytes, args: list[bytes]) -> bytes | None:
         """The reply of a command the connection's state stops, as Redis gives it; None to
-        run it. In MULTI, a command is checked (arity, not a write) and queued."""
+        run it. In MULTI, a command (its arity checked already) is queued."""
         if not conn.authenticated and name not in NO_AUTH:
             return NOAUTH
         if conn.proto == 2 and conn.subscribed and name not in SUBSCRIBED_OK:
             return resp.error(f"ERR Can't execute '{name.decode(errors='replace')}': only (P|S)SUBSCRIBE / "
                               "(P|S)UNSUBSCRIBE / PING / QUIT / RESET are allowed in this context")
         if conn.multi is not None and name not in CONTROL:
-            spec = COMMAND_SPECS.get(name.decode(errors="replace"))
-            if spec is not None and ((len(args) != spec[0]) if spec[0] > 0 else (len(args) < -spec[0])):
-                conn.multi_failed = True
-                return resp.error(f"ERR wrong number of arguments for '{name.decode(errors='replace')}' command")
             conn.multi.append(args)
             return QUEUED
         return None
 
-    def _tracked(self, conn: Session, name: bytes, args: list[bytes], reply: Reply) -> Reply:
+    def _tracked(self, conn: Session, name: bytes, args: list[bytes], reply: Reply,
+                 spec: CommandSpec | None) -> Reply:
         """CLIENT TRACKING's bookkeeping after a command (kvcache.serve.tracking): keys
         read from the replica in this step are remembered; keys of a reply that waited are
         invalidated once it is written; CLIENT CACHING covers one command (or one MULTI)."""
@@ -326,8 +200,8 @@ class Commands:
         if name == b"exec":
             names = conn.exec_keys
             conn.exec_keys = []
-        elif name in TRACKED:
-            names = key_args(name, args)
+        elif spec is not None and spec.tracked:
+            names = key_args(spec, args)
         else:
             names = []
         if conn.in_exec:
@@ -345,27 +219,20 @@ class Commands:
 
     # ------------------------------------------------------------------ reads
 
-    @arity(2)
     def get(self, conn: Session, args: list[bytes]) -> Reply:
         proto = conn.proto
         return self.reads.one(args[1], "GET", lambda e: resp.bulk(e.value if e else None, proto))
 
-    @arity(2, exact=False)
     def mget(self, conn: Session, args: list[bytes]) -> Reply:
         proto = conn.proto
         return self.reads.many(args[1:], "MGET", lambda values: _values_reply(values, proto),
                                ReplyBudget(self.cfg.max_reply_bytes))
 
-    @arity(2, exact=False)
     def exists(self, conn: Session, args: list[bytes]) -> Reply:
         return self.reads.many(args[1:], "EXISTS",
                                lambda values: resp.integer(sum(v is not None for v in values)))
 
     def _ttl(self, conn: Session, args: list[bytes], ms: bool, absolute: bool) -> Reply:
-        if len(args) != 2:
-            name = args[0].decode(errors="replace").lower()
-            raise CommandError(f"ERR wrong number of arguments for '{name}' command")
-
         def answer(found: Entry | None) -> bytes:
             if found is None:
                 return resp.integer(-2)
@@ -388,43 +255,30 @@ class Commands:
     def pexpiretime(self, conn: Session, args: list[bytes]) -> Reply:
         return self._ttl(conn, args, ms=True, absolute=True)
 
-    @arity(2)
     def type(self, conn: Session, args: list[bytes]) -> Reply:
         if args[1][:1] == b"@":
             return self.streams.type(conn, args)
         return self.reads.one(args[1], "TYPE", lambda e: STRING_TYPE if e is not None else NONE_TYPE)
 
-    @arity(2)
-    def xlen(self, conn: Session, args: list[bytes]) -> Reply:
-        return self.streams.xlen(conn, args)
-
-    @arity(2, exact=False)
-    def xinfo(self, conn: Session, args: list[bytes]) -> Reply:
-        return self.streams.xinfo(conn, args)
-
-    @arity(3, exact=False)
     def xpending(self, conn: Session, args: list[bytes]) -> Reply:
         """No consumer group exists on a bucket's stream (XGROUP CREATE is a write)."""
         self.streams.stream_of(args[1])
         raise CommandError(f"NOGROUP No such key '{args[1][:64].decode(errors='replace')}' or consumer group "
                            f"'{args[2][:64].decode(errors='replace')}'")
 
-    @arity(2)
     def strlen(self, conn: Session, args: list[bytes]) -> Reply:
         return self.reads.one(args[1], "STRLEN",
                               lambda e: resp.integer(len(e.value) if e and e.value else 0))
 
-    @arity(4)
     def getrange(self, conn: Session, args: list[bytes]) -> Reply:
-        start, end = _int_arg(args[2]), _int_arg(args[3])
+        start, end = integer(args[2]), integer(args[3])
         proto = conn.proto
         return self.reads.one(args[1], "GETRANGE",
                               lambda e: resp.bulk(_range((e.value or b"") if e else b"", start, end), proto))
 
-    @arity(2, exact=False)
     def kv_get(self, conn: Session, args: list[bytes]) -> Reply:
         try:
-            opts = _options(args[2:], {b"consistency": str, b"maxstale": int, b"minrev": int})
+            opts = options(args[2:], {b"consistency": text, b"maxstale": non_negative, b"minrev": non_negative})
             consistency = opts.get(b"consistency", "local").lower()
             if consistency not in ("local", "strong"):
                 raise CommandError("ERR CONSISTENCY must be local or strong")
@@ -439,60 +293,36 @@ class Commands:
 
     # ------------------------------------------------------------------ key listing
 
-    @arity(2)
     def keys(self, conn: Session, args: list[bytes]) -> Reply:
         return resp.array([resp.bulk(k, conn.proto) for k in self.listing.keys(args[1])], conn.proto)
 
-    @arity(2, exact=False)
     def scan(self, conn: Session, args: list[bytes]) -> Reply:
-        try:
-            cursor = int(args[1])
-        except ValueError:
-            raise CommandError("ERR invalid cursor") from None
-        opts = _options(args[2:], {b"match": bytes, b"count": int, b"type": str})
+        at = cursor(args[1])
+        opts = options(args[2:], {b"match": as_is, b"count": integer, b"type": text})
         count = opts.get(b"count", 10)
         if count < 1:
             raise CommandError("ERR syntax error")
         if opts.get(b"type", "string").lower() != "string":
             return resp.array([resp.bulk(b"0"), resp.array([])])
-        next_cursor, found = self.listing.page(opts.get(b"match", b"*"), cursor, count)
+        next_cursor, found = self.listing.page(opts.get(b"match", b"*"), at, count)
         return resp.array([resp.bulk(b"%d" % next_cursor),
                            resp.array([resp.bulk(k, conn.proto) for k in found], conn.proto)], conn.proto)
 
-    @arity(1)
     def dbsize(self, conn: Session, args: list[bytes]) -> Reply:
         return resp.integer(self.listing.count())
 
     # ------------------------------------------------------------------ server
 
     def command(self, conn: Session, args: list[bytes]) -> Reply:
-        sub = args[1].lower() if len(args) > 1 else b""
-        proto = conn.proto
-        if sub == b"" and len(args) == 1:
-            return resp.array([_command_info(n, proto) for n in COMMAND_SPECS], proto)
-        if sub == b"count" and len(args) == 2:
-            return resp.integer(len(COMMAND_SPECS))
-        if sub == b"info":
-            names = [a.decode(errors="replace").lower() for a in args[2:]] or list(COMMAND_SPECS)
-            return resp.array([_command_info(n, proto) for n in names], proto)
-        if sub == b"docs":
-            # Redis leaves out names it does not know; no names: every command
-            names = [a.decode(errors="replace").lower() for a in args[2:]] or list(COMMAND_DOCS)
-            return resp.map_([(resp.bulk(n.encode(), proto), _command_docs(n, proto))
-                              for n in dict.fromkeys(names) if n in COMMAND_DOCS], proto)
-        if sub == b"list":
-            return resp.array([resp.bulk(n.encode(), proto) for n in COMMAND_SPECS], proto)
-        raise CommandError(f"ERR unknown subcommand '{args[1].decode(errors='replace')[:64]}'. Try COMMAND HELP.")
+        """COMMAND and its subcommands: the command table itself (kvcache.serve.command_table)."""
+        return command_reply(args, conn.proto)
 
-    @arity(2, exact=False)
     def config(self, conn: Session, args: list[bytes]) -> Reply:
         sub = args[1].lower()
         if sub == b"set":
             return self._config_set(args)
         if sub != b"get":
             raise CommandError("ERR kvcache supports CONFIG GET, and CONFIG SET of notify-keyspace-events")
-        if len(args) < 3:
-            raise CommandError("ERR wrong number of arguments for 'config|get' command")
         settings = {
             "save": "", "appendonly": "no", "databases": "1",
             "maxclients": str(self.cfg.max_clients),
@@ -511,7 +341,7 @@ class Commands:
         """CONFIG SET notify-keyspace-events FLAGS: the one setting clients change at run time
         (frameworks turn notifications on this way). Not saved: the config file is the
         sidecar's, as redis.conf is Redis's without CONFIG REWRITE."""
-        if len(args) < 4 or len(args) % 2:
+        if len(args) % 2:  # (at least 4: the table's arity)
             raise CommandError("ERR wrong number of arguments for 'config|set' command")
         flags = None
         for i in range(2, len(args), 2):
@@ -537,13 +367,6 @@ class Commands:
 
 STRING_TYPE = b"+string\r\n"
 NONE_TYPE = b"+none\r\n"
-
-
-def _int_arg(raw: bytes) -> int:
-    """An integer argument as Redis reads one (64-bit, no spaces or leading '+')."""
-    if not re.fullmatch(rb"0|-?[1-9][0-9]*", raw) or not -(1 << 63) <= int(raw) < 1 << 63:
-        raise CommandError("ERR value is not an integer or out of range")
-    return int(raw)
 
 
 def _range(value: bytes, start: int, end: int) -> bytes:
@@ -583,47 +406,7 @@ def _entry_reply(e: Entry, proto: int) -> bytes:
     ], proto)
 
 
-def _command_info(name: str, proto: int) -> bytes:
-    spec = COMMAND_SPECS.get(name)
-    if spec is None:
-        return resp.null(proto) if proto == 3 else resp.NULL_ARRAY2
-    arity_, flags, first, last, step, cats = spec
-    return resp.array([
-        resp.bulk(name.encode(), proto), resp.integer(arity_),
-        resp.array([resp.simple(f) for f in flags], proto),
-        resp.integer(first), resp.integer(last), resp.integer(step),
-        resp.array([resp.simple(c) for c in cats], proto),
-        resp.EMPTY_ARRAY, resp.EMPTY_ARRAY, resp.EMPTY_ARRAY,  # tips, key specs, subcommands
-    ], proto)
-
-
-def _command_docs(name: str, proto: int) -> bytes:
-    summary, group, since = COMMAND_DOCS[name]
-    fields = [(b"summary", summary), (b"group", group)] + ([(b"since", since)] if since else [])
-    return resp.map_([(resp.bulk(k, proto), resp.bulk(v.encode(), proto)) for k, v in fields], proto)
-
-
-def _options(args: list[bytes], spec: dict[bytes, type]) -> dict[bytes, Any]:
-    """`NAME value` pairs, case-insensitive names, typed values; anything else is a syntax error."""
-    out: dict[bytes, Any] = {}
-    if len(args) % 2:
-        raise CommandError("ERR syntax error")
-    for i in range(0, len(args), 2):
-        name = args[i].lower()
-        t = spec.get(name)
-        if t is None:
-            raise CommandError("ERR syntax error")
-        raw = args[i + 1]
-        if t is int:
-            try:
-                number = int(raw)
-            except ValueError:
-                raise CommandError("ERR value is not an integer or out of range") from None
-            if number < 0:
-                raise CommandError("ERR value is out of range, must be positive")
-            out[name] = number
-        elif t is str:
-            out[name] = raw.decode(errors="replace")
-        else:
-            out[name] = raw
-    return out
+def _bind(parts: dict[str, object], handler: str) -> Handler:
+    """A table row's handler name (`session.ping`) as the bound method of that part."""
+    part, _, method = handler.partition(".")
+    return getattr(parts[part], method)

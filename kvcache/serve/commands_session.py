@@ -11,7 +11,6 @@ answers for the `default` user without one.
 from __future__ import annotations
 
 import hmac
-import re
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING
 from .. import __version__, resp
 from ..config import Config
 from ..errors import CommandError
+from .arguments import I32_MAX, I32_MIN, integer
 from .info import REDIS_VERSION
 from .multi import Transactions
 from .pubsub import PubSub
@@ -28,16 +28,7 @@ if TYPE_CHECKING:
     from .session import Session as ClientConnection
 
 Reply = bytes | Awaitable[bytes]
-Handler = Callable[["ClientConnection", list[bytes]], Reply]
 
-# CLIENT subcommands kvcache performs -> their exact argument count (Redis's `client|<sub>`
-# arity, checked before the subcommand runs, with Redis's wording). TRACKING, LIST and KILL
-# take options: CLIENT_MIN_ARITY.
-CLIENT_ARITY = {
-    b"setname": 3, b"getname": 2, b"setinfo": 4, b"id": 2, b"info": 2, b"reply": 3,
-    b"no-evict": 3, b"no-touch": 3, b"caching": 3, b"getredir": 2, b"trackinginfo": 2,
-}
-CLIENT_MIN_ARITY = {b"tracking": 3, b"list": 2, b"kill": 3}
 # CLIENT LIST TYPE / CLIENT KILL TYPE: Redis's names. kvcache has no master or replica
 # connections: those types are accepted and match none.
 CLIENT_TYPES = {"normal": "normal", "pubsub": "pubsub", "master": "master", "slave": "slave",
@@ -49,14 +40,13 @@ NOAUTH = resp.error("NOAUTH Authentication required.")
 HELLO_NOAUTH = ("NOAUTH HELLO must be called with the client already authenticated, otherwise the "
                 "HELLO <proto> AUTH <user> <pass> option can be used to authenticate the client and "
                 "select the RESP protocol version at the same time")
-# What an unauthenticated connection may run
-NO_AUTH = frozenset({b"auth", b"hello", b"quit", b"reset"})
 RESET = b"+RESET\r\n"
 
 
 class SessionCommands:
     """Connection, tracking, pub/sub and transaction commands; `run` is the command table's
-    dispatch (EXEC runs the queue through it)."""
+    dispatch (EXEC runs the queue through it). Their argument counts are checked before they
+    run, from kvcache.serve.command_table (a container's subcommands too: `client|getname`)."""
 
     def __init__(self, cfg: Config, tracking: Tracking, pubsub: PubSub, transactions: Transactions,
                  run: Callable[[ClientConnection, list[bytes]], Reply],
@@ -70,28 +60,14 @@ class SessionCommands:
         # Every open connection, oldest first (CLIENT LIST, CLIENT KILL): the server's registry
         self.clients = clients
 
-    def table(self) -> dict[bytes, Handler]:
-        return {
-            b"ping": self.ping, b"echo": self.echo, b"quit": self.quit, b"hello": self.hello,
-            b"auth": self.auth, b"client": self.client, b"select": self.select, b"reset": self.reset,
-            b"multi": self.multi, b"exec": self.exec, b"discard": self.discard,
-            b"watch": self.watch, b"unwatch": self.unwatch,
-            b"subscribe": self.subscribe, b"psubscribe": self.psubscribe,
-            b"unsubscribe": self.unsubscribe, b"punsubscribe": self.punsubscribe,
-            b"pubsub": self.pubsub_command,
-        }
-
     # ------------------------------------------------------------------ basics
 
     def ping(self, conn: ClientConnection, args: list[bytes]) -> Reply:
-        if len(args) > 2:
-            raise CommandError("ERR wrong number of arguments for 'ping' command")
         if conn.proto == 2 and conn.subscribed:  # Redis's answer in RESP2 subscribed mode
             return resp.array([resp.bulk(b"pong"), resp.bulk(args[1] if len(args) == 2 else b"")])
         return resp.bulk(args[1], conn.proto) if len(args) == 2 else resp.PONG
 
     def echo(self, conn: ClientConnection, args: list[bytes]) -> Reply:
-        _arity(args, 2)
         return resp.bulk(args[1], conn.proto)
 
     def quit(self, conn: ClientConnection, args: list[bytes]) -> Reply:
@@ -100,19 +76,15 @@ class SessionCommands:
 
     def select(self, conn: ClientConnection, args: list[bytes]) -> Reply:
         """Only database 0 exists (CONFIG GET databases says 1); Redis's wording for the rest."""
-        _arity(args, 2)
-        if args[1] == b"0":
+        index = integer(args[1], lo=I32_MIN, hi=I32_MAX, range_error=(
+            f"ERR value is out of range, value must between {I32_MIN} and {I32_MAX}"))
+        if index == 0:
             return resp.OK
-        if not re.fullmatch(rb"-?[1-9][0-9]*", args[1]) or not -(1 << 63) <= int(args[1]) < 1 << 63:
-            raise CommandError("ERR value is not an integer or out of range")
-        if not -(1 << 31) <= int(args[1]) < 1 << 31:
-            raise CommandError("ERR value is out of range, value must between -2147483648 and 2147483647")
         raise CommandError("ERR DB index is out of range")
 
     def reset(self, conn: ClientConnection, args: list[bytes]) -> Reply:
         """Redis's RESET: out of MULTI, no WATCH, tracking off, no subscriptions, RESP2, no
         name, CLIENT REPLY ON, and (with a password) not authenticated."""
-        _arity(args, 1)
         conn.multi = None
         conn.multi_failed = False
         self.transactions.unwatch(conn)
@@ -133,10 +105,7 @@ class SessionCommands:
         proto = conn.proto
         i = 1
         if len(args) > 1:
-            try:
-                proto = int(args[1])
-            except ValueError:
-                raise CommandError("ERR Protocol version is not an integer or out of range") from None
+            proto = integer(args[1], "ERR Protocol version is not an integer or out of range")
             if proto not in (2, 3):
                 raise CommandError("NOPROTO unsupported protocol version")
             i = 2
@@ -172,8 +141,6 @@ class SessionCommands:
     def auth(self, conn: ClientConnection, args: list[bytes]) -> Reply:
         """AUTH [user] password. Without a password configured, Redis's answers for that case:
         never an OK that pretends a password was checked."""
-        if len(args) < 2:
-            raise CommandError("ERR wrong number of arguments for 'auth' command")
         if len(args) > 3:
             raise CommandError("ERR syntax error")
         if len(args) == 2:
@@ -198,13 +165,9 @@ class SessionCommands:
     # ------------------------------------------------------------------ CLIENT
 
     def client(self, conn: ClientConnection, args: list[bytes]) -> Reply:
-        """The subcommands kvcache performs, as Redis does them."""
-        if len(args) < 2:
-            raise CommandError("ERR wrong number of arguments for 'client' command")
+        """The subcommands kvcache performs, as Redis does them (each one's argument count
+        checked already: the table's `client|<sub>` arity)."""
         sub = args[1].lower()
-        want = CLIENT_ARITY.get(sub)
-        if (want is not None and len(args) != want) or len(args) < CLIENT_MIN_ARITY.get(sub, 0):
-            raise CommandError(f"ERR wrong number of arguments for 'client|{sub.decode(errors='replace')}' command")
         if sub == b"getname":
             return resp.bulk(conn.name or None, conn.proto)
         if sub == b"setname":
@@ -266,7 +229,7 @@ class SessionCommands:
             kind = _client_type(args[3])
             chosen = [c for c in self.clients() if c.client_type == kind]
         elif len(args) > 3 and args[2].lower() == b"id":
-            ids = [_integer(a, "ERR Invalid client ID") for a in args[3:]]
+            ids = [integer(a, "ERR Invalid client ID") for a in args[3:]]
             by_id = {c.id: c for c in self.clients()}
             chosen = [by_id[i] for i in ids if i in by_id]
         elif len(args) != 2:
@@ -295,11 +258,11 @@ class SessionCommands:
                     raise CommandError("ERR syntax error")
                 value = args[i + 1]
                 if opt == b"id":
-                    client_id = _integer(value, "ERR client-id should be greater than 0")
+                    client_id = integer(value, "ERR client-id should be greater than 0")
                     if client_id < 1:
                         raise CommandError("ERR client-id should be greater than 0")
                 elif opt == b"maxage":
-                    max_age = _integer(value, "ERR maxage is not an integer or out of range")
+                    max_age = integer(value, "ERR maxage is not an integer or out of range")
                     if max_age <= 0:
                         raise CommandError("ERR maxage should be greater than 0")
                 elif opt == b"type":
@@ -348,7 +311,6 @@ class SessionCommands:
     # ------------------------------------------------------------------ transactions
 
     def multi(self, conn: ClientConnection, args: list[bytes]) -> Reply:
-        _arity(args, 1)
         if conn.multi is not None:
             raise CommandError("ERR MULTI calls can not be nested")
         conn.multi = []
@@ -356,7 +318,6 @@ class SessionCommands:
         return resp.OK
 
     def exec(self, conn: ClientConnection, args: list[bytes]) -> Reply:
-        _arity(args, 1)
         conn.in_exec = True
         try:
             return self.transactions.exec(conn, lambda queued: self.run(conn, queued))
@@ -365,35 +326,36 @@ class SessionCommands:
             conn.last_cmd = b"exec"  # as Redis: the queued commands do not show as the last one
 
     def discard(self, conn: ClientConnection, args: list[bytes]) -> Reply:
-        _arity(args, 1)
         if conn.multi is None:
             raise CommandError("ERR DISCARD without MULTI")
+        self._end_multi(conn)
+        return resp.OK
+
+    def abort(self, conn: ClientConnection, error: str) -> bytes:
+        """EXEC refused (its own arguments wrong): the transaction is discarded with the
+        reason, as Redis's execCommandAbort."""
+        self._end_multi(conn)
+        return resp.error(f"EXECABORT Transaction discarded because of: {error.removeprefix('ERR ')}")
+
+    def _end_multi(self, conn: ClientConnection) -> None:
         conn.multi = None
         conn.multi_failed = False
         self.transactions.unwatch(conn)
         conn.refresh_path()
-        return resp.OK
 
     def watch(self, conn: ClientConnection, args: list[bytes]) -> Reply:
-        if len(args) < 2:
-            raise CommandError("ERR wrong number of arguments for 'watch' command")
         return self.transactions.watch(conn, args[1:])
 
     def unwatch(self, conn: ClientConnection, args: list[bytes]) -> Reply:
-        _arity(args, 1)
         self.transactions.unwatch(conn)
         return resp.OK
 
     # ------------------------------------------------------------------ pub/sub
 
     def subscribe(self, conn: ClientConnection, args: list[bytes]) -> Reply:
-        if len(args) < 2:
-            raise CommandError("ERR wrong number of arguments for 'subscribe' command")
         return self.pubsub.subscribe(conn, args[1:], pattern=False)
 
     def psubscribe(self, conn: ClientConnection, args: list[bytes]) -> Reply:
-        if len(args) < 2:
-            raise CommandError("ERR wrong number of arguments for 'psubscribe' command")
         return self.pubsub.subscribe(conn, args[1:], pattern=True)
 
     def unsubscribe(self, conn: ClientConnection, args: list[bytes]) -> Reply:
@@ -403,27 +365,13 @@ class SessionCommands:
         return self.pubsub.unsubscribe(conn, args[1:], pattern=True)
 
     def pubsub_command(self, conn: ClientConnection, args: list[bytes]) -> Reply:
-        if len(args) < 2:
-            raise CommandError("ERR wrong number of arguments for 'pubsub' command")
         return self.pubsub.pubsub(args, conn.proto)
-
-
-def _arity(args: list[bytes], n: int) -> None:
-    if len(args) != n:
-        raise CommandError(f"ERR wrong number of arguments for '{args[0].decode(errors='replace').lower()}' command")
 
 
 def _argv_mem(args: list[bytes]) -> int:
     """CLIENT LIST's argv-mem of the command running: its arguments' bytes (Redis's
     argv_len_sum)."""
     return sum(map(len, args))
-
-
-def _integer(raw: bytes, error: str) -> int:
-    """A 64-bit integer argument as Redis reads one (string2ll), or CommandError(error)."""
-    if not re.fullmatch(rb"0|-?[1-9][0-9]*", raw) or not -(1 << 63) <= int(raw) < 1 << 63:
-        raise CommandError(error)
-    return int(raw)
 
 
 def _client_type(raw: bytes) -> str:

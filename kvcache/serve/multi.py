@@ -4,10 +4,11 @@ Clients use transactions without asking for them: redis-py's default `pipeline()
 and ioredis `multi()`, rueidis's cached reads (`MULTI`, `PTTL`, the read, `EXEC`). kvcache
 answers them the way Redis does, for reads:
 
-- Commands after MULTI are checked (known, right number of arguments, not a write) and queued
-  (`+QUEUED`). A command that fails the check answers its error at once and the transaction is
-  discarded at EXEC (`-EXECABORT`), as Redis does for a bad command; a write is such a command
-  (`-READONLY`), since kvcache performs none.
+- Commands after MULTI are checked (known, right number of arguments by the command table,
+  not a write: kvcache.serve.commands.dispatch) and queued (`+QUEUED`). A command that fails
+  the check answers its error at once and the transaction is discarded at EXEC
+  (`-EXECABORT`), as Redis does for a bad command; a write is such a command (`-READONLY`),
+  since kvcache performs none.
 - EXEC runs the queue in one event-loop step: every read the replica answers comes from the
   same replica state (the feed writes between steps, never during one). Reads NATS must answer
   (keys outside the bucket's filters, a replica past max_stale_ms) are sent in that step and

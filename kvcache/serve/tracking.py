@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from .. import resp
 from ..errors import CommandError
 from ..feed.changes import Change
+from .arguments import integer
 from .tracking_mode import ClientTracking
 
 if TYPE_CHECKING:
@@ -43,21 +44,8 @@ INVALIDATE_CHANNEL = b"__redis__:invalidate"
 PUSH_HEAD = b">2\r\n$10\r\ninvalidate\r\n"
 MESSAGE_HEAD = b"*3\r\n$7\r\nmessage\r\n$20\r\n__redis__:invalidate\r\n"
 NULL_KEYS = {2: b"$-1\r\n", 3: b"_\r\n"}
-
-# Commands whose key arguments are tracked: name -> (first key, last key, step), Redis's
-# key positions. Every read command kvcache has that names keys.
-TRACKED: dict[bytes, tuple[int, int, int]] = {
-    b"get": (1, 1, 1), b"mget": (1, -1, 1), b"exists": (1, -1, 1), b"kv.get": (1, 1, 1),
-    b"ttl": (1, 1, 1), b"pttl": (1, 1, 1), b"expiretime": (1, 1, 1), b"pexpiretime": (1, 1, 1),
-    b"type": (1, 1, 1), b"strlen": (1, 1, 1), b"getrange": (1, 1, 1),
-}
-
-
-def key_args(name: bytes, args: list[bytes]) -> list[bytes]:
-    """The key names of a tracked command's arguments."""
-    first, last, step = TRACKED[name]
-    end = len(args) if last < 0 else min(last + 1, len(args))
-    return args[first:end:step]
+# Which commands' keys are remembered, and where their keys are: the command table's
+# (kvcache.serve.command_table: CommandSpec.tracked, key_args), applied by the command layer.
 
 
 class Tracking:
@@ -246,10 +234,7 @@ def parse_tracking(args: list[bytes], conn: ClientConnection,
             i += 1
             if redirect:
                 raise CommandError("ERR A client can only redirect to a single other client")
-            try:
-                redirect = int(args[i])
-            except ValueError:
-                raise CommandError("ERR value is not an integer or out of range") from None
+            redirect = integer(args[i])
             if not exists(redirect):
                 raise CommandError("ERR The client ID you want redirect to does not exist")
         elif opt == b"bcast":
