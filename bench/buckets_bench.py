@@ -27,7 +27,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import nats
 from support.sidecar_proc import SidecarProcess
 
-from kvcache.natsio.server import NatsServer, free_port
+from kvcache.natsio.nats_server import NatsServer, free_port
 
 
 async def make_buckets(url: str, n: int, keys: int) -> None:

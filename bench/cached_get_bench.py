@@ -31,7 +31,7 @@ from socket_bench import wait_until as poll
 
 from kvcache import native
 from kvcache.app.client import Client
-from kvcache.natsio.server import NatsServer, die_with_parent
+from kvcache.natsio.nats_server import NatsServer, die_with_parent
 
 VARIANTS = [("-c 50 -P 16", ["-c", "50", "-P", "16"]), ("-c 50", ["-c", "50"])]
 

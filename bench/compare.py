@@ -5,7 +5,7 @@
     python bench/compare.py --only locust --locust-seconds 30
 
 Starts everything itself on 127.0.0.1 and Unix sockets, in a temporary directory: nats-server
-(kvcache.natsio.server), a leaf nats-server in its own JetStream domain, redis-server, the sidecar
+(kvcache.natsio.nats_server), a leaf nats-server in its own JetStream domain, redis-server, the sidecar
 (`python -m kvcache serve`) and locust, each stopped by its own PID when its section ends. Every
 wait and every child process is bounded in time. Sections (--only, comma separated):
 
@@ -67,7 +67,7 @@ from support.topology import Cluster, add_hub_mirror, start_leaf
 
 from kvcache import LocalReader
 from kvcache.app.client import Client
-from kvcache.natsio.server import NatsServer, free_port
+from kvcache.natsio.nats_server import NatsServer, free_port
 
 SECTIONS = ("get", "latency", "sync", "locust")
 READ_BUCKET = "read"

@@ -65,7 +65,7 @@ from support.sidecar_proc import SidecarProcess, check_src
 from support.topology import Cluster, replicated_kv, settled, start_cluster, wait_stream_current
 
 from kvcache.app.client import Client
-from kvcache.natsio.server import die_with_parent
+from kvcache.natsio.nats_server import die_with_parent
 
 CTL_INBOX = "_INBOX_FBCTL"        # the bench's own requests (control, writer): not counted
 WATCH_INBOX = "_INBOX_FBWATCH"    # the plain watchers' requests

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from socket_bench import REDIS_BENCHMARK, cpu_seconds, exit_on_sigterm, load_bucket, start_sidecar, stop, work_dir
 
-from kvcache.natsio.server import NatsServer
+from kvcache.natsio.nats_server import NatsServer
 
 
 def run(sock: str, keys: int, per: int, requests: int, timeout: float) -> float:

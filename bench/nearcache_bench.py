@@ -69,7 +69,7 @@ from support.sidecar_proc import SidecarProcess, check_src
 
 from kvcache import native
 from kvcache.app.client import AsyncClient, Client, ResponseError
-from kvcache.natsio.server import NatsServer
+from kvcache.natsio.nats_server import NatsServer
 
 ROOT = Path(__file__).resolve().parent.parent
 BUCKET = "zipf"

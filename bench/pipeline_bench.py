@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from support.sidecar_proc import SidecarProcess, check_src
 from support.topology import ProxyHost, nats_run
 
-from kvcache.natsio.server import NatsServer
+from kvcache.natsio.nats_server import NatsServer
 
 BUCKET = "pb"
 

@@ -23,7 +23,7 @@ from support.checkers import percentile
 from support.sidecar_proc import SidecarProcess
 
 from kvcache import LocalReader
-from kvcache.natsio.server import NatsServer
+from kvcache.natsio.nats_server import NatsServer
 
 POLL_S = 0.0001  # a polite poll: a busy loop would steal the CPU the sidecar needs (2 cores)
 

@@ -43,7 +43,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 from socket_bench import cpu_seconds, exit_on_sigterm, stop, wait_until, work_dir
 from sync_bench import BUCKET, load
 
-from kvcache.natsio.server import NatsServer, die_with_parent
+from kvcache.natsio.nats_server import NatsServer, die_with_parent
 
 SEC = 1_000_000_000
 STREAM = f"KV_{BUCKET}"

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from support.sidecar_proc import SidecarProcess
 
 from kvcache import LocalReader
-from kvcache.natsio.server import NatsServer
+from kvcache.natsio.nats_server import NatsServer
 
 
 async def publish_all(js, items, chunk: int = 2000) -> None:

@@ -55,7 +55,7 @@ from support.sidecar_proc import SidecarProcess
 from support.topology import ProxyHost, add_hub_mirror, nats_run, replicated_kv, settled, start_cluster, start_leaf
 
 from kvcache.app.client import AsyncClient, KvcacheError
-from kvcache.natsio.connection import NatsConnection
+from kvcache.natsio.nats_connection import NatsConnection
 
 BUCKET = "rb"
 PLAIN = "r1"       # R1, same keys and mirrors: reads of it need no fence (plain Direct Gets)

@@ -62,13 +62,13 @@ from socket_bench import (
 )
 
 from kvcache.app.client import Client
-from kvcache.natsio.server import NatsServer
+from kvcache.natsio.nats_server import NatsServer
 
 MIB = 1 << 20
 MAX_PAYLOAD = 8 << 20      # nats-server's max_payload here (the default is 1 MiB)
 SMALL_VALUE = b"s" * 100
 SAMPLE_EVERY = 0.2         # seconds between RSS samples
-WRITE_HIGH_WATER = MIB     # kvcache/serve/connection.py: a connection's transport pauses above it
+WRITE_HIGH_WATER = MIB     # kvcache/serve/client_connection.py: a connection's transport pauses above it
 
 
 def raise_nofile(wanted: int) -> None:
@@ -328,10 +328,11 @@ def table(phases: list[Phase], facts: dict[str, object], args: argparse.Namespac
               f"the replies the sidecar held for them: {stuck.omem / max(1, args.stuck) / MIB:.2f} MiB each "
               f"(of {args.pipeline * args.value_size / MIB:,.0f} MiB requested), and the kernel "
               f"{stuck.kernel / max(1, args.stuck) / MIB:.2f} MiB each (a reply of 128 KiB or more raises its "
-              f"socket's send buffer to up to 1 MiB, which Linux books twice: SNDBUF_MAX, kvcache/serve/get.py); "
+              f"socket's send buffer to up to 1 MiB, which Linux books twice: SNDBUF_MAX, "
+              f"kvcache/serve/server_get.py); "
               f"p99 {stuck.pct(0.99) / base.pct(0.99):.2f}× the baseline's, p50 {stuck.pct(0.5) / base.pct(0.5):.2f}×.",
               f"Bounds: a connection stops reading requests once more than {WRITE_HIGH_WATER // MIB} MiB of its "
-              f"output is unsent (WRITE_HIGH_WATER, kvcache/serve/connection.py), so it holds at most that plus "
+              f"output is unsent (WRITE_HIGH_WATER, kvcache/serve/client_connection.py), so it holds at most that plus "
               f"the reply that crossed it, less what the kernel's socket buffer took (not in RSS), and "
               f"`client_write_stall_ms` (here {args.stall_ms:,}; the default is 60,000) cuts off one that reads "
               f"none of it for that long; `max_clients` bounds how many such connections there can be."]

@@ -5,7 +5,7 @@ A measurement script, not a test. Everything runs on this host over loopback and
 in a temporary directory; every process it starts is stopped by its own PID; every wait is
 bounded.
 
-  1. starts a nats-server (kvcache.natsio.server.NatsServer) and creates bucket `key` holding
+  1. starts a nats-server (kvcache.natsio.nats_server.NatsServer) and creates bucket `key` holding
      10,000 keys `000000000000`..`000000009999` (what `redis-benchmark -r 10000` puts after
      `key:`; `key:<n>` addresses bucket `key` in kvcache), then starts `kvcache serve` on it
      and waits until INFO says synced with every key;
@@ -80,7 +80,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvcache.app.client import Client, ConnectionFailed
-from kvcache.natsio.server import NatsServer, die_with_parent
+from kvcache.natsio.nats_server import NatsServer, die_with_parent
 
 BUCKET = "key"
 NKEYS = 10_000   # the default bucket: redis-benchmark -r 10000's whole key space

@@ -51,7 +51,7 @@ from support.poll import WaitTimeout, wait_until
 from support.sidecar_proc import SidecarProcess, check_src
 
 from kvcache.app.client import Client, ResponseError
-from kvcache.natsio.server import NatsServer
+from kvcache.natsio.nats_server import NatsServer
 
 BUCKET = "stampede"
 HOT = "out.hot"

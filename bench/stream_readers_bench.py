@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from socket_bench import BUCKET, cpu_seconds, exit_on_sigterm, start_sidecar, stop, work_dir
 
 from kvcache.app.client import Client
-from kvcache.natsio.server import NatsServer
+from kvcache.natsio.nats_server import NatsServer
 
 STREAM = f"@{BUCKET}".encode()
 STUCK_AFTER_S = 3.0  # after the readers are ready: the writer has been writing about 2 s

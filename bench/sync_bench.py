@@ -53,7 +53,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 from socket_bench import exit_on_sigterm
 
 from kvcache.app.client import Client, ConnectionFailed
-from kvcache.natsio.server import NatsServer, die_with_parent
+from kvcache.natsio.nats_server import NatsServer, die_with_parent
 
 BUCKET = "bench"
 
@@ -326,7 +326,7 @@ async def bench_raw(url: str, n: int, timeout: float, stall_s: float, window: in
 def versions() -> str:
     from importlib.metadata import version
 
-    from kvcache.natsio.server import find_binary
+    from kvcache.natsio.nats_server import find_binary
     try:
         server = subprocess.run([find_binary(), "--version"], capture_output=True, text=True,
                                 timeout=10).stdout.strip()

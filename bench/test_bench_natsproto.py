@@ -1,5 +1,5 @@
 """pytest-benchmark: the NATS protocol reader, ours native (ext/natsproto.pyx) vs ours Python
-(kvcache/natsio/proto.py) vs nats-py's parser, each decoding the header block.
+(kvcache/natsio/natsproto.py) vs nats-py's parser, each decoding the header block.
 
     python -m pytest bench/test_bench_natsproto.py -p no:cacheprovider \
         --benchmark-columns=min,median,ops --benchmark-sort=name -s
@@ -27,7 +27,7 @@ import pytest
 from nats.aio.client import Client as _NatsClient
 from nats.protocol.parser import Parser as _NatsParser
 
-from kvcache.natsio import proto as twin
+from kvcache.natsio import natsproto as twin
 
 native = pytest.importorskip("kvcache._native.natsproto", reason="the Cython extension is not built")
 

@@ -49,7 +49,7 @@ from support.sidecar_proc import SidecarProcess
 from kvcache import LocalReader, native
 from kvcache.app.client import Client
 from kvcache.app.client import encode_command as encode
-from kvcache.natsio.server import NatsServer
+from kvcache.natsio.nats_server import NatsServer
 
 BUCKET = "trk"
 

@@ -1,4 +1,4 @@
-"""LocalReader.get's hot path in C: same API and behaviour as kvcache/app/get.py.
+"""LocalReader.get's hot path in C: same API and behaviour as kvcache/app/app_get.py.
 
 The plan and freshness lookups, the clock read and the value copy happen here; the read
 itself stays with py-lmdb (a short read transaction of the reader's environment), so locking

@@ -1,6 +1,6 @@
-"""NATS client protocol reader in Cython: same API, events and errors as kvcache/natsio/proto.py.
+"""NATS client protocol reader in Cython: same API, events and errors as kvcache/natsio/natsproto.py.
 
-The event types, AckMeta and ProtocolError are the twin's own (imported from kvcache.natsio.proto),
+The event types, AckMeta and ProtocolError are the twin's own (imported from kvcache.natsio.natsproto),
 so both implementations return equal, same-typed events. Parsing works on C pointers into the
 fed bytes (or the retained tail), integers are parsed by hand, and Python objects are created
 only for what is returned. Header names are interned in a small per-reader cache, so a dict
@@ -18,7 +18,7 @@ from libc.string cimport memchr, memcmp, memcpy
 import json
 
 from kvcache.errors import ProtocolError
-from kvcache.natsio.proto import (
+from kvcache.natsio.natsproto import (
     MARK_DEL, MARK_PURGE, MAX_CONTROL_LINE, MAX_PAYLOAD, RUN_FIELDS, AckMeta, Err, HMsg, Info, Msg, OK,
     PING, PONG, mark_op as _py_mark_op,
 )
@@ -61,7 +61,7 @@ include "natsproto_lane.pxi"
 
 
 cdef class NatsReader:
-    """Push-style NATS protocol reader; see kvcache.natsio.proto."""
+    """Push-style NATS protocol reader; see kvcache.natsio.natsproto."""
     cdef readonly Py_ssize_t max_control_line
     cdef readonly Py_ssize_t max_payload
     cdef bytearray _buf
@@ -101,7 +101,7 @@ cdef class NatsReader:
         self._lane_key = None
 
     def add_lane(self, long sid, Py_ssize_t prefix_len):
-        """See kvcache.natsio.proto.NatsReader.add_lane."""
+        """See kvcache.natsio.natsproto.NatsReader.add_lane."""
         self._lanes[sid] = prefix_len
 
     def remove_lane(self, long sid):

@@ -5,7 +5,7 @@
 cdef int _ack_scan(const unsigned char* p, Py_ssize_t n, unsigned long long* nums,
                    Py_ssize_t* names) noexcept nogil:
     """A JetStream ack subject → 0, the five integers in nums and the stream and consumer
-    spans in names[0..3]; -1 when it is not one (see kvcache.natsio.proto.parse_ack)."""
+    spans in names[0..3]; -1 when it is not one (see kvcache.natsio.natsproto.parse_ack)."""
     cdef Py_ssize_t i, start
     cdef Py_ssize_t offs[24]
     cdef Py_ssize_t ntok, t0
@@ -43,7 +43,7 @@ cdef int _ack_scan(const unsigned char* p, Py_ssize_t n, unsigned long long* num
 
 
 def parse_ack(reply):
-    """See kvcache.natsio.proto.parse_ack: same rules, no Python string splitting."""
+    """See kvcache.natsio.natsproto.parse_ack: same rules, no Python string splitting."""
     cdef const unsigned char* p
     cdef Py_ssize_t n
     cdef Py_ssize_t names[4]

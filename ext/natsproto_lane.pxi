@@ -3,7 +3,7 @@
 
 
 cdef class Run:
-    """See kvcache.natsio.proto.Run (the same fields; equal to a twin Run with equal fields)."""
+    """See kvcache.natsio.natsproto.Run (the same fields; equal to a twin Run with equal fields)."""
     cdef readonly long sid
     cdef readonly unsigned long long first_cseq, last_cseq, top_sseq, last_ts, last_pending
     cdef readonly list items

@@ -1,4 +1,4 @@
-"""The server's per-request GET path in C: same API and replies as kvcache/serve/get.py.
+"""The server's per-request GET path in C: same API and replies as kvcache/serve/server_get.py.
 
 Per GET: a plan looked up in a dict (the key's bytes come from take_gets), `mdb_get` on a
 read transaction of our own, and the bulk reply copied straight from the memory map into one
@@ -38,7 +38,7 @@ import os
 from kvcache.errors import ReplicaError
 from kvcache.ops.latency import BOUNDS_NS
 from kvcache.read.policy import PLAN_CACHE
-from kvcache.serve.get import FLUSH_AT, FRESH_VERDICT_S, LARGE_VALUE
+from kvcache.serve.server_get import FLUSH_AT, FRESH_VERDICT_S, LARGE_VALUE
 from kvcache.store.nearcache import LRU_EXACT_BELOW, LRU_SAMPLE, REVISION, TOUCH_MAX
 from kvcache.store.record import FLAG_TTL, KLEN_MASK, RECORD, TTL_BIT, TTL_BYTE
 from kvcache.store.replica import MAX_DBS
@@ -79,8 +79,8 @@ LMDB_VERSION = mdb_version(NULL, NULL, NULL).decode()
 include "server_get_view.pxi"
 
 
-cdef class LocalGets(_ReplicaView):
-    """See kvcache.serve.get.LocalGets: the GET fast path over the replica (and the near
+cdef class ServerGets(_ReplicaView):
+    """See kvcache.serve.server_get.ServerGets: the GET fast path over the replica (and the near
     caches), on the transactions and maps of its _ReplicaView."""
     cdef pthread_t _thread
     cdef object planner
@@ -157,7 +157,7 @@ cdef class LocalGets(_ReplicaView):
         self._closed = True
 
     def forget_fresh(self):
-        """See kvcache.serve.get.LocalGets.forget_fresh: every bucket asks its witness again."""
+        """See kvcache.serve.server_get.ServerGets.forget_fresh: every bucket asks its witness again."""
         for b in self._buckets.values():
             (<_Bucket>b).fresh_until_ns = 0
 
@@ -173,25 +173,25 @@ cdef class LocalGets(_ReplicaView):
         self._lat_sum_ns += ns * n
 
     def observe(self, long long ns, Py_ssize_t n):
-        """See kvcache.serve.get.LocalGets.observe."""
+        """See kvcache.serve.server_get.ServerGets.observe."""
         self._count_ns(ns, n)
 
     def latency(self):
-        """See kvcache.serve.get.LocalGets.latency."""
+        """See kvcache.serve.server_get.ServerGets.latency."""
         return [self._lat[i] for i in range(_LAT_NB + 1)], self._lat_sum_ns
 
     def bucket_reads(self):
-        """See kvcache.serve.get.LocalGets.bucket_reads."""
+        """See kvcache.serve.server_get.ServerGets.bucket_reads."""
         return {name: ((<_Bucket>b).hits, (<_Bucket>b).misses) for name, b in self._buckets.items()
                 if not (<_Bucket>b).cache}
 
     def cache_reads(self):
-        """See kvcache.serve.get.LocalGets.cache_reads."""
+        """See kvcache.serve.server_get.ServerGets.cache_reads."""
         return {(<_Bucket>b).name: ((<_Bucket>b).hits, (<_Bucket>b).misses)
                 for b in self._buckets.values() if (<_Bucket>b).cache}
 
     def set_buckets(self, buckets, default):
-        """See kvcache.serve.get.LocalGets.set_buckets: a valid key of a bucket that
+        """See kvcache.serve.server_get.ServerGets.set_buckets: a valid key of a bucket that
         replicates every key, or none with a near cache, is then read without asking the
         planner (no dict lookup, no plan object): the same answer the planner would give,
         reached in C."""
@@ -271,7 +271,7 @@ cdef class LocalGets(_ReplicaView):
         return plan
 
     def answer(self, reader, data, int proto, Py_ssize_t budget):
-        """See kvcache.serve.get.LocalGets.answer. When the reader holds nothing, the GETs at
+        """See kvcache.serve.server_get.ServerGets.answer. When the reader holds nothing, the GETs at
         the front of `data` are served from `data` itself and only the rest is fed."""
         cdef Py_ssize_t answered = 0, notfound = 0
         cdef bint more = False
@@ -343,7 +343,7 @@ cdef class LocalGets(_ReplicaView):
         if self._closed:
             raise ReplicaError("the GET path is closed")
         if pthread_self() != self._thread:
-            raise RuntimeError("LocalGets must run on the thread that created it")
+            raise RuntimeError("ServerGets must run on the thread that created it")
         self._len = 0
         self._nseg = 0
         self._seg_bytes = 0
@@ -523,7 +523,7 @@ cdef class LocalGets(_ReplicaView):
         return 1
 
     def serve(self, list lengths, list keys, int proto, Py_ssize_t budget):
-        """See kvcache.serve.get.LocalGets.serve."""
+        """See kvcache.serve.server_get.ServerGets.serve."""
         cdef Py_ssize_t i, n = PyList_GET_SIZE(keys), klen
         cdef Py_ssize_t answered = 0
         cdef int done

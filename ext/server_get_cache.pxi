@@ -2,7 +2,7 @@
 # own, and each answer counted into the cache. Included by server_get.pyx.
 
 
-cdef _Bucket _cache_bucket(LocalGets self, str name, near):
+cdef _Bucket _cache_bucket(ServerGets self, str name, near):
     """The near cache of bucket `name`, as a bucket of its own (keyed by its database's
     name, which no bucket's can be)."""
     db_name = near.db_name
@@ -22,8 +22,8 @@ cdef _Bucket _cache_bucket(LocalGets self, str name, near):
     return b
 
 
-cdef int _touch(LocalGets self, _Bucket b, WalkKey* w, int i) except -1:
-    """A near-cache answer, counted into the cache (see kvcache.serve.get.LocalGets._touch):
+cdef int _touch(ServerGets self, _Bucket b, WalkKey* w, int i) except -1:
+    """A near-cache answer, counted into the cache (see kvcache.serve.server_get.ServerGets._touch):
     its sketch at once; its key into `touched` (made here for a key that came straight
     from the socket) while rarely read, else every LRU_SAMPLE-th hit; the count handed
     over every TOUCH_MAX."""

@@ -36,9 +36,9 @@ cdef int _socket_fd(transport):
 
 
 cdef class GetConnection:
-    """See kvcache.serve.get.GetConnection: the same attributes and data_received, in C.
+    """See kvcache.serve.server_get.GetConnection: the same attributes and data_received, in C.
     `transport.write` is looked up once, when the transport is set."""
-    cdef public LocalGets gets
+    cdef public ServerGets gets
     cdef public object stats, reader, _busy
     cdef object _transport, _write
     cdef int _fd  # the socket's descriptor (large values are written to it: server_get_write.pxi), or -1
@@ -49,7 +49,7 @@ cdef class GetConnection:
     cdef public long long _last_io
     cdef public object last_cmd
 
-    def __init__(self, LocalGets gets, stats, reader):
+    def __init__(self, ServerGets gets, stats, reader):
         self.gets = gets
         self.stats = stats
         self.reader = reader
@@ -72,7 +72,7 @@ cdef class GetConnection:
     def data_received(self, data):
         cdef Py_ssize_t local = 0, notfound = 0
         cdef bint more = False
-        cdef LocalGets gets = self.gets
+        cdef ServerGets gets = self.gets
         cdef long long t0 = 0
         if self._closing:
             return
@@ -124,7 +124,7 @@ cdef class GetConnection:
         self._add(local, notfound)
 
     def _process(self):
-        raise NotImplementedError  # the generic request loop: kvcache.serve.server.ClientConnection
+        raise NotImplementedError  # the generic request loop: kvcache.serve.resp_server.ClientConnection
 
 
 # A read of more GETs than this is answered at once: its own GETs overlap their misses
@@ -134,9 +134,9 @@ cdef enum:
     _GATHER_BYTES = GATHER_MAX * 540  # a GET of a 511-byte key is 535 bytes: longer, not GATHER_MAX GETs
 
 
-cdef int _stash(LocalGets gets, GetConnection conn, bytes data) except -1:
+cdef int _stash(ServerGets gets, GetConnection conn, bytes data) except -1:
     """Take a GET-only read into the group answered when this event-loop iteration's reads
-    are done (LocalGets.flush, by call_soon): 1, or 0 (nothing taken) when the read is not
+    are done (ServerGets.flush, by call_soon): 1, or 0 (nothing taken) when the read is not
     GETs only, does not fit the group or needs the generic path.
 
     Why: with many clients each sending one GET at a time, the reads of one iteration are
@@ -183,7 +183,7 @@ cdef int _stash(LocalGets gets, GetConnection conn, bytes data) except -1:
     return 1
 
 
-cdef int _flush_stash(LocalGets gets) except -1:
+cdef int _flush_stash(ServerGets gets) except -1:
     cdef list stashed = gets._stashed
     cdef GetConnection conn
     cdef Py_ssize_t start = 0, end, answered = gets._nkeys

@@ -1,5 +1,5 @@
 # The C-level parts the GET path's classes share: LMDB's API (the library compiled into this
-# extension), the clocks, the record's fields, and the per-bucket and per-key state LocalGets
+# extension), the clocks, the record's fields, and the per-bucket and per-key state ServerGets
 # keeps (_Bucket, _Plan). Included by server_get.pyx.
 
 
@@ -135,7 +135,7 @@ cdef extern from "<time.h>" nogil:
 
 cdef long long FRESH_VERDICT_NS = FRESH_VERDICT_S * 1_000_000_000
 
-# kvcache.ops.latency.BOUNDS_NS, for the fast path's latency histogram (LocalGets.timed)
+# kvcache.ops.latency.BOUNDS_NS, for the fast path's latency histogram (ServerGets.timed)
 cdef enum:
     _LAT_MAX = 32
 cdef long long _LAT_BOUNDS[_LAT_MAX]

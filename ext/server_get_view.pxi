@@ -1,13 +1,13 @@
 # The replica as the GET path reads it: a read-only LMDB environment of its own on the replica's
 # files, a read transaction renewed per call, the map's geometry for lmdb_walk, and each
 # bucket's B+tree root and database handle (see the module docstring for why this is sound).
-# Included by server_get.pyx; LocalGets derives from it.
+# Included by server_get.pyx; ServerGets derives from it.
 
 
 cdef class _ReplicaView:
     cdef object replica
     cdef MDB_env* _env
-    # one call's state (see LocalGets._start/_finish)
+    # one call's state (see ServerGets._start/_finish)
     cdef MDB_txn* _txn     # a call's read transaction: _reader, renewed, or NULL
     cdef MDB_txn* _reader  # kept between calls, reset (no snapshot held) and renewed by each
     cdef size_t _map_txnid # the snapshot _map was read for (0: read it again)

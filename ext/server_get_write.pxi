@@ -29,14 +29,14 @@ cdef extern from "<sys/socket.h>" nogil:
 
 from libc.errno cimport errno, EINTR
 
-from kvcache.serve.get import SNDBUF_FROM, SNDBUF_MAX
+from kvcache.serve.server_get import SNDBUF_FROM, SNDBUF_MAX
 
 cdef Py_ssize_t _SNDBUF_FROM = SNDBUF_FROM
 cdef Py_ssize_t _SNDBUF_MAX = SNDBUF_MAX
 
 
 cdef inline void _fit_sndbuf(int fd, Py_ssize_t need) noexcept nogil:
-    """kvcache.serve.get.fit_send_buffer: the socket's send buffer raised to hold `need`
+    """kvcache.serve.server_get.fit_send_buffer: the socket's send buffer raised to hold `need`
     bytes, at most SNDBUF_MAX, so that the reply goes in one writev instead of its rest being
     copied and written on a later writable event. Never lowered; errors ignored (the write
     then goes as before)."""
@@ -47,7 +47,7 @@ cdef inline void _fit_sndbuf(int fd, Py_ssize_t need) noexcept nogil:
         setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &want, sizeof(int))
 
 
-cdef inline bint _may_leave_in_map(LocalGets g) except -1:
+cdef inline bint _may_leave_in_map(ServerGets g) except -1:
     """May this value stay in the map until the output is written (_output_range)? For a
     connection's own call, only while its output is empty (asked once a call: the
     transport's buffer); for deferred reads (_flush_stash), always: each connection's share
@@ -63,7 +63,7 @@ cdef inline bint _may_leave_in_map(LocalGets g) except -1:
     return g._writable == 1
 
 
-cdef bytes _take_output(LocalGets g):
+cdef bytes _take_output(ServerGets g):
     """The call's replies for the transport: all of the output, or, with values left in the
     map, what the socket did not take of the output with the values in place, written now."""
     if g._nseg == 0:
@@ -74,7 +74,7 @@ cdef bytes _take_output(LocalGets g):
     return out
 
 
-cdef bytes _output_range(LocalGets g, Py_ssize_t start, Py_ssize_t end, int fd):
+cdef bytes _output_range(ServerGets g, Py_ssize_t start, Py_ssize_t end, int fd):
     """Output bytes [start, end) with the values left in the map in place: written to `fd`
     as far as the socket takes them (fd -1: not at all), the rest returned as one bytes
     object (b"" when all went)."""

@@ -16,7 +16,7 @@ import nats.js.kv
 
 from .errors import BucketNotFound
 from .natsio import jetstream as jsapi
-from .natsio.connection import NatsConnection
+from .natsio.nats_connection import NatsConnection
 
 log = logging.getLogger("kvcache")
 

@@ -33,10 +33,10 @@ from .errors import KvcacheError
 # -> its pure-Python twin under kvcache/, and what it does. Modules ask `load(name)`; nothing else
 # chooses.
 EXTENSIONS = {
-    "resp": "resp",              # the server's RESP request reader and the client's reply reader
-    "natsproto": "natsio.proto",  # the NATS protocol reader under the feeds' and peers' connections
-    "server_get": "serve.get",   # the server's GET fast path over the replica
-    "app_get": "app.get",        # LocalReader.get in an application's process
+    "resp": "resp",                    # the server's RESP request reader and the client's reply reader
+    "natsproto": "natsio.natsproto",   # the NATS protocol reader under the feeds' and peers' connections
+    "server_get": "serve.server_get",  # the server's GET fast path over the replica
+    "app_get": "app.app_get",          # LocalReader.get in an application's process
 }
 
 NO_EXTENSIONS = os.environ.get("KVCACHE_NO_EXTENSIONS", "") not in ("", "0")
@@ -106,7 +106,7 @@ class NatsReaderAPI(Protocol):
 
 
 class RunAPI(Protocol):
-    """A fast lane's consecutive deliveries (kvcache.natsio.proto.Run): the feed applies a
+    """A fast lane's consecutive deliveries (kvcache.natsio.natsproto.Run): the feed applies a
     Run's items and marks whichever twin built it."""
 
     sid: int
@@ -123,7 +123,7 @@ class RunAPI(Protocol):
 
 
 class NatsProto(Protocol):
-    """kvcache.natsio.proto and ext/natsproto.pyx: the NATS protocol reader and the event
+    """kvcache.natsio.natsproto and ext/natsproto.pyx: the NATS protocol reader and the event
     types callers test with `type(e) is ...` (the twin's own, re-exported by the extension)."""
 
     # Twin only, so not here: decode_headers, status_headers, mark_op (callers, and the
@@ -148,7 +148,7 @@ class NatsProto(Protocol):
     def parse_ack(self, reply: bytes | str) -> tuple | None: ...  # an AckMeta, or None
 
 
-class LocalGetsAPI(Protocol):
+class ServerGetsAPI(Protocol):
     """The server's GET fast path: the connection drives it and the metrics read it the
     same way whichever twin serves."""
 
@@ -173,7 +173,7 @@ class GetConnectionAPI(Protocol):
     """A connection's hot path, the base of the server's ClientConnection: its subclass
     reads and sets the same state on either twin."""
 
-    gets: LocalGetsAPI
+    gets: ServerGetsAPI
     stats: Any                   # kvcache.stats.Stats
     reader: RequestReaderAPI
     proto: int
@@ -194,15 +194,15 @@ class GetConnectionAPI(Protocol):
 
 
 class ServerGet(Protocol):
-    """kvcache.serve.get and ext/server_get.pyx: the listener builds its LocalGets and every
+    """kvcache.serve.server_get and ext/server_get.pyx: the listener builds its ServerGets and every
     connection its GetConnection from the same module."""
 
-    # Not shared, so not here: the extension's LocalGets.close(), .walked, .fallbacks and its
+    # Not shared, so not here: the extension's ServerGets.close(), .walked, .fallbacks and its
     # module's search() and LMDB_VERSION (lmdb_version() and tests/test_lmdb_walk.py ask the
-    # extension for them); the twin's LocalGets.replica, .planner, .plans (the extension's are
+    # extension for them); the twin's ServerGets.replica, .planner, .plans (the extension's are
     # C fields) and fit_send_buffer().
-    def LocalGets(self, replica: Any, planner: Callable[[bytes], Any]) -> LocalGetsAPI: ...
-    def GetConnection(self, gets: LocalGetsAPI, stats: Any, reader: RequestReaderAPI) -> GetConnectionAPI: ...
+    def ServerGets(self, replica: Any, planner: Callable[[bytes], Any]) -> ServerGetsAPI: ...
+    def GetConnection(self, gets: ServerGetsAPI, stats: Any, reader: RequestReaderAPI) -> GetConnectionAPI: ...
 
 
 class LocalGetAPI(Protocol):
@@ -218,7 +218,7 @@ class LocalGetAPI(Protocol):
 
 
 class AppGet(Protocol):
-    """kvcache.app.get and ext/app_get.pyx: what LocalReader builds its `get` from."""
+    """kvcache.app.app_get and ext/app_get.pyx: what LocalReader builds its `get` from."""
 
     def LocalGet(self, plans: dict, fresh_until: dict, begin: Callable[..., Any],
                  slow: Callable[[str], bytes | None]) -> LocalGetAPI: ...

@@ -41,7 +41,7 @@ from .serve.commands import Commands
 from .serve.info import Info
 from .serve.multi import Transactions
 from .serve.pubsub import PubSub
-from .serve.server import ClientConnection, RespServer, claim_socket_path, direct_buckets, local_gets
+from .serve.resp_server import ClientConnection, RespServer, claim_socket_path, direct_buckets, server_gets
 from .serve.streams import Streams
 from .serve.tracking import Tracking
 from .stats import Stats
@@ -126,7 +126,7 @@ class Sidecar:
         access = AccessLog.from_config(self.cfg)
         ledger = self.ledger
         policy = ReadPolicy(self.cfg, self.replica, self.feeds, ledger)
-        gets = local_gets(self.cfg, policy, every_get_to_commands=access.enabled)
+        gets = server_gets(self.cfg, policy, every_get_to_commands=access.enabled)
         ledger.on_hold = gets.forget_fresh  # a held key must not ride a cached verdict
         hub = self.hub
         # The fleet's shared stream-state polls (kvcache.feed.fleet): set on each feed before it

@@ -43,7 +43,7 @@ class Stats:
     metrics_listen: str = ""  # the metrics listener's address once bound ("" without one)
     # Keys read by the command layer, by (bucket, source, result): source local, cache, peer,
     # leader or stale; result hit, miss or error (the command failed: no NATS answer and no
-    # stale replica to give). The GET fast path counts its own (LocalGets.bucket_reads);
+    # stale replica to give). The GET fast path counts its own (ServerGets.bucket_reads);
     # kvcache.ops.metrics adds the two at scrape time.
     reads: dict[tuple[str, str, str], int] = field(default_factory=dict)
 

@@ -19,7 +19,7 @@ import uvloop
 from support.sidecar_proc import SidecarProcess
 from support.topology import Cluster, start_cluster, start_leaf, start_single
 
-from kvcache.natsio.server import NatsServer
+from kvcache.natsio.nats_server import NatsServer
 
 # Feeds notice a lost consumer after 3 heartbeats: short ones keep fault tests quick.
 HEARTBEAT = ["--heartbeat-ms", "500"]

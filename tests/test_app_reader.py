@@ -104,7 +104,7 @@ def test_stale_after_the_sidecar_stops(tmp_path, nats_server):
 
 def test_fast_path_twins_agree(sidecar):
     """LocalGet (native and twin) on the same reader: same values, same fallbacks."""
-    from kvcache.app import get as twin_mod
+    from kvcache.app import app_get as twin_mod
     native_mod = native_or_none("app_get")
     if native_mod is None:
         pytest.skip("kvcache._native.app_get not built")
@@ -137,7 +137,7 @@ def test_expired_records_are_absent(tmp_path, nats_server_module):
     """A key put with a Nats-TTL is absent to LocalReader once its deadline has passed (the
     LocalGet fast path, native and twin, `entry`, `keys`), with no sweep having run yet for
     the native/twin comparison; `never` and keys without a TTL stay."""
-    from kvcache.app import get as twin_mod
+    from kvcache.app import app_get as twin_mod
     native_mod = native_or_none("app_get")
 
     async def fill_ttl() -> None:

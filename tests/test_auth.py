@@ -24,7 +24,7 @@ from support.natsauth import Operator, have_openssl, make_pki, new_key, public, 
 from support.sidecar_proc import SidecarProcess, run_cli
 
 from kvcache.app.client import ResponseError
-from kvcache.natsio.server import NatsServer
+from kvcache.natsio.nats_server import NatsServer
 
 pytestmark = pytest.mark.servers  # each test starts its own servers or sidecar process
 

@@ -154,7 +154,7 @@ async def test_replies_by_table(layer, case, bytewise):
 
 async def test_the_twin_asked_for_serves(layer):
     """The layer runs the implementation its id says (the RESP reader and the GET path)."""
-    twins = layer.module.SERVER_GET.__name__ == "kvcache.serve.get"
+    twins = layer.module.SERVER_GET.__name__ == "kvcache.serve.server_get"
     assert is_native(layer.module.WIRE) is not twins and is_native(layer.module.SERVER_GET) is not twins
 
 

@@ -180,7 +180,7 @@ def test_cli_bad_config_file(tmp_path):
 
 @pytest.mark.servers  # starts a process
 def test_cli_unreachable_nats(tmp_path):
-    from kvcache.natsio.server import free_port
+    from kvcache.natsio.nats_server import free_port
     url = f"nats://127.0.0.1:{free_port()}"
     result = run_cli("serve", "--nats", url, "--bucket", "x", "--data-dir", str(tmp_path / "d"))
     assert_one_line_error(result, "cannot connect to NATS", 1)

@@ -16,7 +16,7 @@ from support.sidecar_proc import SidecarProcess, run_cli
 from kvcache import config_sources
 from kvcache.demo import DEMO_BUCKET, DEMO_KEYS, demo_entries, demo_value
 from kvcache.errors import ConfigError
-from kvcache.natsio.server import free_port
+from kvcache.natsio.nats_server import free_port
 
 pytestmark = pytest.mark.servers  # each test starts its own servers or sidecar process
 

@@ -28,7 +28,7 @@ from kvcache import LocalReader
 from kvcache.errors import UpstreamError
 from kvcache.feed.consumer import PullConsumer
 from kvcache.natsio import jetstream as jsapi
-from kvcache.natsio.connection import NatsConnection
+from kvcache.natsio.nats_connection import NatsConnection
 from kvcache.store.replica import Replica
 
 pytestmark = pytest.mark.timeout(120)

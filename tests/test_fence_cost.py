@@ -21,8 +21,8 @@ from kvcache.errors import BehindQuorum, UpstreamError
 from kvcache.feed.feed import Feed
 from kvcache.feed.quorum import ANCHOR_MAX_BYTES, Fence
 from kvcache.natsio import jetstream as jsapi
-from kvcache.natsio.connection import NatsConnection
-from kvcache.natsio.server import NatsServer, free_port
+from kvcache.natsio.nats_connection import NatsConnection
+from kvcache.natsio.nats_server import NatsServer, free_port
 from kvcache.read.router import HedgePolicy, Peer, Router
 
 pytestmark = pytest.mark.timeout(120)

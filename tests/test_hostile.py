@@ -6,7 +6,7 @@
     structured fuzzer (derandomized, bounded);
   - 1,000 concurrent connections, each doing a few GETs;
   - a client that never reads its pipelined 512 KiB replies: it alone is cut off (output
-    buffer limit: kvcache.serve.server CLIENT_WRITE_STALL_MS, short here), while a slow reader
+    buffer limit: kvcache.serve.resp_server CLIENT_WRITE_STALL_MS, short here), while a slow reader
     that does read is not;
   - clients that vanish mid-request: half a command, a pipeline with remote reads in flight
     at NATS, RST (SO_LINGER 0), a reset while replies are being written;
@@ -45,7 +45,7 @@ from kvcache.app.client import Client, encode_command
 
 NKEYS = 300
 STALL_MS = 1500            # the sidecar's output-buffer cut-off in this module (default 60 s)
-FD_MARGIN = 256            # kvcache.serve.server.FD_MARGIN
+FD_MARGIN = 256            # kvcache.serve.resp_server.FD_MARGIN
 REPORT: dict[str, object] = {}
 
 

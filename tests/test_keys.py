@@ -58,7 +58,7 @@ def direct_gets(tmp_path_factory):
     def planner(raw: bytes):
         asked.append(raw)
         return False
-    gets = native_get.LocalGets(replica, planner)
+    gets = native_get.ServerGets(replica, planner)
     gets.set_buckets([("main", Feed(), 1000, True)], "main")
     yield gets, asked, {}
     replica.close()

@@ -19,8 +19,8 @@ from support.sidecar_proc import SidecarProcess
 from support.topology import nats_run
 
 from kvcache.app.client import Client
-from kvcache.natsio.server import NatsServer
-from kvcache.serve.get import SNDBUF_MAX
+from kvcache.natsio.nats_server import NatsServer
+from kvcache.serve.server_get import SNDBUF_MAX
 
 pytestmark = pytest.mark.servers
 
@@ -86,7 +86,7 @@ def test_a_large_reply_goes_into_the_socket_whole(env):
     """A reply past the socket's default send buffer (about 208 KiB) raises the server's send
     buffer to hold it (up to SNDBUF_MAX, net.core.wmem_max permitting): the whole 1 MiB reply
     is in the client's receive queue before the client reads anything, where before only the
-    buffer's worth was, the rest copied and waiting for a writable event (kvcache.serve.get)."""
+    buffer's worth was, the rest copied and waiting for a writable event (kvcache.serve.server_get)."""
     if (wmem_max := int(Path("/proc/sys/net/core/wmem_max").read_text())) < SNDBUF_MAX:
         pytest.skip(f"net.core.wmem_max is {wmem_max}: the send buffer cannot grow to {SNDBUF_MAX}")
     value = VALUES["v1m"]

@@ -50,7 +50,7 @@ SIDECAR_SIDES = {"serve", "read", "feed", "natsio", "ops", "pipeline"}
 
 
 def folder(module: str) -> str:
-    """kvcache.serve.get -> "serve"; a top-level module is its own name (kvcache.sidecar)."""
+    """kvcache.serve.server_get -> "serve"; a top-level module is its own name (kvcache.sidecar)."""
     parts = module.split(".")
     return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in FOLDERS) else module
 
@@ -102,9 +102,9 @@ def test_a_climb_is_found_when_there_is_one(tmp_path: Path):
     the real graph with an arrow injected, and over a package written for the test (the arrow
     config -> serve/ this layout once had, under TYPE_CHECKING)."""
     g = {m: list(deps) for m, deps in graph().items()}
-    g["kvcache.store.replica"].append("kvcache.serve.get")
+    g["kvcache.store.replica"].append("kvcache.serve.server_get")
     g["kvcache.stats"] = [*g["kvcache.stats"], "kvcache.ops.latency"]
-    assert climbs(g) == ["kvcache.stats -> kvcache.ops.latency", "kvcache.store.replica -> kvcache.serve.get"]
+    assert climbs(g) == ["kvcache.stats -> kvcache.ops.latency", "kvcache.store.replica -> kvcache.serve.server_get"]
     for path, text in {"__init__.py": "", "errors.py": "", "serve/__init__.py": "",
                        "serve/keyspace_events.py": "from ..errors import CommandError\n",
                        "config.py": "from typing import TYPE_CHECKING\nfrom .errors import ConfigError\n"
@@ -141,7 +141,7 @@ def test_the_application_side_and_the_store_import_only_what_they_may():
 def test_a_leak_is_found_when_there_is_one():
     g = {"kvcache.app.reader": ["kvcache.store.replica", "kvcache.read.policy"],
          "kvcache.app.client": ["kvcache.resp", "kvcache.config"],
-         "kvcache.store.replica": ["kvcache.errors"], "kvcache.serve.get": ["kvcache.store.replica"]}
+         "kvcache.store.replica": ["kvcache.errors"], "kvcache.serve.server_get": ["kvcache.store.replica"]}
     assert leaks(g) == ["kvcache.app.client -> kvcache.config", "kvcache.app.reader -> kvcache.read.policy"]
 
 
@@ -154,7 +154,7 @@ def test_the_application_side_does_not_load_the_server():
     sidecar = {m for m in graph() if folder(m) in SIDECAR_SIDES} | {
         "kvcache.sidecar", "kvcache.cli", "kvcache.config", "kvcache.config_sources", "kvcache.config_nats",
         "kvcache.demo"}
-    assert {"kvcache.serve.server", "kvcache.read.reads", "kvcache.feed.feed"} <= sidecar
+    assert {"kvcache.serve.resp_server", "kvcache.read.reads", "kvcache.feed.feed"} <= sidecar
     code = ("import sys, kvcache.app.client, kvcache.app.reader, kvcache; kvcache.Client, kvcache.LocalReader; "
             "print(' '.join(sorted(m for m in sys.modules if m.startswith('kvcache'))))")
     loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -1,4 +1,4 @@
-"""kvcache.natsio.connection.NatsConnection: nats-py with kvcache's wire reader, against a real server.
+"""kvcache.natsio.nats_connection.NatsConnection: nats-py with kvcache's wire reader, against a real server.
 
 What nats-py's own client sees and what NatsConnection sees must be the same messages; the fast
 lane must turn a real consumer's deliveries into the replica items kvcache.store.record builds.
@@ -14,7 +14,7 @@ import pytest
 from support.checkers import new_bucket
 
 from kvcache import native
-from kvcache.natsio.connection import NatsConnection
+from kvcache.natsio.nats_connection import NatsConnection
 from kvcache.store.record import item
 
 NATIVE_OR_TWIN = "native" if native.is_native(native.load("natsproto")) else "twin"
@@ -143,7 +143,7 @@ async def test_fast_lane_gets_runs_of_replica_items(pair):
 def test_reader_in_use_is_the_one_native_py_picks():
     nc = NatsConnection()
     assert type(nc._ps.reader).__module__.endswith(
-        "_native.natsproto" if NATIVE_OR_TWIN == "native" else "kvcache.natsio.proto")
+        "_native.natsproto" if NATIVE_OR_TWIN == "native" else "kvcache.natsio.natsproto")
 
 
 async def test_fast_request_answers_like_natspy_request(pair):

@@ -21,8 +21,8 @@ from support.nats_vectors import ACK, ACK_LONG, VECTORS, hmsg_frame, msg_frame
 from kvcache.entry import Operation
 from kvcache.errors import ProtocolError
 from kvcache.native import native_or_none
-from kvcache.natsio import proto as twin
-from kvcache.natsio.proto import AckMeta, HMsg, Msg
+from kvcache.natsio import natsproto as twin
+from kvcache.natsio.natsproto import AckMeta, HMsg, Msg
 from kvcache.store.record import item, parse_msg_ttl
 
 # not built: the native half of every test is skipped (fails with KVCACHE_REQUIRE_EXTENSIONS=1)

@@ -265,7 +265,7 @@ def test_usage_and_input_errors_exit_2_with_one_line(tmp_path, nats_server):
 
 @pytest.mark.servers  # starts a process
 def test_unreachable_nats_exits_1_before_spark(tmp_path):
-    from kvcache.natsio.server import free_port
+    from kvcache.natsio.nats_server import free_port
 
     data = tmp_path / "d.parquet"
     pq.write_table(pa.table({"k": ["a"]}), data)

@@ -1,4 +1,4 @@
-"""Pipelined reads that must ask NATS are in flight together (kvcache.serve.connection), their
+"""Pipelined reads that must ask NATS are in flight together (kvcache.serve.client_connection), their
 replies in request order and equal to the same reads made one at a time.
 
 The sidecar reaches its server through a proxy that records what the sidecar sends and can
@@ -134,7 +134,7 @@ def test_pipelined_replies_keep_request_order(sidecar):
 
 
 def test_a_pipeline_of_many_cold_reads_is_answered_whole(sidecar):
-    """More reads than are sent at once (kvcache.serve.connection.PIPELINE_MAX): all answered,
+    """More reads than are sent at once (kvcache.serve.client_connection.PIPELINE_MAX): all answered,
     in order."""
     sc, _ = sidecar
     keys = [f"far.{i % (COLD * 3)}" for i in range(1500)]

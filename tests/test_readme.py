@@ -38,7 +38,7 @@ import pytest
 from support.sidecar_proc import SidecarProcess
 
 from kvcache import config_sources
-from kvcache.natsio.server import free_port
+from kvcache.natsio.nats_server import free_port
 
 pytestmark = pytest.mark.servers  # starts a demo sidecar, its nats-server and locust
 

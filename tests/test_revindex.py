@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kvcache.natsio.proto import MARK_DEL, MARK_PURGE
+from kvcache.natsio.natsproto import MARK_DEL, MARK_PURGE
 from kvcache.store import revindex
 from kvcache.store.record import MAX_LMDB_KEY, item, lkey_of
 from kvcache.store.replica import BucketMeta, Replica

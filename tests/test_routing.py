@@ -21,8 +21,8 @@ from support.sidecar_proc import SidecarProcess, write_config
 from support.topology import DelayProxy, add_hub_mirror, nats_run, replicated_kv, settled
 
 from kvcache.natsio import jetstream as jsapi
-from kvcache.natsio.connection import NatsConnection
-from kvcache.natsio.server import NatsServer
+from kvcache.natsio.nats_connection import NatsConnection
+from kvcache.natsio.nats_server import NatsServer
 from kvcache.read.router import HedgePolicy, Peer, Router
 
 pytestmark = pytest.mark.timeout(120)
@@ -79,11 +79,11 @@ async def peers_via(url: str, delays: list[float], bucket: str = "rr",
 
 @pytest.fixture
 async def router_of():
-    """Makes routers over given peers (with Policy overrides); closes them afterwards."""
+    """Makes routers over given peers (with HedgePolicy overrides); closes them afterwards."""
     made: list[Router] = []
 
-    def make(peers: list[Peer], timeout: float = TIMEOUT, **policy) -> Router:
-        r = Router(timeout, HedgePolicy(**policy))
+    def make(peers: list[Peer], timeout: float = TIMEOUT, **hedging) -> Router:
+        r = Router(timeout, HedgePolicy(**hedging))
         for p in peers:
             r.add(p)
         made.append(r)

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from kvcache.native import native_or_none
 from kvcache.read.policy import Plan
 from kvcache.resp import GET_LEN
-from kvcache.serve import get as twin
+from kvcache.serve import server_get as twin
 from kvcache.store.nearcache import LRU_SAMPLE, TOUCH_MAX, NearCache
 from kvcache.store.record import LONG_KEY_PREFIX, RECORD, item, lmdb_key
 from kvcache.store.replica import BucketMeta, Replica
@@ -117,7 +117,7 @@ def cache_of(replica: Replica) -> NearCache:
 
 def make(mod, replica, feeds, direct: bool = True):
     planner = Planner(feeds, replica)
-    gets = mod.LocalGets(replica, planner)
+    gets = mod.ServerGets(replica, planner)
     if direct:
         gets.set_buckets([("main", feeds["main"], 1000, True), ("other", feeds["other"], 1000, False),
                           ("later", feeds["later"], 1000, True)], "main")

@@ -17,7 +17,7 @@ from support.poll import wait_until
 from support.sidecar_proc import SidecarProcess
 from support.topology import nats_run
 
-from kvcache.natsio.server import NatsServer
+from kvcache.natsio.nats_server import NatsServer
 
 pytestmark = pytest.mark.servers
 

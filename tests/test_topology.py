@@ -15,7 +15,7 @@ from nats.js.api import ExternalStream, StreamConfig, StreamSource
 from support.topology import Cluster, replicated_kv, settled
 
 from kvcache.errors import KvcacheError
-from kvcache.natsio.server import NatsServer, find_binary, free_port
+from kvcache.natsio.nats_server import NatsServer, find_binary, free_port
 
 T = TypeVar("T")
 

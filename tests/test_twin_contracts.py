@@ -289,7 +289,7 @@ def exercise_server_get(mod, replica) -> dict[str, list[object]]:
         planned.append(raw)
         return False  # any key not planned from the key itself: the generic path's
 
-    gets = mod.LocalGets(replica=replica, planner=planner)
+    gets = mod.ServerGets(replica=replica, planner=planner)
     assert (gets.cached, gets.defer, gets.call_soon, gets.timed) == (0, False, None, False)
     witness = Witness()
     gets.set_buckets(buckets=[("main", witness, 1000, True)], default="main")
@@ -329,7 +329,7 @@ def exercise_server_get(mod, replica) -> dict[str, list[object]]:
     assert conn._busy is None and conn._last_io > 0
     with pytest.raises(NotImplementedError):
         base._process()
-    return {"LocalGets": [gets], "GetConnection": [base, conn]}
+    return {"ServerGets": [gets], "GetConnection": [base, conn]}
 
 
 def exercise_app_get(mod, replica) -> dict[str, list[object]]:

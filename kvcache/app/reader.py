@@ -68,7 +68,7 @@ class LocalReader:
         self._stale: dict[str, StaleReplica] = {}  # bucket -> why it is stale (_refresh)
         # key -> where it lives: (bucket, db, lmdb key, the bucket's max_age in ns or 0)
         self._located: dict[str, tuple] = {}
-        # The hot path (kvcache.app.get / ext/app_get.pyx): a key already located in a bucket
+        # The hot path (kvcache.app.app_get / ext/app_get.pyx): a key already located in a bucket
         # still fresh is read at once; anything else goes to _get_checked.
         self.get = _APP_GET.LocalGet(  # type: ignore[method-assign]  # per instance, on purpose
             self._located, self._fresh_until, self.env.begin, self._get_checked)

@@ -7,7 +7,7 @@ the stream leader (nats-server places an R1 consumer on a random replica, whose 
 pulled in windows (the server never sends more than asked for, so a big bucket cannot overflow
 us as a slow consumer), and watched: a consumer-sequence gap, silent heartbeats, a deleted
 consumer or a status that ends more than one pull request raise ConsumerLost, and the feed makes
-a new one. Deliveries arrive through the connection's fast lane (kvcache.natsio.connection) as `Run`s of
+a new one. Deliveries arrive through the connection's fast lane (kvcache.natsio.nats_connection) as `Run`s of
 decoded replica items, handed to the feed's `on_batch`.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import KvcacheError
 from ..natsio import jetstream as jsapi
-from ..natsio.connection import NatsConnection, proto
+from ..natsio.nats_connection import NatsConnection, proto
 
 log = logging.getLogger("kvcache.feed")
 
@@ -50,9 +50,9 @@ class ConsumerLost(KvcacheError):
 
 
 if TYPE_CHECKING:  # the twin's class stands for both in annotations (same fields)
-    from ..natsio.proto import Run
+    from ..natsio.natsproto import Run
 else:
-    Run = proto.Run  # consecutive deliveries as replica items; see kvcache.natsio.proto.Run
+    Run = proto.Run  # consecutive deliveries as replica items; see kvcache.natsio.natsproto.Run
 
 
 # Deletions left to run after their consumer is done with, by (connection, stream, name): held
@@ -123,7 +123,7 @@ class PullConsumer:
 
     async def run(self) -> None:
         if not isinstance(self.nc, NatsConnection):
-            raise TypeError("the feed needs a kvcache.natsio.connection.NatsConnection (for its fast lane)")
+            raise TypeError("the feed needs a kvcache.natsio.nats_connection.NatsConnection (for its fast lane)")
         sub = await self.nc.subscribe(self._inbox)  # messages never reach its queue: the lane takes them
         self.nc.add_lane(sub._id, self.prefix, self._on_lane)
         created = False

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from ..config import BucketConfig
 from ..errors import BucketNotFound, ReplicaError, UpstreamError
 from ..natsio import jetstream as jsapi
-from ..natsio.connection import NatsConnection
+from ..natsio.nats_connection import NatsConnection
 from ..store.nearcache import NearCache, drop_store
 from ..store.record import decode_key
 from ..store.replica import BucketMeta, Replica

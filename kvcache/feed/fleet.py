@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from ..natsio.connection import NatsConnection
+from ..natsio.nats_connection import NatsConnection
 from .quorum import evidence, needs_quorum
 
 log = logging.getLogger("kvcache.feed")

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ..natsio import jetstream as jsapi
-from ..natsio.connection import NatsConnection
+from ..natsio.nats_connection import NatsConnection
 from ..stats import Stats
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from ..config import BucketConfig
 from ..errors import ReplicaError
-from ..natsio.connection import NatsConnection
+from ..natsio.nats_connection import NatsConnection
 from ..store.nearcache import NearCache
 from ..store.record import decode_key
 from ..store.replica import BucketMeta, Replica

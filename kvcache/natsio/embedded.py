@@ -1,6 +1,6 @@
 """The embedded nats-server of `kvcache serve` with no NATS URL, supervised: started with its
 store under the data directory, restarted after a crash on the same port and store with a
-growing pause, given up on once it cannot stay up. The process itself is natsio/server.py's
+growing pause, given up on once it cannot stay up. The process itself is natsio/nats_server.py's
 NatsServer; what to do when it dies is this module's, so that sidecar.py only starts, watches
 and stops it."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from ..errors import KvcacheError, UpstreamError, describe
-from .server import NatsServer, port_taken
+from .nats_server import NatsServer, port_taken
 
 log = logging.getLogger("kvcache")
 

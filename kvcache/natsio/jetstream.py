@@ -15,7 +15,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 
 from ..errors import BucketNotFound, UpstreamError
-from .proto import decode_headers, status_headers
+from .natsproto import decode_headers, status_headers
 
 STREAM_NOT_FOUND = 10059
 

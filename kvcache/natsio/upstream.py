@@ -21,7 +21,7 @@ import nats.errors
 from ..config import BucketConfig, Config, strip_url_auth, tls_context, url_auth
 from ..errors import KvcacheError, UpstreamError, describe
 from ..stats import Stats
-from .connection import NatsConnection
+from .nats_connection import NatsConnection
 from .servers import ServerChoice, parse_url
 
 log = logging.getLogger("kvcache")

@@ -1,7 +1,7 @@
 """Command latency histograms: the bounds, and the counts a command's time falls into.
 
 Counted only while the metrics listener is on (Config.metrics_listen): kvcache.serve.commands
-times what dispatch answers, the GET fast path (kvcache.serve.get and its C twin) times each
+times what dispatch answers, the GET fast path (kvcache.serve.server_get and its C twin) times each
 socket read it answers whole, counting its time once per GET in it (every reply of the read
 goes out in the same write). kvcache.ops.metrics turns the counts into Prometheus histograms at
 scrape time, so an observation costs two clock reads and an increment, never a lock.

@@ -185,7 +185,7 @@ class CommandLayer(Protocol):
 
 class SidecarCollector:
     """Takes a Snapshot of the sidecar's parts. `gets` is the server's GET fast path
-    (kvcache.serve.get.LocalGets or its C twin); `connections` names the NATS connections
+    (kvcache.serve.server_get.ServerGets or its C twin); `connections` names the NATS connections
     in use (main, and one per configured peer server set)."""
 
     def __init__(self, cfg: Config, stats: Stats, commands: CommandLayer, gets,

@@ -4,7 +4,7 @@ A KV put is a JetStream publish to `$KV.<bucket>.<key>` answered by a publish ac
 one request (a future and a timer) per row as nats-py's `kv.put` does, the writer publishes
 with reply subjects under one wildcard inbox subscription and keeps a bounded window of rows
 in flight: pipelined, so the round trip is paid once per window, not once per row. The
-connection is nats-py with kvcache's wire reader (`kvcache.natsio.connection`), and the inbox is a fast
+connection is nats-py with kvcache's wire reader (`kvcache.natsio.nats_connection`), and the inbox is a fast
 lane: the acks of one socket read arrive as one list, with no Msg object, queue or coroutine
 step per ack.
 
@@ -29,7 +29,7 @@ from typing import Any
 
 import nats.errors
 
-from ..natsio.connection import NatsConnection
+from ..natsio.nats_connection import NatsConnection
 from .keys import KEY_RE2, RESERVED_PREFIX, key_problem
 
 # nats-py annotates reconnect_time_wait as int but sleeps whatever it is given: a short first

@@ -100,7 +100,7 @@ class Holds:
         self.top = 0
         self._overflow = False  # AHEAD_MAX reached: every key waits for `top`
         # Called when the first key is held: the server drops the GET path's cached verdicts
-        # (LocalGets.forget_fresh), which would otherwise answer from the replica for a while.
+        # (ServerGets.forget_fresh), which would otherwise answer from the replica for a while.
         self.on_hold = on_hold
 
     def handed_out(self, key: str, revision: int, meta: BucketMeta) -> None:

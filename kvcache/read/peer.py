@@ -34,7 +34,7 @@ from ..entry import Entry, Operation
 from ..errors import BehindQuorum, ReplyBudget, UpstreamError
 from ..feed.quorum import NO_FENCE, Fence
 from ..natsio import jetstream as jsapi
-from ..natsio.connection import NatsConnection, request_batch
+from ..natsio.nats_connection import NatsConnection, request_batch
 from ..store.record import NEVER, parse_msg_ttl
 
 MULTI_LAST_MAX = 1024

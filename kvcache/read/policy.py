@@ -15,7 +15,7 @@ to NATS already in flight (`may_join`), which answer is handed out (`newest`), m
 the near cache (`fill`), and, when NATS fails, a stale answer or an error (`stale_entry`).
 
 Users: kvcache.read.reads, which carries every route of the RESP command layer out (one key or
-many, in one loop) and counts and logs it; the server's GET fast path (kvcache.serve.get and
+many, in one loop) and counts and logs it; the server's GET fast path (kvcache.serve.server_get and
 its C twin), which plans each raw key once through `ReadPolicy.plan` and asks per batch only
 the feed's `fresh_for_all` (the same rule, for every key at once); and LocalReader in an
 application's process, which shares the addressing (kvcache.keys.split_address) and the rule
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 # for the replica to reach the revision already handed out (MINREV waits the same) before
 # asking NATS.
 MINREV_WAIT_S = 0.25
-# Plans kept (raw key -> Plan), here and in the GET fast path's own map (kvcache.serve.get
+# Plans kept (raw key -> Plan), here and in the GET fast path's own map (kvcache.serve.server_get
 # and its C twin); each is cleared whole when full. Issue 15 revisits this bound.
 PLAN_CACHE = 100_000
 # KV.GET's source for an answer from a replica too stale to be trusted, given because no peer

@@ -117,7 +117,7 @@ class Commands:
 
     def pipelined_keys(self, args: list[bytes]) -> list[tuple[str, str]] | None:
         """The (bucket, key)s of a read that may go to NATS while reads before it on the same
-        connection are still there (a pipelined GET or MGET: kvcache.serve.connection), or
+        connection are still there (a pipelined GET or MGET: kvcache.serve.client_connection), or
         None for any other command, or a read it cannot resolve (it waits its turn). Keys,
         not raw names: `k` and `bucket:k` are one key, whose reads must not overtake each other."""
         name = args[0].lower()

@@ -64,7 +64,7 @@ class Info:
         self.access = access
         self.tracking = tracking
         self.pubsub = pubsub
-        # The near caches' hits the GET fast path answered (LocalGets.cache_reads): it counts
+        # The near caches' hits the GET fast path answered (ServerGets.cache_reads): it counts
         # them itself, INFO adds them to each cache's own
         self.fast_cache_reads = fast_cache_reads or dict
         # As Redis makes one at start: 40 random hex digits, new with every process

@@ -1,4 +1,4 @@
-"""What the command layer needs of a client connection (kvcache.serve.connection's ClientConnection):
+"""What the command layer needs of a client connection (kvcache.serve.client_connection's ClientConnection):
 its protocol and identity, the state commands keep on it (tracking, subscriptions, MULTI,
 WATCH, authentication), and the replies and pushes it controls.
 

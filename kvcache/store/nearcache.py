@@ -28,7 +28,7 @@ cached record holds (`CachedRecord`, `absent`) and how an answer is encoded into
 fresh within max_stale_ms, the floors) and whether an answer may go in are the read policy's
 questions (kvcache.read.policy), and keeping it current is the bucket's feed's job.
 
-The server's GET fast path (kvcache.serve.get and its C twin) answers hits itself, from the
+The server's GET fast path (kvcache.serve.server_get and its C twin) answers hits itself, from the
 database through its own read transaction, under the same freshness rules as the replica's
 keys. Every hit is counted into the frequency sketch on the spot (in C: the same counters, from
 the same hash), so admission sees every read; every LRU_SAMPLE-th hit appends its key to
@@ -38,7 +38,7 @@ sketch's aging). The order is a sample, as Caffeine's lossy read buffer makes it
 hit's key made a cached GET cost 1.6-1.8x a replicated one's CPU, every 8th 1.26x, every 32nd
 1.10x (bench/cached_get_bench.py, -P 16, 10k keys); and which key is evicted matters less
 than which gets in, which the sketch decides from every hit; a hot key is sampled often. The
-path counts its hits itself (LocalGets.cache_reads), INFO and the metrics add them to
+path counts its hits itself (ServerGets.cache_reads), INFO and the metrics add them to
 `stats.hits`. A miss, an expired record or a read while the feed is not fresh is left to the
 read policy's path.
 """

@@ -140,8 +140,8 @@ def live_value(raw: Raw, now_ns: int, max_age_ns: int = 0) -> Raw | None:
 def stored_value(raw: Raw, offset: int | None, max_age_ns: int) -> Raw | None:
     """The value a record read through a plan (kvcache.read.policy.Plan) answers with: from
     `offset` (None: after the record's own key), or None once expired (see deadline). The
-    GET path's twin (kvcache.serve.get), MGET and EXISTS (kvcache.read.reads) and LocalReader's
-    twin (kvcache.app.get) read records this one way."""
+    GET path's twin (kvcache.serve.server_get), MGET and EXISTS (kvcache.read.reads) and LocalReader's
+    twin (kvcache.app.app_get) read records this one way."""
     if raw[TTL_BYTE] >= TTL_BIT or max_age_ns:
         return live_value(raw, time.time_ns(), max_age_ns)
     return raw[offset:] if offset is not None else raw[RECORD.size + RECORD.unpack_from(raw)[2]:]

@@ -415,7 +415,7 @@ class Replica:
         batch goes to LMDB in one putmulti call; `deadlines=False`, that no record has a
         deadline (a stream with neither max_age nor per-message TTLs): no expiry filing.
         `revisions`: keep the bucket's revision index (kvcache.store.revindex) with the
-        records; `marks`, the delete items' (kvcache.natsio.proto.Run.marks): a delete
+        records; `marks`, the delete items' (kvcache.natsio.natsproto.Run.marks): a delete
         without one leaves no entry, as a removal the stream keeps no marker of. `fresh`:
         the bucket was empty when this full sync began (revindex.Index.apply)."""
         db = self.db(bucket)

@@ -34,10 +34,10 @@ PUT, DEL, PURGE = b"P", b"D", b"U"
 # the meta database's key of a bucket's highest removed revision (no bucket name has a ':')
 REMOVED_PREFIX = b"removed:"
 OP_NAMES = {PUT[0]: "PUT", DEL[0]: "DEL", PURGE[0]: "PURGE"}
-# kvcache.natsio.proto's MARK_DEL / MARK_PURGE -> the entry's tag
+# kvcache.natsio.natsproto's MARK_DEL / MARK_PURGE -> the entry's tag
 _MARK_TAG = {1: DEL, 2: PURGE}
 
-# A delete item's mark (kvcache.natsio.proto.Run.marks): (key bytes, sequence, op, created ns)
+# A delete item's mark (kvcache.natsio.natsproto.Run.marks): (key bytes, sequence, op, created ns)
 Mark = tuple[bytes, int, int, int]
 
 

@@ -18,7 +18,7 @@ Who asks, each with its own witness:
 - the sidecar's read policy (kvcache.read.policy.ReadPolicy.route), per key, for the command
   layer's reads (GET on the generic path, KV.GET, MGET, EXISTS, TTL and kin); its witness is
   the bucket's feed (freshness) with the read ledger's holds (kvcache.read.ledger);
-- the server's GET fast path (kvcache.serve.get and ext/server_get.pyx), once per batch and
+- the server's GET fast path (kvcache.serve.server_get and ext/server_get.pyx), once per batch and
   bucket through `Witness.fresh_for_all` (kvcache.read.ledger) (this rule with `key` None), the keys being planned
   onto the replica only when replicated (ReadPolicy.plan);
 - LocalReader (kvcache.app.reader), in an application's process, whose witness is the meta

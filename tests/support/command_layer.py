@@ -1,11 +1,11 @@
 """The command layer in process: the sidecar's parts wired as kvcache.sidecar wires them, over
 a real LMDB replica in a temporary directory, with no NATS, driven through real client
-connections (kvcache.serve.connection's ClientConnection) whose only stand-in is the socket:
+connections (kvcache.serve.client_connection's ClientConnection) whose only stand-in is the socket:
 a transport that records what is written, as uvicorn tests its protocols.
 
 Each layer is built over one twin of the native paths, chosen as kvcache.native chooses: the
 connection module is loaded afresh with KVCACHE_NO_EXTENSIONS in force or not, so its RESP
-request reader and GET path (and the LocalGets built from it) are the C ones or the
+request reader and GET path (and the ServerGets built from it) are the C ones or the
 pure-Python ones, never a mix.
 
 The feeds are real (kvcache.feed.feed.Feed), never started: nothing reaches NATS. Each is told
@@ -34,12 +34,12 @@ from kvcache.read.policy import ReadPolicy
 from kvcache.read.reads import Reads
 from kvcache.read.router import Router
 from kvcache.resp import ReplyReader
-from kvcache.serve import connection as default_connection
+from kvcache.serve import client_connection as default_connection
 from kvcache.serve.commands import Commands
 from kvcache.serve.info import Info
 from kvcache.serve.multi import Transactions
 from kvcache.serve.pubsub import PubSub
-from kvcache.serve.server import RespServer, direct_buckets
+from kvcache.serve.resp_server import RespServer, direct_buckets
 from kvcache.serve.streams import Streams
 from kvcache.serve.tracking import Tracking
 from kvcache.stats import Stats
@@ -54,7 +54,7 @@ NOT_YET = object()
 
 
 def connection_module(twins: bool) -> ModuleType:
-    """kvcache.serve.connection loaded afresh, its native modules chosen by kvcache.native
+    """kvcache.serve.client_connection loaded afresh, its native modules chosen by kvcache.native
     with KVCACHE_NO_EXTENSIONS on (`twins`) or off. The choice it records is put back."""
     saved, chosen = native.NO_EXTENSIONS, dict(native.CHOSEN)
     native.NO_EXTENSIONS = twins
@@ -184,7 +184,7 @@ class Layer:
         router = Router(1.0, floors=ledger.floors)
         access = AccessLog.from_config(cfg)
         policy = ReadPolicy(cfg, replica, feeds, ledger)
-        self.gets = gets = self.module.SERVER_GET.LocalGets(replica, policy.plan)
+        self.gets = gets = self.module.SERVER_GET.ServerGets(replica, policy.plan)
         ledger.on_hold = gets.forget_fresh
         hub = ChangeHub()
         for b in cfg.buckets:

@@ -1,4 +1,4 @@
-"""Wire vectors for the NATS protocol reader (kvcache/natsio/proto.py and ext/natsproto.pyx).
+"""Wire vectors for the NATS protocol reader (kvcache/natsio/natsproto.py and ext/natsproto.pyx).
 
 One table, VECTORS: (name, wire bytes, expected events, expected error). `error` is None for
 well-formed input, else a substring of the ProtocolError message; `events` are then the events
@@ -6,7 +6,7 @@ delivered before the error (a reader fed in pieces may deliver them across sever
 """
 from __future__ import annotations
 
-from kvcache.natsio.proto import OK, PING, PONG, Err, HMsg, Info, Msg
+from kvcache.natsio.natsproto import OK, PING, PONG, Err, HMsg, Info, Msg
 
 
 def msg_frame(subject: str, sid: int, reply: str, payload: bytes) -> bytes:

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from kvcache.natsio.server import ClusterConfig, NatsServer, die_with_parent
+from kvcache.natsio.nats_server import ClusterConfig, NatsServer, die_with_parent
 from support.poll import wait_until
 from support.sidecar_proc import SidecarProcess
 from support.staleness_check import Verdict, judge, read_acks, read_reads

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcache.natsio.server import die_with_parent, free_port
+from kvcache.natsio.nats_server import die_with_parent, free_port
 from support.poll import wait_until
 
 

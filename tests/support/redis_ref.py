@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvcache.natsio.server import die_with_parent
+from kvcache.natsio.nats_server import die_with_parent
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from kvcache.app.client import Client
-from kvcache.natsio.server import die_with_parent
+from kvcache.natsio.nats_server import die_with_parent
 from support.poll import GiveUp, WaitTimeout, wait_until
 
 

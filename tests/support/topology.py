@@ -20,7 +20,7 @@ import nats.errors
 import nats.js.errors
 from nats.js.api import ExternalStream, StreamConfig, StreamInfo, StreamSource
 
-from kvcache.natsio.server import ClusterConfig, NatsServer, free_port
+from kvcache.natsio.nats_server import ClusterConfig, NatsServer, free_port
 from support.poll import until, wait_until
 
 HOST = "127.0.0.1"

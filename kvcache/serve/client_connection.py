@@ -17,7 +17,7 @@ hold its slot and buffers for ever.
 
 Local GETs, the bulk of the traffic, skip the generic dispatch: see ClientConnection._process.
 
-A module of its own, apart from the listener (kvcache.serve.server), because the connection is
+A module of its own, apart from the listener (kvcache.serve.resp_server), because the connection is
 the request loop and everything a client's state means (CLIENT REPLY, CLIENT LIST's line, the
 output buffer limit), while the listener only accepts, counts and stops. What the connection
 needs of its listener is the Protocol `Listener`, so this module does not import the server
@@ -35,19 +35,19 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 from .. import native, resp
 from ..errors import KvcacheError, ProtocolError
-from .get import FLUSH_AT, GET_CMD
+from .server_get import FLUSH_AT, GET_CMD
 
 if TYPE_CHECKING:
     from ..config import Config
     from ..stats import Stats
     from .commands import Commands
-    from .get import LocalGets
+    from .server_get import ServerGets
     from .tracking_mode import ClientTracking
 
 log = logging.getLogger("kvcache.server")
 
 # The request parser and the GET path: Cython extensions when built, else their pure-Python
-# twins (same API). The listener builds its LocalGets from this same SERVER_GET, so the
+# twins (same API). The listener builds its ServerGets from this same SERVER_GET, so the
 # connection and the fast path it drives are always the same implementation.
 WIRE = native.load("resp")
 SERVER_GET = native.load("server_get")
@@ -65,20 +65,20 @@ SHUTTING_DOWN = resp.error("ERR kvcache is shutting down")
 
 
 if TYPE_CHECKING:  # the twin's class stands for both: same attributes, same methods
-    from .get import GetConnection as _GetConnection
+    from .server_get import GetConnection as _GetConnection
 else:
     _GetConnection = SERVER_GET.GetConnection
 
 
 class Listener(Protocol):
-    """What a connection needs of the listener that accepted it (kvcache.serve.server's
+    """What a connection needs of the listener that accepted it (kvcache.serve.resp_server's
     RespServer): the shared GET path, command table and counters, the registry it joins and
     leaves, and the limits it applies."""
 
     cfg: Config
     commands: Commands
     stats: Stats
-    gets: LocalGets
+    gets: ServerGets
     path: str                                  # the Unix socket's path (CLIENT LIST's addr)
     connections: set[ClientConnection]
     by_id: dict[int, ClientConnection]
@@ -331,7 +331,7 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         """Answer buffered requests in order until one needs NATS, the buffer is empty, or the
         client stops reading. Replies of one batch go out in one write (or one per FLUSH_AT).
 
-        Runs of `GET` take a fast path, the GET path's `answer` (kvcache.serve.get, in C when
+        Runs of `GET` take a fast path, the GET path's `answer` (kvcache.serve.server_get, in C when
         built): cached key plans, freshness asked once per bucket, every read in one LMDB
         read transaction that closes before it returns, never held across an await. Anything else,
         and any GET the fast path cannot

@@ -1,10 +1,10 @@
 """The RESP server's listeners: the Unix socket (and the TCP listener, `listen`), the
-connections they accept up to max_clients (kvcache.serve.connection), and a graceful stop
+connections they accept up to max_clients (kvcache.serve.client_connection), and a graceful stop
 (requests in flight finish, the socket file is removed).
 
 Beside it, what the sidecar wires the server with: the GET fast path over the read policy
-(local_gets, direct_buckets), the open-files limit max_clients needs, and the claim of the
-socket path left by a dead process. One client's request loop is kvcache.serve.connection's.
+(server_gets, direct_buckets), the open-files limit max_clients needs, and the claim of the
+socket path left by a dead process. One client's request loop is kvcache.serve.client_connection's.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import stat
 from typing import TYPE_CHECKING
 
 from ..errors import KvcacheError
-from .connection import SERVER_GET, ClientConnection
+from .client_connection import SERVER_GET, ClientConnection
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -27,10 +27,10 @@ if TYPE_CHECKING:
     from ..read.policy import ReadPolicy
     from ..stats import Stats
     from .commands import Commands
-    from .get import LocalGets
+    from .server_get import ServerGets
 
 __all__ = ["FD_MARGIN", "ClientConnection", "RespServer", "claim_socket_path", "direct_buckets",
-           "local_gets", "raise_fd_limit"]
+           "raise_fd_limit", "server_gets"]
 
 log = logging.getLogger("kvcache.server")
 
@@ -43,12 +43,12 @@ class RespServer:
     max_clients, shares the GET fast path and the command table among them, and stops
     gracefully (requests in flight finish, the socket file is removed)."""
 
-    def __init__(self, cfg: Config, commands: Commands, stats: Stats, gets: LocalGets,
+    def __init__(self, cfg: Config, commands: Commands, stats: Stats, gets: ServerGets,
                  by_id: dict[int, ClientConnection]) -> None:
         self.cfg = cfg
         self.commands = commands
         self.stats = stats
-        self.gets = gets  # the GET fast path (local_gets)
+        self.gets = gets  # the GET fast path (server_gets)
         self.path = os.path.abspath(cfg.socket_path)
         self.connections: set[ClientConnection] = set()
         # REDIRECT targets and CLIENT LIST / KILL, by CLIENT ID (oldest first: ids grow); the
@@ -151,17 +151,17 @@ def _no_plan(key: bytes) -> bool:
     return False
 
 
-def local_gets(cfg: Config, policy: ReadPolicy, every_get_to_commands: bool) -> LocalGets:
-    """The GET fast path (kvcache.serve.get, in C when built) over the read policy's plans.
+def server_gets(cfg: Config, policy: ReadPolicy, every_get_to_commands: bool) -> ServerGets:
+    """The GET fast path (kvcache.serve.server_get, in C when built) over the read policy's plans.
     `every_get_to_commands` (the access log is on: every GET must be logged): it plans
     nothing. Call `direct_buckets` once the feeds exist."""
-    return SERVER_GET.LocalGets(policy.replica, _no_plan if every_get_to_commands else policy.plan)
+    return SERVER_GET.ServerGets(policy.replica, _no_plan if every_get_to_commands else policy.plan)
 
 
-def direct_buckets(gets: LocalGets, cfg: Config, witnesses: dict[str, Witness]) -> None:
+def direct_buckets(gets: ServerGets, cfg: Config, witnesses: dict[str, Witness]) -> None:
     """Tell the fast path each bucket's witness (kvcache.read.ledger) and bound, which
     replicate every key, and which replicate none and have a near cache (their keys need no
-    plan: the replica, or the cache); not with the access log on (local_gets)."""
+    plan: the replica, or the cache); not with the access log on (server_gets)."""
     gets.set_buckets([(b.name, witnesses[b.name], b.max_stale_ms, list(b.keys) == [">"],
                        witnesses[b.name].cache if list(b.keys) == [] else None)
                       for b in cfg.buckets], cfg.default_bucket)

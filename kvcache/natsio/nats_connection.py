@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 
 from .. import native
 from ..errors import ProtocolError
-from .proto import status_headers
+from .natsproto import status_headers
 
 proto = native.load("natsproto")
 _Msg, _HMsg, _Run = proto.Msg, proto.HMsg, proto.Run

@@ -6,13 +6,13 @@ one LMDB read transaction, until one cannot be answered locally (a key that is i
 or in a replica that is not fresh enough: the generic path answers that one) or the replies
 reach the byte budget (the server writes them out first, then calls again).
 
-    gets = LocalGets(replica, planner)
+    gets = ServerGets(replica, planner)
     replies, answered, notfound = gets.serve(lengths, keys, proto, budget)
     replies, answered, notfound, more = gets.answer(reader, data, proto, budget)
 
 `GetConnection` is the part of the server's connection that runs on every socket read: its
 `data_received` answers GET-only reads with one `answer` call and hands anything else to the
-subclass's `_process` (kvcache.serve.connection.ClientConnection). In C it is one call from uvloop to the reply.
+subclass's `_process` (kvcache.serve.client_connection.ClientConnection). In C it is one call from uvloop to the reply.
 
 `answer` is the server's whole per-read step for GET-only traffic: feed the bytes to the
 request reader, then cut and serve GET runs until the buffer is empty (more=False), or
@@ -95,7 +95,7 @@ _DIRECT_KEY = re.compile(rb"(?!%s)[%s]+(?:\.[%s]+)*" % (
     RESERVED_PREFIX.encode(), TOKEN_CHARS.encode(), TOKEN_CHARS.encode()))
 
 
-class LocalGets:
+class ServerGets:
     """The server's GET fast path over the replica (twin of ext/server_get.pyx): answers runs
     of pipelined GETs from plans (kvcache.read.policy.Plan) in one read transaction."""
 
@@ -360,7 +360,7 @@ def _socket_fd(transport: asyncio.BaseTransport | None) -> int:
 
 
 class GetConnection:
-    """Per-connection state of the hot path; kvcache.serve.connection.ClientConnection adds the rest."""
+    """Per-connection state of the hot path; kvcache.serve.client_connection.ClientConnection adds the rest."""
 
     __slots__ = (
         "_busy",
@@ -379,7 +379,7 @@ class GetConnection:
         "stats",
     )
 
-    def __init__(self, gets: LocalGets, stats: Stats, reader: RequestReader) -> None:
+    def __init__(self, gets: ServerGets, stats: Stats, reader: RequestReader) -> None:
         self.gets = gets
         self.stats = stats            # the server's Stats: commands, gets_local, gets_notfound
         self.reader = reader
@@ -445,4 +445,4 @@ class GetConnection:
         stats.gets_notfound += notfound
 
     def _process(self) -> None:
-        raise NotImplementedError  # the generic request loop: kvcache.serve.connection.ClientConnection
+        raise NotImplementedError  # the generic request loop: kvcache.serve.client_connection.ClientConnection
