@@ -105,7 +105,6 @@ class PullConsumer:
         self.name = name or _consumer_name()
         self._fixed_name = name is not None
         self.placement_retries = 0
-        self.replaced = 0  # consumers of our name found on the server and deleted first
         self.initial_pending = 0
         self.delivered = 0
         self._inbox = nc.new_inbox()
@@ -216,20 +215,17 @@ class PullConsumer:
         pending = _DELETIONS.get((id(self.nc), self.stream, self.name))
         if pending is not None:  # our last consumer of this name is being deleted: not ours to race
             await asyncio.wait([pending])
-        for attempt in range(2):
-            try:
-                info = await self._create_request()
-            except jsapi.ApiError as e:
-                if e.err_code not in NAME_TAKEN or attempt:
-                    raise
-            else:
-                used = (info.get("delivered") or {}).get("consumer_seq", 0) or info.get("num_waiting", 0)
-                if not used or attempt:
-                    return info
-            self.replaced += 1
-            log.info("%s: replacing consumer %s left by an earlier run", self.stream, self.name)
-            await self._delete_quietly(self.timeout)
-        raise AssertionError("unreachable")
+        try:
+            info = await self._create_request()
+        except jsapi.ApiError as e:
+            if e.err_code not in NAME_TAKEN:
+                raise
+        else:
+            if not ((info.get("delivered") or {}).get("consumer_seq", 0) or info.get("num_waiting", 0)):
+                return info  # ours, or an unused one of the name: as good as new
+        log.info("%s: replacing consumer %s left by an earlier run", self.stream, self.name)
+        await self._delete_quietly(self.timeout)
+        return await self._create_request()
 
     async def _create_request(self) -> dict:
         cfg: dict = {
