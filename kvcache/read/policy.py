@@ -24,7 +24,6 @@ docs/architecture.md, "Consistency".
 """
 from __future__ import annotations
 
-import functools
 import time
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
@@ -156,7 +155,6 @@ class ReadPolicy:
         self.floors = ledger.floors
         # raw key -> its Plan, or the CommandError that says why it names no key
         self._plans: dict[bytes, Plan | CommandError] = {}
-        self.in_filters = functools.lru_cache(maxsize=65536)(self._in_filters)
 
     # ------------------------------------------------------------------ addressing
 
@@ -188,11 +186,6 @@ class ReadPolicy:
                                "reserved for NATS's own use (ADR-8)")
         return bc, key
 
-    def _in_filters(self, bucket: str, key: str) -> bool:
-        """Is the key inside the bucket's replicated set (its `keys` filters)? Cached."""
-        bc = self.cfg.bucket(bucket)
-        return bc is not None and bc.replicates(key)
-
     def address(self, raw: bytes) -> Plan:
         """Where `raw` lives (Plan), worked out once per raw key and cached (the filters are
         asked here, once); CommandError for an invalid key (see `resolve`)."""
@@ -207,7 +200,7 @@ class ReadPolicy:
                 offset = None if lkey.startswith(LONG_KEY_PREFIX) else RECORD.size
                 feed = self.feeds[bc.name]
                 witness = self.ledger.witness(feed)
-                if self.in_filters(bc.name, key):
+                if bc.replicates(key):
                     plan = Plan(witness, bc.max_stale_ms, bc.name, lkey, self.replica.db(bc.name), offset,
                                 None, key, bc)
                 else:

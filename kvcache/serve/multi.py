@@ -80,11 +80,11 @@ class Transactions:
             raise CommandError("ERR WATCH inside MULTI is not allowed")
         resolved = []
         for raw in raw_keys:
-            bc, key = self.policy.resolve(raw)
-            if not self.policy.in_filters(bc.name, key):
+            plan = self.policy.address(raw)  # the key's one address: bucket, key, replicated
+            if not plan.replicated:
                 raise CommandError(f"ERR kvcache can WATCH only keys it replicates: "
                                    f"'{raw.decode(errors='replace')[:64]}' is read from NATS")
-            resolved.append((bc.name, key))
+            resolved.append((plan.bucket, plan.key))
         for bk in resolved:
             if bk not in conn.watching:
                 conn.watching.add(bk)
