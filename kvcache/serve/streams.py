@@ -320,21 +320,21 @@ class Streams:
         return STREAM_TYPE
 
     def xinfo(self, conn: Session, args: list[bytes]) -> bytes:
+        """XINFO HELP, GROUPS, CONSUMERS and STREAM; each one's argument count is checked
+        before it runs (the command table's subcommand arity)."""
         sub = args[1].lower()
         if sub == b"help":
             return resp.array([resp.simple(line) for line in XINFO_HELP])
-        if sub == b"groups" and len(args) == 3:
+        if sub == b"groups":
             self.stream_of(args[2])
             return resp.array([])
-        if sub in (b"consumers",) and len(args) == 4:
+        if sub == b"consumers":
             self.stream_of(args[2])
             raise CommandError(f"NOGROUP No such consumer group '{args[3][:64].decode(errors='replace')}' for "
                                f"key name '{args[2][:64].decode(errors='replace')}'")
         if sub != b"stream":
             raise CommandError(f"ERR unknown subcommand or wrong number of arguments for "
                                f"'{args[1][:64].decode(errors='replace')}'. Try XINFO HELP.")
-        if len(args) < 3:
-            raise CommandError("ERR wrong number of arguments for 'xinfo|stream' command")
         full, count = _xinfo_full(args[3:])
         bc, feed = self.stream_of(args[2])
         self._vouch(conn, bc, feed)
