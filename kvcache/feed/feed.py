@@ -466,9 +466,9 @@ class Feed(Maintenance):
 
     async def _check_identity(self, info: dict) -> None:
         """Right after creating a consumer: is it on the stream we planned for? The stream may
-        have been deleted and recreated between our look at it and the consumer's creation."""
-        created = info.get("created", "")
-        if created and self.meta.stream_created and created != self.meta.stream_created:
+        have been deleted and recreated between our look at it and the consumer's creation
+        (the leader's STREAM.INFO, asked after the creation: Maintenance.same_stream)."""
+        if not self.same_stream(info):
             raise ConsumerLost("the stream was recreated while the consumer was being created", "stream_recreated")
 
     async def _replan(self) -> bool:
