@@ -131,4 +131,6 @@ async def test_a_reconnect_keeps_the_consumer_made_since_the_disconnect(nats_ser
         await until(lambda: feed.caught_up, what="caught up again")
         assert feed.consumers_created == 2, f"the reconnect failed the new consumer: {dict(feed.recreations)}"
         assert dict(feed.recreations) == {"connection": 1}
-        assert await _names(nc.jetstream(), jsapi.kv_stream(b)) == ["kvcache_reconnect"]
+        # the reconnect's reconcile pass runs beside it under `<name>_r`, deleted when it ends
+        assert await until(lambda: _only(nc.jetstream(), jsapi.kv_stream(b), "kvcache_reconnect"),
+                           what="the feed's one consumer") == ["kvcache_reconnect"]
