@@ -133,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="disconnect a client that reads none of its replies this long; 0 = never")
     serve.add_argument("--heartbeat-ms", type=int, dest="heartbeat_ms", metavar="MS",
                        help="consumer idle heartbeat; after 2 missed the replica counts as "
-                       "behind from the last one heard, after 3 the consumer is recreated")
+                       "behind from the last one heard, after 3 the consumer is recreated "
+                       "(a replicated stream read whole: 30 s, and recreated when silent this "
+                       "long x 3 while the quorum shows more)")
     serve.add_argument("--creds", dest="nats_creds", metavar="FILE", help="NATS credentials file")
     serve.add_argument("--nkey", dest="nats_nkey", metavar="FILE", help="NATS nkey seed file")
     serve.add_argument("--token", dest="nats_token", metavar="TOKEN", help="NATS authentication token")

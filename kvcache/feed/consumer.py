@@ -5,9 +5,9 @@ for the sidecar's data directory (kvcache.feed.names: what a killed predecessor 
 name is replaced, not left to age out), made on
 the stream leader (nats-server places an R1 consumer on a random replica, whose store may lag),
 pulled in windows (the server never sends more than asked for, so a big bucket cannot overflow
-us as a slow consumer), and watched: a consumer-sequence gap, silent heartbeats, a deleted
-consumer or a status that ends more than one pull request raise ConsumerLost, and the feed makes
-a new one. Deliveries arrive through the connection's fast lane (kvcache.natsio.nats_connection) as `Run`s of
+us as a slow consumer), and watched: a consumer-sequence gap, silent heartbeats, silence while
+the stream is known to hold more (the feed's `behind`), a deleted consumer or a status that ends
+more than one pull request raise ConsumerLost, and the feed makes a new one. Deliveries arrive through the connection's fast lane (kvcache.natsio.nats_connection) as `Run`s of
 decoded replica items, handed to the feed's `on_batch`.
 """
 from __future__ import annotations
@@ -81,13 +81,21 @@ class PullConsumer:
     caught up, that it has nothing more (0 when unknown). An exception raised by either ends
     the consumer and propagates out of `run()`. `after_create(stream_info)` runs once the
     consumer exists on the stream leader, with the leader's STREAM.INFO answer.
+
+    Liveness: the server is asked for an idle heartbeat every `heartbeat_s`, and silence for
+    three of them loses the consumer. `behind()`, when given, says since when (monotonic) the
+    stream is known to hold messages the consumer has not delivered (None: not known to): a
+    consumer silent for three `check_s` past that moment is lost too. A feed whose staleness a
+    quorum's evidence bounds asks for rare heartbeats and relies on that check instead
+    (kvcache.feed.feed.Feed.consumer_heartbeat_s).
     """
 
     def __init__(self, nc: NatsConnection, stream: str, prefix: str, filters: list[str], *,
                  start_seq: int | None, headers_only: bool, heartbeat_s: float,
                  on_batch: Callable[[list[Run]], bool], on_idle: Callable[[int], None],
                  after_create: Callable[[dict], Awaitable[None]] | None = None,
-                 api: str = "$JS.API", timeout: float = 5.0, name: str | None = None) -> None:
+                 api: str = "$JS.API", timeout: float = 5.0, name: str | None = None,
+                 behind: Callable[[], float | None] | None = None, check_s: float | None = None) -> None:
         self.nc = nc
         self.stream = stream
         self.prefix = prefix
@@ -95,6 +103,8 @@ class PullConsumer:
         self.start_seq = start_seq
         self.headers_only = headers_only
         self.heartbeat_s = heartbeat_s
+        self.behind = behind
+        self.check_s = heartbeat_s if check_s is None else min(check_s, heartbeat_s)
         self.on_batch = on_batch
         self.on_idle = on_idle
         self.after_create = after_create
@@ -139,7 +149,7 @@ class PullConsumer:
             await self._pull()
             while not self._done:
                 try:
-                    await asyncio.wait_for(self._wake.wait(), self.heartbeat_s)
+                    await asyncio.wait_for(self._wake.wait(), self.check_s)
                 except TimeoutError:
                     pass
                 self._wake.clear()
@@ -147,8 +157,7 @@ class PullConsumer:
                     raise self._error
                 if self._failure:
                     raise ConsumerLost(*self._failure)
-                if time.monotonic() - self._last_activity > 3 * self.heartbeat_s:
-                    raise ConsumerLost(f"no heartbeat for {3 * self.heartbeat_s:.1f}s", "heartbeat")
+                self._check_silence(time.monotonic())
                 if not self._done and self._pending_msgs <= PULL_BATCH // 2:
                     await self._pull()
         finally:
@@ -160,6 +169,17 @@ class PullConsumer:
                 pass
             if created:
                 _delete_in_background(self)
+
+    def _check_silence(self, now: float) -> None:
+        """Lose the consumer if the server has been silent too long: three idle heartbeats,
+        or three checks since the stream was known to hold more than it delivered."""
+        silent = now - self._last_activity
+        if silent > 3 * self.heartbeat_s:
+            raise ConsumerLost(f"no heartbeat for {3 * self.heartbeat_s:.1f}s", "heartbeat")
+        since = self.behind() if self.behind is not None else None
+        if since is not None and now - max(since, self._last_activity) > 3 * self.check_s:
+            raise ConsumerLost(f"the stream holds messages the consumer has not delivered, and it has "
+                               f"been silent for {silent:.1f}s", "behind")
 
     def fail(self, message: str, reason: str) -> None:
         """End the consumer with ConsumerLost(message, reason) (the first failure wins)."""
@@ -234,7 +254,7 @@ class PullConsumer:
             "replay_policy": "instant",
             "mem_storage": True,
             "num_replicas": 1,
-            "inactive_threshold": int(max(60.0, 10 * self.heartbeat_s) * 1e9),
+            "inactive_threshold": int(max(60.0, 10 * self.check_s) * 1e9),
             "headers_only": self.headers_only,
         }
         if self.start_seq is None:

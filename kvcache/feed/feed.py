@@ -44,7 +44,7 @@ from .changes import ChangeHub
 from .consumer import ConsumerLost, PullConsumer, Run
 from .freshness import Freshness
 from .position import Position
-from .quorum import ANCHOR_MAX_BYTES, NO_FENCE, Evidence, Fence
+from .quorum import ANCHOR_MAX_BYTES, NO_FENCE, QUORUM_HEARTBEAT_S, Evidence, Fence
 from .sweeps import Maintenance
 
 log = logging.getLogger("kvcache.feed")
@@ -100,6 +100,8 @@ class Feed(Maintenance):
         self._reconnected = False
         self._retry_now = asyncio.Event()  # cuts the wait between consumers short (reconnected)
         self._consumer: PullConsumer | None = None
+        # Since when (monotonic) a quorum has shown the stream past the replica (`_behind`)
+        self._behind_since: float | None = None
         self._task: asyncio.Task | None = None
         self._reconcile_task: asyncio.Task | None = None
         self._sweep_task: asyncio.Task | None = None
@@ -379,6 +381,11 @@ class Feed(Maintenance):
         ev = fresh.note(info, sent_ns, self.meta.applied_seq)
         if ev is None:
             return None
+        if ev.seq > self.meta.applied_seq:
+            if self._behind_since is None:
+                self._behind_since = time.monotonic()
+        else:
+            self._behind_since = None
         consumer = self._consumer
         if (fresh.quorum and consumer is not None and consumer.host and ev.leader
                 and ev.leader != consumer.host and fresh.caught_up):
@@ -394,6 +401,10 @@ class Feed(Maintenance):
         """The replica moved (a batch applied, or the position advanced): the waits it
         reached end, and the ledger is told."""
         self.position.moved(self.meta)
+        if self._behind_since is not None:
+            newest = self.freshness.proofs.newest
+            if newest is None or self.meta.applied_seq >= newest.seq:
+                self._behind_since = None
         if self.on_applied is not None:
             self.on_applied(self.meta)
 
@@ -445,9 +456,13 @@ class Feed(Maintenance):
             # and the lag metric showed every such bucket thousands of messages behind).
             start = self.upstream_seq + 1
             self.meta.applied_seq = self.upstream_seq
+        heartbeat_s = self.consumer_heartbeat_s()
+        self.freshness.expect_heartbeats(heartbeat_s)
+        self._behind_since = None
         consumer = PullConsumer(
             self.nc, self.stream, self.prefix, self.filters, start_seq=start,
-            headers_only=False, heartbeat_s=self.heartbeat_s,
+            headers_only=False, heartbeat_s=heartbeat_s, check_s=self.heartbeat_s,
+            behind=self._behind if heartbeat_s != self.heartbeat_s else None,
             on_batch=self._on_batch, on_idle=self._on_idle, after_create=self._check_identity,
             timeout=self.timeout, name=self.consumer_name,
         )
@@ -463,6 +478,24 @@ class Feed(Maintenance):
             if self.on_resync is not None:
                 self.on_resync()
         return consumer
+
+    def consumer_heartbeat_s(self) -> float:
+        """The idle heartbeat the next consumer asks its server for. `heartbeat_ms`, unless a
+        quorum's evidence bounds the replica's staleness and the consumer reads every message of
+        the stream: then the heartbeat proves nothing the evidence does not (Freshness.ages_ms),
+        and a stalled consumer shows as evidence of messages it did not deliver (`_behind`), so
+        the server is asked for one every QUORUM_HEARTBEAT_S only. Each idle heartbeat costs
+        the cluster per consumer: in a fleet, per sidecar per bucket (docs/architecture.md, "A
+        fleet on one cluster"). A filtered consumer keeps `heartbeat_ms`: its heartbeat carries
+        how far it has looked (`_on_idle`), which is how its position reaches the evidence."""
+        if self.freshness.quorum and self.filters == [self.prefix + ">"]:
+            return max(self.heartbeat_s, QUORUM_HEARTBEAT_S)
+        return self.heartbeat_s
+
+    def _behind(self) -> float | None:
+        """Since when (monotonic) the stream's quorum has shown messages the replica does not
+        hold; None while it holds everything shown. The consumer asks (PullConsumer.behind)."""
+        return self._behind_since
 
     async def _check_identity(self, info: dict) -> None:
         """Right after creating a consumer: is it on the stream we planned for? The stream may
@@ -609,7 +642,7 @@ def start_decision(meta: BucketMeta, info: dict) -> tuple[str | None, str | None
 # The reasons metrics give full resyncs and consumer recreations by (every one is exported
 # from the start, at 0, so that increase() sees the first)
 RESYNC_REASONS = ("unfinished", "recreated", "rewound", "truncated")
-RECREATION_REASONS = ("heartbeat", "gap", "connection", "placement", "ended", "stream_recreated",
+RECREATION_REASONS = ("heartbeat", "behind", "gap", "connection", "placement", "ended", "stream_recreated",
                       "bucket_missing", "upstream", "replica_error", "error")
 
 

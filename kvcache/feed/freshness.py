@@ -61,6 +61,11 @@ class Freshness:
         self.proofs = Proofs()
         self._born_ns = clock()
 
+    def expect_heartbeats(self, heartbeat_s: float) -> None:
+        """The consumer now made asks its server for an idle heartbeat every `heartbeat_s`
+        (Feed.consumer_heartbeat_s): silence counts past SILENT_HEARTBEATS of those."""
+        self._silence_ns = int(SILENT_HEARTBEATS * heartbeat_s * 1e9)
+
     def lag_ms(self, applied: int) -> int:
         """What INFO, readiness and the lag metric show: 0 while caught up, heard from, and
         (a replicated stream) vouched for by a quorum within max_stale_ms; else the age of the

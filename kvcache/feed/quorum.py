@@ -34,6 +34,10 @@ from typing import Any
 # Followers the stream's raft leader hears from at least once a second when idle (its
 # heartbeat, nats-server raft.go hbInterval): `active` stays under this while healthy.
 RAFT_HEARTBEAT_S = 1.0
+# The idle heartbeat a consumer asks for when quorum evidence bounds its replica's staleness
+# and it reads every message of the stream (kvcache.feed.feed.Feed.consumer_heartbeat_s): a
+# backstop only, since a stalled consumer shows sooner as evidence it did not deliver.
+QUORUM_HEARTBEAT_S = 30.0
 # Proofs kept that the replica has not reached yet (writes in flight): more than a poll's worth
 PENDING_MAX = 16
 # A Fence's anchor comes back, value and all, with each fenced read that asks for it: the
