@@ -2,13 +2,14 @@
 
 A consumer is ephemeral, AckNone, in memory and filtered to the bucket's key filters, named
 for the sidecar's data directory (kvcache.feed.names: what a killed predecessor left under the
-name is replaced, not left to age out), made on
-the stream leader (nats-server places an R1 consumer on a random replica, whose store may lag),
-pulled in windows (the server never sends more than asked for, so a big bucket cannot overflow
-us as a slow consumer), and watched: a consumer-sequence gap, silent heartbeats, silence while
-the stream is known to hold more (the feed's `behind`), a deleted consumer or a status that ends
-more than one pull request raise ConsumerLost, and the feed makes a new one. Deliveries arrive through the connection's fast lane (kvcache.natsio.nats_connection) as `Run`s of
-decoded replica items, handed to the feed's `on_batch`.
+name is replaced, not left to age out), made on the stream leader (nats-server places an R1
+consumer on a random replica, whose store may lag), pulled in windows (the server never sends
+more than asked for, so a big bucket cannot overflow us as a slow consumer), and watched: a
+consumer-sequence gap, silent heartbeats, silence while the stream is known to hold more (the
+feed's `behind`), a deleted consumer or a status that ends more than one pull request raise
+ConsumerLost, and the feed makes a new one. Deliveries arrive through the connection's fast
+lane (kvcache.natsio.nats_connection) as `Run`s of decoded replica items, handed to the feed's
+`on_batch`.
 """
 from __future__ import annotations
 
