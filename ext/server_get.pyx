@@ -18,7 +18,6 @@ sidecar uses it, and `serve` checks the first condition on every call:
   writer has locked would drop the writer's POSIX locks), so `close()` only stops using it.
 A map grown by the writer shows up as MDB_MAP_RESIZED at the next batch and is adopted.
 """
-from cpython.bytearray cimport PyByteArray_AS_STRING
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_FromStringAndSize
 from cpython.dict cimport PyDict_GetItem
 from cpython.list cimport PyList_Append, PyList_GET_ITEM, PyList_GET_SIZE
@@ -31,6 +30,7 @@ from libc.string cimport memchr, memcmp, memcpy
 from resp_get cimport match_get
 from lmdb_walk cimport (GROUP, WALK_FALLBACK, WALK_FOUND, WalkKey, WalkMap, walk_all,
                         walk_map_base, walk_start)
+from kvcache._native.near_hits cimport HitCounter
 
 import logging
 import os
@@ -39,11 +39,9 @@ from kvcache.errors import ReplicaError
 from kvcache.ops.latency import BOUNDS_NS
 from kvcache.read.policy import PLAN_CACHE
 from kvcache.serve.server_get import FLUSH_AT, FRESH_VERDICT_S, LARGE_VALUE
-from kvcache.store.nearcache import LRU_EXACT_BELOW, LRU_SAMPLE, REVISION, TOUCH_MAX
+from kvcache.store.nearcache import REVISION
 from kvcache.store.record import FLAG_TTL, KLEN_MASK, RECORD, TTL_BIT, TTL_BYTE
 from kvcache.store.replica import MAX_DBS
-from kvcache.store.sketch import _BLOCK_SEED as _BLOCK_SEED_PY
-from kvcache.store.sketch import _SEEDS, BLOCK, MAX_COUNT, ROWS
 from kvcache.resp import GET_LEN
 
 assert RECORD.format == "<QQI" and RECORD.size == 20, "record layout changed: update serve()"
@@ -53,17 +51,10 @@ cdef unsigned int _FLAG_TTL = FLAG_TTL
 cdef unsigned int _KLEN_MASK = KLEN_MASK
 cdef Py_ssize_t _TTL_BYTE = TTL_BYTE
 cdef unsigned char _TTL_BIT = TTL_BIT
-# kvcache.store.nearcache: a cached not-found is its revision alone; hits handed over in batches
+# kvcache.store.nearcache: a cached not-found is its revision alone. Its hits go to the cache's
+# counter (ext/near_hits.pyx, cimported above: its C entry, one call per hit), which alone
+# knows the sketch and the sampling
 assert REVISION.size == 8, "cached not-found layout changed: update _reply()"
-cdef Py_ssize_t _TOUCH_MAX = TOUCH_MAX
-cdef Py_ssize_t _LRU_SAMPLE = LRU_SAMPLE
-cdef int _LRU_EXACT_BELOW = LRU_EXACT_BELOW
-# kvcache.store.sketch's counters, added to in C (_sketch_add)
-assert ROWS == 4 and MAX_COUNT == 15 and BLOCK == 64, "sketch layout changed: update _sketch_add()"
-cdef unsigned long long _SEED[4]
-for _i, _s in enumerate(_SEEDS):
-    _SEED[_i] = _s
-cdef unsigned long long _BLOCK_SEED = _BLOCK_SEED_PY
 
 log = logging.getLogger("kvcache.server")
 
@@ -460,7 +451,7 @@ cdef class ServerGets(_ReplicaView):
             v.mv_data = <void*>w.data
             v.mv_size = w.dsize
         if rc == 0 and b.cache and v.mv_size == 8:  # a cached not-found
-            _touch(self, b, w, i)
+            _count_hit(self, b, w, i)
             return self._nil_reply(b)
         if rc == 0:
             rec = <const unsigned char*>v.mv_data
@@ -510,7 +501,7 @@ cdef class ServerGets(_ReplicaView):
             self._len += hlen + vlen + 2
         b.hits += 1
         if b.cache:
-            _touch(self, b, w, i)
+            _count_hit(self, b, w, i)
         return 1
 
     cdef inline int _nil_reply(self, _Bucket b) except -1:

@@ -1,5 +1,5 @@
 # The near caches on the GET path (kvcache.store.nearcache): a cache read as a bucket of its
-# own, and each answer counted into the cache. Included by server_get.pyx.
+# own, and each answer handed to the cache's hit counter. Included by server_get.pyx.
 
 
 cdef _Bucket _cache_bucket(ServerGets self, str name, near):
@@ -14,30 +14,24 @@ cdef _Bucket _cache_bucket(ServerGets self, str name, near):
         b.db_name = db_name
         b.cache = True
         b.near = near
-        b.touched = near.touched
-        sketch = near.sketch
-        b.counts = sketch.counts
-        b.sk_shift = sketch.shift
+        counter = near.counter
+        if isinstance(counter, HitCounter):
+            b.counter = counter
+        else:  # the twin's (kvcache.native never pairs it with this extension; a test may)
+            b.counter_py = counter
         self._buckets[db_name] = b
     return b
 
 
-cdef int _touch(ServerGets self, _Bucket b, WalkKey* w, int i) except -1:
-    """A near-cache answer, counted into the cache (see kvcache.serve.server_get.ServerGets._touch):
-    its sketch at once; its key into `touched` (made here for a key that came straight
-    from the socket) while rarely read, else every LRU_SAMPLE-th hit; the count handed
-    over every TOUCH_MAX."""
-    cdef int estimate = _sketch_add(b, w.key, w.klen)
-    b.sampled += 1
-    if estimate < _LRU_EXACT_BELOW or b.sampled >= _LRU_SAMPLE:
-        b.sampled = 0
-        if self._key_obj[i] != NULL:
-            PyList_Append(b.touched, <object>self._key_obj[i])
-        else:
-            PyList_Append(b.touched, PyBytes_FromStringAndSize(<const char*>w.key, w.klen))
-    b.undrained += 1
+cdef inline int _count_hit(ServerGets self, _Bucket b, WalkKey* w, int i) except -1:
+    """A near-cache answer: counted for the connection, and handed to the cache's hit counter
+    (kvcache.store.near_hits: the sketch, the sampled LRU moves and their handover are its
+    own), by a C call with the key's bytes (and its object, when the GET has one)."""
     self.cached += 1
-    if b.undrained >= _TOUCH_MAX:
-        n, b.undrained = b.undrained, 0
-        b.near.handover(n)
+    if b.counter is not None:
+        return b.counter.take_one(w.key, w.klen, self._key_obj[i])
+    if self._key_obj[i] != NULL:
+        b.counter_py.take((<object>self._key_obj[i],))
+    else:
+        b.counter_py.take((PyBytes_FromStringAndSize(<const char*>w.key, w.klen),))
     return 0

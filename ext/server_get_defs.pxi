@@ -68,35 +68,11 @@ cdef class _Bucket:
     cdef unsigned long long hits, misses
     # A bucket's near cache (kvcache.store.nearcache), read as a bucket of its own: a cached
     # not-found answers nil, a key not cached (or expired) goes to the generic path, and each
-    # answer is counted into the cache (its sketch's counters here, its key into `touched`)
+    # answer is handed to the cache's hit counter (_count_hit)
     cdef bint cache
     cdef object near        # the NearCache
-    cdef list touched       # near.touched
-    cdef Py_ssize_t undrained, sampled  # hits not handed over; since the last sampled one
-    cdef object counts      # near.sketch.counts (a bytearray, aged in place)
-    cdef unsigned long long sk_shift  # log2 of the sketch's blocks
-
-
-cdef extern from "Python.h":
-    Py_hash_t _Py_HashBytes(const void* src, Py_ssize_t len)  # hash(bytes) of those bytes
-
-
-cdef inline int _sketch_add(_Bucket b, const unsigned char* key, Py_ssize_t n) noexcept:
-    """kvcache.store.sketch.FrequencySketch.add_counts in C: the same 4 counters of one 64-byte
-    block from the key's hash (what hash() gives for those bytes), each saturating at
-    MAX_COUNT; returns the key's estimate after it."""
-    cdef unsigned long long h = <unsigned long long>_Py_HashBytes(key, n)
-    cdef unsigned char* counts = <unsigned char*>PyByteArray_AS_STRING(b.counts)
-    cdef unsigned long long block = (h * _BLOCK_SEED) >> (64 - b.sk_shift) if b.sk_shift else 0
-    cdef unsigned char* c
-    cdef int row, low = 15
-    for row in range(4):
-        c = counts + (block << 6) + row * 16 + ((h * _SEED[row]) >> 60)
-        if c[0] < 15:
-            c[0] += 1
-        if c[0] < low:
-            low = c[0]
-    return low
+    cdef HitCounter counter  # near.counter, when native (a C call per hit), else None
+    cdef object counter_py  # near.counter, when its twin (a Python call per hit)
 
 
 cdef class _Plan:

@@ -17,6 +17,11 @@ module's classes appear in its contract as constructors that return their instan
 tests/test_twin_contracts.py checks both twins of every pair against it (members, parameters,
 a call each); `pick` refuses an extension that lacks a member of its contract (a build older
 than its .pyx) as broken.
+
+A pair can be part of another's native path (`PARTS`): built as its own extension, so that
+the layer below loads it without the one above (the store's near-cache hit counter, which the
+GET path's extension calls in C), chosen and contracted like any pair, and reported under the
+module it is part of, which serves natively only when its parts do.
 """
 from __future__ import annotations
 
@@ -37,6 +42,14 @@ EXTENSIONS = {
     "natsproto": "natsio.natsproto",   # the NATS protocol reader under the feeds' and peers' connections
     "server_get": "serve.server_get",  # the server's GET fast path over the replica
     "app_get": "app.app_get",          # LocalReader.get in an application's process
+}
+
+# Pairs that are part of another's native path: native name -> (the EXTENSIONS entry it is part
+# of, its twin). That module's extension calls the part's class in C (a cimport: it needs the
+# native class, never the twin's), so it serves natively only when the part does; `report`
+# names the modules of EXTENSIONS alone (INFO `native`, the metrics' build info).
+PARTS = {
+    "near_hits": ("server_get", "store.near_hits"),  # a near cache's hit counter, fed per GET by server_get
 }
 
 NO_EXTENSIONS = os.environ.get("KVCACHE_NO_EXTENSIONS", "") not in ("", "0")
@@ -205,6 +218,28 @@ class ServerGet(Protocol):
     def GetConnection(self, gets: ServerGetsAPI, stats: Any, reader: RequestReaderAPI) -> GetConnectionAPI: ...
 
 
+class HitCounterAPI(Protocol):
+    """A near cache's hit bookkeeping (its sketch, its sampled LRU moves): the near cache and
+    both GET paths hand it hits alike whichever twin keeps them."""
+
+    sketch: Any          # kvcache.store.sketch.FrequencySketch (the store stands a floor above)
+    touched: list        # sampled keys not yet moved in the LRU order
+    hits: int            # hits taken, since start
+    pending: int         # hits not yet handed to the sketch's aging
+
+    def take(self, keys: list[bytes]) -> None: ...  # the GET fast path's hits, a batch
+    def read(self, key: bytes) -> None: ...         # a generic read, hit or not
+    def drain(self) -> None: ...                    # the sampled keys to the LRU's end
+
+
+class NearHits(Protocol):
+    """kvcache.store.near_hits and ext/near_hits.pyx: what a NearCache builds its hit counter
+    from. The native one also has a C entry (`take_one`, ext/kvcache/_native/near_hits.pxd)
+    that the GET path's extension calls per hit; not a Python member, so not here."""
+
+    def HitCounter(self, capacity: int, lru: Any) -> HitCounterAPI: ...
+
+
 class LocalGetAPI(Protocol):
     """LocalReader.get's hot path: one read from a cached plan of a fresh bucket, else
     `slow(key)`, alike on either twin."""
@@ -230,6 +265,7 @@ CONTRACTS: dict[str, type] = {
     "natsproto": NatsProto,
     "server_get": ServerGet,
     "app_get": AppGet,
+    "near_hits": NearHits,
 }
 
 # what typing puts into a Protocol class besides its members
@@ -274,16 +310,16 @@ def _load(native: str) -> tuple[ModuleType | None, str]:
 
 
 def load(name: str) -> ModuleType:
-    """The implementation serving `name` (a key of EXTENSIONS), chosen once and recorded: a
+    """The implementation serving `name` (a key of EXTENSIONS or PARTS), chosen and recorded: a
     module that meets CONTRACTS[name] (typed as a module here, so that callers can subclass
     its classes and name them in annotations)."""
-    return pick(name, EXTENSIONS[name])
+    return pick(name, EXTENSIONS[name] if name in EXTENSIONS else PARTS[name][1])
 
 
 def pick(native: str, twin: str) -> ModuleType:
     """`kvcache._native.<native>` when built, allowed and complete (every member of its
-    contract), else `kvcache.<twin>` (recorded in CHOSEN; an error instead when extensions
-    are required)."""
+    contract) and its PARTS are native too, else `kvcache.<twin>` (recorded in CHOSEN; an
+    error instead when extensions are required)."""
     if NO_EXTENSIONS:
         CHOSEN[native] = "twin (KVCACHE_NO_EXTENSIONS=1)"
         return importlib.import_module(f"kvcache.{twin}")
@@ -291,6 +327,9 @@ def pick(native: str, twin: str) -> ModuleType:
     missing = lacks(module, CONTRACTS.get(native)) if module is not None else []
     if missing:  # built from an older ext/<native>.pyx than its twin's contract
         module, why = None, f"broken: lacks {', '.join(missing)} (a stale build?)"
+    for part, (whole, part_twin) in PARTS.items():
+        if module is not None and whole == native and not is_native(pick(part, part_twin)):
+            module, why = None, f"its part {part} is {CHOSEN[part]}"
     if module is not None:
         CHOSEN[native] = "native"
         return module

@@ -19,6 +19,7 @@ import re
 import time
 import types
 import typing
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -29,13 +30,15 @@ from kvcache.stats import Stats
 from kvcache.store.record import item
 from kvcache.store.replica import BucketMeta, Replica
 
-TWINS = {name: importlib.import_module(f"kvcache.{twin}") for name, twin in native.EXTENSIONS.items()}
-NATIVES = {name: native.native_or_none(name) for name in native.EXTENSIONS}  # None: not built
+# every pair: the modules of EXTENSIONS and the parts of their native paths (PARTS)
+PAIRS = {**native.EXTENSIONS, **{name: twin for name, (_, twin) in native.PARTS.items()}}
+TWINS = {name: importlib.import_module(f"kvcache.{twin}") for name, twin in PAIRS.items()}
+NATIVES = {name: native.native_or_none(name) for name in PAIRS}  # None: not built
 
-IMPLS = [pytest.param(name, "python", id=f"{name}-python") for name in native.EXTENSIONS] + [
+IMPLS = [pytest.param(name, "python", id=f"{name}-python") for name in PAIRS] + [
     pytest.param(name, "native", id=f"{name}-native",
                  marks=pytest.mark.skipif(NATIVES[name] is None, reason=f"kvcache._native.{name} not built"))
-    for name in native.EXTENSIONS]
+    for name in PAIRS]
 
 
 def impl(name: str, kind: str) -> types.ModuleType:
@@ -352,11 +355,26 @@ def exercise_app_get(mod, replica) -> dict[str, list[object]]:
     return {"LocalGet": [get]}
 
 
+def exercise_near_hits(mod, replica) -> dict[str, list[object]]:
+    lru = OrderedDict((k, 1) for k in (b"a", b"b", b"c"))
+    counter = mod.HitCounter(capacity=100, lru=lru)
+    assert (counter.hits, counter.pending, counter.touched) == (0, 0, [])
+    counter.take(keys=[b"a", b"b"])
+    assert counter.touched == [b"a", b"b"] and (counter.hits, counter.pending) == (2, 2)  # rarely read: each
+    assert counter.sketch.estimate(b"a") == 1 and counter.sketch.additions == 0  # noted at the handover
+    counter.read(key=b"c")
+    assert counter.sketch.estimate(b"c") == 1 and counter.sketch.additions == 1 and counter.hits == 2
+    assert counter.drain() is None
+    assert counter.touched == [] and list(lru) == [b"c", b"a", b"b"]
+    return {"HitCounter": [counter]}
+
+
 EXERCISES: dict[str, Callable[[Any, Replica], dict[str, list[object]]]] = {
     "resp": exercise_resp,
     "natsproto": exercise_natsproto,
     "server_get": exercise_server_get,
     "app_get": exercise_app_get,
+    "near_hits": exercise_near_hits,
 }
 
 
@@ -364,7 +382,9 @@ EXERCISES: dict[str, Callable[[Any, Replica], dict[str, list[object]]]] = {
 
 
 def test_every_pair_declares_its_contract():
-    assert set(native.CONTRACTS) == set(native.EXTENSIONS) == set(EXERCISES)
+    assert set(native.CONTRACTS) == set(PAIRS) == set(EXERCISES)
+    assert not set(native.PARTS) & set(native.EXTENSIONS)
+    assert all(whole in native.EXTENSIONS for whole, _ in native.PARTS.values())
     for name, contract in native.CONTRACTS.items():
         assert getattr(contract, "_is_protocol", False) and contract.__doc__, name
         for inner in constructors(contract).values():

@@ -26,8 +26,9 @@ state, so reading over a million keys costs what reading over ten thousand does.
 plans are cached (a bounded dict, policy.PLAN_CACHE, for filtered buckets and keys the
 generic path answers). A key outside the filters of a bucket with a near cache is planned onto
 the cache's database (Plan.cache): a cached value or not-found is answered here like a
-replica's record, counted into the cache (its sketch at once, its LRU order through
-NearCache.touched), and a key not cached or expired goes to the generic path. A bucket that
+replica's record, its hit handed to the cache's counter (NearCache.counter: the cache's
+own bookkeeping, one batch per call here, one C call per hit in the C twin), and a key not
+cached or expired goes to the generic path. A bucket that
 replicates no key and has a near cache is planned like one that replicates every key: all its
 valid keys onto the cache. Freshness
 (`witness.fresh_for_all(max_stale_ms)`: the read side's one rule, kvcache.store.verdict, for
@@ -52,14 +53,14 @@ from ..keys import RESERVED_PREFIX, TOKEN_CHARS
 from ..ops.latency import BOUNDS_NS
 from ..read.policy import PLAN_CACHE, Plan
 from ..resp import GET_LEN, NIL2, NIL3
-from ..store.nearcache import LRU_EXACT_BELOW, LRU_SAMPLE, TOUCH_MAX, is_absent
+from ..store.nearcache import is_absent
 from ..store.record import MAX_LMDB_KEY, RECORD, stored_value
 from ..store.replica import Replica
 
 if TYPE_CHECKING:
     from ..resp import RequestReader
     from ..stats import Stats
-    from ..store.nearcache import NearCache
+    from ..store.near_hits import HitCounter
 
 FLUSH_AT = 256 * 1024  # write out what a batch has answered once it is this big
 # A value of at least this many bytes, answered while its connection's output is empty, is
@@ -119,7 +120,6 @@ class ServerGets:
         self._default: Plan | None = None
         self._reads: dict[str, list[int]] = {}  # bucket -> [found, not found] (bucket_reads)
         self._cache_reads: dict[str, list[int]] = {}  # the same of near caches (cache_reads)
-        self._pending: dict[str, list[int]] = {}  # near caches: see _touch
         # Near-cache answers (hits and cached not-founds) not yet counted by the connection
         # (GetConnection._count moves them from gets_local to gets_cached)
         self.cached = 0
@@ -190,25 +190,6 @@ class ServerGets:
             return None
         return target._replace(lkey=name)
 
-    def _touch(self, cache: NearCache, bucket: str, lkey: bytes) -> None:
-        """A near-cache answer, counted into the cache (kvcache.store.nearcache; the C twin's
-        _touch): its sketch at once; its key into `touched` while the key is rarely read
-        (estimate below LRU_EXACT_BELOW), else every LRU_SAMPLE-th hit; the count handed over
-        every TOUCH_MAX."""
-        estimate = cache.sketch.add_counts(lkey)
-        pending = self._pending.get(bucket)
-        if pending is None:
-            pending = self._pending[bucket] = [0, 0]  # hits not handed over, since the last sample
-        pending[1] += 1
-        if estimate < LRU_EXACT_BELOW or pending[1] >= LRU_SAMPLE:
-            pending[1] = 0
-            cache.touched.append(lkey)
-        pending[0] += 1
-        if pending[0] >= TOUCH_MAX:
-            cache.handover(pending[0])
-            pending[0] = 0
-        self.cached += 1
-
     def _plan(self, key: bytes) -> Plan | Literal[False]:
         plan = self.planner(key)
         if len(self.plans) >= PLAN_CACHE:
@@ -249,6 +230,7 @@ class ServerGets:
         fresh = txn = None
         direct = -1 if self._fd >= 0 else 0  # may values be written from the map? (-1: ask)
         large = 0
+        hits: dict[HitCounter, list[bytes]] | None = None  # near-cache hits, handed over at the end
         try:
             for declared, key in zip(lengths, keys, strict=True):
                 if declared != GET_LEN[len(key)]:
@@ -289,7 +271,13 @@ class ServerGets:
                         value = stored_value(raw, plan.offset, max_age)
                         if value is None:
                             break
-                    self._touch(cache, bucket, plan.lkey)
+                    if hits is None:
+                        hits = {}
+                    lkeys = hits.get(cache.counter)
+                    if lkeys is None:
+                        lkeys = hits[cache.counter] = []
+                    lkeys.append(plan.lkey)
+                    self.cached += 1
                     reads = self._cache_reads
                 answered += 1
                 counts = reads.get(bucket)
@@ -320,6 +308,9 @@ class ServerGets:
         finally:
             if txn is not None:
                 txn.abort()
+            if hits is not None:  # each cache counts its own (kvcache.store.near_hits)
+                for counter, lkeys in hits.items():
+                    counter.take(lkeys)
         return replies, answered, notfound
 
 

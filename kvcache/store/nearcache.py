@@ -30,15 +30,11 @@ questions (kvcache.read.policy), and keeping it current is the bucket's feed's j
 
 The server's GET fast path (kvcache.serve.server_get and its C twin) answers hits itself, from the
 database through its own read transaction, under the same freshness rules as the replica's
-keys. Every hit is counted into the frequency sketch on the spot (in C: the same counters, from
-the same hash), so admission sees every read; every LRU_SAMPLE-th hit appends its key to
-`touched`, which moves it to the LRU's end when the cache next looks at the order (`drain`,
-before any offer), and every TOUCH_MAX hits the path hands their number over (`handover`: the
-sketch's aging). The order is a sample, as Caffeine's lossy read buffer makes it: moving every
-hit's key made a cached GET cost 1.6-1.8x a replicated one's CPU, every 8th 1.26x, every 32nd
-1.10x (bench/cached_get_bench.py, -P 16, 10k keys); and which key is evicted matters less
-than which gets in, which the sketch decides from every hit; a hot key is sampled often. The
-path counts its hits itself (ServerGets.cache_reads), INFO and the metrics add them to
+keys, and hands each hit to the cache's `counter` (kvcache.store.near_hits, chosen with its
+native twin by kvcache.native): the counter alone keeps the sketch and the sampled LRU moves,
+for those hits and for the reads the cache answers itself (`get`, `count`), so the rules of
+counting, sampling and aging are written once (near_hits says which and why). The path counts
+its answers for INFO itself (ServerGets.cache_reads), and INFO and the metrics add them to
 `stats.hits`. A miss, an expired record or a read while the feed is not fresh is left to the
 read policy's path.
 """
@@ -50,13 +46,20 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
+from .. import native
+from .near_hits import LRU_SAMPLE as LRU_SAMPLE  # (where the GET path's tests read them)
+from .near_hits import TOUCH_MAX as TOUCH_MAX
 from .record import NEVER, decode_record, encode_record
-from .sketch import FrequencySketch
 
 if TYPE_CHECKING:
     import lmdb
 
+    from .near_hits import HitCounter
     from .replica import Replica
+    from .sketch import FrequencySketch
+
+# The hit counter's implementation: ext/near_hits.pyx, or its twin kvcache.store.near_hits
+_NEAR_HITS = native.load("near_hits")
 
 # What a cached key costs beyond its key and record: the LRU entry and LMDB's node header
 ENTRY_OVERHEAD = 64
@@ -64,11 +67,6 @@ ENTRY_OVERHEAD = 64
 REVISION = struct.Struct("<Q")
 # The oldest keys an eviction compares (by frequency) to choose its victim (_victim)
 VICTIM_SAMPLE = 8
-# Hits the server's GET fast path answers before it hands their count over (`handover`), and
-# which of them move their key in the LRU order (every LRU_SAMPLE-th: `touched`, `drain`)
-TOUCH_MAX = 1024
-LRU_SAMPLE = 16
-LRU_EXACT_BELOW = 4  # ...but every hit of a key read less often than this (its estimate)
 
 
 def absent(revision: int) -> bytes:
@@ -143,33 +141,29 @@ class NearCache:
         self.stats = CacheStats()
         self.lru: OrderedDict[bytes, int] = OrderedDict()  # lkey -> bytes it is charged
         self.bytes = 0
-        self.sketch = FrequencySketch(max_keys or max(1, max_bytes // 256))
-        # Keys of the GET fast path's hits (every LRU_SAMPLE-th) since the last `drain`
-        self.touched: list[bytes] = []
+        # Every read's count and the hits' sampled LRU moves: the GET fast path hands its hits
+        # here (take, or take_one from C), the cache its own reads (read)
+        self.counter: HitCounter = _NEAR_HITS.HitCounter(max_keys or max(1, max_bytes // 256), self.lru)
         self._load()
 
     @property
     def db(self):  # the bucket's cache database handle (LMDB), for the GET fast path's plans
         return self._db
 
-    def drain(self) -> None:
-        """Move the keys of the GET fast path's sampled hits (`touched`) to the LRU's end."""
-        touched = self.touched
-        if not touched:
-            return
-        move = self.lru.move_to_end
-        for lk in touched:
-            try:
-                move(lk)
-            except KeyError:  # evicted or invalidated since
-                pass
-        touched.clear()
+    @property
+    def sketch(self) -> FrequencySketch:
+        """How often each key is read (the counter's; the cache reads estimates from it)."""
+        return self.counter.sketch
 
-    def handover(self, hits: int) -> None:
-        """The GET fast path answered `hits` more reads (its counters took them): the sketch
-        learns how many (FrequencySketch.note: aging), and the sampled keys move (drain)."""
-        self.sketch.note(hits)
-        self.drain()
+    @property
+    def touched(self) -> list[bytes]:
+        """The keys of sampled hits not yet moved in the LRU order (the counter's, which moves
+        them: here to be looked at)."""
+        return self.counter.touched
+
+    def drain(self) -> None:
+        """Move the keys of the GET fast path's sampled hits to the LRU's end."""
+        self.counter.drain()
 
     # ------------------------------------------------------------------ the store (LMDB)
 
@@ -230,7 +224,7 @@ class NearCache:
     def count(self, lkey: bytes) -> None:
         """A read of the key the cache may not answer (its feed is not fresh): counted towards
         its admission all the same."""
-        self.sketch.increment(lkey)
+        self.counter.read(lkey)
 
     def lookup(self, lkey: bytes) -> CachedRecord | None:
         """The cached record of a key, decoded (counted as a read); None when not cached."""
@@ -247,7 +241,7 @@ class NearCache:
 
     def get(self, lkey: bytes) -> bytes | None:
         """The cached record of a key as stored (counted as a read), None when not cached."""
-        self.sketch.increment(lkey)
+        self.counter.read(lkey)
         if lkey not in self.lru:
             self.stats.misses += 1
             return None

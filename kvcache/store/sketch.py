@@ -9,11 +9,12 @@ all counters are halved, so the sketch follows what is hot now rather than what 
 Memory is fixed at construction: a scan of a million distinct keys moves counters, never grows
 anything.
 
-The server's native GET path counts the near cache's hits into the same counters in C
-(ext/server_get.pyx, `_sketch_add`: the same slots from the key's hash, so the two agree
-counter for counter: tests/test_server_get.py) and reports how many it added with the hits it
-hands over (NearCache.drain, `note`). So the counters are one bytearray for the life of the
-sketch: aging halves them in place.
+A near cache's sketch belongs to its hit counter (kvcache.store.near_hits), which alone adds
+to it. The counter's native twin adds the GET path's hits to the same counters in C
+(ext/near_hits.pyx, `_sketch_add`: the same slots from the key's hash, so the two agree
+counter for counter: tests/test_nearcache_hits.py) and tells how many it added when it hands
+them over (`note`). So the counters are one bytearray for the life of the sketch: aging
+halves them in place.
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ class FrequencySketch:
         return low
 
     def note(self, n: int) -> None:
-        """n reads added to the counters (add_counts, or the native GET path's): every
+        """n reads added to the counters (add_counts, or the hit counter's native twin): every
         `sample` of them, all counters are halved."""
         self.additions += n
         if self.additions >= self.sample:
@@ -82,7 +83,7 @@ class FrequencySketch:
 
     @property
     def counts(self) -> bytearray:
-        """The counters (ROWS rows of `width`), for the native GET path to add to."""
+        """The counters (ROWS rows of `width`), for the hit counter's native twin to add to."""
         return self._counts
 
     @property
