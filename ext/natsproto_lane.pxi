@@ -9,6 +9,7 @@ cdef class Run:
     cdef readonly list items
     cdef readonly Py_ssize_t deletes
     cdef readonly list marks
+    cdef readonly Py_ssize_t ttls
 
     def fields(self):
         return tuple(getattr(self, f) for f in _RUN_FIELDS)

@@ -382,7 +382,8 @@ def merged(events: list) -> list:
             prev = out[-1] if out else None
             if prev and prev[0] == "Run" and prev[1] == e.sid and prev[3] + 1 == e.first_cseq:
                 out[-1] = ("Run", e.sid, prev[2], e.last_cseq, max(prev[4], e.top_sseq), e.last_ts,
-                           e.last_pending, prev[7] + e.items, prev[8] + e.deletes, prev[9] + e.marks)
+                           e.last_pending, prev[7] + e.items, prev[8] + e.deletes, prev[9] + e.marks,
+                           prev[10] + e.ttls)
             else:
                 out.append(("Run", *e.fields()))
         else:
@@ -397,15 +398,16 @@ def lane_ts(sseq: int) -> int:
     return 1_700_000_000_000_000_000 + sseq
 
 
-def expected_run(first_cseq: int, deliveries: list[tuple], pending: int = 0) -> tuple:
+def expected_run(first_cseq: int, deliveries: list[tuple], pending: int = 0, ttls: int | None = None) -> tuple:
     """(key, stream seq, value, or DEL / PURGE for a delete[, ttl ns]) in order, consumer
-    sequences from first_cseq."""
+    sequences from first_cseq. `ttls`: puts with a Nats-TTL header (default: those given a ttl)."""
     items = [item(d[0].encode(), None if isinstance(d[2], int) else d[2], d[1], lane_ts(d[1]), *d[3:])
              for d in deliveries]
     marks = [(d[0].encode(), d[1], d[2], lane_ts(d[1])) for d in deliveries if isinstance(d[2], int)]
     last = deliveries[-1][1]
     return ("Run", LANE_SID, first_cseq, first_cseq + len(deliveries) - 1,
-            max(d[1] for d in deliveries), lane_ts(last), pending, items, len(marks), marks)
+            max(d[1] for d in deliveries), lane_ts(last), pending, items, len(marks), marks,
+            sum(len(d) > 3 for d in deliveries) if ttls is None else ttls)
 
 
 SEC = 1_000_000_000
@@ -443,7 +445,8 @@ LANE_VECTORS = [
      + lane_frame("e", 15, 6, extra=b"Nats-Marker-Reason: MaxAge\r\nNats-TTL: 30s\r\n")
      + lane_frame("f", 16, 7, value=b"f", extra=b"Nats-TTL: bogus\r\n"),
      [expected_run(1, [("a", 10, b"1", 2 * SEC), ("b", 11, b"2", -1), ("c", 12, b"3", 5400 * SEC),
-                       (LONG_KEY, 13, b"L", 5 * SEC), ("d", 14, DEL), ("e", 15, PURGE), ("f", 16, b"f")])]),
+                       (LONG_KEY, 13, b"L", 5 * SEC), ("d", 14, DEL), ("e", 15, PURGE), ("f", 16, b"f")],
+                   ttls=5)]),  # f's unreadable TTL is none of its own, but the header counts
     ("long keys are stored under a digest with the key in the record",
      lane_frame(LONG_KEY, 10, 1, value=b"L") + lane_frame(LONG_KEY, 11, 2, op="DEL"),
      [expected_run(1, [(LONG_KEY, 10, b"L"), (LONG_KEY, 11, DEL)])]),
@@ -574,17 +577,18 @@ def lane_reference(wire: bytes) -> list:
         value = e.payload if op is Operation.PUT else None
         key = e.subject[len(LANE_PREFIX):].encode()
         prev = out[-1] if out else None
-        ttl = parse_msg_ttl(hdrs.get("Nats-TTL")) if hdrs and value is not None else 0
+        has_ttl = bool(hdrs) and value is not None and hdrs.get("Nats-TTL") is not None
+        ttl = parse_msg_ttl(hdrs.get("Nats-TTL")) if has_ttl else 0
         it = item(key, value, ack.stream_seq, ack.timestamp_ns, ttl)
         marks = [] if value is not None else [
             (key, ack.stream_seq, DEL if op is Operation.DEL else PURGE, ack.timestamp_ns)]
         if prev and prev[0] == "Run" and prev[3] + 1 == ack.consumer_seq:
             out[-1] = ("Run", LANE_SID, prev[2], ack.consumer_seq, max(prev[4], ack.stream_seq),
                        ack.timestamp_ns, ack.pending, prev[7] + [it], prev[8] + (value is None),
-                       prev[9] + marks)
+                       prev[9] + marks, prev[10] + has_ttl)
         else:
             out.append(("Run", LANE_SID, ack.consumer_seq, ack.consumer_seq, ack.stream_seq,
-                        ack.timestamp_ns, ack.pending, [it], int(value is None), marks))
+                        ack.timestamp_ns, ack.pending, [it], int(value is None), marks, int(has_ttl)))
     return out
 
 
@@ -632,7 +636,7 @@ def test_marks_carry_what_a_delete_item_loses(mod):
     """Per delete item, in order: the key as delivered (a long key's text, not its digest),
     the stream sequence, 1 for DEL or 2 for PURGE, the timestamp; `deletes == len(marks)`."""
     assert (twin.MARK_DEL, twin.MARK_PURGE) == (1, 2)
-    assert twin.RUN_FIELDS[-2:] == ("deletes", "marks")
+    assert twin.RUN_FIELDS[-3:] == ("deletes", "marks", "ttls")
     wire = (lane_frame("a", 10, 1, op="DEL") + lane_frame("b", 11, 2, op="PURGE", value=b"gone")
             + lane_frame("c", 12, 3, extra=b"Nats-Marker-Reason: Remove\r\n")
             + lane_frame("d", 13, 4, extra=b"Nats-Marker-Reason: MaxAge\r\n")

@@ -539,7 +539,9 @@ class Feed(Maintenance):
             changes += outside
         deletes = any(r.deletes for r in runs)
         marks = [mk for r in runs for mk in r.marks] if deletes else ()
-        self.replica.apply_items(self.bucket, items, m, deletes=deletes, deadlines=self._deadlines,
+        # a record has a deadline only by the bucket's max_age or a TTL of its own (Run.ttls)
+        deadlines = self._deadlines and (self.max_age_ns > 0 or any(r.ttls for r in runs))
+        self.replica.apply_items(self.bucket, items, m, deletes=deletes, deadlines=deadlines,
                                  marks=marks, fresh=self._full and self._seen is None)
         if self._deadlines:
             self._sweep_wake.set()

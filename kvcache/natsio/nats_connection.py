@@ -4,8 +4,16 @@ nats-py keeps doing what it does well (connecting, reconnecting, auth, TLS, requ
 JetStream API); only its regex parser is replaced. `NatsConnection` installs a parser adapter that
 feeds the native reader (or its pure-Python twin) and hands the events to nats-py's own
 `_process_*` hooks, with headers already decoded. It also opens **fast lanes**: a subscription
-registered with `add_lane()` gets its JetStream deliveries as `Run` batches, synchronously, once
-per socket read, instead of one `Msg` object, queue entry and coroutine step per message.
+registered with `add_lane()` gets its JetStream deliveries as `Run` batches, once per event-loop
+turn (everything the turn's socket reads brought), instead of one `Msg` object, queue entry and
+coroutine step per message.
+
+Why per turn, and why a wide read buffer (READ_BUFFER_BYTES): a feed applies each batch in one
+LMDB transaction, and a transaction, its meta record and its commit cost the same for 100
+messages as for 10,000. nats-py reads 32 KiB at a time and its stream reader stops reading the
+socket past 64 KiB buffered, so a first sync came in batches of ~140 messages (7,000
+transactions for 1M keys). With the reader's limit raised, a turn drains what the kernel holds
+(nats-py's read loop does not yield while data is buffered) and a batch is thousands.
 
 This leans on nats-py internals (`_ps`, `_process_msg` and friends, stable since 2.0); the
 version range in pyproject.toml is the one these were checked against, and
@@ -29,9 +37,12 @@ proto = native.load("natsproto")
 _Msg, _HMsg, _Run = proto.Msg, proto.HMsg, proto.Run
 _Ping, _Pong, _Info, _Err = type(proto.PING), type(proto.PONG), proto.Info, proto.Err
 
-# A lane handler gets, in wire order, everything one socket read brought for its sid: Run
+# A lane handler gets, in wire order, everything one event-loop turn brought for its sid: Run
 # batches and the ordinary HMsg/Msg events in between (heartbeats, pull statuses).
 LaneHandler = Callable[[list], None]
+# What a connection may hold read but not yet parsed: asyncio's stream reader stops reading the
+# socket past twice this (nats-py sets 32 KiB). See the module docstring.
+READ_BUFFER_BYTES = 1 << 20
 
 
 def nats_headers(ev) -> dict | None:
@@ -45,6 +56,8 @@ class _Parser:
     def __init__(self, nc: NatsConnection) -> None:
         self.nc = nc
         self.lanes: dict[int, tuple[int, LaneHandler]] = {}
+        # lane events parsed this event-loop turn, by sid, handed over at its end (_hand_over)
+        self._turn: dict[int, list] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -61,12 +74,13 @@ class _Parser:
             events, error = e.events, e
         nc = self.nc
         lanes = self.lanes
-        batches: dict[int, list] | None = None
+        batches = self._turn
         for ev in events:
             t = type(ev)
             if t is _Run or ((t is _HMsg or t is _Msg) and ev.sid in lanes):
                 if batches is None:
-                    batches = {}
+                    batches = self._turn = {}
+                    asyncio.get_running_loop().call_soon(self._hand_over)
                 batches.setdefault(ev.sid, []).append(ev)
             elif t is _HMsg:
                 await nc._process_msg(ev.sid, ev.subject.encode(), ev.reply.encode(), ev.payload,
@@ -86,16 +100,22 @@ class _Parser:
                 head, quote, subject = ev.text.partition('"')
                 await nc._process_err(f"'{head.lower()}{quote}{subject}'")
             # +OK: nothing to do
-        if batches:
-            stats = nc.stats
-            for sid, batch in batches.items():
-                lane = lanes.get(sid)
-                if lane is None:   # removed meanwhile: the subscription is gone
-                    continue
-                stats["in_msgs"] += sum(len(ev.items) if type(ev) is _Run else 1 for ev in batch)
-                lane[1](batch)
         if error is not None:
             raise nats.errors.ProtocolError() from error
+
+    def _hand_over(self) -> None:
+        """The end of an event-loop turn: each lane gets what the turn's reads brought it."""
+        batches, self._turn = self._turn, None
+        if not batches:
+            return
+        lanes = self.lanes
+        stats = self.nc.stats
+        for sid, batch in batches.items():
+            lane = lanes.get(sid)
+            if lane is None:   # removed meanwhile: the subscription is gone
+                continue
+            stats["in_msgs"] += sum(len(ev.items) if type(ev) is _Run else 1 for ev in batch)
+            lane[1](batch)
 
 
 def _expire(fut: asyncio.Future) -> None:
@@ -144,6 +164,14 @@ class NatsConnection(Client):
         self._fast_tokens = itertools.count(1)
         self._fast_waiting: dict[bytes, asyncio.Future] = {}
         self._fast_batches: dict[bytes, tuple[list, asyncio.Future]] = {}  # fast_batch's
+
+    async def _process_connect_init(self) -> None:
+        """nats-py's handshake (TLS included), then the wide read buffer: see the module
+        docstring. (The transport's stream reader is asyncio's; its limit is the only knob.)"""
+        await super()._process_connect_init()
+        reader = getattr(self._transport, "_io_reader", None)
+        if isinstance(reader, asyncio.StreamReader) and getattr(reader, "_limit", 0) < READ_BUFFER_BYTES:
+            reader._limit = READ_BUFFER_BYTES  # type: ignore[attr-defined]  # asyncio's, stable since 3.4
 
     async def fast_request(self, subject: str, payload: bytes, timeout: float) -> Msg:
         """Request/reply for the sidecar's fallback reads, with nats-py's errors and Msg.

@@ -133,7 +133,7 @@ PONG = Pong()
 OK = Ok()
 
 RUN_FIELDS = ("sid", "first_cseq", "last_cseq", "top_sseq", "last_ts", "last_pending", "items",
-              "deletes", "marks")
+              "deletes", "marks", "ttls")
 
 # A mark's op (Run.marks): which delete a delivery stands for. 0 is a put, in C as here.
 MARK_DEL = 1
@@ -157,14 +157,16 @@ class Run:
     (`(lmdb_key, None)`) loses and a revision index needs: the NATS key's bytes as delivered
     (not the digest a long key is stored under), the stream sequence, MARK_DEL or MARK_PURGE
     (as Operation.of decides; a server marker is DEL only for the reason `Remove`) and the
-    timestamp in ns. `deletes == len(marks)`."""
+    timestamp in ns. `deletes == len(marks)`. `ttls`: how many puts carry a TTL of their own
+    (a `Nats-TTL` header): a batch with none, of a bucket with no max_age, files nothing in
+    the expiry index, so the feed need not look at each record for a deadline."""
 
     __slots__ = RUN_FIELDS
 
     def __init__(self, sid: int, cseq: int) -> None:
         self.sid = sid
         self.first_cseq = self.last_cseq = cseq
-        self.top_sseq = self.last_ts = self.last_pending = self.deletes = 0
+        self.top_sseq = self.last_ts = self.last_pending = self.deletes = self.ttls = 0
         self.items: list = []
         self.marks: list = []
 
@@ -295,8 +297,11 @@ def _deliver(events: list, sid: int, ack: AckMeta, key: bytes, header_block: byt
     headers = decode_headers(header_block)[2] if header_block else None
     op = mark_op(headers)
     value = None if op else payload
-    ttl = parse_msg_ttl(headers.get("Nats-TTL")) if headers and value is not None else 0
+    ttl_header = headers.get("Nats-TTL") if headers and value is not None else None
+    ttl = parse_msg_ttl(ttl_header) if ttl_header is not None else 0
     run.items.append(_item(key, value, ack.stream_seq, ack.timestamp_ns, ttl))
+    if ttl_header is not None:
+        run.ttls += 1
     if op:
         run.marks.append((key, ack.stream_seq, op, ack.timestamp_ns))
         run.deletes += 1

@@ -430,7 +430,7 @@ class Replica:
                 txn.cursor(db=index).putmulti(due)
             if revs is not None:
                 idx = revindex.Index(txn, db, *revs)
-                idx.apply(items, marks, fresh)
+                idx.apply(items, marks, fresh, deletes)
                 idx.finish(self._meta, bucket)
             elif not deletes:
                 cur.putmulti(items)

@@ -29,6 +29,7 @@ import lmdb
 from .record import LONG_KEY_PREFIX, RECORD, Item, deadline, decode_key, expiry, lkey_of, value_offset
 
 REV = struct.Struct(">Q")
+assert RECORD.format.startswith("<Q") and REV.size == 8, "record layout changed: update Index._new_puts"
 CREATED = struct.Struct("<Q")
 PUT, DEL, PURGE = b"P", b"D", b"U"
 # the meta database's key of a bucket's highest removed revision (no bucket name has a ':')
@@ -100,13 +101,15 @@ class Index:
             if self.removed > int(self.txn.get(key, b"0", db=meta_db)):
                 self.txn.put(key, b"%d" % self.removed, db=meta_db)
 
-    def apply(self, items: Sequence[Item], marks: Sequence[Mark], fresh: bool = False) -> None:
+    def apply(self, items: Sequence[Item], marks: Sequence[Mark], fresh: bool = False,
+              deletes: bool = True) -> None:
         """Write `items` (record.item's, in stream order) to the records and the index; a
         delete item's mark is the next of `marks` whose key it is (marks are in the order of
         the delete items they belong to; a mark whose key is not among the items, one the
         caller filtered out, is skipped). `fresh`: the bucket was empty when this sync
-        began, so a batch of puts is most likely all new keys (see _new_puts)."""
-        if fresh and not marks and not self.tombs and self._new_puts(items):
+        began, so a batch of puts is most likely all new keys (see _new_puts). `deletes=False`
+        promises that no item is a delete (the feed knows it from its Runs)."""
+        if fresh and not marks and not self.tombs and self._new_puts(items, deletes):
             return
         txn, cur, rdb = self.txn, self.records, self.rdb
         tdb = self.tdb
@@ -131,12 +134,12 @@ class Index:
             txn.put(lk, rev, db=tdb)
             self.tombs = True
 
-    def _new_puts(self, items: Sequence[Item]) -> bool:
+    def _new_puts(self, items: Sequence[Item], deletes: bool = True) -> bool:
         """A first sync's batch, written in two C loops instead of a Python step per item:
         the records with putmulti, not overwriting, and, when every one was new (no key
         twice in the batch, none already stored), their entries with another. False, having
         written nothing, when that does not hold (a delete, a key written again)."""
-        if any(rec is None for _, rec in items):
+        if deletes and any(rec is None for _, rec in items):
             return False
         consumed, added = self.records.putmulti(items, overwrite=False)
         if added != consumed:  # some key was there already: redo those one by one
@@ -146,8 +149,10 @@ class Index:
                 else:
                     self.txn.put(REV.pack(RECORD.unpack_from(rec)[0]), PUT + lk, db=self.rdb)
             return True
-        unpack, pack = RECORD.unpack_from, REV.pack
-        self.txn.cursor(db=self.rdb).putmulti([(pack(unpack(rec)[0]), PUT + lk) for lk, rec in items])
+        # The entry's key is the record's revision, big-endian: its first 8 bytes (the record
+        # starts with the revision, little-endian) reversed, one slice instead of an unpack and
+        # a pack per item (a quarter of this loop's time at 1M keys).
+        self.txn.cursor(db=self.rdb).putmulti([(rec[7::-1], PUT + lk) for lk, rec in items])
         return True
 
     def remove(self, lkeys: Sequence[bytes]) -> int:
