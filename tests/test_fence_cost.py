@@ -23,7 +23,7 @@ from kvcache.feed.quorum import ANCHOR_MAX_BYTES, Fence
 from kvcache.natsio import jetstream as jsapi
 from kvcache.natsio.nats_connection import NatsConnection
 from kvcache.natsio.nats_server import NatsServer, free_port
-from kvcache.read.router import HedgePolicy, Peer, Router
+from kvcache.read.router import Peer, Router, RouterSettings
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -118,11 +118,11 @@ async def test_a_server_behind_the_fence_is_refused_whatever_the_request_form(hu
 
             # Through the router: the mirror alone cannot answer; beside the hub, every read
             # is the hub's current value, whichever peer was asked first.
-            alone = Router(TIMEOUT, HedgePolicy(), fence=lambda bucket: fence)
+            alone = Router(TIMEOUT, RouterSettings(), fence=lambda bucket: fence)
             alone.add(mirror)
             with pytest.raises(UpstreamError):
                 await alone.get(BUCKET, "k")
-            both = Router(TIMEOUT, HedgePolicy(hedge_ratio=0.0, hedge_burst=0.0), fence=lambda bucket: fence)
+            both = Router(TIMEOUT, RouterSettings(hedge_ratio=0.0, hedge_burst=0.0), fence=lambda bucket: fence)
             for p in (Peer("lag2", lag_nc, f"KV_{BUCKET}_lag", BUCKET), Peer("hub2", hub_nc, f"KV_{BUCKET}", BUCKET)):
                 both.add(p)
             try:

@@ -23,7 +23,7 @@ from support.topology import DelayProxy, add_hub_mirror, nats_run, replicated_kv
 from kvcache.natsio import jetstream as jsapi
 from kvcache.natsio.nats_connection import NatsConnection
 from kvcache.natsio.nats_server import NatsServer
-from kvcache.read.router import HedgePolicy, Peer, Router
+from kvcache.read.router import Peer, Router, RouterSettings
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -79,11 +79,11 @@ async def peers_via(url: str, delays: list[float], bucket: str = "rr",
 
 @pytest.fixture
 async def router_of():
-    """Makes routers over given peers (with HedgePolicy overrides); closes them afterwards."""
+    """Makes routers over given peers (with RouterSettings overrides); closes them afterwards."""
     made: list[Router] = []
 
     def make(peers: list[Peer], timeout: float = TIMEOUT, **hedging) -> Router:
-        r = Router(timeout, HedgePolicy(**hedging))
+        r = Router(timeout, RouterSettings(**hedging))
         for p in peers:
             r.add(p)
         made.append(r)

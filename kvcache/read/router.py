@@ -33,12 +33,13 @@ from ..feed.quorum import NO_FENCE, Fence
 from .ledger import FLOORS_MAX, Floors
 from .peer import MULTI_LAST_MAX, Peer, PeerStats
 
-__all__ = ["FLOORS_MAX", "MULTI_LAST_MAX", "Floors", "HedgePolicy", "Peer", "PeerStats", "Router"]
+__all__ = ["FLOORS_MAX", "MULTI_LAST_MAX", "Floors", "Peer", "PeerStats", "Router", "RouterSettings"]
 
 
 @dataclass
-class HedgePolicy:
-    """The routing knobs; the defaults suit a sidecar reading at up to tens of thousands/s."""
+class RouterSettings:
+    """The router's knobs (hedging, ejection, probes); the defaults suit a sidecar reading at
+    up to tens of thousands/s."""
 
     hedge_ratio: float = 0.10       # hedged requests allowed per ordinary request
     hedge_burst: float = 10.0       # tokens the budget can save up (and starts with)
@@ -70,15 +71,15 @@ class PeerHealth:
 class Router:
     """Chooses peers for fallback reads, hedges slow ones and ejects failing ones."""
 
-    def __init__(self, timeout: float, hedging: HedgePolicy | None = None, rng: random.Random | None = None,
+    def __init__(self, timeout: float, settings: RouterSettings | None = None, rng: random.Random | None = None,
                  max_age: Callable[[str], int] | None = None,
                  fence: Callable[[str], Fence | None] | None = None, floors: Floors | None = None) -> None:
         self.timeout = timeout
-        self.hedging = hedging or HedgePolicy()
+        self.settings = settings or RouterSettings()
         self._peers: dict[str, list[Peer]] = {}
         self.health: dict[Peer, PeerHealth] = {}  # the router's view of each peer
         self._rng = rng or random.Random()
-        self._tokens = self.hedging.hedge_burst
+        self._tokens = self.settings.hedge_burst
         self._background: set[asyncio.Task] = set()
         # the ledger's floors (kvcache.read.ledger): the highest revision read per key
         self.floors = floors if floors is not None else Floors(max_age=max_age)
@@ -115,7 +116,7 @@ class Router:
         in-flight requests, hedges won, ejections and probes."""
         rows: list[tuple[str, object]] = [
             ("routed_requests", self.requests), ("hedges_sent", self.hedges_sent),
-            ("hedges_won", self.hedges_won), ("hedge_budget_ratio", self.hedging.hedge_ratio)]
+            ("hedges_won", self.hedges_won), ("hedge_budget_ratio", self.settings.hedge_ratio)]
         for p in self.peers():
             st = p.stats
             rows.append((p.label, ",".join(f"{k}={v}" for k, v in (
@@ -284,17 +285,17 @@ class Router:
         rarely win: it waits until the primary has taken as long as the alternative would
         (by then the primary is past its p99: likely stalled). An unmeasured primary is timed
         by the best measured peer."""
-        hedging = self.hedging
-        q = hedging.hedge_percentile
+        s = self.settings
+        q = s.hedge_percentile
         if primary.stats.samples:
             delay = primary.stats.percentile(q)
             alt = self.best(peers, exclude=(primary,))
-            if hedging.hedge_patience and alt is not None and alt.stats.ewma_us > primary.stats.percentile(0.99):
+            if s.hedge_patience and alt is not None and alt.stats.ewma_us > primary.stats.percentile(0.99):
                 delay = max(delay, alt.stats.ewma_us)
         else:
             delay = min((p.stats.percentile(q) for p in peers if p.stats.samples and not self.health[p].ejected),
-                        default=hedging.hedge_default_s * 1e6)
-        return max(hedging.hedge_min_s, delay / 1e6)
+                        default=s.hedge_default_s * 1e6)
+        return max(s.hedge_min_s, delay / 1e6)
 
     def best(self, peers: list[Peer], exclude: Iterable[Peer] = ()) -> Peer | None:
         """The cheapest healthy peer not excluded: where a hedge has the best chance to win."""
@@ -314,9 +315,9 @@ class Router:
         """Run `fetch` on the chosen peer; hedge it when late, fail over when it fails; the
         first answer wins and the requests still running are cancelled. Returns the answer
         and the peer that gave it (a lagging one is passed over when reading again)."""
-        hedging = self.hedging
+        s = self.settings
         self.requests += 1
-        self._tokens = min(hedging.hedge_burst, self._tokens + hedging.hedge_ratio)
+        self._tokens = min(s.hedge_burst, self._tokens + s.hedge_ratio)
         if len(peers) == 1:
             # Nothing to choose, hedge to or fail over to: await the request itself, not a
             # task and a wait() around it (each costs turns of the event loop on every read).
@@ -402,7 +403,7 @@ class Router:
 
     def _failed(self, p: Peer) -> None:
         self.health[p].failures += 1
-        if self.health[p].failures >= self.hedging.eject_after and not self.health[p].ejected:
+        if self.health[p].failures >= self.settings.eject_after and not self.health[p].ejected:
             self._eject(p)
 
     def _lost(self, p: Peer, started: float) -> None:
@@ -415,7 +416,7 @@ class Router:
     def _eject(self, p: Peer) -> None:
         self.health[p].ejected = True
         p.stats.ejections += 1
-        self.health[p].backoff = self.hedging.probe_backoff_s
+        self.health[p].backoff = self.settings.probe_backoff_s
         self.health[p].next_probe = time.monotonic() + self.health[p].backoff
 
     def _schedule_probes(self, peers: list[Peer], key: str) -> None:
@@ -431,7 +432,7 @@ class Router:
             elif p.unanswered_since:
                 due = 0.0  # suspect: find out now whether it answers at all
             else:
-                due = p.stats.last_sample + self.hedging.refresh_s
+                due = p.stats.last_sample + self.settings.refresh_s
             if (self.health[p].ejected or p.stats.last_sample) and now >= due and not p.inflight:
                 self.health[p].probing = True
                 t = asyncio.get_running_loop().create_task(self._probe(p, key))
@@ -444,7 +445,7 @@ class Router:
             await p.get(key, self.timeout)
         except UpstreamError:
             if self.health[p].ejected:
-                self.health[p].backoff = min(self.hedging.probe_backoff_max_s, self.health[p].backoff * 2)
+                self.health[p].backoff = min(self.settings.probe_backoff_max_s, self.health[p].backoff * 2)
                 self.health[p].next_probe = time.monotonic() + self.health[p].backoff
             else:
                 self._failed(p)
