@@ -37,6 +37,7 @@ cdef extern from "Python.h":
     object PyBytes_FromStringAndSize_NULL "PyBytes_FromStringAndSize"(const char*, Py_ssize_t)
     char* PyBytes_AS_STRING_W "PyBytes_AS_STRING"(object)
     object PyTuple_New(Py_ssize_t)
+    void PyObject_GC_UnTrack(object)
 
 cdef object _Msg = Msg
 cdef object _HMsg = HMsg
@@ -329,6 +330,9 @@ cdef class NatsReader:
             it = PyTuple_New(2)
             _put(it, 0, key)
             _put(it, 1, None if op else _record(sseq, ts, b + hn, self._total - hn))
+            # bytes and None cannot form a cycle: a sync's million items are no work for the
+            # garbage collector (each tracked tuple counts toward a collection and is visited)
+            PyObject_GC_UnTrack(it)
         PyList_Append(run.items, it)
         if op:
             PyList_Append(run.marks, (key, sseq, op, ts))

@@ -77,7 +77,7 @@ def _consumer_name() -> str:
 class PullConsumer:
     """One ephemeral pull consumer over a KV stream, delivering in order or failing loudly.
 
-    `on_batch(runs)` runs synchronously for everything a socket read brought (gap-free Runs, in
+    `on_batch(runs)` runs synchronously for everything an event-loop turn brought (gap-free Runs, in
     order) and returns True to finish; `on_idle(last_stream_seq)` runs when the server reports, while we are
     caught up, that it has nothing more (0 when unknown). An exception raised by either ends
     the consumer and propagates out of `run()`. `after_create(stream_info)` runs once the
@@ -300,7 +300,7 @@ class PullConsumer:
     # -------------------------------------------------------------- delivery path
 
     def _on_lane(self, batch: list) -> None:
-        """Everything one socket read brought for this consumer: Runs and statuses, in order."""
+        """Everything one event-loop turn brought for this consumer: Runs and statuses, in order."""
         if self._done or self._failure or self._error:
             return
         self._last_activity = time.monotonic()

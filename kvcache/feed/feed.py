@@ -7,7 +7,8 @@ bounded by one pull window.
 
 This module holds the sync itself: choosing a start (`start_decision`: resume from the stored
 sequence, or a full resync when the stream no longer holds it, was recreated or rewound), and applying each
-socket read's deliveries in one LMDB transaction together with the last applied stream
+event-loop turn's deliveries (kvcache.natsio.nats_connection: up to ~1 MiB read) in one LMDB
+transaction together with the last applied stream
 sequence. The feed composes the rest: how current the replica is known to be (`fresh_within`,
 `lag_ms`: kvcache.feed.freshness), the waits for its position (`wait_applied`:
 kvcache.feed.position) and the near cache's side (kvcache.feed.cachekeeper); what it applied

@@ -5,7 +5,7 @@ one request (a future and a timer) per row as nats-py's `kv.put` does, the write
 with reply subjects under one wildcard inbox subscription and keeps a bounded window of rows
 in flight: pipelined, so the round trip is paid once per window, not once per row. The
 connection is nats-py with kvcache's wire reader (`kvcache.natsio.nats_connection`), and the inbox is a fast
-lane: the acks of one socket read arrive as one list, with no Msg object, queue or coroutine
+lane: the acks of one event-loop turn arrive as one list, with no Msg object, queue or coroutine
 step per ack.
 
 A row whose ack is an error, a 503 (no JetStream responder: a server restarting), or does not
@@ -348,7 +348,7 @@ class PartitionWriter:
             self.result.disconnects += 1
 
     def _on_acks(self, events: list[Any]) -> None:
-        """The publish acks of one socket read (Msg, or HMsg for a status such as 503)."""
+        """The publish acks of one event-loop turn (Msg, or HMsg for a status such as 503)."""
         pending = self._pending
         cut = len(self._inbox) + 1
         written = 0
