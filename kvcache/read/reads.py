@@ -104,20 +104,22 @@ class Reads:
 
     def _local(self, plan: Plan, rec: Record | None, t0: int, command: str) -> Entry | None:
         """The replica's answer, counted and logged."""
-        bucket = plan.bucket
         self.stats.gets_local += 1
-        self.stats.read(bucket, "local", rec is not None)
-        self._log(t0, bucket, plan.key, "local", rec is not None, command)
+        self._counted(plan, "local", rec is not None, t0, command)
         if rec is None:
-            self.stats.gets_notfound += 1
             return None
-        return Entry(bucket, plan.key, rec.value, rec.revision, rec.created, expires=rec.expires)
+        return Entry(plan.bucket, plan.key, rec.value, rec.revision, rec.created, expires=rec.expires)
 
     def _count_cached(self, plan: Plan, entry: Entry, t0: int, command: str) -> None:
-        hit = entry.value is not None
         self.stats.gets_cached += 1
-        self.stats.read(plan.bucket, "cache", hit)
-        self._log(t0, plan.bucket, plan.key, "cache", hit, command)
+        self._counted(plan, "cache", entry.value is not None, t0, command)
+
+    def _counted(self, plan: Plan, source: str, hit: bool, t0: int, command: str) -> None:
+        """A key answered here (`source`: the replica, "local", or the near cache, "cache"):
+        the bucket's reads, not-founds and the access log (the caller counts its source's
+        total, in bulk for many keys)."""
+        self.stats.read(plan.bucket, source, hit)
+        self._log(t0, plan.bucket, plan.key, source, hit, command)
         if not hit:
             self.stats.gets_notfound += 1
 
@@ -134,9 +136,9 @@ class Reads:
         later: Later = []
         policy = self.policy
         address, route_of = policy.address, policy.route
-        stats = self.stats
+        counted = self._counted
         txn = None
-        local = notfound = 0
+        local = 0
         try:
             try:
                 for i, raw in enumerate(raw_keys):
@@ -149,11 +151,8 @@ class Reads:
                         rec = route.record  # type: ignore[union-attr]
                         value = None if rec is None else stored_value(rec, plan.offset, plan.witness.max_age_ns)
                         local += 1
-                        stats.read(plan.bucket, "local", value is not None)
-                        self._log(t0, plan.bucket, plan.key, "local", value is not None, command)
-                        if value is None:
-                            notfound += 1
-                        else:
+                        counted(plan, "local", value is not None, t0, command)
+                        if value is not None:
                             if budget is not None:
                                 budget.spend(len(value))
                             values[i] = value
@@ -166,8 +165,7 @@ class Reads:
                     else:
                         later.append((i, plan, route))  # type: ignore[arg-type]
             finally:
-                stats.gets_local += local
-                stats.gets_notfound += notfound
+                self.stats.gets_local += local
             if not later:  # replied while the transaction holds the values it points into
                 return reply(values)
             # the rest waits or asks NATS first: the replica's values leave the map now
