@@ -23,6 +23,7 @@ from kvcache.natsio.natsproto import (
     PING, PONG, mark_op as _py_mark_op,
 )
 from kvcache.store.record import MAX_LMDB_KEY, RECORD, item as _py_item, parse_msg_ttl as _parse_msg_ttl
+from kvcache.store.revindex import put_entry as _put_entry
 
 cdef extern from "Python.h":
     ctypedef object (*allocfunc)(object, Py_ssize_t)   # a new reference, NULL on error
@@ -38,6 +39,7 @@ cdef extern from "Python.h":
     char* PyBytes_AS_STRING_W "PyBytes_AS_STRING"(object)
     object PyTuple_New(Py_ssize_t)
     void PyObject_GC_UnTrack(object)
+    PyObject* PyTuple_GET_ITEM(object, Py_ssize_t)
 
 cdef object _Msg = Msg
 cdef object _HMsg = HMsg
@@ -50,6 +52,9 @@ cdef object _OK = OK
 cdef object _json_loads = json.loads
 cdef object _RUN_FIELDS = RUN_FIELDS
 cdef Py_ssize_t _MAX_LMDB_KEY = MAX_LMDB_KEY
+# a put's revision-index entry, built in place by _entry: kvcache.store.revindex's layout
+assert _put_entry(b"k", 0x0102030405060708) == (b"\x01\x02\x03\x04\x05\x06\x07\x08", b"Pk"), \
+    "revision index entry layout changed: update _entry()"
 cdef int _MARK_DEL = MARK_DEL
 cdef int _MARK_PURGE = MARK_PURGE
 assert _MARK_DEL > 0 and _MARK_PURGE > 0 and _MARK_DEL != _MARK_PURGE, "_delete_op: 0 is a put"
@@ -314,6 +319,7 @@ cdef class NatsReader:
             run.first_cseq = cseq
             run.items = []
             run.marks = []
+            run.entries = []
             run.deletes = 0
             run.ttls = 0
             run.top_sseq = 0
@@ -337,6 +343,8 @@ cdef class NatsReader:
         if op:
             PyList_Append(run.marks, (key, sseq, op, ts))
             run.deletes += 1
+        else:
+            PyList_Append(run.entries, _entry(sseq, <object>PyTuple_GET_ITEM(it, 0)))
         run.last_cseq = cseq
         if sseq > run.top_sseq:
             run.top_sseq = sseq

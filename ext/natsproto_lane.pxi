@@ -10,6 +10,7 @@ cdef class Run:
     cdef readonly Py_ssize_t deletes
     cdef readonly list marks
     cdef readonly Py_ssize_t ttls
+    cdef readonly list entries
 
     def fields(self):
         return tuple(getattr(self, f) for f in _RUN_FIELDS)
@@ -29,6 +30,27 @@ cdef inline void _le64(char* o, unsigned long long v) noexcept nogil:
     for i in range(8):
         o[i] = <char>(v & 0xff)
         v >>= 8
+
+
+cdef object _entry(unsigned long long rev, object lk):
+    """kvcache.store.revindex.put_entry in place: (revision big-endian, b"P" + lkey), a tuple
+    the garbage collector need not track (bytes only)."""
+    cdef Py_ssize_t kn = PyBytes_GET_SIZE(lk)
+    key = PyBytes_FromStringAndSize_NULL(NULL, 8)
+    cdef char* o = PyBytes_AS_STRING_W(key)
+    cdef int i
+    for i in range(8):
+        o[7 - i] = <char>(rev & 0xff)
+        rev >>= 8
+    val = PyBytes_FromStringAndSize_NULL(NULL, 1 + kn)
+    o = PyBytes_AS_STRING_W(val)
+    o[0] = 80  # 'P'
+    memcpy(o + 1, PyBytes_AS_STRING(lk), kn)
+    t = PyTuple_New(2)
+    _put(t, 0, key)
+    _put(t, 1, val)
+    PyObject_GC_UnTrack(t)
+    return t
 
 
 cdef object _record(unsigned long long rev, unsigned long long created,

@@ -131,6 +131,8 @@ class RunAPI(Protocol):
     items: list
     deletes: int
     marks: list
+    ttls: int
+    entries: list
 
     def fields(self) -> tuple: ...  # the values of RUN_FIELDS, in order
 

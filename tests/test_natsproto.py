@@ -24,6 +24,7 @@ from kvcache.native import native_or_none
 from kvcache.natsio import natsproto as twin
 from kvcache.natsio.natsproto import AckMeta, HMsg, Msg
 from kvcache.store.record import item, parse_msg_ttl
+from kvcache.store.revindex import put_entry
 
 # not built: the native half of every test is skipped (fails with KVCACHE_REQUIRE_EXTENSIONS=1)
 native = native_or_none("natsproto")
@@ -383,7 +384,7 @@ def merged(events: list) -> list:
             if prev and prev[0] == "Run" and prev[1] == e.sid and prev[3] + 1 == e.first_cseq:
                 out[-1] = ("Run", e.sid, prev[2], e.last_cseq, max(prev[4], e.top_sseq), e.last_ts,
                            e.last_pending, prev[7] + e.items, prev[8] + e.deletes, prev[9] + e.marks,
-                           prev[10] + e.ttls)
+                           prev[10] + e.ttls, prev[11] + e.entries)
             else:
                 out.append(("Run", *e.fields()))
         else:
@@ -407,7 +408,8 @@ def expected_run(first_cseq: int, deliveries: list[tuple], pending: int = 0, ttl
     last = deliveries[-1][1]
     return ("Run", LANE_SID, first_cseq, first_cseq + len(deliveries) - 1,
             max(d[1] for d in deliveries), lane_ts(last), pending, items, len(marks), marks,
-            sum(len(d) > 3 for d in deliveries) if ttls is None else ttls)
+            sum(len(d) > 3 for d in deliveries) if ttls is None else ttls,
+            [put_entry(lk, d[1]) for (lk, rec), d in zip(items, deliveries, strict=True) if rec is not None])
 
 
 SEC = 1_000_000_000
@@ -580,15 +582,16 @@ def lane_reference(wire: bytes) -> list:
         has_ttl = bool(hdrs) and value is not None and hdrs.get("Nats-TTL") is not None
         ttl = parse_msg_ttl(hdrs.get("Nats-TTL")) if has_ttl else 0
         it = item(key, value, ack.stream_seq, ack.timestamp_ns, ttl)
+        entries = [put_entry(it[0], ack.stream_seq)] if value is not None else []
         marks = [] if value is not None else [
             (key, ack.stream_seq, DEL if op is Operation.DEL else PURGE, ack.timestamp_ns)]
         if prev and prev[0] == "Run" and prev[3] + 1 == ack.consumer_seq:
             out[-1] = ("Run", LANE_SID, prev[2], ack.consumer_seq, max(prev[4], ack.stream_seq),
                        ack.timestamp_ns, ack.pending, prev[7] + [it], prev[8] + (value is None),
-                       prev[9] + marks, prev[10] + has_ttl)
+                       prev[9] + marks, prev[10] + has_ttl, prev[11] + entries)
         else:
             out.append(("Run", LANE_SID, ack.consumer_seq, ack.consumer_seq, ack.stream_seq,
-                        ack.timestamp_ns, ack.pending, [it], int(value is None), marks, int(has_ttl)))
+                        ack.timestamp_ns, ack.pending, [it], int(value is None), marks, int(has_ttl), entries))
     return out
 
 
@@ -636,7 +639,7 @@ def test_marks_carry_what_a_delete_item_loses(mod):
     """Per delete item, in order: the key as delivered (a long key's text, not its digest),
     the stream sequence, 1 for DEL or 2 for PURGE, the timestamp; `deletes == len(marks)`."""
     assert (twin.MARK_DEL, twin.MARK_PURGE) == (1, 2)
-    assert twin.RUN_FIELDS[-3:] == ("deletes", "marks", "ttls")
+    assert twin.RUN_FIELDS[-4:] == ("deletes", "marks", "ttls", "entries")
     wire = (lane_frame("a", 10, 1, op="DEL") + lane_frame("b", 11, 2, op="PURGE", value=b"gone")
             + lane_frame("c", 12, 3, extra=b"Nats-Marker-Reason: Remove\r\n")
             + lane_frame("d", 13, 4, extra=b"Nats-Marker-Reason: MaxAge\r\n")

@@ -530,11 +530,17 @@ class Feed(Maintenance):
             m.fresh_at_ns = max(m.fresh_at_ns, self.freshness.proven_with(top, now))
             if self._full and self._seen is None:
                 m.synced = True  # nothing to sweep: the last batch of the sync says so itself
-        items = last.items if len(runs) == 1 else [it for r in runs for it in r.items]
+        entries: list | None
+        if len(runs) == 1:
+            items, entries = last.items, last.entries
+        else:
+            items = [it for r in runs for it in r.items]
+            entries = [e for r in runs for e in r.entries]
         hub = self.hub
         outside: list[tuple[str, str]] = []
         if self._keeper is not None:
             items, outside = self._keeper.split(items, top, self.meta.applied_seq)
+            entries = None  # the items the replica keeps are some of them
         changes = self.replica.changes_of(self.bucket, items) if hub is not None and hub.active else None
         if outside and changes is not None:
             changes += outside
@@ -543,7 +549,7 @@ class Feed(Maintenance):
         # a record has a deadline only by the bucket's max_age or a TTL of its own (Run.ttls)
         deadlines = self._deadlines and (self.max_age_ns > 0 or any(r.ttls for r in runs))
         self.replica.apply_items(self.bucket, items, m, deletes=deletes, deadlines=deadlines,
-                                 marks=marks, fresh=self._full and self._seen is None)
+                                 marks=marks, fresh=self._full and self._seen is None, entries=entries)
         if self._deadlines:
             self._sweep_wake.set()
         self.meta = m

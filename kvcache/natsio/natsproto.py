@@ -48,6 +48,7 @@ from kvcache.entry import Operation
 from kvcache.errors import ProtocolError
 from kvcache.store.record import item as _item
 from kvcache.store.record import parse_msg_ttl
+from kvcache.store.revindex import put_entry
 
 __all__ = [
     "MARK_DEL",
@@ -133,7 +134,7 @@ PONG = Pong()
 OK = Ok()
 
 RUN_FIELDS = ("sid", "first_cseq", "last_cseq", "top_sseq", "last_ts", "last_pending", "items",
-              "deletes", "marks", "ttls")
+              "deletes", "marks", "ttls", "entries")
 
 # A mark's op (Run.marks): which delete a delivery stands for. 0 is a put, in C as here.
 MARK_DEL = 1
@@ -159,7 +160,8 @@ class Run:
     (as Operation.of decides; a server marker is DEL only for the reason `Remove`) and the
     timestamp in ns. `deletes == len(marks)`. `ttls`: how many puts carry a TTL of their own
     (a `Nats-TTL` header): a batch with none, of a bucket with no max_age, files nothing in
-    the expiry index, so the feed need not look at each record for a deadline."""
+    the expiry index, so the feed need not look at each record for a deadline. `entries`: each
+    put item's revision-index entry (kvcache.store.revindex.put_entry), in order."""
 
     __slots__ = RUN_FIELDS
 
@@ -169,6 +171,7 @@ class Run:
         self.top_sseq = self.last_ts = self.last_pending = self.deletes = self.ttls = 0
         self.items: list = []
         self.marks: list = []
+        self.entries: list = []
 
     def fields(self) -> tuple:
         return tuple(getattr(self, f) for f in RUN_FIELDS)
@@ -299,7 +302,10 @@ def _deliver(events: list, sid: int, ack: AckMeta, key: bytes, header_block: byt
     value = None if op else payload
     ttl_header = headers.get("Nats-TTL") if headers and value is not None else None
     ttl = parse_msg_ttl(ttl_header) if ttl_header is not None else 0
-    run.items.append(_item(key, value, ack.stream_seq, ack.timestamp_ns, ttl))
+    it = _item(key, value, ack.stream_seq, ack.timestamp_ns, ttl)
+    run.items.append(it)
+    if value is not None:
+        run.entries.append(put_entry(it[0], ack.stream_seq))
     if ttl_header is not None:
         run.ttls += 1
     if op:

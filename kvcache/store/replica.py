@@ -409,7 +409,8 @@ class Replica:
 
     def apply_items(self, bucket: str, items: Sequence[Item], meta: BucketMeta,
                     deletes: bool = True, deadlines: bool = True,
-                    marks: Sequence[revindex.Mark] = (), revisions: bool = True, fresh: bool = False) -> None:
+                    marks: Sequence[revindex.Mark] = (), revisions: bool = True, fresh: bool = False,
+                    entries: Sequence[tuple[bytes, bytes]] | None = None) -> None:
         """Apply delivered items (see record.item) in stream order, and the position, in a
         single transaction. `deletes=False` promises that no item is a delete, so the whole
         batch goes to LMDB in one putmulti call; `deadlines=False`, that no record has a
@@ -417,7 +418,8 @@ class Replica:
         `revisions`: keep the bucket's revision index (kvcache.store.revindex) with the
         records; `marks`, the delete items' (kvcache.natsio.natsproto.Run.marks): a delete
         without one leaves no entry, as a removal the stream keeps no marker of. `fresh`:
-        the bucket was empty when this full sync began (revindex.Index.apply)."""
+        the bucket was empty when this full sync began; `entries`, the puts' index entries
+        when the caller has them (both: revindex.Index.apply)."""
         db = self.db(bucket)
         meta_key, meta_raw = bucket.encode(), meta.encode()
         due = expiry.due_entries(items, self.max_age.get(bucket, 0)) if deadlines else None
@@ -430,7 +432,7 @@ class Replica:
                 txn.cursor(db=index).putmulti(due)
             if revs is not None:
                 idx = revindex.Index(txn, db, *revs)
-                idx.apply(items, marks, fresh, deletes)
+                idx.apply(items, marks, fresh, deletes, entries)
                 idx.finish(self._meta, bucket)
             elif not deletes:
                 cur.putmulti(items)
