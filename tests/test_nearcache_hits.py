@@ -33,10 +33,12 @@ IMPLS = [pytest.param(twin, id="python"), pytest.param(c_hits, id="native", mark
 K, J = b"k", b"j"  # two keys of the table's LRU order
 
 
-def run(mod, capacity: int, ops: list[tuple]) -> tuple[object, OrderedDict[bytes, int]]:
-    """A counter over an LRU order holding K then J, after `ops`: ("take", keys), ("read",
-    key), ("drain",), ("evict", key: gone from the order, as an eviction or invalidation)."""
-    lru: OrderedDict[bytes, int] = OrderedDict(((K, 1), (J, 1)))
+def run(mod, capacity: int, ops: list[tuple],
+        keys: tuple[bytes, ...] = (K, J)) -> tuple[object, OrderedDict[bytes, int]]:
+    """A counter over an LRU order holding `keys` in order, after `ops`: ("take", keys),
+    ("read", key), ("drain",), ("evict", key: gone from the order, as an eviction or
+    invalidation)."""
+    lru: OrderedDict[bytes, int] = OrderedDict((k, 1) for k in keys)
     counter = mod.HitCounter(capacity, lru)
     for op, *args in ops:
         if op == "take":
@@ -135,18 +137,7 @@ def test_twins_agree_on_generated_sequences(capacity, ops):
     ops = _expand(ops)
     out = []
     for mod in (twin, c_hits):
-        lru: OrderedDict[bytes, int] = OrderedDict((k, 1) for k in _universe)
-        counter = mod.HitCounter(capacity, lru)
-        for op, *args in ops:
-            if op == "take":
-                counter.take(args[0])
-            elif op == "read":
-                counter.read(args[0])
-            elif op == "drain":
-                counter.drain()
-            else:
-                lru.pop(args[0], None)
-        out.append(_state(counter, lru))
+        out.append(_state(*run(mod, capacity, ops, tuple(_universe))))
     assert out[0] == out[1]
 
 

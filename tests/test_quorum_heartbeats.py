@@ -25,6 +25,18 @@ from kvcache.store.replica import Replica
 pytestmark = pytest.mark.timeout(240)
 
 
+async def _opened(stack: AsyncExitStack, urls: list[str], tmp_path,
+                  buckets: list[str]) -> tuple[Replica, NatsConnection]:
+    """A replica for `buckets` and a connection to the cluster, both closed by `stack`."""
+    replica = Replica(str(tmp_path / "replica"), buckets=len(buckets))
+    replica.set_buckets(buckets)
+    stack.callback(replica.close)
+    nc = NatsConnection()
+    await nc.connect(servers=urls, connect_timeout=5)
+    stack.push_async_callback(nc.close)
+    return replica, nc
+
+
 def _drop_deliveries(nc: NatsConnection, feed: Feed) -> None:
     """From now on the feed's consumer hears nothing: its lane's handler is swapped for one
     that drops every batch (the server goes on sending)."""
@@ -39,13 +51,8 @@ async def test_heartbeats_by_what_bounds_the_staleness(nats_cluster, tmp_path):
     """R3 over the whole bucket: the rare heartbeat. R1 (its server's word is the proof) and a
     filtered consumer (its heartbeat carries its position) keep heartbeat_ms."""
     whole, single, filtered = new_bucket(), new_bucket(), new_bucket()
-    replica = Replica(str(tmp_path / "replica"), buckets=3)
-    replica.set_buckets([whole, single, filtered])
     async with AsyncExitStack() as stack:
-        stack.callback(replica.close)
-        nc = NatsConnection()
-        await nc.connect(servers=nats_cluster.urls, connect_timeout=5)
-        stack.push_async_callback(nc.close)
+        replica, nc = await _opened(stack, nats_cluster.urls, tmp_path, [whole, single, filtered])
         js = nc.jetstream(timeout=10)
         for b, replicas in ((whole, 3), (single, 1), (filtered, 3)):
             kv = await replicated_kv(js, bucket=b, replicas=replicas)
@@ -75,13 +82,8 @@ async def test_a_stalled_consumer_is_found_by_the_evidence(nats_cluster, tmp_pat
     shows the new message, and the consumer is lost three heartbeat_ms after, not three of its
     (30 s) idle heartbeats; the next one delivers the write."""
     b = new_bucket()
-    replica = Replica(str(tmp_path / "replica"), buckets=1)
-    replica.set_buckets([b])
     async with AsyncExitStack() as stack:
-        stack.callback(replica.close)
-        nc = NatsConnection()
-        await nc.connect(servers=nats_cluster.urls, connect_timeout=5)
-        stack.push_async_callback(nc.close)
+        replica, nc = await _opened(stack, nats_cluster.urls, tmp_path, [b])
         js = nc.jetstream(timeout=10)
         kv = await replicated_kv(js, bucket=b, replicas=3)
         await settled(lambda: kv.put("k", b"1"))
