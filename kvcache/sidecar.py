@@ -195,10 +195,12 @@ class Sidecar:
         gc.freeze()
 
     async def run(self) -> None:
-        """Serve until SIGTERM/SIGINT, then shut down gracefully. A signal during start
-        abandons the start; either way stop() runs and finishes whatever state NATS is in."""
+        """Serve until SIGTERM, SIGINT or SIGHUP, then shut down gracefully. A signal during
+        start abandons the start; either way stop() runs and finishes whatever state NATS is
+        in. SIGHUP (a closed terminal, or a supervisor asking for a reload kvcache cannot do)
+        stops it too, saying so, rather than killing it with its socket file left behind."""
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
             starting = asyncio.ensure_future(self.start())
@@ -268,6 +270,9 @@ class Sidecar:
     def _on_signal(self, sig: int) -> None:
         if self._stopping.is_set():
             log.info("%s: already shutting down", signal.Signals(sig).name)
+        elif sig == signal.SIGHUP:
+            log.warning("SIGHUP: kvcache does not reload its configuration; stopping (start it "
+                        "again to apply a change)")
         self._stopping.set()
 
     def request_stop(self) -> None:

@@ -104,6 +104,22 @@ def test_stop_while_nats_is_down_or_hung(tmp_path, outage, sig, round_):
         server.stop()
 
 
+def test_sighup_stops_cleanly_and_says_why(tmp_path):
+    """SIGHUP (a closed terminal, a supervisor's reload): there is no reload, so a graceful
+    stop with a line saying so; before, the default action killed it and left its socket."""
+    server = start_single(tmp_path)
+    try:
+        make_bucket(server.url)
+        with SidecarProcess(tmp_path / "sc", server.url, buckets=["cfg"]) as sc:
+            sc.start()
+            with sc.client() as c:
+                assert c.get("k.1") == b"v1"
+            assert_clean_exit(sc, send_and_wait(sc, signal.SIGHUP))
+            assert "SIGHUP: kvcache does not reload its configuration" in sc.log()
+    finally:
+        server.stop()
+
+
 def test_signal_during_start_exits_cleanly(tmp_path):
     """SIGTERM while the first connection to a hung server is still being attempted."""
     server = start_single(tmp_path)
