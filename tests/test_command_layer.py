@@ -44,8 +44,10 @@ CASES: dict[str, tuple[list[list[str]], bytes] | tuple[list[list[str]], bytes, b
                               b"$2\r\nv2\r\n" + arity("get") * 2
                               + err("ERR invalid key 'in..bad': KV keys use A-Z a-z 0-9 - / _ = "
                                     "and dots between tokens")),
-    "mget, exists": ([["MGET", "in.k1", "in.none", "in.k3"], ["MGET"], ["EXISTS", "in.k1", "in.k2", "in.none"]],
-                     b"*3\r\n$2\r\nv1\r\n$-1\r\n$2\r\nv3\r\n" + arity("mget") + b":2\r\n"),
+    "mget, exists": ([["MGET", "in.k1", "in.none", "in.k3"], ["MGET"], ["EXISTS", "in.k1", "in.k2", "in.none"],
+                      ["EXISTS", "@main"], ["EXISTS", "@main", "in.k1", "@main", "@nosuch"], ["EXISTS", "@nosuch"]],
+                     b"*3\r\n$2\r\nv1\r\n$-1\r\n$2\r\nv3\r\n" + arity("mget") + b":2\r\n"
+                     + b":1\r\n:3\r\n:0\r\n"),
     "strlen, type, ttl": ([["STRLEN", "in.k1"], ["TYPE", "in.k1"], ["TYPE", "in.none"], ["TYPE", "@main"],
                            ["TTL", "in.k1"], ["PTTL", "in.none"], ["TTL"], ["EXPIRETIME", "a", "b"]],
                           b":2\r\n+string\r\n+none\r\n+stream\r\n:-1\r\n:-2\r\n" + arity("ttl") + arity("expiretime")),

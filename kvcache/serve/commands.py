@@ -229,8 +229,18 @@ class Commands:
                                ReplyBudget(self.cfg.max_reply_bytes))
 
     def exists(self, conn: Session, args: list[bytes]) -> Reply:
-        return self.reads.many(args[1:], "EXISTS",
-                               lambda values: resp.integer(sum(v is not None for v in values)))
+        """Keys that exist, each counted as often as it is named (Redis's EXISTS). A stream key
+        `@<bucket>` exists when TYPE says `stream` of it: a library that checks a stream
+        before reading it (walrus's consumer groups) is told 1, not that the key is invalid."""
+        keys = args[1:]
+        streams = 0
+        if any(k[:1] == b"@" for k in keys):
+            streams = sum(self.streams.exists(k) for k in keys if k[:1] == b"@")
+            keys = [k for k in keys if k[:1] != b"@"]
+            if not keys:
+                return resp.integer(streams)
+        return self.reads.many(keys, "EXISTS",
+                               lambda values: resp.integer(streams + sum(v is not None for v in values)))
 
     def _ttl(self, conn: Session, args: list[bytes], ms: bool, absolute: bool) -> Reply:
         def answer(found: Entry | None) -> bytes:

@@ -315,6 +315,14 @@ class Streams:
         with self.replica.env.begin() as txn:
             return resp.integer(revindex.length(txn, rdb))
 
+    def exists(self, raw: bytes) -> bool:
+        """Does stream key `raw` name a stream here (what TYPE answers `stream` of)?"""
+        try:
+            self.stream_of(raw)
+        except CommandError:
+            return False
+        return True
+
     def type(self, conn: Session, args: list[bytes]) -> bytes:
         self.stream_of(args[1])
         return STREAM_TYPE
