@@ -233,6 +233,14 @@ EXACT = [
 ]
 
 
+def test_a_range_start_past_the_end_is_named_as_given():
+    """XRANGE's start S asks for what changed after S-1: S one past the last revision is the
+    end of a listing (empty), two past is an error that names S as the client wrote it."""
+    stream_rules.exact_after(SB, 0, 50, 50, b"51")
+    with pytest.raises(CommandError, match=r"start 52-0 is past its next revision 51 \(was the bucket recreated"):
+        stream_rules.exact_after(SB, 0, 50, 51, b"52-0")
+
+
 @pytest.mark.parametrize(("horizon", "last", "after", "error"), EXACT)
 def test_stream_exact_after(horizon, last, after, error):
     if error is None:

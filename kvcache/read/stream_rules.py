@@ -35,13 +35,15 @@ def vouch(ledger: Ledger, conn: int, bc: BucketConfig, feed: Feed) -> None:
                            "one this connection already read (the bucket was recreated): read from 0")
 
 
-def exact_after(bc: BucketConfig, horizon: int, last: int, after: int) -> None:
+def exact_after(bc: BucketConfig, horizon: int, last: int, after: int, given: bytes | None = None) -> None:
     """Can "what changed after `after`" be answered exactly by an index exact after `horizon`,
-    whose last revision is `last`? CommandError saying why not."""
+    whose last revision is `last`? CommandError saying why not. `given`: the range's start as
+    the client wrote it (XRANGE: `after` is one below it), named in the error instead."""
     if 0 < after < horizon:
         raise CommandError(f"ERR bucket {bc.name}: changes after revision {after} are no longer known "
                            f"exactly (the replica's index starts after revision {horizon}, where its last "
                            "full sync began): read from 0 for a full listing")
     if after > last:
-        raise CommandError(f"ERR bucket {bc.name}: revision {after} is past its last revision {last} "
-                           "(was the bucket recreated?): read from 0")
+        what = (f"start {given.decode(errors='replace')[:64]} is past its next revision {last + 1}"
+                if given is not None else f"revision {after} is past its last revision {last}")
+        raise CommandError(f"ERR bucket {bc.name}: {what} (was the bucket recreated?): read from 0")

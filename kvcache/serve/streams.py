@@ -148,9 +148,9 @@ class Streams:
         """May the bucket's index answer now? (kvcache.read.stream_rules.vouch)"""
         stream_rules.vouch(self.ledger, conn.id, bc, feed)
 
-    def _exact_after(self, bc: BucketConfig, feed: Feed, after: int) -> None:
+    def _exact_after(self, bc: BucketConfig, feed: Feed, after: int, given: bytes | None = None) -> None:
         """Can "what changed after `after`" be answered exactly? (stream_rules.exact_after)"""
-        stream_rules.exact_after(bc, feed.meta.horizon, feed.meta.applied_seq, after)
+        stream_rules.exact_after(bc, feed.meta.horizon, feed.meta.applied_seq, after, given)
 
     # ------------------------------------------------------------------ reading
 
@@ -295,7 +295,7 @@ class Streams:
                 return resp.array(None, conn.proto)
         self._vouch(conn, bc, feed)
         if first > 1:
-            self._exact_after(bc, feed, first - 1)
+            self._exact_after(bc, feed, first - 1, lo_raw)
         entries, top = self._entries(bc, first, last, count, reverse, None)
         self._handed(conn, bc.name, len(entries), top)
         return resp.array(entries)
