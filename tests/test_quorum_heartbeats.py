@@ -9,6 +9,7 @@ fast lane hands the consumer, as a link that loses deliveries would.
 from __future__ import annotations
 
 import asyncio
+import json
 from contextlib import AsyncExitStack
 
 import pytest
@@ -17,6 +18,7 @@ from support.poll import until
 from support.topology import replicated_kv, settled
 
 from kvcache.config import BucketConfig
+from kvcache.feed.consumer import FIRST_PULL_CHECKS, PULL_EXPIRES_S
 from kvcache.feed.feed import Feed
 from kvcache.feed.quorum import QUORUM_HEARTBEAT_S
 from kvcache.natsio.nats_connection import NatsConnection
@@ -57,6 +59,11 @@ async def test_heartbeats_by_what_bounds_the_staleness(nats_cluster, tmp_path):
         for b, replicas in ((whole, 3), (single, 1), (filtered, 3)):
             kv = await replicated_kv(js, bucket=b, replicas=replicas)
             await settled(lambda kv=kv: kv.put("a.1", b"v"))
+        pulls: list[dict] = []
+
+        async def pulled(msg) -> None:
+            pulls.append(json.loads(msg.data))
+        sub = await nc.subscribe(f"$JS.API.CONSUMER.MSG.NEXT.KV_{whole}.>", cb=pulled)
         feeds = {}
         for b, keys in ((whole, [">"]), (single, [">"]), (filtered, ["a.*"])):
             feed = Feed(nc, BucketConfig(b, keys=keys, max_stale_ms=2000), replica, heartbeat_s=1.0)
@@ -67,6 +74,13 @@ async def test_heartbeats_by_what_bounds_the_staleness(nats_cluster, tmp_path):
             feeds[b] = feed
         assert feeds[whole]._consumer.heartbeat_s == QUORUM_HEARTBEAT_S
         assert feeds[whole]._consumer.check_s == 1.0
+        # Its first pull is short and heartbeats every check (a pull lost at creation shows
+        # within three checks); once answered (here: that pull's expiry), the long one.
+        await until(lambda: len(pulls) >= 2, what="the pull after the first one's expiry")
+        await sub.unsubscribe()
+        first, then = pulls[0], pulls[1]
+        assert (first["expires"], first["idle_heartbeat"]) == (FIRST_PULL_CHECKS * 10**9, 10**9)
+        assert (then["expires"], then["idle_heartbeat"]) == (int(PULL_EXPIRES_S * 1e9), int(QUORUM_HEARTBEAT_S * 1e9))
         assert feeds[single]._consumer.heartbeat_s == 1.0 and feeds[single]._consumer.behind is None
         assert feeds[filtered]._consumer.heartbeat_s == 1.0 and feeds[filtered]._consumer.behind is None
         # Quiet and heartbeat-free for several of heartbeat_ms, the R3 replica stays fresh on

@@ -36,6 +36,8 @@ PULL_MAX_BYTES = 16 * 1024 * 1024
 # consumer alive, so its expiry only costs a request per consumer per PULL_EXPIRES_S: in a
 # fleet, N x buckets of them (bench/README.md, "A fleet on one cluster").
 PULL_EXPIRES_S = 600.0
+# Checks the first pull request lives (see PullConsumer._pull)
+FIRST_PULL_CHECKS = 4
 PLACEMENT_TRIES = 32    # consumers made to get one on the stream leader (R3: all miss with p = 2e-6)
 # Creation refused because a consumer of the name exists with another configuration
 # (JSConsumerAlreadyExists, JSConsumerNameExistErr): a predecessor's, replaced.
@@ -127,6 +129,7 @@ class PullConsumer:
         self._error: BaseException | None = None
         self._done = False
         self._pending_msgs = 0
+        self._heard = False  # has the server answered a pull yet (see _pull)?
         # One request must fit the largest message the server accepts, or it would never arrive.
         self._max_bytes = max(PULL_MAX_BYTES, 2 * (nc.max_payload or 0))
         self._next_cseq = 1
@@ -178,8 +181,9 @@ class PullConsumer:
         """Lose the consumer if the server has been silent too long: three idle heartbeats,
         or three checks since the stream was known to hold more than it delivered."""
         silent = now - self._last_activity
-        if silent > 3 * self.heartbeat_s:
-            raise ConsumerLost(f"no heartbeat for {3 * self.heartbeat_s:.1f}s", "heartbeat")
+        expected = self.heartbeat_s if self._heard else self.check_s  # see _pull
+        if silent > 3 * expected:
+            raise ConsumerLost(f"no heartbeat for {3 * expected:.1f}s", "heartbeat")
         since = self.behind() if self.behind is not None else None
         if since is not None and now - max(since, self._last_activity) > 3 * self.check_s:
             raise ConsumerLost(f"the stream holds messages the consumer has not delivered, and it has "
@@ -284,15 +288,23 @@ class PullConsumer:
 
     async def _pull(self) -> None:
         """Top the window up to PULL_BATCH messages; each request's bytes are capped too, so
-        at most two requests' worth (a few tens of MiB) is ever buffered."""
+        at most two requests' worth (a few tens of MiB) is ever buffered.
+
+        Until the server has answered once, a request lives FIRST_PULL_CHECKS checks and asks
+        for a heartbeat every check: a pull can be lost at creation (the same name made again
+        right after a misplaced try was deleted; seen in the fleet bench: the pull reached the
+        dying consumer), and a consumer with rare heartbeats would then be silent for three of
+        them on an idle stream. The answer (a heartbeat, a message, the request's expiry) comes
+        within a check; then the requests are the long ones."""
         want = PULL_BATCH - self._pending_msgs
         if want <= 0:
             return
+        first = not self._heard
         req = {
             "batch": want,
             "max_bytes": self._max_bytes,
-            "expires": int(PULL_EXPIRES_S * 1e9),
-            "idle_heartbeat": int(self.heartbeat_s * 1e9),
+            "expires": int((FIRST_PULL_CHECKS * self.check_s if first else PULL_EXPIRES_S) * 1e9),
+            "idle_heartbeat": int((self.check_s if first else self.heartbeat_s) * 1e9),
         }
         self._pending_msgs += want
         await self.nc.publish(
@@ -307,6 +319,7 @@ class PullConsumer:
         if self._done or self._failure or self._error:
             return
         self._last_activity = time.monotonic()
+        self._heard = True
         runs: list[Run] = []
         for ev in batch:
             if type(ev) is Run:
