@@ -292,9 +292,9 @@ class PullConsumer:
 
         Until the server has answered once, a request lives FIRST_PULL_CHECKS checks and asks
         for a heartbeat every check: a pull can be lost at creation (the same name made again
-        right after a misplaced try was deleted; seen in the fleet bench: the pull reached the
-        dying consumer), and a consumer with rare heartbeats would then be silent for three of
-        them on an idle stream. The answer (a heartbeat, a message, the request's expiry) comes
+        right after a misplaced try was deleted; seen in the fleet bench, most likely the pull
+        reaching the dying consumer), and a consumer with rare heartbeats would then be silent
+        for three of them on an idle stream. The answer (a heartbeat, a message, the request's expiry) comes
         within a check; then the requests are the long ones."""
         want = PULL_BATCH - self._pending_msgs
         if want <= 0:
