@@ -24,7 +24,9 @@ from kvcache.feed.quorum import QUORUM_HEARTBEAT_S
 from kvcache.natsio.nats_connection import NatsConnection
 from kvcache.store.replica import Replica
 
-pytestmark = pytest.mark.timeout(240)
+# Three replicated buckets made on a cluster that may still be settling on a busy host: each
+# wait is bounded on its own (support.topology, support.poll), this only bounds their sum.
+pytestmark = pytest.mark.timeout(420)
 
 
 async def _opened(stack: AsyncExitStack, urls: list[str], tmp_path,

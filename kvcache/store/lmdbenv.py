@@ -59,6 +59,16 @@ def _open(path: str, map_size: int, max_dbs: int) -> lmdb.Environment:
     )
 
 
+def drop(path: str, why: object) -> None:
+    """Delete the environment at `path`, damaged (`why`): it will be rebuilt from NATS."""
+    log.warning("replica at %s is damaged (%s): deleting it, it will be rebuilt from NATS", path, why)
+    for name in ("data.mdb", "lock.mdb"):
+        try:
+            os.unlink(os.path.join(path, name))
+        except FileNotFoundError:
+            pass
+
+
 def open_writer(path: str, map_size: int, max_dbs: int) -> tuple[lmdb.Environment, int]:
     """The writer's environment at `path` (created if missing), and the room for named
     databases it has: `max_dbs`, or more for a file from a configuration with more buckets.
@@ -75,13 +85,7 @@ def open_writer(path: str, map_size: int, max_dbs: int) -> tuple[lmdb.Environmen
     os.makedirs(path, exist_ok=True)
     why = damage(path)
     if why is not None:
-        log.warning("replica at %s is damaged (%s): deleting it, it will be rebuilt from NATS",
-                    path, why)
-        for name in ("data.mdb", "lock.mdb"):
-            try:
-                os.unlink(os.path.join(path, name))
-            except FileNotFoundError:
-                pass
+        drop(path, why)
     env = _open(path, map_size, max_dbs)
     existing = _named_dbs(env)
     if dbs_for(0, existing) > max_dbs:  # a file from a configuration with more buckets

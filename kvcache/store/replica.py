@@ -31,7 +31,7 @@ import lmdb
 from ..errors import ReplicaError
 from ..keys import subject_match
 from . import expiry, revindex
-from .lmdbenv import MAX_DBS, dbs_for, disk_hint, grow, open_writer, release_readonly_env, shared_readonly_env
+from .lmdbenv import MAX_DBS, dbs_for, disk_hint, drop, grow, open_writer, release_readonly_env, shared_readonly_env
 from .lmdbenv import as_bytes as _bytes
 from .record import (
     LONG_KEY_PREFIX,
@@ -122,8 +122,24 @@ class Replica:
                 self.env, self.max_dbs = open_writer(path, map_size, self.max_dbs)
         except lmdb.Error as e:
             raise ReplicaError(f"cannot open replica at {path}: {e}") from None
-        self._meta = self.db_ro(META_DB) if readonly else self._open_rw(META_DB)
-        if not readonly:
+        if readonly:
+            self._meta = self.db_ro(META_DB)
+            return
+        try:
+            self._meta = self._open_rw(META_DB)
+            self._check_format()
+        except lmdb.Error as e:
+            # Damage the check's walk over the keys did not reach (seen: a scribbled page
+            # failing the first get with MDB_BAD_TXN): dropped as open_writer drops what the
+            # check finds.
+            self.env.close()
+            self._dbs.clear()
+            drop(path, e)
+            try:
+                self.env, self.max_dbs = open_writer(path, map_size, self.max_dbs)
+            except lmdb.Error as e2:
+                raise ReplicaError(f"cannot open replica at {path}: {e2}") from None
+            self._meta = self._open_rw(META_DB)
             self._check_format()
 
     def _open_rw(self, name: bytes):
