@@ -406,7 +406,12 @@ def test_big_reply_pipeline_is_delivered(sc):
     n = 20_000
     s = connect(sc.socket, timeout=30)
     try:
-        s.sendall(encode_command(["GET", key(4)]) * n)
+        # The client reads only once its requests are all sent, or once the server stops
+        # taking them (its backpressure: 2 MB of replies unread), whichever comes first: a
+        # sendall of everything before any read could wait for the server while it waits too.
+        sender = threading.Thread(target=s.sendall, args=(encode_command(["GET", key(4)]) * n,))
+        sender.start()
+        sender.join(5)
         want = (b"$100\r\n" + VALUE + b"\r\n") * n
         got = bytearray()
         while len(got) < len(want):
@@ -414,6 +419,8 @@ def test_big_reply_pipeline_is_delivered(sc):
             assert chunk
             got += chunk
         assert bytes(got) == want
+        sender.join(30)
+        assert not sender.is_alive()
     finally:
         s.close()
 
