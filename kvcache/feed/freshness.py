@@ -54,7 +54,7 @@ class Freshness:
         # A caught-up feed hears from the server at least once a heartbeat (an idle heartbeat
         # when nothing changes). Silence past SILENT_HEARTBEATS of them is a link that may have
         # stalled unnoticed: the replica is then only known current as of the last word heard.
-        self._silence_ns = int(SILENT_HEARTBEATS * heartbeat_s * 1e9)
+        self.expect_heartbeats(heartbeat_s)
         # `quorum`: the stream needs quorum evidence (replicated in a cluster); `proofs`: the
         # evidence seen so far.
         self.quorum = False
