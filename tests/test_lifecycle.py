@@ -19,6 +19,7 @@ import pytest
 from support.procs import embedded_pid, pid_alive
 from support.sidecar_proc import SidecarProcess, run_cli
 from support.topology import start_single
+from support.poll import wait_until
 
 pytestmark = pytest.mark.servers  # each test starts its own servers or sidecar process
 
@@ -117,6 +118,43 @@ def test_sighup_stops_cleanly_and_says_why(tmp_path):
             assert_clean_exit(sc, send_and_wait(sc, signal.SIGHUP))
             assert "SIGHUP: kvcache does not reload its configuration" in sc.log()
     finally:
+        server.stop()
+
+
+def test_stop_ends_blocked_stream_reads_with_their_error(tmp_path):
+    """100 followers blocked in `XREAD BLOCK 0`: SIGTERM ends each read at once with the
+    documented error (docs/commands.md), not by dropping the connection after the drain's
+    grace (before: 5 s, then "connection closed" and no reply)."""
+    server = start_single(tmp_path)
+    followers: list[socket.socket] = []
+    try:
+        make_bucket(server.url)
+        with SidecarProcess(tmp_path / "sc", server.url, buckets=["cfg"]) as sc:
+            sc.start()
+            for _ in range(100):
+                s = socket.socket(socket.AF_UNIX)
+                s.connect(str(sc.socket))
+                s.sendall(b"*6\r\n$5\r\nXREAD\r\n$5\r\nBLOCK\r\n$1\r\n0\r\n"
+                          b"$7\r\nSTREAMS\r\n$4\r\n@cfg\r\n$1\r\n$\r\n")
+                followers.append(s)
+            with sc.client() as c:
+                wait_until(lambda: c.info("clients")["clients"]["blocked_clients"] == 100, 30,
+                           "100 followers blocked")
+            began = time.monotonic()
+            assert_clean_exit(sc, send_and_wait(sc, signal.SIGTERM))
+            print(f"stopped {time.monotonic() - began:.3f} s after SIGTERM with 100 followers")
+        for s in followers:
+            s.settimeout(10)
+            reply = b""
+            while not reply.endswith(b"\r\n"):
+                got = s.recv(4096)
+                assert got, f"closed without a reply after {reply!r}"
+                reply += got
+            assert reply == (b"-ERR stream read ended: bucket cfg: kvcache is shutting down; "
+                             b"read again from the last ID you have\r\n")
+    finally:
+        for s in followers:
+            s.close()
         server.stop()
 
 

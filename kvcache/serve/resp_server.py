@@ -122,6 +122,9 @@ class RespServer:
         if self._tcp is not None:
             self._tcp.close()
         self._remove_socket()  # new clients get ENOENT at once, not a connection we drop
+        # a blocked stream read is a request in flight that never ends by itself: end it
+        # with its error reply first, so the drain below waits only for real requests
+        self.commands.streams.end_all("kvcache is shutting down")
         conns = list(self.connections)
         if conns:
             await asyncio.wait([asyncio.ensure_future(c.drain()) for c in conns], timeout=grace)

@@ -69,6 +69,7 @@ class Streams:
         self.on_first = on_first  # the first blocked reader: the hub's staleness watch starts
         # bucket -> the futures of its blocked readers (a dict: ordered, O(1) removal)
         self.waiting: dict[str, dict[asyncio.Future, None]] = {}
+        self._ended: str | None = None  # end_all's reason: a read that would block ends at once
         # bucket -> the recent end of its stream, encoded once for every reader (stream_tail)
         self._tails: dict[str, Tail] = {}
         self.entries_sent = 0
@@ -116,6 +117,14 @@ class Streams:
         with self.replica.env.begin(buffers=True) as txn:
             tail.extend(revindex.entries(txn, self.replica.db(bucket), rdb, tail.top + 1, U64, None, False,
                                          time.time_ns(), self.replica.max_age.get(bucket, 0)))
+
+    def end_all(self, why: str) -> None:
+        """Shutdown: every blocked read ends now with the documented error, so its follower
+        knows to read again elsewhere, and the stop does not wait out the drain's grace for
+        reads that would otherwise block for ever (`XREAD BLOCK 0`)."""
+        self._ended = why
+        for bucket in list(self.waiting):
+            self._wake(bucket, why)
 
     def _wake(self, bucket: str, why: str | None) -> None:
         waiting = self.waiting.pop(bucket, None)
@@ -249,6 +258,8 @@ class Streams:
         self.blocked += 1
         try:
             while True:
+                if self._ended is not None:
+                    raise _read_ended(buckets, self._ended)
                 fut = loop.create_future()
                 first = not self.waiting
                 for b in buckets:
@@ -270,8 +281,7 @@ class Streams:
                             if not w:
                                 del self.waiting[b]
                 if why is not None:
-                    raise CommandError(f"ERR stream read ended: bucket {'/'.join(sorted(buckets))}: {why}; "
-                                       "read again from the last ID you have")
+                    raise _read_ended(buckets, why)
                 for _, bc, feed, _ in wants:
                     self._vouch(conn, bc, feed)
                 reply = self._read(conn, wants, count)
@@ -447,3 +457,10 @@ def _xinfo_full(rest: list[bytes]) -> tuple[bool, int]:
             raise CommandError("ERR syntax error")
         count = max(0, integer(rest[2]))
     return True, count
+
+
+def _read_ended(buckets: set[str], why: str) -> CommandError:
+    """The documented end of a blocked read (docs/commands.md): the follower reads again
+    from the last ID it has, here or elsewhere."""
+    return CommandError(f"ERR stream read ended: bucket {'/'.join(sorted(buckets))}: {why}; "
+                        "read again from the last ID you have")
