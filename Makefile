@@ -36,14 +36,17 @@ APT = if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq 
 install: $(STAMPS)/install
 install-test: $(STAMPS)/install-test
 
+# the package and the demo extra: what README.md's examples use (redis-py, locust), nothing
+# outside the virtualenv (libnetfilter-queue-dev, Java and redis-tools are the tests' only)
 $(STAMPS)/install: $(INSTALL_INPUTS) $(VENV_MADE)
 	@$(MAKE) --no-print-directory native-deps
-	$(PYTHON) -m pip install -q -e .
+	$(PYTHON) -m pip install -q -e ".[demo]"
 	@mkdir -p $(@D) && touch $@
 
-# the test extra includes the package itself: `make demo` after `make test` installs nothing
+# the test extra includes the package and the demo extra: `make demo` after `make test`
+# installs nothing
 $(STAMPS)/install-test: $(INSTALL_INPUTS) $(VENV_MADE) tests/node/package-lock.json
-	@$(MAKE) --no-print-directory native-deps
+	@$(MAKE) --no-print-directory native-deps system-deps
 	$(PYTHON) -m pip install -q -e ".[test]"
 	@# node-redis and ioredis, pinned in tests/node/package-lock.json (tests/test_node_clients.py)
 	@if command -v npm >/dev/null; then npm ci --prefix tests/node --no-audit --no-fund --loglevel=error; fi
@@ -65,11 +68,6 @@ native-deps:
 	      sys.exit(not os.path.exists(os.path.join(sysconfig.get_path("include"), "Python.h")))'; } \
 	    && command -v apt-get >/dev/null; then \
 	  $(call APT,gcc python3-dev) || echo "warning: no C compiler or Python headers; the native paths run in Python"; \
-	fi
-	@# NetfilterQueue (the test extra: tests/test_partition.py's packet shaper) builds against it
-	@if [ "$$(uname -s)" = Linux ] && [ ! -f /usr/include/libnetfilter_queue/libnetfilter_queue.h ] \
-	    && command -v apt-get >/dev/null; then \
-	  $(call APT,libnetfilter-queue-dev) || echo "warning: no libnetfilter-queue-dev; pip cannot build NetfilterQueue"; \
 	fi
 
 # redis-server/redis-cli/redis-benchmark are third-party peers in the tests (Debian packages).

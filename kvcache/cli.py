@@ -199,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("section", nargs="?", help="one INFO section, or all (default: the usual sections)")
     _document_settings(info)
 
+    call = sub.add_parser("cli", help="send one command to a running sidecar, print the reply as redis-cli does")
+    _common(call)
+    _document_settings(call)
+    call.add_argument("words", nargs=argparse.REMAINDER, metavar="COMMAND [ARG ...]",
+                      help="a RESP command and its arguments, as you would give them to redis-cli")
+
     health = sub.add_parser("health", help="is a running sidecar live (ready with --ready)? exit 0 or 1")
     _common(health)
     health.add_argument("--ready", action="store_true",
@@ -213,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_NOT_CONFIG = {"command", "config", "key", "entry", "section", "ready"}
+_NOT_CONFIG = {"command", "config", "key", "entry", "section", "ready", "words"}
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -253,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
             return (load_job if args.command == "load" else hotkeys).run(args)
         overrides = {k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}
         cfg = load(args.config, overrides=overrides)
-        return {"serve": _serve, "get": _get, "info": _info, "health": _health}[args.command](cfg, args)
+        return {"serve": _serve, "get": _get, "info": _info, "health": _health,
+                "cli": _cli}[args.command](cfg, args)
     except _NoCommand:
         given = sys.argv[1:] if argv is None else argv
         if given:  # options but no command: say what was not understood, then the list
@@ -366,6 +373,23 @@ def _info(cfg: Config, args: argparse.Namespace) -> int:
             raise ConfigError(f"no INFO section '{args.section}'; sections: {', '.join(names)}, all")
     print(text)
     return 0
+
+
+def _cli(cfg: Config, args: argparse.Namespace) -> int:
+    """redis-cli's one-command form for machines without redis-tools: the reply printed as
+    redis-cli prints it; exit 1 on an error reply."""
+    from .app.cli_call import call
+
+    if not args.words:
+        raise ConfigError("no command given: kvcache cli GET <key> (any command the sidecar "
+                          "answers, as redis-cli takes it)")
+    try:
+        text, failed = call(cfg.socket_path, args.words)
+    except OSError as e:
+        raise _unreachable(e, cfg.socket_path) from None
+    if text:  # (redis-cli prints nothing at all for an empty INFO section)
+        print(text)
+    return 1 if failed else 0
 
 
 def _health(cfg: Config, args: argparse.Namespace) -> int:

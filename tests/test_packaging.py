@@ -5,18 +5,15 @@ unannounced. Slow (a minute: a venv, the build dependencies, the compile) and ne
 package index, as `pip install` does."""
 from __future__ import annotations
 
-import glob
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.packaging import build_sdist, clean_env, pip_install, venv
 
 pytestmark = [pytest.mark.servers, pytest.mark.slow]  # starts pip and compilers, not servers
 
-ROOT = Path(__file__).resolve().parent.parent
 PROBE = """
 import glob, json, os, subprocess, kvcache, kvcache.native as n
 so = glob.glob(os.path.join(os.path.dirname(kvcache.__file__), "_native", "server_get*.so"))[0]
@@ -27,29 +24,15 @@ print(json.dumps({"file": kvcache.__file__, "report": n.report(), "lmdb": n.lmdb
 
 @pytest.fixture(scope="module")
 def sdist(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("sdist")
-    # setup.py sdist needs no build dependencies beyond setuptools: the sources as shipped
-    r = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "--dist-dir", str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "KVCACHE_PURE_PYTHON": "1"})  # (no compile for an sdist)
-    assert r.returncode == 0, r.stderr
-    (archive,) = glob.glob(str(out / "kvcache-*.tar.gz"))
-    return Path(archive)
-
-
-def venv(where: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "venv", str(where)], check=True, timeout=120)
-    return where / "bin" / "python"
+    return build_sdist(tmp_path_factory.mktemp("sdist"))
 
 
 def test_pip_install_of_the_sdist_has_every_native_module(sdist, tmp_path):
     python = venv(tmp_path / "venv")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHE_")}
-    r = subprocess.run([str(python), "-m", "pip", "install", "-q", str(sdist)], capture_output=True, text=True,
-                       timeout=900, cwd=tmp_path, env=env)
+    r = pip_install(python, str(sdist), tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     r = subprocess.run([str(python), "-c", PROBE], capture_output=True, text=True, timeout=60, cwd=tmp_path,
-                       env=env)
+                       env=clean_env())
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert got["file"].startswith(str(tmp_path / "venv")), got["file"]
@@ -64,9 +47,7 @@ def test_a_module_that_cannot_be_built_fails_the_install(sdist, tmp_path):
     python = venv(tmp_path / "venv")
     empty = tmp_path / "no-lmdb"
     empty.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHE_")}
-    r = subprocess.run([str(python), "-m", "pip", "install", "-q", str(sdist)], capture_output=True, text=True,
-                       timeout=900, cwd=tmp_path, env={**env, "KVCACHE_LMDB_SRC": str(empty)})
+    r = pip_install(python, str(sdist), tmp_path, env={**clean_env(), "KVCACHE_LMDB_SRC": str(empty)})
     assert r.returncode != 0
     assert "kvcache: ERROR:" in r.stderr and "KVCACHE_PURE_PYTHON=1" in r.stderr, r.stderr[-3000:]
     assert subprocess.run([str(python), "-c", "import kvcache"], capture_output=True, cwd=tmp_path).returncode != 0

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from support.packaging import build_sdist, clean_env, pip_install, venv
 from support.sidecar_proc import SidecarProcess
 
-from kvcache import config_sources
 from kvcache.natsio.nats_server import free_port
 
 pytestmark = pytest.mark.servers  # starts a demo sidecar, its nats-server and locust
@@ -135,28 +135,35 @@ def _runnable() -> list[Block]:
     return [b for b in blocks(README.read_text()) if not b.marked and b.lang in RUNNABLE]
 
 
-@pytest.mark.parametrize("block", _runnable(), ids=lambda b: f"line{b.line}-{b.lang}")
-def test_readme_block(block: Block, demo):
-    work, ports, sc = demo
+def run_block(block: Block, work: Path, ports: dict[str, str], python: Path, env: dict[str, str]) -> str:
+    """Run one block as the README's reader would, in `work` (the clone, after `make demo`)
+    with `python` and `env` (PATH first: that interpreter's scripts); its output. Fails the
+    test on an exit status, an error reply or a traceback."""
     text = block.text
     for written, actual in ports.items():
         text = text.replace(written, actual)
     if block.lang == "toml":
         f = work / f"readme-{block.line}.toml"
         f.write_text(text)
-        config_sources.load(str(f), env={})  # a ConfigError (invalid TOML, unknown key, bad value) fails
-        return
-    if block.lang == "sh":
-        if "redis-cli" in text and shutil.which("redis-cli") is None:
-            pytest.skip("redis-cli is not installed (make test installs Debian's redis-tools)")
+        # a ConfigError (invalid TOML, unknown key, bad value) fails, as `kvcache serve --config` would
+        cmd = [str(python), "-c", "import sys; from kvcache import config_sources; "
+                                  "config_sources.load(sys.argv[1], env={})", str(f)]
+    elif block.lang == "sh":
         cmd = ["bash", "-euo", "pipefail", "-c", text]
     else:
-        cmd = [sys.executable, "-c", text]
-    r = subprocess.run(cmd, cwd=work, env=_env(), capture_output=True, text=True, timeout=60)
+        cmd = [str(python), "-c", text]
+    r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=60)
     out = r.stdout + r.stderr
     print(f"{block.title}\n{out}")
     assert r.returncode == 0, f"{block.title} exited {r.returncode}:\n{out}"
     assert not FAILURE.search(out), f"{block.title} answered an error:\n{out}"
+    return out
+
+
+@pytest.mark.parametrize("block", _runnable(), ids=lambda b: f"line{b.line}-{b.lang}")
+def test_readme_block(block: Block, demo):
+    work, ports, sc = demo
+    run_block(block, work, ports, Path(sys.executable), _env())
     assert "Traceback" not in sc.log()
 
 
@@ -178,3 +185,57 @@ def test_locustfile_against_the_demo(demo):
     assert r.returncode == 0, out
     assert int(total["Request Count"]) > 100 and int(total["Failure Count"]) == 0, out
     assert {"GET hot (zipf)", "MGET 8 hot (zipf)", "GET cold (remote)", "GET missing"} <= set(rows), rows.keys()
+
+
+# ---------------------------------------------------------------- in the environment `make demo` makes
+
+LOCUST = re.compile(r"`(locust -f bench/locustfile\.py [^`]*)`")
+
+
+@pytest.fixture(scope="module")
+def demo_env(tmp_path_factory) -> Path:
+    """A fresh virtualenv with kvcache[demo] and nothing else, as `make demo` makes ./.venv
+    (pip install of this tree's sdist with the demo extra). The pure-Python twins
+    (KVCACHE_PURE_PYTHON=1, no compile): what is checked here is what the examples import and
+    run, and the native paths are tests/test_packaging.py's."""
+    where = tmp_path_factory.mktemp("demo-env")
+    python = venv(where / "venv")
+    spec = f"{build_sdist(where / 'sdist')}[demo]"
+    r = pip_install(python, spec, where, env={**clean_env(), "KVCACHE_PURE_PYTHON": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return python
+
+
+def test_readme_in_the_demo_environment(demo_env, tmp_path):
+    """Every runnable block, then the locust command as README.md writes it, against the demo
+    started from a virtualenv with only kvcache[demo], on a PATH where redis-tools are absent
+    (redis-cli, redis-benchmark and redis-server shadowed by commands that fail): what a new
+    user has after `make demo` on a fresh machine. Before the demo extra, the blocks importing
+    redis and the locust command failed here while passing in the test virtualenv."""
+    work = tmp_path
+    (work / "bench").symlink_to(ROOT / "bench")  # the clone's bench/, for the locust command
+    shims = work / "no-redis-tools"
+    shims.mkdir()
+    for tool in ("redis-cli", "redis-benchmark", "redis-server"):
+        (shims / tool).write_text(f"#!/bin/sh\necho '{tool}: not installed (no redis-tools here)' >&2\nexit 127\n")
+        (shims / tool).chmod(0o755)
+    test_bin = str(Path(sys.executable).parent)
+    rest = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d and d != test_bin]
+    env = {**clean_env(), "PATH": os.pathsep.join([str(demo_env.parent), str(shims), *rest])}
+    ports = {NATS_PORT: f"127.0.0.1:{free_port()}", METRICS_PORT: f"127.0.0.1:{free_port()}"}
+    sc = SidecarProcess(work / "kvcache-data", None)
+    sc.args = [str(demo_env), "-m", "kvcache", "serve", "--data-dir", str(sc.data_dir)]
+    sc.cwd = work  # (from the test's directory, `-m kvcache` would import this tree's package)
+    sc.env = {**env, "KVCACHE_EMBEDDED_PORT": ports[NATS_PORT].rsplit(":", 1)[1],
+              "KVCACHE_METRICS_LISTEN": ports[METRICS_PORT]}
+    with sc:
+        sc.start()
+        for block in _runnable():
+            run_block(block, work, ports, demo_env, env)
+        (locust,) = LOCUST.findall(README.read_text())
+        r = subprocess.run(["bash", "-euo", "pipefail", "-c", locust], cwd=work, env=env,
+                           capture_output=True, text=True, timeout=120)
+        out = r.stdout[-4000:] + r.stderr[-4000:]
+        assert r.returncode == 0, f"{locust} exited {r.returncode}:\n{out}"
+        assert "Aggregated" in out, out
+        assert "Traceback" not in sc.log()

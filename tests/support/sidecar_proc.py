@@ -45,12 +45,13 @@ class SidecarProcess:
         self.env = {**os.environ, **(env or {})}
         self.log_path = self.data_dir.parent / f"{self.data_dir.name}-sidecar.log"
         self.proc: subprocess.Popen | None = None
+        self.cwd: Path | None = None  # where it runs (None: the test's): `python -m` imports from there first
 
     def start(self, wait_synced: bool = True, timeout: float = 60.0) -> SidecarProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=self.env,
+                                     stdin=subprocess.DEVNULL, env=self.env, cwd=self.cwd,
                                      preexec_fn=die_with_parent)  # never outlive the test run
         self.wait_serving(timeout)
         if wait_synced:
