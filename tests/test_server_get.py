@@ -23,7 +23,8 @@ from kvcache.native import native_or_none
 from kvcache.read.policy import Plan
 from kvcache.resp import GET_LEN
 from kvcache.serve import server_get as twin
-from kvcache.store.nearcache import LRU_SAMPLE, TOUCH_MAX, NearCache
+from kvcache.store.near_hits import LRU_SAMPLE, TOUCH_MAX
+from kvcache.store.nearcache import NearCache
 from kvcache.store.record import LONG_KEY_PREFIX, RECORD, item, lmdb_key
 from kvcache.store.replica import BucketMeta, Replica
 

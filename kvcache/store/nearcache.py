@@ -47,8 +47,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from .. import native
-from .near_hits import LRU_SAMPLE as LRU_SAMPLE  # (where the GET path's tests read them)
-from .near_hits import TOUCH_MAX as TOUCH_MAX
 from .record import NEVER, decode_record, encode_record
 
 if TYPE_CHECKING:
