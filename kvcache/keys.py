@@ -106,6 +106,28 @@ class FilterSet:
         return any(subject_match(f, key) for f in self._others)
 
 
+# A token no filter can name (no key token has a NUL): in filter_within, the key a `*` or a
+# `>` stands for, which only another filter's `*` or `>` matches
+_ANY_TOKEN = "\x00"
+
+
+def filter_within(f: str, filters: list[str] | tuple[str, ...]) -> bool:
+    """Is every key the (valid) filter `f` matches matched by one of `filters`? A stream of
+    `f` served from a replica of `filters` (kvcache.serve.streams) must miss no key.
+
+    Each `*` of `f` becomes a token no filter names: a filter that matches the key so made
+    matches every key with any token there. A trailing `>` becomes 1 to N + 1 such tokens,
+    N the most tokens of any filter: beyond N only a filter's own `>` matches, alike for every
+    length. So `a.>` is within `a.*` and `a.*.>` together, though within neither alone."""
+    fs = FilterSet(filters)
+    tokens = [_ANY_TOKEN if t == "*" else t for t in f.split(".")]
+    if tokens[-1] != ">":
+        return fs.match(".".join(tokens))
+    head = tokens[:-1]
+    longest = max((g.count(".") + 1 for g in filters), default=0)
+    return all(fs.match(".".join(head + [_ANY_TOKEN] * n)) for n in range(1, longest + 2))
+
+
 @functools.lru_cache(maxsize=256)
 def glob_matcher(pattern: str) -> Callable[[str], bool]:
     """Redis glob: * ? [abc] [^a] [a-z] and backslash escapes."""

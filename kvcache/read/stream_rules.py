@@ -1,5 +1,7 @@
 """The read decisions of a bucket's stream (`@<bucket>`, kvcache.serve.streams encodes them),
-beside the point reads' (kvcache.read.policy) and on the same ledger (kvcache.read.ledger):
+beside the point reads' (kvcache.read.policy) and on the same ledger (kvcache.read.ledger).
+A filtered stream (`@<bucket>:<filter>`) reads the same index and its IDs are the same
+revisions, so it follows the same rules, on the bucket's entry in the ledger:
 
 - **vouched**: the bucket's replica must be synced and fresh within its max_stale_ms, else the
   read is an error saying which (there is no other copy of the index to fall back on);

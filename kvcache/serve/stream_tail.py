@@ -9,6 +9,13 @@ each encoded once (when the feed applies it), in revision order; an entry whose 
 again is blanked. A reader whose ID falls inside it gets its reply from a bisect and a join,
 with no work per entry in Python, however many readers there are.
 
+A filtered stream (`@<bucket>:<filter>`) has a Tail of its own, holding only the entries of
+its keys: its readers wake at each of the bucket's batches, and each finds what its filter
+holds of the batch in its tail, not by walking the index again from its ID. The walk of a
+batch asks the filter before reading a record, and `top` moves to the last revision walked
+whether or not any matched, so a filter matching few keys of a busy bucket looks at each
+revision once.
+
 It is exact or it is not used: a caller drops it when the index loses an entry without a
 newer one (a removal with no message: ChangeHub.removed), when the bucket is flushed (a
 resync, a renumbered stream), and when one of its entries passes its deadline (`answer`
@@ -28,12 +35,15 @@ MAX_BYTES = 32 << 20
 
 
 class Tail:
-    """Entries with revisions above `start`, up to `top`, each encoded by `encode`."""
+    """Entries with revisions above `start`, up to `top`, each encoded by `encode`; of the
+    keys `match` accepts (the key's bytes), when given: a filtered stream's."""
 
-    def __init__(self, start: int, encode: Callable[[StreamEntry], bytes]) -> None:
+    def __init__(self, start: int, encode: Callable[[StreamEntry], bytes],
+                 match: Callable[[bytes], bool] | None = None) -> None:
         self.start = start
         self.top = start               # every index entry up to here has been looked at
         self.encode = encode
+        self.match = match             # what the caller's walk of the index asks of each key
         self.revs: list[int] = []
         self.parts: list[bytes] = []   # encoded entries; b"" once superseded
         self.cum: list[int] = [0]      # bytes of values before each position (the reply budget)
@@ -43,8 +53,10 @@ class Tail:
         self.bytes = 0
         self.used = time.monotonic()   # the last time a reader was answered from it
 
-    def extend(self, entries: Iterable[StreamEntry]) -> None:
-        """Entries above `top`, in revision order (the index walked from top + 1)."""
+    def extend(self, entries: Iterable[StreamEntry], upto: int = 0) -> None:
+        """Entries above `top`, in revision order (the index walked from top + 1, with
+        `match`); `upto`: the last revision the walk went through, matched or not (the
+        index's last), where the next walk starts after."""
         for e in entries:
             old = self.pos.get(e.key)
             if old is not None:
@@ -60,6 +72,7 @@ class Tail:
             if e.deadline and (not self.deadline or e.deadline < self.deadline):
                 self.deadline = e.deadline
             self.top = e.revision
+        self.top = max(self.top, upto)
         if len(self.revs) > MAX_ENTRIES or self.bytes > MAX_BYTES:
             self._trim()
 

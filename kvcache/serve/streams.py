@@ -2,6 +2,13 @@
 XREAD (BLOCK included), XRANGE, XREVRANGE, XLEN, XINFO STREAM and TYPE, answered from the
 replica's revision index (kvcache.store.revindex).
 
+A stream may follow part of a bucket, as a NATS watch of a filter does: `@<bucket>:<filter>`
+(`@demo:feature.*`, `@demo:feature.>`; ':' is in no bucket name and no key) holds the entries
+of the keys the filter matches, read from the same index under the same rules, its IDs the
+bucket's revisions (sparse, as a filtered watch's sequences), so an ID it handed out resumes
+it. The filter must lie within what the sidecar replicates of the bucket (its `keys`): a
+stream reaching past them would silently miss keys, so it is refused, naming them.
+
 Why a stream: an application that follows a bucket (values, revisions, deletes, resuming
 after a restart) would otherwise hold a NATS watch of its own, one consumer per process, and
 re-read the bucket whenever it cannot resume. Here any number of local readers share the
@@ -26,11 +33,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .. import resp
 from ..config import BucketConfig, Config
 from ..errors import CommandError, ReplyTooLarge
+from ..keys import KEY_TOKEN_RE, FilterSet, filter_within, valid_filter
 from ..read import stream_rules
 from ..store import revindex
 from . import stream_ids
@@ -46,14 +55,38 @@ if TYPE_CHECKING:
 
 STREAM_TYPE = resp.simple("stream")
 NOT_A_STREAM = ("ERR '{key}' is not a stream: kvcache's streams are '@<bucket>', a bucket's "
-                "changes (XREAD, XRANGE, XREVRANGE, XLEN, XINFO STREAM)")
+                "changes, and '@<bucket>:<filter>', those of its keys under a filter (XREAD, XRANGE, "
+                "XREVRANGE, XLEN, XINFO STREAM)")
+INVALID_FILTER = ("ERR invalid key filter '{filter}' in stream '{key}': {problem}; a filter is tokens of "
+                  "letters, digits, '-', '/', '_' and '=' joined by single dots, '*' for any one token, "
+                  "'>' (last) for one or more")
+NOT_WITHIN = ("ERR stream '{key}' would miss keys: bucket {bucket} replicates only the keys {filters} "
+              "here, and '{filter}' reaches outside them; follow a filter within them")
+# compiled filters kept (bucket and filter -> match): a follower names its stream at every read
+FILTERS_KEPT = 1024
 # XINFO STREAM FULL's default number of entries, as Redis
 XINFO_FULL_COUNT = 10
 # A bucket's tail is kept while someone reads it: dropped at a batch when none has for this long
 TAIL_IDLE_S = 10.0
 
-# (key, bucket config, feed, revisions above which to read)
-Want = tuple[bytes, BucketConfig, "Feed", int]
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """What a stream key names: a bucket's changes, all of them (`@b`, `filter` None), or
+    those of the keys a filter matches (`@b:feature.*`, its `match` asked of a key's bytes)."""
+
+    bc: BucketConfig
+    feed: Feed
+    filter: str | None = None
+    match: Callable[[bytes], bool] | None = None
+
+    @property
+    def bucket(self) -> str:
+        return self.bc.name
+
+
+# (key as named, its stream, revisions above which to read)
+Want = tuple[bytes, Stream, int]
 
 
 class Streams:
@@ -70,8 +103,13 @@ class Streams:
         # bucket -> the futures of its blocked readers (a dict: ordered, O(1) removal)
         self.waiting: dict[str, dict[asyncio.Future, None]] = {}
         self._ended: str | None = None  # end_all's reason: a read that would block ends at once
-        # bucket -> the recent end of its stream, encoded once for every reader (stream_tail)
-        self._tails: dict[str, Tail] = {}
+        # bucket -> filter (None: the whole bucket) -> the recent end of that stream, encoded
+        # once for every reader (stream_tail)
+        self._tails: dict[str, dict[str | None, Tail]] = {}
+        # (bucket, filter) -> its blocked readers: a tail is kept for them however idle
+        self._following: dict[tuple[str, str | None], int] = {}
+        # (bucket, filter text) -> (the bucket's `keys` it was checked against, its match)
+        self._filters: dict[tuple[str, str], tuple[tuple[str, ...], Callable[[bytes], bool] | None]] = {}
         self.entries_sent = 0
         self.blocked = 0
 
@@ -96,27 +134,36 @@ class Streams:
                             "stale": "its replica passed max_stale_ms"}.get(why, why))
 
     def advanced(self, bucket: str) -> None:
-        """A feed applied a batch of `bucket`: its tail takes the new entries (each encoded
-        once, here), its blocked readers look again."""
-        tail = self._tails.get(bucket)
-        if tail is not None:
-            if bucket not in self.waiting and time.monotonic() - tail.used > TAIL_IDLE_S:
-                del self._tails[bucket]  # nobody follows it now: no encoding for nobody
+        """A feed applied a batch of `bucket`: its tails (the whole bucket's, each filter's)
+        take the new entries (each encoded once, here), its blocked readers look again."""
+        tails = self._tails.get(bucket)
+        if tails:
+            now = time.monotonic()
+            for flt, tail in list(tails.items()):
+                if not self._following.get((bucket, flt)) and now - tail.used > TAIL_IDLE_S:
+                    del tails[flt]  # nobody follows it now: no encoding for nobody
+            if tails:
+                self._extend(bucket, list(tails.values()))
             else:
-                self._extend(bucket, tail)
+                del self._tails[bucket]
         self._wake(bucket, None)
 
     def removed(self, bucket: str) -> None:
         """Entries left the bucket's index with no newer one: its tail cannot tell."""
         self._tails.pop(bucket, None)
 
-    def _extend(self, bucket: str, tail: Tail) -> None:
+    def _extend(self, bucket: str, tails: list[Tail]) -> None:
+        """Each tail takes the index's entries above its top (a filtered one, those its
+        filter matches), up to the index's last revision, in one transaction."""
         rdb = self.replica.revs_ro(bucket)
         if rdb is None:
             return
+        db, now, max_age = self.replica.db(bucket), time.time_ns(), self.replica.max_age.get(bucket, 0)
         with self.replica.env.begin(buffers=True) as txn:
-            tail.extend(revindex.entries(txn, self.replica.db(bucket), rdb, tail.top + 1, U64, None, False,
-                                         time.time_ns(), self.replica.max_age.get(bucket, 0)))
+            upto = revindex.bounds(txn, rdb)[1]
+            for tail in tails:
+                tail.extend(revindex.entries(txn, db, rdb, tail.top + 1, upto, None, False, now, max_age,
+                                             tail.match), upto)
 
     def end_all(self, why: str) -> None:
         """Shutdown: every blocked read ends now with the documented error, so its follower
@@ -138,47 +185,71 @@ class Streams:
 
     # ------------------------------------------------------------------ addressing
 
-    def stream_of(self, raw: bytes) -> tuple[BucketConfig, Feed]:
-        """The bucket a stream key `@<bucket>` names; CommandError for anything else."""
+    def stream_of(self, raw: bytes) -> Stream:
+        """The stream a key names, `@<bucket>` or `@<bucket>:<filter>`; CommandError for
+        anything else, an invalid filter, or one reaching past what the bucket replicates."""
         if raw[:1] != b"@":
             raise CommandError(NOT_A_STREAM.format(key=raw[:64].decode(errors="replace")))
-        name = raw[1:].decode(errors="replace")
+        key = raw[:128].decode(errors="replace")
+        name, colon, text = raw[1:].decode(errors="replace").partition(":")
         bc = self.cfg.bucket(name)
         if bc is None:
             names = ", ".join("@" + b.name for b in self.cfg.buckets[:8])
-            raise CommandError(f"ERR no such stream '@{name[:64]}': this sidecar replicates no bucket "
+            raise CommandError(f"ERR no such stream '{key[:65]}': this sidecar replicates no bucket "
                                f"'{name[:64]}' (its streams: {names or 'none'})")
         if not bc.keys:
             raise CommandError(f"ERR bucket {name} replicates no keys here (its near cache only): "
                                "it has no stream")
-        return bc, self.feeds[bc.name]
+        feed = self.feeds[bc.name]
+        match = self._key_filter(bc, key, text) if colon else None
+        return Stream(bc, feed) if match is None else Stream(bc, feed, text, match)
 
-    def _vouch(self, conn: Session, bc: BucketConfig, feed: Feed) -> None:
+    def _key_filter(self, bc: BucketConfig, key: str, text: str) -> Callable[[bytes], bool] | None:
+        """The match of stream `key`'s filter `text` (None: it is `>`, the whole bucket),
+        checked once per bucket and filter: a key filter, within the bucket's `keys`."""
+        known = self._filters.get((bc.name, text))
+        if known is not None and known[0] == tuple(bc.keys):
+            return known[1]
+        problem = _filter_problem(text)
+        if problem is not None:
+            raise CommandError(INVALID_FILTER.format(filter=text[:64], key=key, problem=problem))
+        if not filter_within(text, bc.keys):
+            shown = ", ".join(bc.keys[:8]) + (f" (and {len(bc.keys) - 8} more)" if len(bc.keys) > 8 else "")
+            raise CommandError(NOT_WITHIN.format(key=key, bucket=bc.name, filters=shown, filter=text))
+        match = None if text == ">" else _matcher(text)
+        if len(self._filters) >= FILTERS_KEPT:
+            self._filters.clear()
+        self._filters[(bc.name, text)] = (tuple(bc.keys), match)
+        return match
+
+    def _vouch(self, conn: Session, s: Stream) -> None:
         """May the bucket's index answer now? (kvcache.read.stream_rules.vouch)"""
-        stream_rules.vouch(self.ledger, conn.id, bc, feed)
+        stream_rules.vouch(self.ledger, conn.id, s.bc, s.feed)
 
-    def _exact_after(self, bc: BucketConfig, feed: Feed, after: int, given: bytes | None = None) -> None:
-        """Can "what changed after `after`" be answered exactly? (stream_rules.exact_after)"""
-        stream_rules.exact_after(bc, feed.meta.horizon, feed.meta.applied_seq, after, given)
+    def _exact_after(self, s: Stream, after: int, given: bytes | None = None) -> None:
+        """Can "what changed after `after`" be answered exactly? (stream_rules.exact_after;
+        a filtered stream's IDs are the bucket's revisions: the same rule)"""
+        stream_rules.exact_after(s.bc, s.feed.meta.horizon, s.feed.meta.applied_seq, after, given)
 
     # ------------------------------------------------------------------ reading
 
-    def _entries(self, bc: BucketConfig, first: int, last: int, count: int | None,
-                 reverse: bool, budget: int | None) -> tuple[list[bytes], int]:
-        """Encoded entries with revisions in [first, last] (at most `count`, and past `budget`
-        bytes of values none more; None: no bound but max_reply_bytes, over which the read is
-        refused), and the highest revision among them."""
-        rdb = self.replica.revs_ro(bc.name)
+    def _entries(self, s: Stream, first: int, last: int, count: int | None,
+                 reverse: bool, budget: int | None) -> tuple[list[bytes], int, int]:
+        """The stream's encoded entries with revisions in [first, last] (at most `count`, and
+        past `budget` bytes of values none more; None: no bound but max_reply_bytes, over
+        which the read is refused), the highest revision among them, and, when there is none,
+        the index's last revision: no entry of the stream lies in [first, that] either."""
+        rdb = self.replica.revs_ro(s.bucket)
         out: list[bytes] = []
         top = 0
         if rdb is None:
-            return out, top
-        db = self.replica.db(bc.name)
+            return out, top, 0
+        db = self.replica.db(s.bucket)
         limit = self.cfg.max_reply_bytes
         size = 0
         with self.replica.env.begin(buffers=True) as txn:
             for e in revindex.entries(txn, db, rdb, first, last, count, reverse, time.time_ns(),
-                                      self.replica.max_age.get(bc.name, 0)):
+                                      self.replica.max_age.get(s.bucket, 0), s.match):
                 out.append(_encode(e))
                 top = max(top, e.revision)
                 size += len(e.key) + (len(e.value) if e.value is not None else 0)
@@ -187,7 +258,8 @@ class Streams:
                 if size > limit:
                     raise ReplyTooLarge(f"ERR reply too large: its entries exceed max_reply_bytes ({limit}); "
                                         "ask for fewer with COUNT")
-        return out, top
+            seen = top if out else revindex.bounds(txn, rdb)[1]
+        return out, top, seen
 
     def _handed(self, conn: Session, bucket: str, n: int, top: int) -> None:
         """n entries, up to revision `top`, go to the connection: never older than these."""
@@ -195,35 +267,44 @@ class Streams:
             self.ledger.stream_handed(conn.id, bucket, top)
             self.entries_sent += n
 
-    def _read(self, conn: Session, wants: Sequence[Want], count: int | None) -> bytes | None:
-        """XREAD's reply for what is there now, None when no stream has anything. From the
-        bucket's tail when the ID falls in it; else from the index, and the tail starts."""
+    def _read(self, conn: Session, wants: Sequence[Want], count: int | None) -> tuple[bytes | None, list[Want]]:
+        """XREAD's reply for what is there now, None when no stream has anything; and the
+        wants to look at next: a stream with nothing after its ID had nothing up to the last
+        revision looked at, so a blocked reader's next look starts there (a filter matching
+        few keys is not walked again from the ID at every batch). From the stream's tail when
+        the ID falls in it; else from the index, and the tail starts."""
         proto = conn.proto
         budget = self.cfg.max_reply_bytes
         parts: list[bytes] = []
-        for key, bc, feed, after in wants:
+        nexts: list[Want] = []
+        for key, s, after in wants:
             got = None
-            tail = self._tails.get(bc.name)
+            tails = self._tails.get(s.bucket)
+            tail = tails.get(s.filter) if tails else None
             if tail is not None and tail.covers(after):
                 got = tail.answer(after, count, budget, time.time_ns())
+                seen = tail.top
                 if got is None:  # an entry passed its deadline, or COUNT among blanks
-                    del self._tails[bc.name]
+                    del self._tails[s.bucket][s.filter]
                     tail = None
             if got is None:
-                entries, top = self._entries(bc, after + 1, U64, count, False, budget)
+                entries, top, seen = self._entries(s, after + 1, U64, count, False, budget)
                 got = (resp.array(entries), len(entries), top)
                 if tail is None:
-                    self._tails[bc.name] = Tail(feed.meta.applied_seq, _encode)
+                    self._tails.setdefault(s.bucket, {})[s.filter] = Tail(s.feed.meta.applied_seq, _encode,
+                                                                           s.match)
             data, n, top = got
             if not n:
+                nexts.append((key, s, max(after, seen)))
                 continue
-            self._handed(conn, bc.name, n, top)
+            nexts.append((key, s, after))
+            self._handed(conn, s.bucket, n, top)
             parts.append(resp.bulk(key, proto) + data)
         if not parts:
-            return None
+            return None, nexts
         if proto == 3:
-            return b"%%%d\r\n%b" % (len(parts), b"".join(parts))
-        return b"*%d\r\n%b" % (len(parts), b"".join(b"*2\r\n" + p for p in parts))
+            return b"%%%d\r\n%b" % (len(parts), b"".join(parts)), nexts
+        return b"*%d\r\n%b" % (len(parts), b"".join(b"*2\r\n" + p for p in parts)), nexts
 
     # ------------------------------------------------------------------ commands
 
@@ -231,20 +312,20 @@ class Streams:
         count, block, keys, ids = _xread_args(args)
         wants: list[Want] = []
         for key, raw_id in zip(keys, ids, strict=True):
-            bc, feed = self.stream_of(key)
-            self._vouch(conn, bc, feed)
+            s = self.stream_of(key)
+            self._vouch(conn, s)
             if raw_id == b"$":
-                after = feed.meta.applied_seq
+                after = s.feed.meta.applied_seq
             elif raw_id == b"+":
-                after = max(0, self._last_revision(bc) - 1)
+                after = max(0, self._last_revision(s) - 1)
             elif raw_id == b">":
                 raise CommandError("ERR The > ID can be specified only when calling XREADGROUP using the "
                                    "GROUP <group> <consumer> option.")
             else:
                 after = stream_ids.after(raw_id)
-                self._exact_after(bc, feed, after)
-            wants.append((key, bc, feed, after))
-        reply = self._read(conn, wants, count)
+                self._exact_after(s, after)
+            wants.append((key, s, after))
+        reply, wants = self._read(conn, wants, count)
         if reply is not None:
             return reply
         if block is None or conn.in_exec:  # EXEC never blocks (Redis: CLIENT_DENY_BLOCKING)
@@ -254,8 +335,11 @@ class Streams:
     async def _blocked(self, conn: Session, wants: list[Want], count: int | None, block_ms: int) -> bytes:
         loop = asyncio.get_running_loop()
         deadline = None if block_ms == 0 else loop.time() + block_ms / 1000
-        buckets = {bc.name for _, bc, _, _ in wants}
+        followed = {(s.bucket, s.filter) for _, s, _ in wants}
+        buckets = {b for b, _ in followed}
         self.blocked += 1
+        for f in followed:
+            self._following[f] = self._following.get(f, 0) + 1
         try:
             while True:
                 if self._ended is not None:
@@ -282,18 +366,24 @@ class Streams:
                                 del self.waiting[b]
                 if why is not None:
                     raise _read_ended(buckets, why)
-                for _, bc, feed, _ in wants:
-                    self._vouch(conn, bc, feed)
-                reply = self._read(conn, wants, count)
+                for _, s, _ in wants:
+                    self._vouch(conn, s)
+                # a batch of the bucket wakes every reader of it; one whose filter matched
+                # none of it finds nothing here and waits on, from where it looked last
+                reply, wants = self._read(conn, wants, count)
                 if reply is not None:
                     return reply
         finally:
             self.blocked -= 1
+            for f in followed:
+                left = self._following.pop(f) - 1
+                if left:
+                    self._following[f] = left
 
     def _range(self, conn: Session, args: list[bytes], reverse: bool) -> bytes:
         if len(args) not in (4, 6):  # (at least 4: the command table's arity)
             raise CommandError("ERR syntax error")
-        bc, feed = self.stream_of(args[1])
+        s = self.stream_of(args[1])
         hi_raw, lo_raw = (args[2], args[3]) if reverse else (args[3], args[2])
         first, last = stream_ids.interval(lo_raw, hi_raw)
         count: int | None = None
@@ -303,11 +393,11 @@ class Streams:
             count = integer(args[5])
             if count <= 0:
                 return resp.array(None, conn.proto)
-        self._vouch(conn, bc, feed)
+        self._vouch(conn, s)
         if first > 1:
-            self._exact_after(bc, feed, first - 1, lo_raw)
-        entries, top = self._entries(bc, first, last, count, reverse, None)
-        self._handed(conn, bc.name, len(entries), top)
+            self._exact_after(s, first - 1, lo_raw)
+        entries, top, _ = self._entries(s, first, last, count, reverse, None)
+        self._handed(conn, s.bucket, len(entries), top)
         return resp.array(entries)
 
     def xrange(self, conn: Session, args: list[bytes]) -> bytes:
@@ -317,13 +407,20 @@ class Streams:
         return self._range(conn, args, reverse=True)
 
     def xlen(self, conn: Session, args: list[bytes]) -> bytes:
-        bc, feed = self.stream_of(args[1])
-        self._vouch(conn, bc, feed)
-        rdb = self.replica.revs_ro(bc.name)
+        s = self.stream_of(args[1])
+        self._vouch(conn, s)
+        return resp.integer(self._length(s))
+
+    def _length(self, s: Stream) -> int:
+        """The stream's entries: the index's count, or for a filtered stream those of its
+        keys (a walk of the index asking the filter of each key, no record read)."""
+        rdb = self.replica.revs_ro(s.bucket)
         if rdb is None:
-            return resp.integer(0)
-        with self.replica.env.begin() as txn:
-            return resp.integer(revindex.length(txn, rdb))
+            return 0
+        with self.replica.env.begin(buffers=True) as txn:
+            if s.match is None:
+                return revindex.length(txn, rdb)
+            return revindex.count_matching(txn, self.replica.db(s.bucket), rdb, s.match)
 
     def exists(self, raw: bytes) -> bool:
         """Does stream key `raw` name a stream here (what TYPE answers `stream` of)?"""
@@ -354,28 +451,35 @@ class Streams:
             raise CommandError(f"ERR unknown subcommand or wrong number of arguments for "
                                f"'{args[1][:64].decode(errors='replace')}'. Try XINFO HELP.")
         full, count = _xinfo_full(args[3:])
-        bc, feed = self.stream_of(args[2])
-        self._vouch(conn, bc, feed)
-        return self._info(conn, bc, feed, full, count)
+        s = self.stream_of(args[2])
+        self._vouch(conn, s)
+        return self._info(conn, s, full, count)
 
-    def _last_revision(self, bc: BucketConfig) -> int:
-        rdb = self.replica.revs_ro(bc.name)
+    def _last_revision(self, s: Stream) -> int:
+        """The revision of the stream's last entry, 0 when it has none."""
+        if s.match is not None:
+            return self._entries(s, 0, U64, 1, True, None)[1]
+        rdb = self.replica.revs_ro(s.bucket)
         if rdb is None:
             return 0
         with self.replica.env.begin() as txn:
             return revindex.bounds(txn, rdb)[1]
 
-    def _info(self, conn: Session, bc: BucketConfig, feed: Feed, full: bool, count: int) -> bytes:
+    def _info(self, conn: Session, s: Stream, full: bool, count: int) -> bytes:
+        """XINFO STREAM. A filtered stream's `length`, first and last entries are its own;
+        the index's pages, the last revision (`$`) and the horizon are the bucket's."""
         proto = conn.proto
-        rdb = self.replica.revs_ro(bc.name)
-        length = leaf = branch = 0
+        feed = s.feed
+        rdb = self.replica.revs_ro(s.bucket)
+        leaf = branch = 0
         if rdb is not None:
             with self.replica.env.begin() as txn:
                 st = txn.stat(rdb)
-                length, leaf, branch = st["entries"], st["leaf_pages"], st["branch_pages"]
-        removed = self.replica.max_removed(bc.name)
-        first, lo = self._entries(bc, 0, U64, 1, False, None)
-        last, _ = self._entries(bc, 0, U64, 1, True, None)
+                leaf, branch = st["leaf_pages"], st["branch_pages"]
+        length = self._length(s)
+        removed = self.replica.max_removed(s.bucket)
+        first, lo, _ = self._entries(s, 0, U64, 1, False, None)
+        last, _, _ = self._entries(s, 0, U64, 1, True, None)
         head = [
             (b"length", resp.integer(length)),
             # the index's LMDB pages stand where Redis counts its radix tree's
@@ -387,7 +491,7 @@ class Streams:
             (b"recorded-first-entry-id", resp.bulk(format_id(lo))),
         ]
         if full:
-            entries, _ = self._entries(bc, 0, U64, count or None, False, None)
+            entries, _, _ = self._entries(s, 0, U64, count or None, False, None)
             pairs = [*head, (b"entries", resp.array(entries)), (b"groups", resp.array([]))]
         else:
             pairs = [*head, (b"groups", resp.integer(0)),
@@ -395,6 +499,8 @@ class Streams:
                      (b"last-entry", last[0] if last else resp.null(proto))]
         pairs += [(b"nats-first-seq", resp.integer(feed.first_seq)),
                   (b"exact-after", resp.bulk(format_id(feed.meta.horizon)))]
+        if s.filter is not None:
+            pairs.append((b"key-filter", resp.bulk(s.filter.encode())))
         return resp.map_([(resp.bulk(k), v) for k, v in pairs], proto)
 
 
@@ -418,6 +524,29 @@ def _encode(e: revindex.StreamEntry) -> bytes:
         fields += [b"value", e.value]
     fields += [b"op", e.op.encode(), b"created", b"%d" % e.created]
     return b"*2\r\n" + resp.bulk(format_id(e.revision)) + resp.bulk_array(fields)
+
+
+def _filter_problem(text: str) -> str | None:
+    """What makes `text` no key filter, for the error (kvcache.keys.valid_filter is the
+    rule); None when it is one."""
+    if valid_filter(text):
+        return None
+    tokens = text.split(".")
+    for i, t in enumerate(tokens):
+        if not t:
+            return "the filter is empty" if len(tokens) == 1 else "it has an empty token"
+        if t == ">" and i != len(tokens) - 1:
+            return "'>' may only be its last token"
+        if t not in ("*", ">") and KEY_TOKEN_RE.fullmatch(t) is None:
+            return f"'{t[:64]}' is not a token"
+    return "it is not a filter"
+
+
+def _matcher(text: str) -> Callable[[bytes], bool]:
+    """A filter asked of a key's bytes. Latin-1 maps each byte to one character, so the
+    tokens are the bytes between dots, as NATS matches a subject."""
+    match = FilterSet([text]).match
+    return lambda key: match(key.decode("latin-1"))
 
 
 def _xread_args(args: list[bytes]) -> tuple[int | None, int | None, list[bytes], list[bytes]]:

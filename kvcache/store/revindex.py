@@ -221,10 +221,13 @@ class Index:
 
 
 def entries(txn: lmdb.Transaction, db, rdb, first: int, last: int, count: int | None,
-            reverse: bool, now_ns: int, max_age_ns: int) -> Iterator[StreamEntry]:
+            reverse: bool, now_ns: int, max_age_ns: int,
+            match: Callable[[bytes], bool] | None = None) -> Iterator[StreamEntry]:
     """The entries with revisions in [first, last], ascending (or descending), at most
     `count` (None: all). An entry whose record has expired (its own TTL or the bucket's
-    max_age, record.deadline) is absent, as from every read; so is a marker past max_age."""
+    max_age, record.deadline) is absent, as from every read; so is a marker past max_age.
+    `match`: only entries whose key (its bytes) it accepts, a filtered stream's; asked
+    before the record is read, so a key it refuses costs a step of the walk, no more."""
     if first > last or count == 0:
         return
     cur = txn.cursor(db=rdb)
@@ -243,13 +246,28 @@ def entries(txn: lmdb.Transaction, db, rdb, first: int, last: int, count: int | 
         rev = REV.unpack(cur.key())[0]
         if rev < first or rev > last:
             break
-        e = _entry(txn, db, rev, cur.value(), now_ns, max_age_ns)
-        if e is not None:
+        raw = cur.value()
+        key = None
+        if match is not None:
+            key = _index_key(raw)  # None: a long key, asked once its record is read
+            if key is not None and not match(key):
+                ok = step()
+                continue
+        e = _entry(txn, db, rev, raw, now_ns, max_age_ns)
+        if e is not None and (match is None or key is not None or match(e.key)):
             yield e
             n += 1
             if count is not None and n >= count:
                 break
         ok = step()
+
+
+def _index_key(raw: bytes | memoryview) -> bytes | None:
+    """An index entry's key, None for a long key's put (its text rides in its record)."""
+    if raw[0] == PUT[0]:
+        lk = bytes(raw[1:])
+        return None if lk.startswith(LONG_KEY_PREFIX) else lk
+    return bytes(raw[1 + CREATED.size:])
 
 
 def _entry(txn: lmdb.Transaction, db, rev: int, raw: bytes | memoryview, now_ns: int,
@@ -280,6 +298,22 @@ def _entry(txn: lmdb.Transaction, db, rev: int, raw: bytes | memoryview, now_ns:
 def length(txn: lmdb.Transaction, rdb) -> int:
     """Entries in the index (some may have expired and not been swept yet)."""
     return txn.stat(rdb)["entries"]
+
+
+def count_matching(txn: lmdb.Transaction, db, rdb, match: Callable[[bytes], bool]) -> int:
+    """Entries whose key `match` accepts (a filtered stream's XLEN; as `length`, some may
+    have expired and not been swept yet): a walk of the whole index, one record read per
+    long key only."""
+    n = 0
+    for raw in txn.cursor(db=rdb).iternext(keys=False, values=True):
+        key = _index_key(raw)
+        if key is None:
+            rec = txn.get(bytes(raw[1:]), db=db)
+            if rec is None:
+                continue
+            key = decode_key(bytes(raw[1:]), bytes(rec)).encode()
+        n += match(key)
+    return n
 
 
 def bounds(txn: lmdb.Transaction, rdb) -> tuple[int, int]:
