@@ -158,9 +158,13 @@ class Config:
         return None
 
     def cache_bounds(self, b: BucketConfig) -> tuple[int, int]:
-        """(max keys, max bytes) of a bucket's near cache; (0, 0): none."""
-        return (self.cache_max_keys if b.cache_max_keys is None else b.cache_max_keys,
-                self.cache_max_bytes if b.cache_max_bytes is None else b.cache_max_bytes)
+        """(max keys, max bytes) of a bucket's near cache; (0, 0): none. The top-level bounds
+        cover the buckets with key filters only: a bucket replicating every key has nothing
+        to cache, and one environment (`KVCACHE_CACHE_MAX_KEYS`) must be able to serve a
+        whole bucket beside a cached one."""
+        inherit = ">" not in b.keys
+        return (b.cache_max_keys if b.cache_max_keys is not None else self.cache_max_keys if inherit else 0,
+                b.cache_max_bytes if b.cache_max_bytes is not None else self.cache_max_bytes if inherit else 0)
 
     def serves_stale(self, b: BucketConfig) -> bool:
         """May a stale replica of this bucket answer when no peer can? Its own setting, else
@@ -252,6 +256,9 @@ def validate(cfg: Config) -> None:
     for url in cfg.nats.servers + [u for p in cfg.peers for u in p.servers]:
         if not re.match(r"^(nats|tls|ws|wss)://[^\s/]+$", url):
             raise ConfigError(f"invalid NATS URL '{redact_url(url)}' (expected nats://host:port)")
+    if cfg.cache_max_keys < 0 or cfg.cache_max_bytes < 0:
+        raise ConfigError("cache_max_keys and cache_max_bytes must not be negative, got "
+                          f"{cfg.cache_max_keys} and {cfg.cache_max_bytes}")
     seen: set[str] = set()
     for b in cfg.buckets:
         if not BUCKET_NAME.match(b.name):
@@ -265,8 +272,13 @@ def validate(cfg: Config) -> None:
         if not b.keys and not (max_keys or max_bytes):
             raise ConfigError(f"bucket '{b.name}': keys is empty and it has no near cache "
                               "(cache_max_keys, cache_max_bytes): nothing would be served locally")
-        if ">" in b.keys and (b.cache_max_keys or b.cache_max_bytes):
-            raise ConfigError(f"bucket '{b.name}' replicates every key: its near cache would hold nothing")
+        own = [n for n in ("cache_max_keys", "cache_max_bytes") if getattr(b, n)]
+        if ">" in b.keys and own:
+            raise ConfigError(
+                f"bucket '{b.name}' replicates every key (keys = [\">\"]), so its own {' and '.join(own)} "
+                "would cache nothing (a near cache holds the keys outside a bucket's filters): remove "
+                f"{'them' if len(own) > 1 else 'it'} from this [[bucket]], or give it key filters "
+                "(keys = [\"feature.>\"]); the top-level setting skips such buckets by itself")
         for f in b.keys:
             if not valid_filter(f):
                 raise ConfigError(f"bucket '{b.name}': invalid key filter '{f}'")
@@ -308,6 +320,32 @@ def validate(cfg: Config) -> None:
         raise ConfigError("peer names must be unique")
     if "stale" in peer_names:  # KV.GET's source for a stale replica's answer
         raise ConfigError("peer name 'stale' is reserved")
+
+
+def start_warnings(cfg: Config) -> list[str]:
+    """What `kvcache serve` warns about at start (one line each): settings that are legal but
+    most likely not what was meant, so that they do not fail silently."""
+    lines = []
+    for b in cfg.buckets:
+        exact = [f for f in b.keys if "*" not in f.split(".") and ">" not in f.split(".")]
+        # A bucket with a wildcard filter too was written by someone who knows them: its
+        # exact keys are meant. Only filters that are all exact keys are likely prefixes.
+        if exact and len(exact) == len(b.keys):
+            if len(exact) == 1:
+                what = (f"key filter '{exact[0]}' has no wildcard: it replicates the one key "
+                        f"'{exact[0]}', not the keys under it")
+            else:
+                what = (f"key filters {', '.join(repr(f) for f in exact)} have no wildcard: they "
+                        "replicate those exact keys, not the keys under them")
+            lines.append(f"bucket {b.name}: {what}; for those write "
+                         f"'{exact[0]}.>' (every level below) or '{exact[0]}.*' (one level)")
+    bounds = [f"{n} {getattr(cfg, n)}" for n in ("cache_max_keys", "cache_max_bytes") if getattr(cfg, n)]
+    if bounds and all(">" in b.keys for b in cfg.buckets):
+        verb = "covers" if len(bounds) == 1 else "cover"
+        lines.append(f"{' and '.join(bounds)} {verb} no bucket: every bucket here replicates every "
+                     "key, and a near cache holds only keys outside a bucket's filters (give the "
+                     "bucket to cache key filters: --bucket NAME:FILTER,... or keys = [...])")
+    return lines
 
 
 # ---------------------------------------------------------------------------- NATS URLs and TLS

@@ -8,6 +8,8 @@ carry the parsing and coercion of each source; this module imports them, never t
 """
 from __future__ import annotations
 
+import difflib
+import json
 import os
 import re
 import tomllib
@@ -15,7 +17,16 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from .config import PASSWORD_ENV, BucketConfig, Config, NatsConfig, PeerConfig, read_setting_file, validate
+from .config import (
+    PASSWORD_ENV,
+    BucketConfig,
+    Config,
+    NatsConfig,
+    PeerConfig,
+    read_setting_file,
+    redact_url,
+    validate,
+)
 from .errors import ConfigError
 
 _SCALARS = {f.name: f for f in fields(Config) if f.name not in ("nats", "buckets", "peers", "requirepass")}
@@ -29,6 +40,7 @@ def load(
 ) -> Config:
     """Build a validated Config. `overrides` are flag values (None means not given)."""
     env = os.environ if env is None else env
+    check_env_names(env)
     path = path or env.get(_env_name("config"))
     raw: dict[str, Any] = _read_toml(path) if path else {}
     cfg = _from_mapping(raw, where=path or "config")
@@ -115,33 +127,76 @@ def _octal_mode(value: Any, what: str) -> int:
 
 
 def _from_mapping(raw: dict[str, Any], where: str) -> Config:
+    for table, t in (("nats", dict), ("bucket", list), ("peer", list)):
+        _expect(raw.get(table, t()), t, f"{where}: {table}", table)
+    _check_unknown_keys(raw, where)
     cfg = Config()
     for key, value in raw.items():
         if key == "nats":
-            _expect(value, dict, f"{where}: [nats]")
             for k, v in value.items():
                 _set_field(cfg.nats, _NATS_SCALARS, k, v, f"{where}: [nats]")
         elif key == "bucket":
-            _expect(value, list, f"{where}: [[bucket]]")
             cfg.buckets = [_bucket_from(b, where) for b in value]
         elif key == "peer":
-            _expect(value, list, f"{where}: [[peer]]")
             cfg.peers = [_peer_from(p, where) for p in value]
         else:
             _set_field(cfg, _SCALARS, key, value, where)
     return cfg
 
 
+# The keys of each table (docs/configuration.md), for the unknown-key check.
+_TABLES = ("nats", "bucket", "peer")
+_BUCKET_KEYS = ("name", "keys", "max_stale_ms", "serve_stale", "cache_max_keys", "cache_max_bytes")
+_PEER_KEYS = ("name", "servers", "stream", "domain")
+
+
+def _check_unknown_keys(raw: dict[str, Any], where: str) -> None:
+    """Every key no table has, named at once in one line (not the first only), each with
+    where it belongs or its nearest known key: a file with three typos is fixed in one go."""
+    top = (*_SCALARS, *_TABLES)
+    found = [_unknown(k, "", top) for k in raw if k not in top]
+    found += [_unknown(k, "[nats]", tuple(_NATS_SCALARS)) for k in raw.get("nats", {}) if k not in _NATS_SCALARS]
+    for table, keys in (("bucket", _BUCKET_KEYS), ("peer", _PEER_KEYS)):
+        for i, entry in enumerate(raw.get(table, []), 1):
+            if not isinstance(entry, dict):
+                continue
+            name = entry.get("name")
+            label = f"[[{table}]] '{name}'" if isinstance(name, str) else f"[[{table}]] #{i}"
+            found += [_unknown(k, label, keys) for k in entry if k not in keys]
+    if found:
+        raise ConfigError(f"{where}: unknown key{'s' if len(found) > 1 else ''} {'; '.join(found)}")
+
+
+def _unknown(key: str, table: str, known: tuple[str, ...]) -> str:
+    """One unknown key for `_check_unknown_keys`: `'srvers' in [nats] (did you mean 'servers'?)`.
+    A key of another table says where it goes: TOML puts every key after a `[table]` header
+    into that table, so a top-level key written below one is the usual way to get here."""
+    where = f"'{key}'" + (f" in {table}" if table else "")
+    homes = [t for t, keys in (("the top level", tuple(_SCALARS)), ("[nats]", tuple(_NATS_SCALARS)),
+                               ("[[bucket]]", _BUCKET_KEYS), ("[[peer]]", _PEER_KEYS)) if key in keys]
+    if homes:
+        if homes[0] == "the top level" and table:
+            return (f"{where} (a top-level key: TOML puts the keys after {table.split(' ')[0]} into it; "
+                    "move it above the first [table])")
+        return f"{where} (a {homes[0]} key)"
+    lowered = {k.lower(): k for k in known}
+    close = [lowered[key.lower()]] if key.lower() in lowered else difflib.get_close_matches(key, known, n=1)
+    if close:
+        return f"{where} (did you mean '{close[0]}'?)"
+    for other, keys in (("[nats]", tuple(_NATS_SCALARS)), ("[[bucket]]", _BUCKET_KEYS), ("[[peer]]", _PEER_KEYS)):
+        close = difflib.get_close_matches(key, keys, n=1)
+        if close and other != table.split(" ")[0]:
+            return f"{where} (did you mean '{close[0]}' in {other}?)"
+    return where
+
+
 def _bucket_from(raw: Any, where: str) -> BucketConfig:
-    _expect(raw, dict, f"{where}: [[bucket]]")
-    unknown = set(raw) - {"name", "keys", "max_stale_ms", "serve_stale", "cache_max_keys", "cache_max_bytes"}
-    if unknown:
-        raise ConfigError(f"{where}: unknown key '{sorted(unknown)[0]}' in [[bucket]]")
+    _entry(raw, "bucket", where)
     if "name" not in raw:
         raise ConfigError(f"{where}: [[bucket]] needs a name")
     b = BucketConfig(name=_typed(raw["name"], str, f"{where}: bucket name"))
     if "keys" in raw:
-        b.keys = _str_list(raw["keys"], f"{where}: bucket {b.name}: keys")
+        b.keys = _str_list(raw["keys"], f"{where}: bucket {b.name}: keys", "keys")
     if "max_stale_ms" in raw:
         b.max_stale_ms = _typed(raw["max_stale_ms"], int, f"{where}: bucket {b.name}: max_stale_ms")
     if "serve_stale" in raw:
@@ -153,16 +208,13 @@ def _bucket_from(raw: Any, where: str) -> BucketConfig:
 
 
 def _peer_from(raw: Any, where: str) -> PeerConfig:
-    _expect(raw, dict, f"{where}: [[peer]]")
-    unknown = set(raw) - {"name", "servers", "stream", "domain"}
-    if unknown:
-        raise ConfigError(f"{where}: unknown key '{sorted(unknown)[0]}' in [[peer]]")
+    _entry(raw, "peer", where)
     for req in ("name", "servers", "stream"):
         if req not in raw:
             raise ConfigError(f"{where}: [[peer]] needs '{req}'")
     return PeerConfig(
         name=_typed(raw["name"], str, f"{where}: peer name"),
-        servers=_str_list(raw["servers"], f"{where}: peer servers"),
+        servers=_str_list(raw["servers"], f"{where}: peer servers", "servers"),
         stream=_typed(raw["stream"], str, f"{where}: peer stream"),
         domain=_typed(raw["domain"], str, f"{where}: peer domain") if "domain" in raw else None,
     )
@@ -202,6 +254,63 @@ def _env_name(setting: str) -> str:
     return var
 
 
+# The KVCACHE_* variables that are not settings, read by what the comment says: `load` lets
+# them be. The one list of them (tests/test_config_messages.py checks the repository reads no
+# other); a variable in neither this list nor the settings' is refused as a typo.
+OTHER_ENV: dict[str, str] = {
+    "KVCACHE_NO_EXTENSIONS": "kvcache/native.py: the pure-Python twins serve",
+    "KVCACHE_REQUIRE_EXTENSIONS": "kvcache/native.py: a missing native module is an error (CI)",
+    "KVCACHE_PURE_PYTHON": "setup.py: install without the native modules",
+    "KVCACHE_DEBUG_BUILD": "setup.py: build the native modules with assertions (make debug)",
+    "KVCACHE_LMDB_SRC": "setup.py: LMDB's C sources for an offline build",
+    "KVCACHE_REBUILD": "setup.py: compile every native module again",
+    "KVCACHE_FAULT_TABLE": "tests/conftest.py: where the fault tests' table is written",
+    "KVCACHE_LIFECYCLE_REPEAT": "tests/test_lifecycle.py: repeats of the shutdown test",
+}
+# What a flag's name or a [nats] key's name turns into by mistake, and the variable meant.
+_ENV_ALIASES = {"NATS": "NATS_SERVERS", "NATS_URL": "NATS_SERVERS", "NATS_URLS": "NATS_SERVERS",
+                "NATS_SERVER": "NATS_SERVERS", "SERVERS": "NATS_SERVERS", "BUCKET": "BUCKETS"}
+
+
+def known_env() -> set[str]:
+    """Every KVCACHE_* variable kvcache reads: the settings' (env_var), the password's and OTHER_ENV."""
+    names = {env_var(s) for s in (*_SCALARS, *_ENV_EXTRA, *(f"nats_{n}" for n in _NATS_SCALARS))}
+    return {n for n in names if n} | {PASSWORD_ENV} | set(OTHER_ENV)
+
+
+def check_env_names(env: Mapping[str, str]) -> None:
+    """Refuse a KVCACHE_* variable kvcache does not read: a typo (`KVCACHE_NATS_SERVER`) would
+    otherwise be ignored, and with no NATS URL left an embedded server starts in its place.
+    All of them in one line, each with the variable it most likely meant."""
+    known = known_env()
+    unknown = sorted(n for n in env if n.upper().startswith(ENV_PREFIX) and n not in known)
+    if not unknown:
+        return
+    named = []
+    for name in unknown:
+        meant = _env_meant(name, known)
+        named.append(f"{name} (did you mean {meant}?)" if meant else name)
+    many = len(named) > 1
+    raise ConfigError(f"unknown environment variable{'s' if many else ''} {', '.join(named)}: "
+                      "no kvcache setting has that name (`kvcache serve --help` names each one's); "
+                      f"rename or unset {'them' if many else 'it'}")
+
+
+def _env_meant(name: str, known: set[str]) -> str | None:
+    """The variable an unknown KVCACHE_* name most likely meant: the same in capitals, a flag's
+    name (`--nats`: KVCACHE_NATS), a [nats] key without its `NATS_`, else the nearest name."""
+    upper = name.upper()
+    if upper in known:
+        return upper
+    tail = upper[len(ENV_PREFIX):]
+    for guess in (_ENV_ALIASES.get(tail), "NATS_" + tail):
+        if guess and ENV_PREFIX + guess in known:
+            return ENV_PREFIX + guess
+    tails = sorted(k[len(ENV_PREFIX):] for k in known)
+    close = difflib.get_close_matches(tail, tails, n=1)
+    return ENV_PREFIX + close[0] if close else None
+
+
 def _apply_env(cfg: Config, env: Mapping[str, str]) -> None:
     for name, f in _SCALARS.items():
         var = _env_name(name)
@@ -235,10 +344,11 @@ def _apply_env(cfg: Config, env: Mapping[str, str]) -> None:
     if _env_name("serve_stale") in env:  # parsed into cfg.serve_stale above; like
         for b in cfg.buckets:           # KVCACHE_MAX_STALE_MS, it sets every bucket
             b.serve_stale = cfg.serve_stale
-    for bound in ("cache_max_keys", "cache_max_bytes"):  # the same: every bucket
-        if _env_name(bound) in env:
+    for bound in ("cache_max_keys", "cache_max_bytes"):  # the same: every bucket with filters
+        if _env_name(bound) in env:          # (one replicating every key has nothing to cache)
             for b in cfg.buckets:
-                setattr(b, bound, getattr(cfg, bound))
+                if ">" not in b.keys:
+                    setattr(b, bound, getattr(cfg, bound))
 
 
 def _apply_overrides(cfg: Config, overrides: Mapping[str, Any]) -> None:
@@ -255,10 +365,12 @@ def _apply_overrides(cfg: Config, overrides: Mapping[str, Any]) -> None:
             for b in cfg.buckets:
                 b.max_stale_ms = value
         elif key in ("serve_stale", "cache_max_keys", "cache_max_bytes"):
-            # every bucket; buckets named by a later flag inherit it
+            # every bucket (the near cache's bounds: every bucket with key filters, see
+            # Config.cache_bounds); buckets named by a later flag inherit it
             setattr(cfg, key, value)
             for b in cfg.buckets:
-                setattr(b, key, value)
+                if key == "serve_stale" or ">" not in b.keys:
+                    setattr(b, key, value)
         elif key.startswith("nats_") and key[5:] in _NATS_SCALARS:
             setattr(cfg.nats, key[5:], value)
         elif key in _SCALARS:
@@ -287,7 +399,7 @@ def _set_field(obj: Any, known: dict[str, Any], key: str, value: Any, where: str
         obj.socket_mode = _octal_mode(value, f"{where}: socket_mode")
         return
     if key == "servers":
-        setattr(obj, key, _str_list(value, f"{where}: servers"))
+        setattr(obj, key, _str_list(value, f"{where}: servers", "servers"))
         return
     setattr(obj, key, _coerce(value, f.type, f"{where}: {key}"))
 
@@ -332,17 +444,41 @@ def _typed(value: Any, t: type, what: str) -> Any:
     return value
 
 
-def _expect(value: Any, t: type, what: str) -> None:
-    if not isinstance(value, t):
-        raise ConfigError(f"{what} must be a {'table' if t is dict else 'list of tables'}")
+def _expect(value: Any, t: type, what: str, table: str) -> None:
+    """A table (`[nats]`) or an array of tables (`[[bucket]]`); the brackets mixed up are
+    the usual way to get the other, so the message says how many to write."""
+    if isinstance(value, t):
+        return
+    if t is dict:
+        raise ConfigError(f"{what} must be a table: write [{table}] (one pair of brackets), once")
+    if isinstance(value, dict):
+        raise ConfigError(f"{what} must be an array of tables: write [[{table}]] (two pairs of "
+                          f"brackets), once per {table}")
+    raise ConfigError(f"{what} must be an array of tables: write a [[{table}]] section per {table}")
 
 
-def _str_list(value: Any, what: str) -> list[str]:
+def _entry(raw: Any, table: str, where: str) -> None:
+    """One entry of an array of tables (`bucket = ["config"]` is not one)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: each {table} must be a table: write a [[{table}]] section per "
+                          f"{table}, with its keys below it (got {table} = [{json.dumps(raw)}, ...])")
+
+
+def _str_list(value: Any, what: str, key: str) -> list[str]:
+    """A TOML list of strings. A bare string is refused, not taken as a list of one: `servers =
+    "nats://a,nats://b"` would be one URL, and the message shows the list to write instead."""
     if isinstance(value, str):
-        return [value]
+        items = _split_list(value) or [value]
+        shown = redact_url if key == "servers" else str
+        listed = ", ".join(json.dumps(shown(v)) for v in items)
+        raise ConfigError(f"{what} must be a list, got the string {json.dumps(shown(value))}: "
+                          f"write {key} = [{listed}]")
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ConfigError(f"{what} must be a list of strings")
+        raise ConfigError(f"{what} must be a list of strings, like {key} = [\"{_EXAMPLE.get(key, 'x')}\"]")
     return list(value)
+
+
+_EXAMPLE = {"servers": "nats://127.0.0.1:4222", "keys": "feature.>"}
 
 
 def _split_list(text: str) -> list[str]:

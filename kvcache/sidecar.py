@@ -3,19 +3,21 @@ replica, one feed per bucket, router, RESP server; and takes them down in the ri
 from __future__ import annotations
 
 import asyncio
+import difflib
 import errno
 import fcntl
 import functools
 import gc
 import logging
 import os
+import shutil
 import signal
 from collections.abc import Awaitable
 
 import nats
 
 from . import native
-from .config import BucketConfig, Config, ensure_dirs
+from .config import BucketConfig, Config, ensure_dirs, start_warnings
 from .demo import DEMO_BUCKET, ensure_demo_bucket
 from .errors import BucketNotFound, ConfigError, KvcacheError, describe
 from .feed.changes import ChangeHub
@@ -93,15 +95,19 @@ class Sidecar:
         self._hopper: asyncio.Task | None = None  # Upstream.leave_servers_without_quorum
         self._lock_fd: int | None = None
         self._fatal_error: KvcacheError | None = None
+        self._trail: StartTrail | None = None  # what start found, for a failed start to restore
+        self._undo_start = False  # set when start failed: stop() removes what it created
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        self._trail = StartTrail(self.cfg)  # a failed start leaves the file system as it was
         ensure_dirs(self.cfg)
         # Refuse a data directory another sidecar uses, then a live socket, before doing
         # anything else: a second sidecar must fail at once, not after starting an embedded
         # nats-server, opening the replica, connecting, syncing and logging.
         self._lock_data_dir()
+        self._trail.locked()
         claim_socket_path(os.path.abspath(self.cfg.socket_path))
         self._warn_bounds_under_heartbeats()
         if self.use_embedded:
@@ -113,6 +119,8 @@ class Sidecar:
         if self.use_embedded and not self.cfg.buckets:
             self.cfg.buckets = [BucketConfig(name=DEMO_BUCKET)]
             await ensure_demo_bucket(nc, self.cfg.nats.request_timeout_ms / 1000)
+        for line in start_warnings(self.cfg):
+            log.warning("%s", line)
         self.replica = Replica(
             os.path.join(self.cfg.data_dir, "replica"),
             map_size=self.cfg.map_size_mb << 20, max_map_size=self.cfg.max_map_size_mb << 20,
@@ -151,7 +159,8 @@ class Sidecar:
             try:
                 await feed.start(watch=not shared_watch)
             except BucketNotFound:
-                raise BucketNotFound(f"bucket '{b.name}' does not exist on {self.upstream.url}") from None
+                names = await kv_bucket_names(nc, min(timeout, 1.0))
+                raise BucketNotFound(missing_bucket(b.name, self.upstream.url, names, self.use_embedded)) from None
             self.feeds[b.name] = feed
             ledger.witness(feed)
             if share is not None:
@@ -219,7 +228,10 @@ class Sidecar:
                 error = None if starting.cancelled() else starting.exception()
                 if error is not None:
                     log.info("start abandoned: %s", describe(error))
+                # ended by a fatal error (not a signal): as failed as a start that raised
+                self._undo_start = self._fatal_error is not None
             else:
+                self._undo_start = starting.exception() is not None
                 starting.result()  # a failed start: its one-line error reaches the CLI
             await self._stopping.wait()
             log.info("shutting down")
@@ -334,6 +346,10 @@ class Sidecar:
             except Exception as e:
                 log.warning("shutdown: embedded nats-server stop: %s", describe(e))
             self.embedded = None
+        if self._undo_start and self._trail is not None:
+            # with the lock still held: the lock file goes before another start can take it
+            self._trail.undo(locked=self._lock_fd is not None)
+            self._undo_start = False
         self._release_lock()
         if served:
             log.info("stopped")
@@ -356,24 +372,35 @@ class Sidecar:
         until stop() (or the process's end: the kernel drops it with the process, so a file
         left by a killed sidecar never blocks)."""
         path = os.path.join(self.cfg.data_dir, LOCK_FILE)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise ConfigError(f"cannot create the lock file {path}: {e.strerror}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
+        while True:
             try:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            except OSError:
-                holder = ""
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise ConfigError(f"cannot create the lock file {path}: {e.strerror}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                try:
+                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                except OSError:
+                    holder = ""
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise KvcacheError(
+                        f"data directory {self.cfg.data_dir} is in use by another kvcache serve"
+                        f"{f' (pid {holder})' if holder.isdigit() else ''}; one sidecar per data "
+                        f"directory (lock: {path})") from None
+                raise ConfigError(f"cannot lock {path}: {e.strerror}") from None
+            # A failed start removes the lock file it made (StartTrail), holding the lock: a
+            # lock taken on a file removed meanwhile is no lock; take the new file's instead.
+            try:
+                held = os.stat(path)
+            except FileNotFoundError:
+                held = None
+            mine = os.fstat(fd)
+            if held is not None and (held.st_dev, held.st_ino) == (mine.st_dev, mine.st_ino):
+                break
             os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise KvcacheError(
-                    f"data directory {self.cfg.data_dir} is in use by another kvcache serve"
-                    f"{f' (pid {holder})' if holder.isdigit() else ''}; one sidecar per data "
-                    f"directory (lock: {path})") from None
-            raise ConfigError(f"cannot lock {path}: {e.strerror}") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
@@ -400,6 +427,104 @@ class Sidecar:
                     self.router.add(p)
         for p in self.router.peers():
             log.info("peer %s: stream %s%s", p.label, p.stream, f" in domain {p.domain}" if p.domain else "")
+
+
+class StartTrail:
+    """What the file system held before a start, so that a failed one (a missing bucket, NATS
+    unreachable) leaves it as it was: the directories the start made (ensure_dirs, with their
+    parents) go if empty, and the data directory's entries it added (lock file, replica,
+    embedded server's store, config and log, sidecar id) go. Nothing that was there before:
+    a replica a start found is never removed."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.data_dir = os.path.abspath(cfg.data_dir)
+        dirs = [self.data_dir, os.path.dirname(os.path.abspath(cfg.socket_path))]
+        if cfg.access_log_rate > 0:
+            dirs.append(os.path.abspath(cfg.access_log_dir or os.path.join(cfg.data_dir, "access-logs")))
+        self.made: set[str] = set()  # directories that do not exist yet (ensure_dirs makes them)
+        for d in dirs:
+            while d != os.path.dirname(d) and not os.path.lexists(d):
+                self.made.add(d)
+                d = os.path.dirname(d)
+        self.found = _entries(self.data_dir)
+        self.kept = set(self.found)
+
+    def locked(self) -> None:
+        """The data directory's lock is held: what else is in it now was not made by this
+        start either (only the lock file and ensure_dirs' directories were), so it stays."""
+        ours = {LOCK_FILE} | {os.path.basename(d) for d in self.made if os.path.dirname(d) == self.data_dir}
+        self.kept = self.found | (_entries(self.data_dir) - ours)
+
+    def undo(self, locked: bool) -> None:
+        """Remove what this start added. Its data-directory entries only while it holds the
+        lock (without it another sidecar may own them); its empty directories always."""
+        if locked:
+            for name in sorted(_entries(self.data_dir) - self.kept):
+                path = os.path.join(self.data_dir, name)
+                try:
+                    if os.path.isdir(path) and not os.path.islink(path):
+                        shutil.rmtree(path)
+                    else:
+                        os.unlink(path)
+                except OSError as e:
+                    log.warning("failed start: cannot remove %s: %s", path, e.strerror)
+        for d in sorted(self.made, key=lambda d: d.count(os.sep), reverse=True):
+            try:
+                os.rmdir(d)
+            except OSError:  # not empty: something else put a file there
+                pass
+
+
+def _entries(directory: str) -> set[str]:
+    try:
+        return set(os.listdir(directory))
+    except OSError:
+        return set()
+
+
+async def kv_bucket_names(nc: nats.NATS, timeout: float) -> list[str] | None:
+    """The KV buckets on the server (streams `KV_<name>`), for the missing-bucket error; None
+    when they cannot be listed (a user without $JS.API.STREAM.NAMES: the error goes without)."""
+    names: list[str] = []
+    offset = 0
+    try:
+        for _ in range(10):  # 1024 streams a page: enough for a did-you-mean
+            doc = await jsapi.api_request(nc, "$JS.API.STREAM.NAMES", {"offset": offset}, timeout)
+            page = doc.get("streams") or []
+            names += [s[3:] for s in page if s.startswith("KV_")]
+            offset += len(page)
+            if not page or offset >= int(doc.get("total", 0)):
+                break
+    except KvcacheError:
+        return None
+    return names
+
+
+MISSING_BUCKET_LIST = 10  # buckets a missing-bucket error names at most
+
+
+def missing_bucket(name: str, url: str, names: list[str] | None, embedded: bool) -> str:
+    """The error of a configured bucket the server lacks: the buckets it has (at most
+    MISSING_BUCKET_LIST), the one most likely meant (same name but for case first), and, when
+    no NATS URL was given, that the server is an embedded one this start made."""
+    if names is None:
+        there = ""
+    elif not names:
+        there = "it has no KV buckets"
+    else:
+        folded = [n for n in names if n.lower() == name.lower()]
+        meant = folded or difflib.get_close_matches(name, names, n=1) or difflib.get_close_matches(
+            name.lower(), [n.lower() for n in names], n=1)
+        if meant and meant[0] not in names:  # matched in lower case: the real name
+            meant = [next(n for n in names if n.lower() == meant[0])]
+        shown = sorted(names)[:MISSING_BUCKET_LIST]
+        more = f" and {len(names) - len(shown)} more" if len(names) > len(shown) else ""
+        there = (f"did you mean '{meant[0]}'? " if meant else "") + f"buckets there: {', '.join(shown)}{more}"
+    if embedded:
+        return (f"bucket '{name}' does not exist on the embedded nats-server {url}"
+                f"{f' ({there})' if there else ''}: no NATS URL was given (KVCACHE_NATS_SERVERS / "
+                "--nats), so an embedded server was started")
+    return f"bucket '{name}' does not exist on {url}{f' ({there})' if there else ''}"
 
 
 async def _step(what: str, aw: Awaitable, timeout: float) -> None:

@@ -189,7 +189,8 @@ def test_cli_unreachable_nats(tmp_path):
 def test_cli_missing_bucket(tmp_path, nats_server):
     result = run_cli("serve", "--nats", nats_server.url, "--bucket", "absent",
                      "--data-dir", str(tmp_path / "d"))
-    assert_one_line_error(result, "bucket 'absent' does not exist", 1)
+    assert_one_line_error(result, f"bucket 'absent' does not exist on {nats_server.url} (it has no KV buckets)", 1)
+    assert not (tmp_path / "d").exists()  # what the failed start made is gone (test_config_messages.py)
 
 
 @pytest.mark.servers  # starts a process

@@ -167,7 +167,7 @@ def test_bare_kvcache_lists_the_subcommands():
     assert "Traceback" not in result.stderr and "required" not in result.stderr
     lines = result.stderr.splitlines()
     assert lines[0] == "usage: kvcache <command> [options]"
-    names = ["serve", "get", "info", "health", "load", "hotkeys"]
+    names = ["serve", "get", "info", "cli", "health", "load", "hotkeys"]
     rows = [line.split() for line in lines if line.startswith("  ")]
     assert [r[0] for r in rows] == names
     assert all(len(r) > 2 for r in rows)  # each with what it does

@@ -391,7 +391,10 @@ class Maintenance:
             if removed is None:  # a full resync started meanwhile and sweeps by itself
                 return
             if removed:
-                log.info("bucket %s: reconcile removed %d keys that vanished upstream", self.bucket, removed)
+                # The pass cannot tell the two apart: a key is removed when the stream holds no
+                # message of it within the filters, which a key left out of narrowed filters lacks too.
+                log.info("bucket %s: reconcile removed %d keys that are gone upstream or outside the "
+                         "key filters", self.bucket, removed)
             else:
                 log.info("bucket %s: reconcile found nothing to remove", self.bucket)
             return
