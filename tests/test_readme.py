@@ -7,9 +7,10 @@ embedded nats-server and the `demo` bucket), with DIR = <work>/kvcache-data: eac
 
 How a block is treated, by its fence's info string and its first line:
 
-- marked: a block whose first line is a comment starting `example:` (`# example: <what it
-  needs>`, `// example: ...` in JavaScript) is for another setup (a NATS cluster, Docker, a
-  tool the demo does not have) and is not run. The comment says what it needs, for the reader.
+- marked: a block right after an HTML comment `<!-- example: <what it needs> -->` (out of the
+  rendered page's sight) is for another setup (a NATS cluster, Docker, a tool the demo does
+  not have) or is not code (a picture), and is not run. The block's own first comment says
+  what it needs, for the reader.
 - `sh`: run by `bash -euo pipefail` with the `kvcache` command of this interpreter first on
   PATH (as in an activated ./.venv); `python`: run by this interpreter; `toml`: loaded with
   kvcache's configuration loader (parsed and validated, as `kvcache serve --config` does).
@@ -45,7 +46,7 @@ pytestmark = pytest.mark.servers  # starts a demo sidecar, its nats-server and l
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 RUNNABLE = ("sh", "python", "toml")
-MARKER = re.compile(r"^\s*(#|//)\s*example:")
+MARKER = re.compile(r"^<!-- example: .+ -->$")
 NATS_PORT, METRICS_PORT = "127.0.0.1:4222", "127.0.0.1:9464"
 FAILURE = re.compile(r"\(error\)|^ERR |Traceback \(most recent call last\)", re.M)
 
@@ -55,11 +56,11 @@ class Block:
     line: int  # of the opening fence, 1-based
     lang: str
     text: str
+    before: str = ""  # the line above the opening fence
 
     @property
     def marked(self) -> bool:
-        first = self.text.lstrip("\n").split("\n", 1)[0]
-        return bool(MARKER.match(first))
+        return bool(MARKER.match(self.before))
 
     @property
     def title(self) -> str:
@@ -79,15 +80,15 @@ def blocks(text: str) -> list[Block]:
             while not lines[i].startswith("```"):
                 body.append(lines[i])
                 i += 1
-            out.append(Block(start + 1, lang, "\n".join(body) + "\n"))
+            out.append(Block(start + 1, lang, "\n".join(body) + "\n", lines[start - 1] if start else ""))
         i += 1
     return out
 
 
 def test_the_block_parser_sees_every_block():
-    text = "a\n```sh\necho 1\n```\n\n```\n# example: x\nplain\n```\n```python\nprint(1)\n```\n"
+    text = "a\n```sh\necho 1\n```\n<!-- example: x -->\n```\nplain\n```\n```python\nprint(1)\n```\n"
     got = blocks(text)
-    assert [(b.line, b.lang, b.marked) for b in got] == [(2, "sh", False), (6, "", True), (10, "python", False)]
+    assert [(b.line, b.lang, b.marked) for b in got] == [(2, "sh", False), (6, "", True), (9, "python", False)]
     assert len(blocks(README.read_text())) == README.read_text().count("\n```") // 2
 
 
@@ -96,7 +97,7 @@ def test_every_block_runs_or_is_marked():
     not vacuous."""
     all_blocks = blocks(README.read_text())
     unrunnable = [b.title for b in all_blocks if not b.marked and b.lang not in RUNNABLE]
-    assert unrunnable == [], "mark these `# example: <what they need>` or make them runnable"
+    assert unrunnable == [], "mark these `<!-- example: <what they need> -->` (above the fence) or make them runnable"
     run = [b for b in all_blocks if not b.marked]
     print("\nREADME.md blocks run against the demo:")
     for b in run:
