@@ -61,6 +61,11 @@ class Floors:
             return not (floor[1] and time.time_ns() >= floor[1])
         return e.revision < floor[0]
 
+    def below_revision(self, bucket: str, key: str, revision: int) -> bool:
+        """Is `revision` of the key older than one already read?"""
+        floor = self._rev.get((bucket, key))
+        return floor is not None and revision < floor[0]
+
     def forget(self, bucket: str, below: int | None = None) -> None:
         """The bucket's stream was recreated (its revisions start again from 1), or purged,
         or dropped every message below `below`: those floors would make remote reads of the
@@ -155,11 +160,12 @@ class Witness:
     its feed's freshness and position, the ledger's holds. The GET fast path's plans carry
     it (Plan.witness), and ask it once per batch (`fresh_for_all`)."""
 
-    __slots__ = ("feed", "holds")
+    __slots__ = ("feed", "floors", "holds")
 
-    def __init__(self, feed: Feed, holds: Holds) -> None:
+    def __init__(self, feed: Feed, holds: Holds, floors: Floors) -> None:
         self.feed = feed
         self.holds = holds
+        self.floors = floors
 
     @property
     def max_age_ns(self) -> int:
@@ -176,6 +182,11 @@ class Witness:
     def held_until(self, key: str | None, revision: int | None = None) -> int:
         """See Holds.held_until, at the feed's position."""
         return self.holds.held_until(key, revision, self.feed.meta)
+
+    def below(self, key: str, revision: int) -> bool:
+        """Is `revision` of `key` older than one already handed out (the floors)? The near
+        cache asks it of what it holds (kvcache.store.nearcache.CacheWitness)."""
+        return self.floors.below_revision(self.feed.bucket, key, revision)
 
     def handed_out(self, key: str, revision: int) -> None:
         """An answer for `key` at `revision` went out from NATS: see Holds.handed_out."""
@@ -206,7 +217,7 @@ class Ledger:
         w = self.witnesses.get(feed.bucket)
         if w is None or w.feed is not feed:
             holds = self.holds.setdefault(feed.bucket, Holds(lambda: self.on_hold and self.on_hold()))
-            w = self.witnesses[feed.bucket] = Witness(feed, holds)
+            w = self.witnesses[feed.bucket] = Witness(feed, holds, self.floors)
         return w
 
     # ------------------------------------------------------------------ what the feeds report

@@ -24,13 +24,12 @@ docs/architecture.md, "Consistency".
 """
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from ..entry import Entry, Operation
 from ..errors import CommandError, KvcacheError, UpstreamError
 from ..keys import KEY_RE, RESERVED_PREFIX, split_address
-from ..store.record import LONG_KEY_PREFIX, RECORD, expiry, lmdb_key
+from ..store.record import LONG_KEY_PREFIX, RECORD, lmdb_key
 from ..store.verdict import LOCAL, STALE, replica_verdict, stored_revision
 
 if TYPE_CHECKING:
@@ -261,39 +260,15 @@ class ReadPolicy:
             if replica_verdict(witness, bound, False) == STALE:
                 cache.count(plan.lkey)  # the ask counts towards the key's admission all the same
             else:
-                entry = self._cached(plan, cache, min_rev)
-                if entry is not None:
-                    return Cached(entry)
+                rec = cache.answer(witness, plan.lkey, plan.key, min_rev)
+                if rec is not None:
+                    if rec.value is None:  # a cached not-found, known at its revision
+                        return Cached(Entry(plan.bucket, plan.key, None, rec.revision, 0, 0, Operation.DEL, "cache"))
+                    return Cached(Entry(plan.bucket, plan.key, rec.value, rec.revision, rec.created, 0,
+                                        Operation.PUT, "cache", rec.expires))
         return Remote(False, bound, min_rev, cache is not None, False)
 
     # ------------------------------------------------------------------ the near cache
-
-    def _cached(self, plan: Plan, cache: NearCache, min_rev: int | None) -> Entry | None:
-        """The near cache's answer (source `cache`) for a key outside the filters, the feed
-        fresh within the bound (the replica's own rule, asked by `route`), or None when it has
-        none it may give: not cached, expired, a newer revision already handed out from NATS
-        (the router's floors), or below `min_rev` (KV.GET's MINREV: only a value at that
-        revision or above). A cached not-found is an Entry with no value (operation DEL, the
-        revision it is known at). Every ask counts towards the key's admission."""
-        lk = plan.lkey
-        rec = cache.lookup(lk)
-        if rec is None:
-            return None
-        bucket, key = plan.bucket, plan.key
-        if rec.value is None:
-            entry = Entry(bucket, key, None, rec.revision, 0, 0, Operation.DEL, "cache")
-        else:
-            due = expiry(rec.created, rec.expires, plan.witness.max_age_ns)
-            if due and time.time_ns() >= due:
-                cache.invalidate([lk])
-                return None
-            entry = Entry(bucket, key, rec.value, rec.revision, rec.created, 0, Operation.PUT, "cache",
-                          rec.expires)
-        if self.floors.below(bucket, key, entry):
-            return None
-        if min_rev is not None and (entry.value is None or entry.revision < min_rev):
-            return None
-        return entry
 
     def fill(self, plan: Plan, entry: Entry | None, answered: str) -> None:
         """A fallback read answered a key outside the filters (Remote.may_fill): offer the

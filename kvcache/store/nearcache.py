@@ -42,12 +42,13 @@ from __future__ import annotations
 
 import itertools
 import struct
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from .. import native
-from .record import NEVER, decode_record, encode_record
+from .record import NEVER, decode_record, encode_record, expiry
 
 if TYPE_CHECKING:
     import lmdb
@@ -78,6 +79,18 @@ def is_absent(raw: bytes) -> bool:
 
 def revision_of(raw: bytes | memoryview) -> int:
     return REVISION.unpack_from(raw)[0]
+
+
+class CacheWitness(Protocol):
+    """What vouches for a bucket's cached answers (kvcache.read.ledger.Witness): the bucket's
+    max_age, and the revisions already handed out of each key."""
+
+    @property
+    def max_age_ns(self) -> int: ...
+
+    def below(self, key: str, revision: int) -> bool:
+        """Is `revision` of `key` older than one already handed out?"""
+        ...
 
 
 class CachedRecord(NamedTuple):
@@ -223,6 +236,27 @@ class NearCache:
         """A read of the key the cache may not answer (its feed is not fresh): counted towards
         its admission all the same."""
         self.counter.read(lkey)
+
+    def answer(self, witness: CacheWitness, lkey: bytes, key: str, min_rev: int | None) -> CachedRecord | None:
+        """What the near cache may hand out for `key` (a not-found has no value), or None: not
+        cached, past its expiry (its own TTL or the bucket's max_age: dropped here), older than
+        a revision already handed out from NATS (the witness's floors: answers never go back
+        in time), or below `min_rev` (KV.GET's MINREV: a value at that revision or above).
+        Every ask counts towards the key's admission. The replica's freshness is the caller's
+        question (kvcache.store.verdict), asked first."""
+        rec = self.lookup(lkey)
+        if rec is None:
+            return None
+        if rec.value is not None:
+            due = expiry(rec.created, rec.expires, witness.max_age_ns)
+            if due and time.time_ns() >= due:
+                self.invalidate([lkey])
+                return None
+        if witness.below(key, rec.revision):
+            return None
+        if min_rev is not None and (rec.value is None or rec.revision < min_rev):
+            return None
+        return rec
 
     def lookup(self, lkey: bytes) -> CachedRecord | None:
         """The cached record of a key, decoded (counted as a read); None when not cached."""
