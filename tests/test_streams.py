@@ -276,6 +276,17 @@ def test_kvcache_clients_watch_a_bucket(env):
     got = asyncio.run(follow())
     assert [(g.key, g.operation) for g in got] == [("watched", Operation.DEL), ("async", Operation.PUT)]
 
+    with Client(env["sock"], timeout=10) as c:  # a key filter: the stream @<bucket>:<filter>
+        it = c.watch(BUCKET, after=rev, keys="watched")
+        put(env["url"], "async", b"not matched")
+        put_rev = put(env["url"], "watched", b"again")
+        e = next(it)
+        assert (e.bucket, e.key, e.value, e.revision) == (BUCKET, "watched", b"again", put_rev)
+        put(env["url"], "async", b"still not matched")
+        del_rev = put(env["url"], "watched", None, "delete")
+        e = next(it)
+        assert (e.bucket, e.key, e.operation, e.revision) == (BUCKET, "watched", Operation.DEL, del_rev)
+
 
 def test_markers_the_stream_drops_leave_the_stream(env, tmp_path):
     """A delete stays an entry while its marker is in the stream; `purge_deletes` (a subject

@@ -223,8 +223,9 @@ def _check_block(block_ms: int, timeout: float | None) -> None:
         raise ValueError(f"block_ms {block_ms} must be below the client's timeout ({timeout}s)")
 
 
-def _xread(bucket: str, after: int, count: int, block_ms: int) -> _Op[list[Entry]]:
-    reply = yield ("XREAD", "COUNT", count, "BLOCK", block_ms, "STREAMS", f"@{bucket}", f"{after}-0")
+def _xread(bucket: str, keys: str | None, after: int, count: int, block_ms: int) -> _Op[list[Entry]]:
+    stream = f"@{bucket}" if keys is None else f"@{bucket}:{keys}"
+    reply = yield ("XREAD", "COUNT", count, "BLOCK", block_ms, "STREAMS", stream, f"{after}-0")
     return _stream_entries(bucket, reply)
 
 
@@ -326,8 +327,10 @@ class Client:
         return self._run(_keys(pattern))
 
     def watch(self, bucket: str, after: int = 0, count: int = 1000,
-              block_ms: int = WATCH_BLOCK_MS) -> Iterator[Entry]:
-        """Follow a bucket through its stream `@bucket` (docs/commands.md, "Streams"): every
+              block_ms: int = WATCH_BLOCK_MS, keys: str | None = None) -> Iterator[Entry]:
+        """Follow a bucket through its stream `@bucket` (docs/commands.md, "Streams"), or only
+        the keys a filter matches (`keys="feature.*"`: the stream `@bucket:feature.*`, as NATS
+        KV's watch("feature.*") does): every
         key whose latest change is above revision `after` (0: the whole bucket first), then
         each change as the sidecar applies it, in revision order, for as long as the caller
         iterates. A delete or purge is an Entry with value None (its `operation` says which).
@@ -338,7 +341,7 @@ class Client:
         _check_block(block_ms, self.timeout)
         last = after
         while True:
-            for entry in self._run(_xread(bucket, last, count, block_ms)):
+            for entry in self._run(_xread(bucket, keys, last, count, block_ms)):
                 last = entry.revision
                 yield entry
 
@@ -435,12 +438,12 @@ class AsyncClient:
         return await self._run(_keys(pattern))
 
     async def watch(self, bucket: str, after: int = 0, count: int = 1000,
-                    block_ms: int = WATCH_BLOCK_MS) -> AsyncIterator[Entry]:
+                    block_ms: int = WATCH_BLOCK_MS, keys: str | None = None) -> AsyncIterator[Entry]:
         """Client.watch, for asyncio: `async for entry in client.watch("config"): ...`."""
         _check_block(block_ms, self.timeout)
         last = after
         while True:
-            for entry in await self._run(_xread(bucket, last, count, block_ms)):
+            for entry in await self._run(_xread(bucket, keys, last, count, block_ms)):
                 last = entry.revision
                 yield entry
 
