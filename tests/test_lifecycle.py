@@ -16,10 +16,10 @@ import time
 
 import nats
 import pytest
+from support.poll import wait_until
 from support.procs import embedded_pid, pid_alive
 from support.sidecar_proc import SidecarProcess, run_cli
 from support.topology import start_single
-from support.poll import wait_until
 
 pytestmark = pytest.mark.servers  # each test starts its own servers or sidecar process
 
