@@ -6,8 +6,16 @@ build's warnings). KVCACHE_PURE_PYTHON=1 installs without them, on purpose (a ma
 C compiler); the sidecar then says at start, and in INFO, which twins serve.
 KVCACHE_DEBUG_BUILD=1 (`make debug`) builds with assertions, bounds checks and -O0 -g for
 gdb/valgrind; the default is an optimized build.
+
+A module already built in place (kvcache/_native/*.so) is not compiled again when none of its
+sources changed and it was built with the same flags and Python (a stamp under build/ says
+so): `pip install -e ".[spark]"` on a built tree adds the extra in seconds, not the minute a
+full build takes (pip's editable builds run in a fresh temporary directory, where setuptools'
+own up-to-date check never finds the last build). KVCACHE_REBUILD=1 compiles everything again.
 """
 import glob
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -21,6 +29,12 @@ from setuptools.errors import CCompilerError, ExecError, PlatformError
 
 DEBUG = os.environ.get("KVCACHE_DEBUG_BUILD") == "1"
 PURE_PYTHON = os.environ.get("KVCACHE_PURE_PYTHON") == "1"
+REBUILD = os.environ.get("KVCACHE_REBUILD") == "1"
+ROOT = os.path.dirname(os.path.abspath(__file__))
+STAMPS = os.path.join("build", "native-stamps")
+# What every extension's C depends on beside its own sources: the Cython declarations and
+# includes it may cimport or include (a change to any of them rebuilds every module).
+SHARED_DEPENDS = ("ext/*.pxd", "ext/*.pxi", "ext/*.h", "ext/kvcache/_native/*.pxd")
 HOW_TO_FIX = ("install a C compiler and the Python headers (Debian: apt-get install gcc python3-dev) and "
               "install again, or set KVCACHE_PURE_PYTHON=1 to install without the native modules (slower)")
 
@@ -29,16 +43,86 @@ class NativeBuildExt(build_ext):
     """Every extension or an error that names the one that failed and what to do."""
 
     def run(self) -> None:
+        self._compiled: list[Extension] = []
+        in_place = self.inplace  # --inplace or an editable install: built modules are copied in place
         try:
             super().run()
         except (CCompilerError, ExecError, PlatformError, OSError) as e:
             sys.exit(f"kvcache: ERROR: the native modules cannot be built ({_first_line(e)}): {HOW_TO_FIX}")
+        if in_place:
+            for ext in self._compiled:
+                self._write_stamp(ext)
 
     def build_extension(self, ext: Extension) -> None:
+        if self._reuse(ext):
+            return
         try:
             super().build_extension(ext)
         except (CCompilerError, ExecError, PlatformError, OSError) as e:
             sys.exit(f"kvcache: ERROR: {ext.name} cannot be built ({_first_line(e)}): {HOW_TO_FIX}")
+        self._compiled.append(ext)
+
+    # A module is reused when the one in place is the one this build would make: its stamp
+    # says this setup.py built that very file (its digest) from sources with the digest they
+    # have now, with the same flags and Python. Digests, not times: each isolated build
+    # (pip's) regenerates the C files with a Cython installed just then, so their times
+    # always say "changed" while their bytes say the same.
+
+    def _inplace(self, ext: Extension) -> str:
+        return os.path.join(ROOT, os.path.dirname(ext.name.replace(".", os.sep)),
+                            os.path.basename(self.get_ext_filename(ext.name)))
+
+    def _stamp_path(self, ext: Extension) -> str:
+        return os.path.join(ROOT, STAMPS, ext.name + ".json")
+
+    def _stamp(self, ext: Extension) -> dict:
+        """What the module in place must have been built from and with (its own digest apart)."""
+        stem = os.path.join("ext", ext.name.rsplit(".", 1)[-1])
+        inputs = sorted({*ext.sources, *ext.depends, stem + ".pyx",
+                         *(os.path.relpath(f, ROOT) for pattern in SHARED_DEPENDS
+                           for f in glob.glob(os.path.join(ROOT, pattern)))})
+        digest = hashlib.sha256()
+        for name in inputs:
+            path = os.path.join(ROOT, name)
+            if os.path.exists(path):
+                digest.update(name.encode() + b"\0" + _digest(path).encode() + b"\0")
+        return {"python": sys.version, "file": os.path.basename(self.get_ext_filename(ext.name)),
+                "debug": DEBUG, "cflags": list(ext.extra_compile_args or []),
+                "include_dirs": list(ext.include_dirs or []), "macros": [list(m) for m in ext.define_macros],
+                "libraries": list(ext.libraries or []), "ldflags": list(ext.extra_link_args or []),
+                "inputs": digest.hexdigest()}
+
+    def _reuse(self, ext: Extension) -> bool:
+        if self.force or REBUILD or DEBUG:
+            return False
+        built = self._inplace(ext)
+        try:
+            with open(self._stamp_path(ext)) as f:
+                stamp = json.load(f)
+            if stamp != {**self._stamp(ext), "built": _digest(built)}:
+                return False
+        except (OSError, ValueError):
+            return False
+        dest = self.get_ext_fullpath(ext.name)
+        if os.path.abspath(dest) != built:
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            self.copy_file(built, dest)
+        print(f"kvcache: {ext.name}: sources unchanged since it was built, not rebuilt", flush=True)
+        return True
+
+    def _write_stamp(self, ext: Extension) -> None:
+        """Remember how the module in place was built (after the build copied it there)."""
+        os.makedirs(os.path.dirname(self._stamp_path(ext)), exist_ok=True)
+        with open(self._stamp_path(ext), "w") as f:
+            json.dump({**self._stamp(ext), "built": _digest(self._inplace(ext))}, f)
+
+
+def _digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _first_line(e: BaseException) -> str:

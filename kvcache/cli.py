@@ -85,6 +85,20 @@ def _document_settings(p: argparse.ArgumentParser) -> None:
         action.help = f"{help_text} ({note})".lstrip().replace("%", "%%").replace("%%(", "%(")
 
 
+def _nats_auth(p: argparse.ArgumentParser) -> None:
+    """The NATS credential and TLS flags, defined once for `serve` and `load` (dests
+    `nats_<NatsConfig field>`, which config_sources.load and the load job both read)."""
+    p.add_argument("--creds", dest="nats_creds", metavar="FILE", help="NATS credentials file")
+    p.add_argument("--nkey", dest="nats_nkey", metavar="FILE", help="NATS nkey seed file")
+    p.add_argument("--token", dest="nats_token", metavar="TOKEN", help="NATS authentication token")
+    p.add_argument("--user", dest="nats_user", metavar="USER", help="NATS user (with --password)")
+    p.add_argument("--password", dest="nats_password", metavar="PASSWORD", help="NATS password")
+    p.add_argument("--tls-ca", dest="nats_tls_ca", metavar="FILE",
+                   help="CA certificates to verify the NATS servers with")
+    p.add_argument("--tls-cert", dest="nats_tls_cert", metavar="FILE", help="client certificate for NATS")
+    p.add_argument("--tls-key", dest="nats_tls_key", metavar="FILE", help="the client certificate's key")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvcache", description="Read-cache sidecar for NATS JetStream Key-Value.")
     parser.add_argument("--version", action="version", version=f"kvcache {__version__}")
@@ -136,15 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "behind from the last one heard, after 3 the consumer is recreated "
                        "(a replicated stream read whole: 30 s, and recreated when silent this "
                        "long x 3 while the quorum shows more)")
-    serve.add_argument("--creds", dest="nats_creds", metavar="FILE", help="NATS credentials file")
-    serve.add_argument("--nkey", dest="nats_nkey", metavar="FILE", help="NATS nkey seed file")
-    serve.add_argument("--token", dest="nats_token", metavar="TOKEN", help="NATS authentication token")
-    serve.add_argument("--user", dest="nats_user", metavar="USER", help="NATS user (with --password)")
-    serve.add_argument("--password", dest="nats_password", metavar="PASSWORD", help="NATS password")
-    serve.add_argument("--tls-ca", dest="nats_tls_ca", metavar="FILE",
-                       help="CA certificates to verify the NATS servers with")
-    serve.add_argument("--tls-cert", dest="nats_tls_cert", metavar="FILE", help="client certificate for NATS")
-    serve.add_argument("--tls-key", dest="nats_tls_key", metavar="FILE", help="the client certificate's key")
+    _nats_auth(serve)
     serve.add_argument("--log-level", dest="log_level", metavar="LEVEL",
                        help="debug, info, warning or error")
     serve.add_argument("--log-format", dest="log_format", metavar="FORMAT",
@@ -214,7 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     # The Spark jobs: their modules import pyspark only when they run.
     from .pipeline import hotkeys as hotkeys_job
     from .pipeline import load as load_job
-    load_job.add_arguments(sub.add_parser("load", help="bulk-load a dataset into a KV bucket (Spark)"))
+    load_parser = sub.add_parser("load", help="bulk-load a dataset into a KV bucket (Spark)")
+    load_job.add_arguments(load_parser)
+    _nats_auth(load_parser)  # the driver and every partition connect with serve's credentials
     hotkeys_job.add_arguments(sub.add_parser("hotkeys", help="hot keys from sidecar access logs (Spark)"))
     return parser
 

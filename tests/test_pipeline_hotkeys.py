@@ -13,6 +13,7 @@ from kvcache import cli
 from kvcache.keys import valid_filter as valid_key_filter
 from kvcache.ops.accesslog import AccessLog
 from kvcache.pipeline.cover import Filter, cover_filters, group_of
+from kvcache.pipeline.hotkeys import Report, chart_figure
 
 # ---------------------------------------------------------------------------- the algorithm
 
@@ -148,3 +149,30 @@ def test_hotkeys_bad_input_exits_2(tmp_path):
         p = run_cli(*argv)
         assert p.returncode == 2 and message in p.stderr, (argv, p.stderr)
         assert len(p.stderr.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------- the chart
+
+
+def _report(p50s: list[int]) -> Report:
+    peers = [{"source": f"s{i}", "sampled": 10, "p50_us": p, "p90_us": p * 3, "p99_us": p * 30, "mean_us": p * 2.0}
+             for i, p in enumerate(p50s)]
+    return Report(lines=10, reads=10.0, top=[], peers=peers, filters={}, bucket_reads={}, cover=0.9)
+
+
+@pytest.mark.parametrize(("p50s", "bottom"), [([12, 300, 2000], 10.0), ([10, 40], 1.0), ([0, 7], 0.1),
+                                              ([1500], 1000.0)])
+def test_latency_axis_starts_below_the_smallest_p50(p50s, bottom):
+    """The log axis of "read latency by source" starts at the power of ten below the lowest
+    p50 (a p50 of 0 is drawn as 1 µs), so every bar, the shortest too, shows a height."""
+    import matplotlib.pyplot as plt
+
+    fig = chart_figure(_report(p50s))
+    try:
+        ax = fig.axes[2]
+        assert ax.get_yscale() == "log"
+        low, _ = ax.get_ylim()
+        shortest = min(bar.get_height() for bar in ax.patches)
+        assert low == pytest.approx(bottom) and low < shortest
+    finally:
+        plt.close(fig)

@@ -305,3 +305,120 @@ def test_spark_submit_with_the_bundle(nats_server, tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     assert "50 rows read, 50 written" in p.stdout
     assert contents(nats_server.url, "submitted")[0] == {f"item.{i}": f"x{i}".encode() for i in range(50)}
+
+
+# ---------------------------------------------------------------------------- empty values
+
+
+async def _kv_get_all(url: str, bucket: str, keys: list[str]) -> dict[str, bytes]:
+    """Each key's value as nats-py's KV API reads it back: a put (a delete or purge raises
+    KeyDeletedError), whose empty value nats-py's Direct Get gives as None."""
+    nc = await nats.connect(url)
+    try:
+        kv = await nc.jetstream().key_value(bucket)
+        out = {}
+        for k in keys:
+            entry = await kv.get(k)
+            out[k] = b"" if entry.value is None else entry.value
+        return out
+    finally:
+        await nc.close()
+
+
+def test_empty_csv_fields_load_as_empty_values_with_empty_values_put(spark, nats_server, tmp_path, capsys):
+    """NATS KV values may be empty; Spark reads an empty CSV field, quoted or not, as null.
+    By default such a row is invalid (as before); `--empty-values put` writes a zero-length
+    value, read back byte for byte by nats-py, and "" inside --json values."""
+    path = tmp_path / "empties.csv"
+    path.write_bytes(b'k,v,n\r\nempty.bare,,1\r\nempty.quoted,"",2\r\nfull.1,x,3\r\nfull.2," ",4\r\n')
+    args = [str(path), "--nats", nats_server.url, "--key", "k"]
+
+    code, out, _ = load(capsys, *args, "--bucket", "nulls", "--value", "v")
+    assert code == 1, out
+    assert summary_of(out) == {"read": 4, "written": 2, "invalid": 2, "failed": 0, "retries": 0,
+                                "disconnects": 0}
+    assert "'empty.bare': null value" in out and "'empty.quoted': null value" in out
+
+    code, out, err = load(capsys, *args, "--bucket", "empties", "--value", "v", "--empty-values", "put")
+    assert code == 0, out + err
+    assert summary_of(out) == {"read": 4, "written": 4, "invalid": 0, "failed": 0, "retries": 0,
+                                "disconnects": 0}
+    want = {"empty.bare": b"", "empty.quoted": b"", "full.1": b"x", "full.2": b" "}
+    assert contents(nats_server.url, "empties")[0] == want
+    assert asyncio.run(_kv_get_all(nats_server.url, "empties", list(want))) == want
+
+    code, out, err = load(capsys, *args, "--bucket", "emptyjson", "--json", "v,n", "--empty-values", "put")
+    assert code == 0, out + err
+    assert json.loads(contents(nats_server.url, "emptyjson")[0]["empty.bare"]) == {"v": "", "n": "1"}
+
+
+def test_empty_values_put_is_refused_for_other_formats(tmp_path, nats_server):
+    data = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"k": ["a"], "v": [""]}), data)
+    p = run_cli("load", str(data), "--nats", nats_server.url, "--bucket", "b", "--key", "k", "--value", "v",
+                "--empty-values", "put")
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--empty-values put is for CSV input, and this input is parquet" in lines[0], p.stderr
+
+
+# ---------------------------------------------------------------------------- progress
+
+# Runs `kvcache load` in a process of its own (a JVM of its own, as a user's run) with stderr
+# wrapped: each line is recorded with whether Spark was running when it was written and how
+# many Spark jobs had been started, so the order of the lines and Spark's work is seen directly.
+PROGRESS_HARNESS = r"""
+import json, sys
+from kvcache import cli
+
+class Recorder:
+    def __init__(self, inner):
+        self.inner, self.lines = inner, []
+    def write(self, text):
+        from pyspark import SparkContext
+        sc = SparkContext._active_spark_context
+        for line in text.splitlines():
+            if line.startswith("kvcache load:"):
+                jobs = len(sc.statusTracker().getJobIdsForGroup()) if sc is not None else None
+                self.lines.append({"line": line, "spark": sc is not None, "jobs": jobs})
+        return self.inner.write(text)
+    def flush(self):
+        self.inner.flush()
+
+rec = sys.stderr = Recorder(sys.stderr)
+code = cli.main(sys.argv[2:])
+with open(sys.argv[1], "w") as f:
+    json.dump({"code": code, "lines": rec.lines}, f)
+"""
+
+
+def test_progress_speaks_before_spark_starts(nats_server, tmp_path):
+    """The first progress line comes before Spark starts (before the seconds a JVM takes), the
+    read is announced before Spark runs any job for it, the write before the write's job."""
+    data = tmp_path / "p.csv"
+    data.write_text("k,v\n" + "".join(f"p.{i},v{i}\n" for i in range(200)))
+    record = tmp_path / "lines.json"
+    p = subprocess.run([sys.executable, "-c", PROGRESS_HARNESS, str(record), "load", str(data),
+                        "--nats", nats_server.url, "--bucket", "prog", "--key", "k", "--value", "v",
+                        "--master", "local[1]", "--progress", "30"],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYSPARK_PYTHON": sys.executable})
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    got = json.loads(record.read_text())
+    assert got["code"] == 0
+    lines = got["lines"]
+    texts = [x["line"] for x in lines]
+    assert texts[:4] == [
+        "kvcache load: created bucket 'prog' (history 1, replicas 1, ttl 0s, allow_direct)",
+        "kvcache load: starting Spark (master local[1])...",
+        f"kvcache load: reading {data} as csv...",
+        "kvcache load: writing into bucket 'prog' over 1 partition...",
+    ], texts
+    assert [x["spark"] for x in lines[:3]] == [False, False, True]  # the first two before the JVM
+    assert lines[2]["jobs"] == 0  # the read announced before Spark read anything
+    assert "200 rows read, 200 written" in p.stdout
+    # Spark's own start-up chatter, if any, comes after the line saying it is starting
+    ours = p.stderr.index("kvcache load: starting Spark")
+    for spark_says in ("Setting default log level", "Using incubator modules"):
+        if spark_says in p.stderr:
+            assert p.stderr.index(spark_says) > ours, p.stderr

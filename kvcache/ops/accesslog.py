@@ -12,6 +12,14 @@ Line format (FIELDS, tab-separated, no header):
 remote read found nothing and no peer is named; `hit` is 1 when a value was returned; `rate`
 is the sampling rate the line was taken at, so readers can weigh lines from sidecars with
 different rates (an estimate of real reads is the sum of 1/rate).
+
+`latency_us` is the time the key's own read took, so that `kvcache hotkeys`' latency by
+source compares like with like: for GET (and the other one-key commands) from the command's
+start to the answer; for each key of an MGET or EXISTS, the key's own lookup when the replica
+or the near cache answers it, and, when it waits for the replica or asks NATS, from the start
+of that wait or request to the answer (the keys answered by one NATS batch each show the
+batch's time). Never the time the command spent on the keys before it: the 1,000th key of an
+MGET is not charged for the 999 read first. kvcache.read.reads measures it.
 """
 from __future__ import annotations
 
@@ -93,7 +101,8 @@ class AccessLog:
 
     def record(self, bucket: str, key: str, source: str, hit: bool, latency_us: int,
                command: str = "GET") -> None:
-        """Append one sampled read (call after `sampled()` returned True)."""
+        """Append one sampled read (call after `sampled()` returned True); `latency_us` is the
+        key's own read time, not its command's (see the module's docstring)."""
         line = (f"{int(time.time() * 1000)}\t{bucket}\t{key}\t{source.translate(_CLEAN)}\t"
                 f"{1 if hit else 0}\t{int(latency_us)}\t{command}\t{self._rate_text}\n")
         f = self._file

@@ -261,8 +261,17 @@ def write_outputs(report: Report, out_dir: str, fmt: str) -> list[str]:
 
 
 def chart(report: Report, path: str) -> None:
+    """Write the report's charts (see `chart_figure`) as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = chart_figure(report)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def chart_figure(report: Report) -> Any:
     """Top keys by reads (remote share shaded), cumulative read share by key group per
-    bucket with the cover line, and latency percentiles by source."""
+    bucket with the cover line, and latency percentiles by source: a matplotlib Figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -293,14 +302,28 @@ def chart(report: Report, path: str) -> None:
     ax = axes[2]
     peers = report.peers
     xs = range(len(peers))
+    heights = []
     for i, q in enumerate(PERCENTILES):
         key = f"p{int(q * 100)}_us"
-        ax.bar([x + (i - 1) * 0.27 for x in xs], [max(p[key], 1) for p in peers], width=0.27, label=key)
+        values = [max(p[key], 1) for p in peers]
+        heights += values
+        ax.bar([x + (i - 1) * 0.27 for x in xs], values, width=0.27, label=key)
     ax.set_xticks(list(xs), [p["source"] for p in peers], rotation=20, fontsize=8)
     ax.set_yscale("log")
+    if heights:
+        ax.set_ylim(bottom=log_floor(min(heights)))
     ax.set_ylabel("µs")
     ax.set_title("read latency by source")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    return fig
+
+
+def log_floor(smallest: float) -> float:
+    """The bottom of a log axis for bars whose smallest is `smallest` (the lowest p50): the
+    power of ten below it, so that every bar, the shortest too, shows a height (matplotlib's
+    own limits on a log axis can start above the shortest bar and hide it)."""
+    import math
+
+    bottom = 10.0 ** math.floor(math.log10(smallest))
+    return bottom / 10 if bottom >= smallest else bottom

@@ -1,15 +1,22 @@
 """`kvcache load`: read a dataset with Spark and put every row into a KV bucket.
 
-The driver checks the arguments and the bucket (creating it when missing), builds a
-(key, value) DataFrame, and runs `writer.arrow_partition_fn` on every partition: each
-partition writes over its own NATS connection. It prints progress while the job runs and a
-summary at the end; the exit code is 1 when any row failed or was invalid.
+The driver checks the arguments, the NATS credentials and the bucket (creating it when
+missing), builds a (key, value) DataFrame, and runs `writer.arrow_partition_fn` on every
+partition: each partition writes over its own NATS connection, with the same credentials and
+TLS files. It prints a line as each stage starts (Spark can take seconds to start and to read
+its input before the first row is written), progress while the job runs and a summary at the
+end; the exit code is 1 when any row failed or was invalid.
+
+The NATS credential and TLS flags are `serve`'s own (kvcache.cli adds them to both parsers,
+with dests `nats_<NatsConfig field>`), checked by the same `validate_nats_auth`.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
+import ssl
 import sys
 import threading
 import time
@@ -19,8 +26,9 @@ from typing import TYPE_CHECKING, Any, TextIO
 import nats
 import nats.errors
 
-from ..config import BUCKET_NAME
-from ..errors import BucketNotFound, ConfigError, UpstreamError
+from ..config import BUCKET_NAME, Config, NatsConfig, redact_url
+from ..config_nats import validate_nats_auth
+from ..errors import BucketNotFound, ConfigError, UpstreamError, describe
 from ..natsio import jetstream as jsapi
 from . import spark as sparkio
 from .keys import KeySpec
@@ -30,7 +38,7 @@ from .writer import (
     PartitionResult,
     WriteOptions,
     arrow_partition_fn,
-    quiet,
+    quiet_tls_eof,
     result_from_row,
 )
 
@@ -38,9 +46,13 @@ if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
 
 EXAMPLES = 10
+# --empty-values: what an empty CSV field is
+EMPTY_INVALID, EMPTY_PUT = "invalid", "put"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The job's own flags; kvcache.cli adds the NATS credential and TLS flags after them
+    (`serve`'s, one definition for both)."""
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="files or directories (or URIs Spark reads)")
     p.add_argument("--nats", required=True, action="append", metavar="URL", help="NATS server URL (repeatable)")
     p.add_argument("--bucket", required=True, help="KV bucket to write (created when missing)")
@@ -70,14 +82,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--csv-single-line", action="store_true",
                    help="CSV: no field holds a line break, so Spark may split files across tasks "
                         "(default: quoted fields may span lines; each file is read by one task)")
+    p.add_argument("--empty-values", choices=(EMPTY_INVALID, EMPTY_PUT), default=EMPTY_INVALID,
+                   help="CSV: an empty field is null: as the value its row is invalid, in a JSON "
+                        "value null (invalid, the default); or it is the empty string: a zero-length "
+                        "value, \"\" in a JSON value (put)")
     p.add_argument("--multiline", action="store_true", help="JSON: documents span lines (default: JSON lines)")
     p.add_argument("--progress", type=float, default=5.0, metavar="S",
-                   help="seconds between progress lines on stderr, 0 = none (default 5)")
+                   help="progress on stderr: a line as Spark starts, reads and writes, then one every "
+                        "S seconds; 0 = none (default 5)")
     p.add_argument("--summary-json", metavar="FILE", help="also write the summary as JSON here")
-    p.add_argument("--creds", metavar="FILE")
-    p.add_argument("--token")
-    p.add_argument("--user")
-    p.add_argument("--password")
 
 
 @dataclass
@@ -124,7 +137,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
 
 
 def load(args: argparse.Namespace, err: TextIO | None = None) -> Summary:
-    """Check everything that can be checked before Spark starts, then run the job."""
+    """Check everything that can be checked before Spark starts, then run the job. With
+    progress on, a line says each stage as it starts (Spark, the read, the write), so a user
+    hears within a second what the seconds before the first row is written are spent on."""
     err = err or sys.stderr
     key = KeySpec.parse(args.key)
     json_cols = _json_columns(args.json)
@@ -138,25 +153,41 @@ def load(args: argparse.Namespace, err: TextIO | None = None) -> Summary:
     if args.ack_timeout <= 0 or args.ttl < 0:
         raise ConfigError("--ack-timeout must be positive and --ttl not negative")
     fmt = sparkio.detect_format(args.inputs, args.format)
+    empty = getattr(args, "empty_values", EMPTY_INVALID)
+    if empty == EMPTY_PUT and fmt != "csv":
+        raise ConfigError(f"--empty-values put is for CSV input, and this input is {fmt}: there an empty "
+                          "string is an empty value already (and a null stays invalid)")
+    auth = nats_settings(args)
     opts = WriteOptions(servers=tuple(args.nats), bucket=args.bucket, max_inflight=args.max_inflight,
-                        retries=args.retries, ack_timeout_s=args.ack_timeout, creds=args.creds,
-                        token=args.token, user=args.user, password=args.password)
+                        retries=args.retries, ack_timeout_s=args.ack_timeout, creds=auth.creds,
+                        nkey=auth.nkey, token=auth.token, user=auth.user, password=auth.password,
+                        tls_ca=auth.tls_ca, tls_cert=auth.tls_cert, tls_key=auth.tls_key)
     created = asyncio.run(ensure_bucket(opts, args.history, args.ttl, args.replicas))
     if created:
         print(f"kvcache load: created bucket '{args.bucket}' (history {args.history}, "
               f"replicas {args.replicas}, ttl {args.ttl:g}s, allow_direct)", file=err)
 
+    def stage(text: str) -> None:
+        if args.progress > 0:
+            print(f"kvcache load: {text}", file=err, flush=True)
+
+    launched = "PYSPARK_GATEWAY_PORT" in os.environ
+    stage(f"starting Spark (master {args.master or ('from spark-submit' if launched else 'local[*]')})...")
     spark, owned = sparkio.session(args.master, "kvcache load")
     try:
+        stage(f"reading {_names(args.inputs)} as {fmt}...")
         df = sparkio.read(spark, args.inputs, fmt, delimiter=args.delimiter,
                           infer_schema=args.infer_schema, multiline=args.multiline,
                           csv_single_line=args.csv_single_line)
+        if empty == EMPTY_PUT:
+            df = empty_fields_as_text(df)
         kv = key_value_frame(df, key, args.value, json_cols)
         want = args.partitions or spark.sparkContext.defaultParallelism
         have = kv.rdd.getNumPartitions()
         if (args.partitions and have != want) or have < want:
             kv = kv.repartition(want, "key")  # by key: a key's rows share one connection
             have = want
+        stage(f"writing into bucket '{args.bucket}' over {have} partition{'s' if have != 1 else ''}...")
         start = time.monotonic()
         with Progress(spark, opts, args.progress, err):
             rows = kv.mapInArrow(arrow_partition_fn(opts), RESULT_DDL).collect()
@@ -177,6 +208,40 @@ def load(args: argparse.Namespace, err: TextIO | None = None) -> Summary:
         rows_per_s=round(total.written / seconds, 1) if seconds > 0 else 0.0, partitions=have,
         created_bucket=created, invalid_examples=total.invalid_examples,
         failed_examples=total.failed_examples)
+
+
+def _names(inputs: list[str], most: int = 3) -> str:
+    shown = ", ".join(inputs[:most])
+    return shown + (f" and {len(inputs) - most} more" if len(inputs) > most else "")
+
+
+# The NatsConfig fields `serve`'s credential and TLS flags set (as `nats_<field>`).
+NATS_AUTH_FIELDS = ("creds", "nkey", "token", "user", "password", "tls_ca", "tls_cert", "tls_key")
+
+
+def nats_settings(args: argparse.Namespace) -> NatsConfig:
+    """The NATS servers, credentials and TLS files of `serve`'s flags (dests `nats_creds`,
+    `nats_tls_ca`...), checked as `serve` checks them before anything connects: a missing or
+    malformed file, or two kinds of credentials at once, is one line and exit 2."""
+    n = NatsConfig(servers=list(args.nats))
+    for name in NATS_AUTH_FIELDS:
+        setattr(n, name, getattr(args, f"nats_{name}", None))
+    validate_nats_auth(Config(nats=n))
+    return n
+
+
+def empty_fields_as_text(df: DataFrame) -> DataFrame:
+    """`--empty-values put`: Spark reads an empty CSV field (quoted or not) as null; here every
+    text column's null becomes the empty string. In CSV a null has no other source (a row Spark
+    could not read is still marked UNREADABLE and never written); columns typed by
+    --infer-schema other than text keep their nulls."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import StringType
+
+    return df.select(*(
+        F.coalesce(F.col(sparkio.quote(f.name)), F.lit("")).alias(f.name)
+        if isinstance(f.dataType, StringType) and f.name != sparkio.UNREADABLE else F.col(sparkio.quote(f.name))
+        for f in df.schema.fields))
 
 
 def _json_columns(spec: str | None) -> list[str] | None:
@@ -254,18 +319,52 @@ async def ensure_bucket(opts: WriteOptions, history: int, ttl: float, replicas: 
         await nc.close()
 
 
-async def connect(opts: WriteOptions) -> nats.NATS:
-    """One bounded connection attempt for the driver: an unreachable server is a clear error."""
+async def connect(opts: WriteOptions, timeout: int = 3) -> nats.NATS:
+    """One bounded connection attempt for the driver: an unreachable server, refused
+    credentials or a certificate that does not verify is one clear line (the server's own
+    reason, not nats-py's "no servers available"), within seconds."""
+    errors: list[Exception] = []
+    tls_failed = asyncio.Event()
+
+    async def on_error(e: Exception) -> None:
+        errors.append(e)
+        if isinstance(e, ssl.SSLError):
+            tls_failed.set()  # nats-py's connect does not return after a failed handshake
+
+    where = ", ".join(redact_url(u) for u in opts.servers)
+    auth = opts.connect_options()  # its files were checked by nats_settings
+    if "tls" in auth:
+        quiet_tls_eof()
     nc = nats.NATS()
+    # allow_reconnect with one attempt: nats-py's bounded first connect (see the sidecar)
+    connecting = asyncio.ensure_future(nc.connect(
+        servers=list(opts.servers), connect_timeout=timeout, allow_reconnect=True, max_reconnect_attempts=1,
+        **RECONNECT_WAIT, error_cb=on_error, name="kvcache-load-driver", **auth))
+    failed = asyncio.ensure_future(tls_failed.wait())
     try:
-        # allow_reconnect with one attempt: nats-py's bounded first connect (see the sidecar)
-        await nc.connect(servers=list(opts.servers), connect_timeout=3, allow_reconnect=True,
-                         max_reconnect_attempts=1, **RECONNECT_WAIT, error_cb=quiet,
-                         name="kvcache-load-driver", **opts.connect_options())
-    except (TimeoutError, OSError, nats.errors.Error) as e:
-        why = "timed out" if isinstance(e, asyncio.TimeoutError) else (str(e) or type(e).__name__).replace("nats: ", "")
-        raise UpstreamError(f"cannot connect to NATS at {', '.join(opts.servers)}: {why}") from None
-    return nc
+        await asyncio.wait({connecting, failed}, timeout=timeout * (2 * len(opts.servers) + 1) + 1,
+                           return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        failed.cancel()
+        if not connecting.done():
+            connecting.cancel()
+            await asyncio.wait({connecting})
+            try:
+                await asyncio.wait_for(nc.close(), 2)
+            except Exception:  # a half-made connection: nothing to save
+                pass
+    e = (errors[-1] if errors else TimeoutError()) if connecting.cancelled() else connecting.exception()
+    if e is None:
+        return nc
+    if not isinstance(e, (OSError, TimeoutError, nats.errors.Error)):
+        raise e
+    if errors and isinstance(e, nats.errors.NoServersError):
+        # the server's -ERR ('Authorization Violation') before the broken pipe that follows it
+        e = ([x for x in errors if str(x).startswith("nats: '")] or errors)[-1]
+    why = describe(e)
+    if why.startswith("'") and why.endswith("'"):
+        why = why.strip("'").lower()
+    raise UpstreamError(f"cannot connect to NATS at {where}: {why}") from None
 
 
 # ---------------------------------------------------------------------------- progress

@@ -21,6 +21,7 @@ import asyncio
 import heapq
 import itertools
 import json
+import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -29,6 +30,7 @@ from typing import Any
 
 import nats.errors
 
+from ..errors import ConfigError
 from ..natsio.nats_connection import NatsConnection
 from .keys import KEY_RE2, RESERVED_PREFIX, key_problem
 
@@ -52,19 +54,34 @@ class WriteOptions:
     ack_timeout_s: float = 5.0
     connect_timeout_s: float = 30.0
     examples: int = 5
+    # NATS credentials and TLS files (`serve`'s flags): paths, not contexts, since the options
+    # are pickled to the executors, which must find the files at the same paths
     creds: str | None = None
+    nkey: str | None = None
     token: str | None = None
     user: str | None = None
     password: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     def connect_options(self) -> dict[str, Any]:
+        """nats-py's connect arguments for the credentials and TLS files, mapped as the
+        sidecar maps them (kvcache.natsio.upstream); the TLS context is made here, on the
+        machine that connects. A TLS file it cannot use is a ConfigError."""
         opts: dict[str, Any] = {}
         if self.creds:
             opts["user_credentials"] = self.creds
+        if self.nkey:
+            opts["nkeys_seed"] = self.nkey
         if self.token:
             opts["token"] = self.token
         if self.user:
             opts["user"], opts["password"] = self.user, self.password
+        if self.tls_ca or self.tls_cert or self.tls_key:
+            from ..config import NatsConfig, tls_context
+
+            opts["tls"] = tls_context(NatsConfig(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key))
         return opts
 
 
@@ -176,7 +193,7 @@ class PartitionWriter:
         start = time.monotonic()
         try:
             await self._connect()
-        except (TimeoutError, OSError, nats.errors.Error) as e:
+        except (TimeoutError, OSError, nats.errors.Error, ConfigError) as e:
             why = f"cannot connect to NATS: {type(e).__name__} {e}".strip()
             for batch in batches:
                 keys, _ = self._accept(batch)
@@ -259,14 +276,19 @@ class PartitionWriter:
         a server restart mid-load must not end the partition."""
         deadline = time.monotonic() + self.opts.connect_timeout_s
         delay = 0.1
+        auth = self.opts.connect_options()
+        if "tls" in auth:
+            quiet_tls_eof()
         while True:
             nc = NatsConnection()
             try:
-                await nc.connect(
+                # bounded: after a failed TLS handshake nats-py's connect does not return
+                await asyncio.wait_for(nc.connect(
                     servers=list(self.opts.servers), name="kvcache-load", connect_timeout=2,
                     allow_reconnect=True, max_reconnect_attempts=1, **RECONNECT_WAIT,
                     pending_size=64 << 20, skip_subject_validation=True,
-                    error_cb=quiet, disconnected_cb=self._on_disconnect, **self.opts.connect_options())
+                    error_cb=quiet, disconnected_cb=self._on_disconnect, **auth),
+                    max(1.0, deadline - time.monotonic()))
                 break
             except (TimeoutError, OSError, nats.errors.Error):
                 if time.monotonic() + delay > deadline:
@@ -423,6 +445,20 @@ def _ack_error(payload: bytes) -> str:
         return f"{err.get('description', 'error')} (err_code {err.get('err_code', 0)})"
     except (ValueError, KeyError, AttributeError, TypeError):
         return "error ack"
+
+
+def _tls_eof_filter(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("returning true from eof_received()")
+
+
+def quiet_tls_eof() -> None:
+    """asyncio warns at every close of a TLS connection nats-py made (it upgrades a plain
+    stream with start_tls), a line that tells the user nothing. The sidecar's own filter
+    (kvcache.natsio.upstream) is not imported here: that module brings lmdb, which executors
+    running the --py-files bundle do not have."""
+    logger = logging.getLogger("asyncio")
+    if _tls_eof_filter not in logger.filters:
+        logger.addFilter(_tls_eof_filter)
 
 
 async def quiet(e: Exception) -> None:

@@ -130,8 +130,11 @@ class Reads:
         """Read many raw keys and reply `reply(values)` (None: not found), in the keys'
         order. An invalid key fails the whole command (CommandError), and so do values beyond
         `budget` (ReplyTooLarge). The replica's values are memoryviews into its map, read in
-        one transaction (copied once, by the reply: issue 29), which ends after the reply."""
-        t0 = self._t0()
+        one transaction (copied once, by the reply: issue 29), which ends after the reply.
+        Each key's access-log latency is its own: a key answered here, its lookup; a key that
+        waits or asks NATS, that phase (_later); never the keys read before it."""
+        timed = self.access.enabled
+        clock = time.perf_counter_ns
         values: list[Value] = [None] * len(raw_keys)
         later: Later = []
         policy = self.policy
@@ -142,6 +145,7 @@ class Reads:
         try:
             try:
                 for i, raw in enumerate(raw_keys):
+                    t0 = clock() if timed else 0
                     plan = address(raw)  # raises for an invalid key
                     if plan.replicated and txn is None:
                         txn = self.replica.env.begin(buffers=True)
@@ -173,12 +177,12 @@ class Reads:
         finally:
             if txn is not None:
                 txn.abort()
-        return self._many_later(values, later, reply, t0, command, budget, time.monotonic_ns())
+        return self._many_later(values, later, reply, command, budget, time.monotonic_ns())
 
     async def _many_later(self, values: list[Value], later: Later, reply: Callable[[list[Value]], bytes],
-                          t0: int, command: str, budget: ReplyBudget | None, arrived: int) -> bytes:
+                          command: str, budget: ReplyBudget | None, arrived: int) -> bytes:
         entries: list[Entry | None] = [None] * len(values)
-        await self._later(entries, later, t0, command, budget, arrived, False)
+        await self._later(entries, later, self._t0(), command, budget, arrived, False)
         for i, _, _ in later:
             entry = entries[i]
             values[i] = None if entry is None else entry.value
@@ -191,7 +195,9 @@ class Reads:
         """Carry out the routes that wait or ask NATS, into `entries` (None: not found): the
         held keys first, one wait per bucket, then per bucket and kind of read the keys NATS
         answers (requests in flight joined, the rest in one request: a hedged one for
-        `single`, else one batch)."""
+        `single`, else one batch). The access log's latency: for `single`, from `t0` (the
+        command's start); for many keys, from the start of the wait or request that answered
+        the key (the keys of one batch share it), not from the command's start."""
         held: dict[str, list[tuple[int, Plan, Held]]] = {}
         # (bucket, strong, bound, min_rev): the keys read alike, each with its own route
         remote: dict[tuple[str, bool, int, int | None], list[tuple[int, Plan, Remote]]] = {}
@@ -202,6 +208,8 @@ class Reads:
                 remote.setdefault((plan.bucket, route.strong, route.bound, route.min_rev),  # type: ignore[union-attr]
                                   []).append((i, plan, route))  # type: ignore[arg-type]
         for items in held.values():
+            if not single:
+                t0 = self._t0()
             feed = items[0][1].witness.feed
             await feed.wait_applied(max(r.seq for _, _, r in items), MINREV_WAIT_S)
             for i, plan, r in items:
@@ -215,6 +223,8 @@ class Reads:
                     t = r.then
                     remote.setdefault((plan.bucket, t.strong, t.bound, t.min_rev), []).append((i, plan, t))
         for (bucket, *_), wanted in remote.items():
+            if not single:
+                t0 = self._t0()
             await self._remote(entries, bucket, wanted, t0, command, budget, arrived, single)
 
     async def _remote(self, entries: list[Entry | None], bucket: str,
