@@ -21,6 +21,7 @@ import nats.errors
 from ..config import BucketConfig, Config, strip_url_auth, tls_context, url_auth
 from ..errors import KvcacheError, UpstreamError, describe
 from ..stats import Stats
+from .first_connect import bounded, quiet_tls_eof
 from .nats_connection import NatsConnection
 from .servers import ServerChoice, parse_url
 
@@ -167,7 +168,7 @@ class Upstream:
         tls = tls_context(n)
         if tls is not None:
             opts["tls"] = tls
-        _quiet_tls_eof()
+        quiet_tls_eof()
         # The first connect is nats-py's own (no handler): it gets the servers that answer first.
         await choice.probe([parse_url(u) for u in urls], wait_for_one_besides="")
         opts["servers"] = choice.ordered(urls)
@@ -176,21 +177,8 @@ class Upstream:
         # attempt, then reconnect forever once we have been connected. Bounded in time too:
         # after a failed TLS handshake nats-py's connect never returns (2.16), and a TLS
         # failure at start is a configuration to fix, not a server to wait for.
-        connecting = asyncio.ensure_future(nc.connect(**{**opts, "max_reconnect_attempts": 1}))
-        failed = asyncio.ensure_future(tls_failed.wait())
-        try:
-            await asyncio.wait({connecting, failed}, timeout=n.connect_timeout_s * (2 * len(urls) + 1) + 1,
-                               return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            failed.cancel()
-            if not connecting.done():  # hung, a TLS failure, or start abandoned
-                connecting.cancel()
-                await asyncio.wait({connecting})
-                try:
-                    await asyncio.wait_for(nc.close(), 2)
-                except Exception:  # a half-made connection: nothing to save
-                    pass
-        e = (first[-1] if first else TimeoutError()) if connecting.cancelled() else connecting.exception()
+        e = await bounded(nc, nc.connect(**{**opts, "max_reconnect_attempts": 1}), tls_failed,
+                          n.connect_timeout_s * (2 * len(urls) + 1) + 1, first)
         if e is None:
             nc.options["max_reconnect_attempts"] = -1
             first_done = True
@@ -308,14 +296,3 @@ _OPTIONAL_SUBSCRIBE = re.compile(r"\.API\.STREAM\.(PURGE|MSG\.DELETE)\.|^kvcache
 PERMISSION_LOG_S = 60.0
 
 
-def _tls_eof_filter(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith("returning true from eof_received()")
-
-
-def _quiet_tls_eof() -> None:
-    """nats-py upgrades a plain stream to TLS (start_tls), whose protocol then answers EOF as
-    a plain one would: asyncio warns about it at every close of a TLS connection, a line that
-    tells the reader nothing."""
-    logger = logging.getLogger("asyncio")
-    if _tls_eof_filter not in logger.filters:
-        logger.addFilter(_tls_eof_filter)

@@ -30,6 +30,7 @@ from ..config import BUCKET_NAME, Config, NatsConfig, redact_url
 from ..config_nats import validate_nats_auth
 from ..errors import BucketNotFound, ConfigError, UpstreamError, describe
 from ..natsio import jetstream as jsapi
+from ..natsio.first_connect import bounded, quiet_tls_eof
 from . import spark as sparkio
 from .keys import KeySpec
 from .writer import (
@@ -38,7 +39,6 @@ from .writer import (
     PartitionResult,
     WriteOptions,
     arrow_partition_fn,
-    quiet_tls_eof,
     result_from_row,
 )
 
@@ -337,23 +337,10 @@ async def connect(opts: WriteOptions, timeout: int = 3) -> nats.NATS:
         quiet_tls_eof()
     nc = nats.NATS()
     # allow_reconnect with one attempt: nats-py's bounded first connect (see the sidecar)
-    connecting = asyncio.ensure_future(nc.connect(
+    e = await bounded(nc, nc.connect(
         servers=list(opts.servers), connect_timeout=timeout, allow_reconnect=True, max_reconnect_attempts=1,
-        **RECONNECT_WAIT, error_cb=on_error, name="kvcache-load-driver", **auth))
-    failed = asyncio.ensure_future(tls_failed.wait())
-    try:
-        await asyncio.wait({connecting, failed}, timeout=timeout * (2 * len(opts.servers) + 1) + 1,
-                           return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        failed.cancel()
-        if not connecting.done():
-            connecting.cancel()
-            await asyncio.wait({connecting})
-            try:
-                await asyncio.wait_for(nc.close(), 2)
-            except Exception:  # a half-made connection: nothing to save
-                pass
-    e = (errors[-1] if errors else TimeoutError()) if connecting.cancelled() else connecting.exception()
+        **RECONNECT_WAIT, error_cb=on_error, name="kvcache-load-driver", **auth), tls_failed,
+        timeout * (2 * len(opts.servers) + 1) + 1, errors)
     if e is None:
         return nc
     if not isinstance(e, (OSError, TimeoutError, nats.errors.Error)):

@@ -21,7 +21,6 @@ import asyncio
 import heapq
 import itertools
 import json
-import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -31,6 +30,7 @@ from typing import Any
 import nats.errors
 
 from ..errors import ConfigError
+from ..natsio.first_connect import quiet_tls_eof
 from ..natsio.nats_connection import NatsConnection
 from .keys import KEY_RE2, RESERVED_PREFIX, key_problem
 
@@ -445,20 +445,6 @@ def _ack_error(payload: bytes) -> str:
         return f"{err.get('description', 'error')} (err_code {err.get('err_code', 0)})"
     except (ValueError, KeyError, AttributeError, TypeError):
         return "error ack"
-
-
-def _tls_eof_filter(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith("returning true from eof_received()")
-
-
-def quiet_tls_eof() -> None:
-    """asyncio warns at every close of a TLS connection nats-py made (it upgrades a plain
-    stream with start_tls), a line that tells the user nothing. The sidecar's own filter
-    (kvcache.natsio.upstream) is not imported here: that module brings lmdb, which executors
-    running the --py-files bundle do not have."""
-    logger = logging.getLogger("asyncio")
-    if _tls_eof_filter not in logger.filters:
-        logger.addFilter(_tls_eof_filter)
 
 
 async def quiet(e: Exception) -> None:
