@@ -62,7 +62,8 @@ INVALID_FILTER = ("ERR invalid key filter '{filter}' in stream '{key}': {problem
                   "'>' (last) for one or more")
 NOT_WITHIN = ("ERR stream '{key}' would miss keys: bucket {bucket} replicates only the keys {filters} "
               "here, and '{filter}' reaches outside them; follow a filter within them")
-# compiled filters kept (bucket and filter -> match): a follower names its stream at every read
+# streams and compiled filters kept (their key -> Stream, bucket and filter -> match): a
+# follower names its stream at every read
 FILTERS_KEPT = 1024
 # XINFO STREAM FULL's default number of entries, as Redis
 XINFO_FULL_COUNT = 10
@@ -75,14 +76,11 @@ class Stream:
     """What a stream key names: a bucket's changes, all of them (`@b`, `filter` None), or
     those of the keys a filter matches (`@b:feature.*`, its `match` asked of a key's bytes)."""
 
+    bucket: str
     bc: BucketConfig
     feed: Feed
     filter: str | None = None
     match: Callable[[bytes], bool] | None = None
-
-    @property
-    def bucket(self) -> str:
-        return self.bc.name
 
 
 # (key as named, its stream, revisions above which to read)
@@ -108,6 +106,8 @@ class Streams:
         self._tails: dict[str, dict[str | None, Tail]] = {}
         # (bucket, filter) -> its blocked readers: a tail is kept for them however idle
         self._following: dict[tuple[str, str | None], int] = {}
+        # stream key as named -> its Stream (at most FILTERS_KEPT)
+        self._streams: dict[bytes, Stream] = {}
         # (bucket, filter text) -> (the bucket's `keys` it was checked against, its match)
         self._filters: dict[tuple[str, str], tuple[tuple[str, ...], Callable[[bytes], bool] | None]] = {}
         self.entries_sent = 0
@@ -188,6 +188,9 @@ class Streams:
     def stream_of(self, raw: bytes) -> Stream:
         """The stream a key names, `@<bucket>` or `@<bucket>:<filter>`; CommandError for
         anything else, an invalid filter, or one reaching past what the bucket replicates."""
+        known = self._streams.get(raw)
+        if known is not None:  # a follower names its stream at every read: resolved once
+            return known
         if raw[:1] != b"@":
             raise CommandError(NOT_A_STREAM.format(key=raw[:64].decode(errors="replace")))
         key = raw[:128].decode(errors="replace")
@@ -202,7 +205,11 @@ class Streams:
                                "it has no stream")
         feed = self.feeds[bc.name]
         match = self._key_filter(bc, key, text) if colon else None
-        return Stream(bc, feed) if match is None else Stream(bc, feed, text, match)
+        stream = Stream(bc.name, bc, feed) if match is None else Stream(bc.name, bc, feed, text, match)
+        if len(self._streams) >= FILTERS_KEPT:
+            self._streams.clear()
+        self._streams[raw] = stream  # (the configuration and the feeds are fixed once serving)
+        return stream
 
     def _key_filter(self, bc: BucketConfig, key: str, text: str) -> Callable[[bytes], bool] | None:
         """The match of stream `key`'s filter `text` (None: it is `>`, the whole bucket),
