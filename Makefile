@@ -28,6 +28,10 @@ INSTALL_INPUTS := pyproject.toml setup.py MANIFEST.in $(wildcard ext/*.pyx ext/*
 # one stamp per interpreter installed into
 STAMPS := build/stamps/$(shell printf '%s' '$(abspath $(PYTHON))' | cksum | cut -d' ' -f1)
 
+# setuptools' notice for every editable install of a flat layout ("Editable installation ...
+# be careful with folders ... the same name as your package"), 9 lines that tell a user nothing
+QUIET_EDITABLE = PYTHONWARNINGS="ignore:Editable installation"
+
 .PHONY: demo test quick lint typecheck debug install install-test native-deps system-deps clean
 
 APT = if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq $(1) >/dev/null; \
@@ -40,14 +44,14 @@ install-test: $(STAMPS)/install-test
 # outside the virtualenv (libnetfilter-queue-dev, Java and redis-tools are the tests' only)
 $(STAMPS)/install: $(INSTALL_INPUTS) $(VENV_MADE)
 	@$(MAKE) --no-print-directory native-deps
-	$(PYTHON) -m pip install -q -e ".[demo]"
+	$(QUIET_EDITABLE) $(PYTHON) -m pip install -q -e ".[demo]"
 	@mkdir -p $(@D) && touch $@
 
 # the test extra includes the package and the demo extra: `make demo` after `make test`
 # installs nothing
 $(STAMPS)/install-test: $(INSTALL_INPUTS) $(VENV_MADE) tests/node/package-lock.json
 	@$(MAKE) --no-print-directory native-deps system-deps
-	$(PYTHON) -m pip install -q -e ".[test]"
+	$(QUIET_EDITABLE) $(PYTHON) -m pip install -q -e ".[test]"
 	@# node-redis and ioredis, pinned in tests/node/package-lock.json (tests/test_node_clients.py)
 	@if command -v npm >/dev/null; then npm ci --prefix tests/node --no-audit --no-fund --loglevel=error; fi
 	@mkdir -p $(@D) && touch $@ $(@D)/install
