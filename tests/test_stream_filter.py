@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from support.kvdata import change
 from support.poll import wait_until
 from support.sidecar_proc import SidecarProcess
 from support.topology import nats_run
@@ -41,12 +42,7 @@ def workload(url: str, bucket: str, seed: int, n: int) -> int:
         for i in range(n):
             key = rng.choice(KEYS)
             op = rng.choices(["put", "delete", "purge"], [5, 3, 2])[0]
-            if op == "put":
-                await kv.put(key, b"v%d-%d" % (seed, i))
-            elif op == "delete":
-                await kv.delete(key)
-            else:
-                await kv.purge(key)
+            await change(kv, key, op, b"v%d-%d" % (seed, i))
         return (await js.stream_info(f"KV_{bucket}")).state.last_seq
     return nats_run(url, go)
 

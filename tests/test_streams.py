@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 from support import kvwatch
+from support.kvdata import change
 from support.poll import wait_until
 from support.sidecar_proc import SidecarProcess
 from support.topology import nats_run
@@ -53,14 +54,8 @@ def env(tmp_path_factory) -> Iterator[dict]:
 def put(url: str, key: str, value: bytes | None, op: str = "put", bucket: str = BUCKET) -> int:
     """Change one key through NATS; its revision."""
     async def go(js):
-        kv = await js.key_value(bucket)
-        if op == "put":
-            return await kv.put(key, value)
-        if op == "delete":
-            await kv.delete(key)
-        else:
-            await kv.purge(key)
-        return (await js.stream_info(f"KV_{bucket}")).state.last_seq
+        revision = await change(await js.key_value(bucket), key, op, value)
+        return revision or (await js.stream_info(f"KV_{bucket}")).state.last_seq
     return nats_run(url, go)
 
 

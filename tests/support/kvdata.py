@@ -14,6 +14,18 @@ async def _put_all(kv, items: dict[str, bytes]) -> None:
         await asyncio.gather(*(kv.put(k, v) for k, v in pairs[i:i + 200]))
 
 
+async def change(kv, key: str, op: str, value: bytes | None = None) -> int | None:
+    """One change of a key through nats-py's KV (`op`: put, delete or purge); a put's
+    revision (a delete's or purge's: the stream's last sequence, which the caller asks)."""
+    if op == "put":
+        return await kv.put(key, value)
+    if op == "delete":
+        await kv.delete(key)
+    else:
+        await kv.purge(key)
+    return None
+
+
 def read_until(s: socket.socket, until: bytes | None) -> bytes:
     """Read until `until` is in what was read, or EOF when `until` is None."""
     got = b""
