@@ -278,12 +278,21 @@ def known_env() -> set[str]:
     return {n for n in names if n} | {PASSWORD_ENV} | set(OTHER_ENV)
 
 
+# Kubernetes puts a service link in every container of a namespace for each Service there: a
+# Service `kvcache` (or `kvcache-metrics`) gives KVCACHE_SERVICE_HOST, KVCACHE_PORT,
+# KVCACHE_PORT_9464_TCP_ADDR, KVCACHE_METRICS_SERVICE_PORT_HTTP... These are not typos.
+_SERVICE_LINK = re.compile(r"KVCACHE(_[A-Z0-9_]+)?_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?"
+                           r"|PORT(_\d+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)?)")
+
+
 def check_env_names(env: Mapping[str, str]) -> None:
     """Refuse a KVCACHE_* variable kvcache does not read: a typo (`KVCACHE_NATS_SERVER`) would
     otherwise be ignored, and with no NATS URL left an embedded server starts in its place.
-    All of them in one line, each with the variable it most likely meant."""
+    All of them in one line, each with the variable it most likely meant. Kubernetes' service
+    links (`_SERVICE_LINK`) are let be."""
     known = known_env()
-    unknown = sorted(n for n in env if n.upper().startswith(ENV_PREFIX) and n not in known)
+    unknown = sorted(n for n in env if n.upper().startswith(ENV_PREFIX) and n not in known
+                     and not _SERVICE_LINK.fullmatch(n))
     if not unknown:
         return
     named = []

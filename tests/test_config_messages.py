@@ -88,6 +88,19 @@ def test_variables_that_are_not_settings_are_let_be():
     assert load(env=env).nats.servers == ["nats://127.0.0.1:1"]
 
 
+def test_kubernetes_service_links_are_let_be():
+    """A Service named kvcache (or kvcache-metrics) in the namespace puts its links in every
+    container's environment: not typos, and a sidecar must start beside them."""
+    links = {"KVCACHE_SERVICE_HOST": "10.0.0.7", "KVCACHE_SERVICE_PORT": "9464",
+             "KVCACHE_SERVICE_PORT_METRICS": "9464", "KVCACHE_PORT": "tcp://10.0.0.7:9464",
+             "KVCACHE_PORT_9464_TCP": "tcp://10.0.0.7:9464", "KVCACHE_PORT_9464_TCP_PROTO": "tcp",
+             "KVCACHE_PORT_9464_TCP_PORT": "9464", "KVCACHE_PORT_9464_TCP_ADDR": "10.0.0.7",
+             "KVCACHE_METRICS_SERVICE_HOST": "10.0.0.8", "KVCACHE_METRICS_PORT_80_TCP_ADDR": "10.0.0.8"}
+    assert load(env={**links, "KVCACHE_NATS_SERVERS": "nats://127.0.0.1:1"}).nats.servers == ["nats://127.0.0.1:1"]
+    with pytest.raises(ConfigError, match="KVCACHE_PORTS"):  # near, but no link's shape
+        load(env={**links, "KVCACHE_PORTS": "1"})
+
+
 def _read_by_the_repository() -> set[str]:
     """Every KVCACHE_* name in the code, build and CI files (not in these tests' own typos, nor
     in the module that names typos to explain its check)."""
