@@ -240,8 +240,11 @@ class ReadPolicy:
         if strong:
             return Remote(True, bound, min_rev, plan.cache is not None, False)
         if min_rev is not None and replicated:
-            # served locally once the replica reaches the revision, else by NATS at once
-            return Held(min_rev, Remote(False, bound, min_rev, False, False))
+            meta = witness.feed.meta
+            if not (meta.synced and meta.applied_seq >= min_rev):
+                # the replica answers once it holds the revision asked (a short wait), else
+                # NATS with the same MINREV: a second route keeps what the first was asked
+                return Held(min_rev, Remote(False, bound, min_rev, False, False))
         record = None
         if replicated:
             if txn is None:
@@ -252,9 +255,10 @@ class ReadPolicy:
                 v = replica_verdict(witness, bound, True, plan.key, record, stored_revision)
             if v == LOCAL:
                 return Local(record)
+            plain = min_rev is None  # MINREV is never answered by a stale replica
             if v > 0:
-                return Held(v, Remote(False, bound, None, False, True))
-            return Remote(False, bound, None, False, True)
+                return Held(v, Remote(False, bound, min_rev, False, plain))
+            return Remote(False, bound, min_rev, False, plain)
         cache = plan.cache
         if cache is not None:
             if replica_verdict(witness, bound, False) == STALE:

@@ -213,7 +213,9 @@ class Reads:
             feed = items[0][1].witness.feed
             await feed.wait_applied(max(r.seq for _, _, r in items), MINREV_WAIT_S)
             for i, plan, r in items:
-                now = self.policy.route(plan, max_stale_ms=r.then.bound)
+                # routed again as first asked (its bound and MINREV): only the replica's
+                # answer is taken from this route; else NATS, as first routed
+                now = self.policy.route(plan, max_stale_ms=r.then.bound, min_rev=r.then.min_rev)
                 if now.__class__ is Local:
                     rec = now.record
                     entries[i] = self._local(plan, rec, t0, command)
