@@ -24,11 +24,6 @@ KEY_TOKEN_RE = re.compile(TOKEN)
 RESERVED_PREFIX = "_kv"
 
 
-def valid_key(key: str) -> bool:
-    """Is `key` a KV key (ADR-8)?"""
-    return KEY_RE.fullmatch(key) is not None
-
-
 def reserved_key(key: str) -> bool:
     """Does `key` start with ADR-8's reserved `_kv`?"""
     return key.startswith(RESERVED_PREFIX)

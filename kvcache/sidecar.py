@@ -287,9 +287,6 @@ class Sidecar:
                         "again to apply a change)")
         self._stopping.set()
 
-    def request_stop(self) -> None:
-        self._stopping.set()
-
     def _fatal(self, exc: BaseException) -> None:
         """A part that cannot go on: stop gracefully and exit non-zero."""
         self.exit_code = 1

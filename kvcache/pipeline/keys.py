@@ -54,16 +54,3 @@ class KeySpec:
     @property
     def columns(self) -> list[str]:
         return [text for text, is_col in self.parts if is_col]
-
-    def render(self, row: dict[str, object]) -> str | None:
-        """The key of one row (None when a referenced value is null), as the Spark column
-        built by `load.key_column` computes it; for tests and small callers."""
-        out = []
-        for text, is_col in self.parts:
-            if not is_col:
-                out.append(text)
-            elif row.get(text) is None:
-                return None
-            else:
-                out.append(str(row[text]))
-        return "".join(out)

@@ -62,10 +62,6 @@ class RespServer:
         self.closing = False
         self.write_stall_s = cfg.client_write_stall_ms / 1000
 
-    @property
-    def client_count(self) -> int:
-        return len(self.connections)
-
     async def start(self) -> None:
         raise_fd_limit(self.cfg.max_clients + FD_MARGIN)
         claim_socket_path(self.path)
