@@ -3,8 +3,9 @@ demand user/password, a token, an nkey, a creds file (operator mode, JWTs made h
 and mutual TLS; the least-privilege permission list of README ("Permissions"); secrets kept
 out of logs and INFO; auth and TLS mistakes refused with one line before connecting.
 
-Everything listens on 127.0.0.1. AUTH_ROWS collects each method's results (the table in the
-issue); `pytest -s` prints it at the end of the module.
+Everything listens on 127.0.0.1. AUTH_ROWS collects each method's results (connects, reads
+local and fallback, denied permission reported); `pytest -s` prints them as a markdown table at
+the end of the module.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Configuration that used to be silent or misleading (issue 39): each mistake is one line that
+"""Configuration that used to be silent or misleading: each mistake is one line that
 names it and the fix, a legal but likely unmeant setting is one warning at start, and a failed
 start leaves the data directory as it found it. Parsing is checked in-process; what happens at
 start runs `kvcache serve` as a subprocess against real nats-servers."""
@@ -127,7 +127,8 @@ def test_every_variable_the_repository_reads_is_known():
 
 @pytest.mark.servers  # starts a process
 def test_unknown_variable_stops_serve_before_an_embedded_server(tmp_path):
-    """The case of issue 39: a typo'd NATS variable used to start an embedded server instead."""
+    """A typo'd NATS variable stops serve before anything starts; it used to start an embedded
+    server instead."""
     data = tmp_path / "d"
     result = run_cli("serve", "--data-dir", str(data), "--bucket", "config",
                      env={"KVCACHE_NATS_SERVER": "nats://127.0.0.1:4222"})

@@ -347,7 +347,7 @@ def test_rules_and_dashboard_use_documented_metrics():
     for e in exprs:
         assert _metric_names(e) <= documented, e
         used |= _metric_names(e)
-    # the dashboard shows what the issue asks an SRE to see first
+    # the dashboard shows what an SRE looks at first: reads, lag, latency, peers, sync
     for name in ("kvcache_reads_total", "kvcache_replica_lag_seconds", "kvcache_command_duration_seconds",
                  "kvcache_peer_up", "kvcache_replica_synced", "kvcache_build_info"):
         assert name in used

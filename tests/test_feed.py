@@ -649,7 +649,7 @@ async def test_big_bucket_syncs_without_loss(nats_server_module, nc, sidecars):
 
 
 async def test_a_leaderless_stream_ends_consumer_placement_at_once(nats_cluster):
-    """Issue 12. While the stream has no leader, no consumer can be placed on it: one
+    """While the stream has no leader, no consumer can be placed on it: one
     CONSUMER.CREATE (and the DELETE of what it made), then ConsumerLost, and the feed's own
     backoff and replan (which waits for a leader) take over, instead of PLACEMENT_TRIES
     creations back to back. The leaderless stream: R2, one of its two servers killed (no

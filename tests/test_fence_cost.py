@@ -1,4 +1,4 @@
-"""The quorum fence on fallback reads, as Peer.get sends it (issue 35): a one-key `multi_last`
+"""The quorum fence on fallback reads, as Peer.get sends it: a one-key `multi_last`
 batch, with the fence's anchor key beside it only for a key the peer has not seen with a
 message. Whichever request form goes out, an answer counts only from a server whose own
 end-of-batch reply shows it holds the fence's sequence.

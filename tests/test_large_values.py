@@ -1,4 +1,4 @@
-"""Values up to the 8 MB NATS allows with `max_payload` raised (issue 29): replicated by the
+"""Values up to the 8 MB NATS allows with `max_payload` raised: replicated by the
 feed, answered from the replica's map (GET, KV.GET, MGET), read from NATS and kept by the near
 cache, and through every client: redis-py, kvcache.Client. A limit kvcache imposes (MGET's
 max_reply_bytes) refuses with one line naming it. A real nats-server with `max_payload: 8MB`,

@@ -1,4 +1,4 @@
-"""The sidecar's life as a process (issue 13): stopping while NATS is down or hung, one sidecar
+"""The sidecar's life as a process: stopping while NATS is down or hung, one sidecar
 per data directory, and the embedded nats-server supervised.
 
 Real processes only: nats-server started here (stopped, SIGSTOPped, SIGKILLed by its PID) and

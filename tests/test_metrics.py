@@ -119,7 +119,7 @@ def test_prometheus_scrapes_what_info_shows(nats_server, tmp_path, capsys):
             ratio = prom.value(hit_ratio)
             assert ratio == pytest.approx((st["gets_local"] + st["gets_cached"]) /
                                           (st["gets_local"] + st["gets_cached"] + st["gets_remote"]))
-            with capsys.disabled():  # the figures the closing note quotes
+            with capsys.disabled():  # figures to read by eye (`pytest -s`)
                 print(f"\nPrometheus: {hit_ratio} = {ratio}")
                 for q in ('kvcache_replica_lag_seconds', 'kvcache_replica_lag_messages',
                           'histogram_quantile(0.99, sum by (le) (kvcache_command_duration_seconds_bucket'

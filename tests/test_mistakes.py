@@ -1,4 +1,4 @@
-"""A user's mistakes with the CLI (issue 13): each ends in one clear line on stderr and a
+"""A user's mistakes with the CLI: each ends in one clear line on stderr and a
 non-zero exit, never a traceback, and before anything is created (no bucket, no data
 directory, no nats-server). The CLI runs as a subprocess, as a user runs it."""
 from __future__ import annotations

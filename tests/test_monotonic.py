@@ -1,7 +1,7 @@
 """Reads never go back in time, whatever mix of commands and consistency levels reads a key
-(issue 12, item 3): `KV.GET k CONSISTENCY strong` answered revision r from the stream leader,
+(they once did: `KV.GET k CONSISTENCY strong` answered revision r from the stream leader,
 and the next plain `KV.GET k` on the same connection answered a revision below r from the
-replica, which may lag within max_stale_ms.
+replica, which may lag within max_stale_ms).
 
 A writer updates a few keys about 2,000 times/s (each value is the key's write counter)
 while connections read them every way (tests/checkers.py MixedReads: strong, MINREV, plain

@@ -1,4 +1,4 @@
-"""The near cache in a running sidecar (issue 17): keys outside a bucket's filters, filled by
+"""The near cache in a running sidecar: keys outside a bucket's filters, filled by
 fallback reads and kept true by the bucket's feed. A real nats-server, the sidecar as a
 process, nats-py as the writer, redis-py and kvcache.Client as readers.
 
@@ -88,7 +88,7 @@ def test_writer_changes_reach_cached_keys(env):
         time.sleep(2.2)
         assert r.get("big:t.1") is None
         # the put, the delete, the purge and the TTL key's write replaced cached records in
-        # place (issue 28: the feed keeps cached keys current; it used to drop them)
+        # place (the feed keeps cached keys current; it used to drop them)
         assert bucket(env, "big")["cache_updates"] >= 3
     finally:
         r.close()
@@ -154,7 +154,7 @@ def test_a_restart_finds_a_warm_cache_and_what_changed_meanwhile(env):
         assert c.get("big:k.21") == b"changed while down"
         after = stats(env)
         # k.20 from the warm cache, and k.21 too: the feed resumed, delivered the change made
-        # while it was down and replaced the cached record (issue 28; it used to drop it, and
+        # while it was down and replaced the cached record (it used to drop it, and
         # k.21 was read from NATS)
         assert after["gets_cached"] - before["gets_cached"] == 2
         assert after["gets_remote"] == before["gets_remote"]

@@ -1,7 +1,7 @@
 """`kvcache load` reads CSV as RFC 4180 and JSON lines as common tools write them: every value
 read back from NATS KV is byte for byte what the writer (Python's csv and json modules, pandas)
 was given, on local Spark and on a standalone cluster; rows it cannot read are counted as
-invalid and never written (issue 26).
+invalid and never written.
 """
 from __future__ import annotations
 

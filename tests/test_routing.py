@@ -236,7 +236,7 @@ async def test_strong_reads_use_the_bucket_stream_not_a_mirror(server, router_of
 @pytest.fixture(scope="module")
 def cluster_bucket(nats_cluster):
     """Bucket `rc` (R3) holding `k`, its stream led and every replica current before the put
-    (issue 35: a put made as soon as the create was answered found no responder)."""
+    (a put made as soon as the create was answered could find no responder)."""
     async def setup(js):
         kv = await replicated_kv(js, bucket="rc", direct=True, replicas=3)
         await settled(lambda: kv.put("k", b"c"))
@@ -419,7 +419,7 @@ def lagging_mirror(nats_cluster, tmp_path_factory):
     try:
         wait_until(lambda: leaf.monitor("/leafz").get("leafnodes", 0) >= 1, 15, "leaf lag connected")
 
-        async def hub(js):   # led, every replica current, before the first write (issue 35)
+        async def hub(js):   # led, every replica current, before the first write
             kv = await replicated_kv(js, bucket="mono", direct=True, replicas=3)
             return await settled(lambda: kv.put("k", b"v1"))
         rev = nats_run(hub0.url, hub)
@@ -490,7 +490,7 @@ async def wait_for_revision(p: Peer, key: str, rev: int) -> None:
 
 @pytest.mark.parametrize("leader", ["absent", "frozen"])
 async def test_a_lagging_answer_is_read_again_from_a_caught_up_mirror(two_mirrors, router_of, leader):
-    """Issue 12. The lagging mirror answers first, older than revisions already read, and the
+    """The lagging mirror answers first, older than revisions already read, and the
     leader is out of reach (no peer reaches the bucket's stream, or the hub connection hangs):
     the caught-up mirror answers, per key for MGET, in one batch. Without it the read fails;
     the stale revision is never handed out."""

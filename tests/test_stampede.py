@@ -1,4 +1,4 @@
-"""Hot keys without a stampede (issue 28), in a running sidecar against a real nats-server:
+"""Hot keys without a stampede, in a running sidecar against a real nats-server:
 concurrent reads of one key that must ask NATS share one Direct Get (kvcache/read/flights.py,
 under the rule of kvcache.read.policy.may_join), and a write of a cached key reaches the near
 cache through the feed, so the next read needs no Direct Get at all. INFO `routed_requests`

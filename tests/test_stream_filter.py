@@ -1,4 +1,4 @@
-"""A stream of part of a bucket, `@<bucket>:<filter>` (issue 39; kvcache.serve.streams): what
+"""A stream of part of a bucket, `@<bucket>:<filter>` (kvcache.serve.streams): what
 a NATS KV watch of the same filter delivers (nats-py's `kv.watch(filter, include_history=True)`:
 in a history-1 bucket, each matching key's latest message, deletes and purges included, in
 sequence order), from 0 and resumed from an ID it handed out; blocked reads that wake only for

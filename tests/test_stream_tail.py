@@ -1,7 +1,7 @@
 """A bucket's stream tail (kvcache.serve.stream_tail) against the revision index it caches:
 after every batch of a generated history, the tail's answer for every ID it covers is the
 index's own (same entries, same bytes), with COUNT and the reply budget; trimming keeps it
-exact; an entry past its deadline makes it step aside. A filtered stream's tail (issue 39)
+exact; an entry past its deadline makes it step aside. A filtered stream's tail
 answers as the index walked with its filter, and walks each revision once, matched or not."""
 from __future__ import annotations
 

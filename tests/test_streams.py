@@ -1,4 +1,4 @@
-"""A bucket's changes as a Redis stream, `@<bucket>` (issue 30; kvcache.serve.streams): read
+"""A bucket's changes as a Redis stream, `@<bucket>` (kvcache.serve.streams): read
 with redis-py's own stream API, over RESP2 and RESP3, and checked against what a NATS watch
 resumed from the same sequence delivers (a JetStream consumer on the KV stream from sequence
 N + 1: in a history-1 bucket each key's latest message, once, in sequence order). A real

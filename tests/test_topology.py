@@ -116,9 +116,10 @@ async def test_single_server_kv(nats_server: NatsServer) -> None:
 
 
 async def test_replicated_kv_returns_a_led_and_current_bucket(nats_cluster: Cluster) -> None:
-    """Issue 35: fixtures rely on replicated_kv returning only once the new R3 stream has a
-    leader and both followers are online and current, as STREAM.INFO (asked again here, through
-    another member) reports them; and the cluster it runs on is routed and meta-current."""
+    """Fixtures rely on replicated_kv returning only once the new R3 stream has a leader and
+    both followers are online and current, as STREAM.INFO (asked again here, through another
+    member) reports them; and the cluster it runs on is routed and meta-current. Before that, a
+    put made as soon as the create was answered could find no responder."""
     assert nats_cluster.wait_ready() in {s.server_name for s in nats_cluster.servers}
     async with connect(nats_cluster.servers[1].url) as nc:
         js = nc.jetstream(timeout=5)

@@ -4,7 +4,7 @@ nats-py, left to itself, reconnects through its pool in a shuffled order, and an
 address whose packets are silently dropped (a cut link, a firewall, a stopped host) waits out
 the whole connect timeout before the next server is tried. With the server just left first
 in the shuffle, a sidecar cut from its own server spent seconds per attempt knocking on it
-while two reachable servers waited (issue 35). A Redis or NATS operator expects what a
+while two reachable servers waited. A Redis or NATS operator expects what a
 mature client does instead: find out which servers answer, go to one of those, and keep
 knocking only where nothing answers.
 

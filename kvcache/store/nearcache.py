@@ -1,6 +1,6 @@
 """The near cache: keys outside a bucket's replicated filters, kept beside the replica after a
 fallback read, so a hot key of a bucket too big to replicate costs one Direct Get, not one per
-read (issue 17).
+read.
 
 Bounded by `cache_max_keys` and `cache_max_bytes` (either or both; 0 is no bound of that kind,
 both 0 is no cache). Records live in the replica's LMDB environment, one database per bucket
@@ -16,7 +16,7 @@ A not-found is cached too (`absent`): an 8-byte record holding only the revision
 at (a deletion's marker, or 0 for a key with no message), so a hot missing key costs one
 Direct Get, not one per read. Every record starts with its revision (REVISION), absent or not.
 
-The bucket's feed keeps what is cached current (`refresh`, issue 28): a change of a cached key
+The bucket's feed keeps what is cached current (`refresh`): a change of a cached key
 replaces its record in stream order (a delete or purge becomes a cached not-found), so a write
 of a hot key does not turn its next burst of readers into a stampede on NATS. A record never
 goes back: a fill from NATS may be ahead of the feed, and an older change is then skipped.
