@@ -1,4 +1,4 @@
-"""GETs the near cache answers against GETs the replica answers: server CPU per GET (issue 28).
+"""GETs the near cache answers against GETs the replica answers: server CPU per GET.
 
     python bench/cached_get_bench.py [--keys 10000] [--requests 400000] [--repeat 3] [--value-size 100]
 

@@ -1,4 +1,4 @@
-"""A fleet on one cluster: what N sidecars cost a 3-node JetStream cluster (issue 36).
+"""A fleet on one cluster: what N sidecars cost a 3-node JetStream cluster.
 
     python bench/fleet_bench.py --sizes 10,30 --buckets 2 --keys 2000 --rate 50 --window 30
     python bench/fleet_bench.py --sizes 2,3 --window 5 --skip-storm --skip-rolling   # a quick look

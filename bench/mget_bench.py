@@ -1,5 +1,5 @@
 """MGET of large values: server CPU per MGET, this checkout's sidecar against another source
-tree's, same run (issue 29).
+tree's, same run.
 
     python bench/mget_bench.py --other-src /tmp/kv-old [--size 524288] [--keys 200] [--per 3]
 

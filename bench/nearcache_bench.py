@@ -1,4 +1,4 @@
-"""The near cache against its alternatives on a bucket too big to replicate (issue 17).
+"""The near cache against its alternatives on a bucket too big to replicate.
 
     python bench/nearcache_bench.py [--keys 1000000] [--cache 10000] [--reads 60000]
 

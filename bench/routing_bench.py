@@ -13,11 +13,11 @@ theirs; its bucket replicates `local.>` only, so every `GET far.<n>` is a fallba
 
 Phases: each peer's own Direct Get latency; nats-py `kv.get` over the hub proxy; sidecar GETs;
 sidecar GETs with the fastest peer (leaf1) frozen a third of the way in. Reports p50/p99,
-failed reads, hedges against the budget, and whether the issue's targets were met. Sidecar
-reads are timed through kvcache.AsyncClient and through redis-py; the row "the hop alone"
-(a replicated key) is what any read through the sidecar costs on top of the peer.
+failed reads, hedges against the budget, and whether its targets (printed last) were met.
+Sidecar reads are timed through kvcache.AsyncClient and through redis-py; the row "the hop
+alone" (a replicated key) is what any read through the sidecar costs on top of the peer.
 
-The quorum fence (kvcache.feed.quorum.Fence, issue 35): `rb` is R3 in a cluster, so every
+The quorum fence (kvcache.feed.quorum.Fence): `rb` is R3 in a cluster, so every
 fallback read of it must come from a server showing it holds the sequence a quorum had (a
 one-key `multi_last` batch whose end-of-batch reply names the server's last sequence). A
 second bucket `r1`, R1 with the same keys and mirrors on the same leaves, needs no fence: its
@@ -297,7 +297,7 @@ def run(n: int, tmp: Path, delays: dict[str, float] = DELAYS, other_src: Path | 
                                           (f"({tag}) sidecar plain", lat[f"steady sidecar plain ({tag})"]))
                                          if tag else ()))}
     out["targets"] = {
-        "fenced p99 <= 1.2 x fastest peer p99 + 0.5 ms (issue 35)": (
+        "fenced p99 <= 1.2 x fastest peer p99 + 0.5 ms": (
             percentile(fenced, 99), 1.2 * percentile(own, 99) + 0.0005),
         "p99 <= 1.2 x fastest peer p99": (percentile(fenced, 99), 1.2 * percentile(own, 99)),
         "zero failed reads": (sidecar_failed, 0),

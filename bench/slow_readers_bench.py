@@ -1,4 +1,4 @@
-"""Slow readers of large values (issue 29): N connections pipeline GETs of 1 MiB values and
+"""Slow readers of large values: N connections pipeline GETs of 1 MiB values and
 never read their socket. Does the sidecar's memory stay bounded, and does another client's
 latency stay where it was?
 

@@ -1,4 +1,4 @@
-"""A hot key outside the filters read by many clients at once: how many Direct Gets (issue 28).
+"""A hot key outside the filters read by many clients at once: how many Direct Gets.
 
     python bench/stampede_bench.py [--readers 100] [--connections C] [--repeat 3] [--sidecar-src DIR]
 

@@ -1,4 +1,4 @@
-"""Many local readers following one bucket as a Redis stream (issue 30): N connections blocked
+"""Many local readers following one bucket as a Redis stream: N connections blocked
 in `XREAD BLOCK 0 STREAMS @key <last ID>`, a writer changing the bucket at a steady rate. What
 does fan-in cost, and does a reader that stops reading hurt the others?
 

@@ -1,4 +1,4 @@
-"""Replica reads against raw py-lmdb, in one process (issue 3: LocalReader ≥ 0.8× raw py-lmdb).
+"""Replica reads against raw py-lmdb, in one process (the target: LocalReader ≥ 0.8× raw py-lmdb).
 
     python -m pytest bench/test_bench_replica.py -p no:cacheprovider --benchmark-columns=min,median,ops
 
