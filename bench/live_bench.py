@@ -511,7 +511,7 @@ class Sampler:
         self.js, self.sc, self.raw, self.pids = js, sc, raw, pids
         self.cpu_seen: dict[int, float] = {}  # an exited process keeps its last reading
         self.t0 = time.monotonic()
-        self.raw_floor = 0  # the stream's last sequence at the first sample, before any write
+        self.start_seq = 0  # the stream's last sequence at the first sample, before any write
 
     def cpu(self) -> dict[str, float]:
         out = {}
@@ -528,9 +528,9 @@ class Sampler:
         info_ms = (time.monotonic() - t) * 1e3
         _, raw_count, raw = self.raw.raw_progress()  # its latest line: at most REPORT_S old
         last = (await self.js.stream_info(STREAM)).state.last_seq
-        if not self.raw_floor:
-            self.raw_floor = last
-        raw = raw or self.raw_floor  # nothing delivered yet: a consumer of new messages is caught up
+        if not self.start_seq:
+            self.start_seq = last
+        raw = raw or self.start_seq  # nothing delivered yet: a consumer of new messages is caught up
         return Sample(time.monotonic() - self.t0, last, int(state["applied_seq"]), int(state["lag_ms"]),
                       raw, raw_count, self.cpu(), info_ms)
 

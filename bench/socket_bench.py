@@ -21,7 +21,7 @@ bounded.
   5. with --profile, records the sidecar with `py-spy record` under the `-P 16` load and
      prints the functions with the most samples (own time and inclusive).
 
---floor adds a third target: bench/floor_server.py, a uvloop Protocol that answers each GET
+--bare adds a third target: bench/bare_server.py, a uvloop Protocol that answers each GET
 with a fixed reply and looks nothing up: the least any server on uvloop spends per request.
 
 --metrics adds a second sidecar on the same bucket with its metrics listener on (command
@@ -37,7 +37,7 @@ cost that grows with the number of distinct keys read shows there, not in the 10
     python bench/socket_bench.py
     python bench/socket_bench.py --requests 200000 --profile
     python bench/socket_bench.py --scale              # 1M keys, 100-byte values, -r 10k and 1M
-    python bench/socket_bench.py --scale --floor      # and the uvloop floor beside them
+    python bench/socket_bench.py --scale --bare       # and the bare uvloop server beside them
     python bench/socket_bench.py --metrics            # metrics listener on and scraped, against off
     python bench/socket_bench.py --sizes 4k:20000,64k:2000,512k:200,1m:100,4m:25 --repeat 3
 
@@ -226,12 +226,12 @@ class Scraper:
         self._thread.join(10)
 
 
-def start_floor(work: Path, value_size: int) -> tuple[subprocess.Popen, str]:
-    sock = str(work / "floor.sock")
-    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "floor_server.py"), sock, str(value_size)],
+def start_bare(work: Path, value_size: int) -> tuple[subprocess.Popen, str]:
+    sock = str(work / "bare.sock")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "bare_server.py"), sock, str(value_size)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
     try:
-        wait_until(lambda: os.path.exists(sock), 20, "floor server up")
+        wait_until(lambda: os.path.exists(sock), 20, "bare server up")
     except BaseException:
         stop(proc)
         raise
@@ -393,8 +393,8 @@ class GetBench:
                     us = statistics.median(self.cpu[(target, label)])
                     lines.append(f"| {target} | {r:,} | {name} | {res['rps']:,.0f} | {res['p50_latency_ms']:.3f} | "
                                  f"{res['p99_latency_ms']:.3f} | {ratio} | {kept} | {us:.2f} |")
-        if "floor" in self.targets:
-            lines += ["", "floor: bench/floor_server.py, a uvloop Protocol answering each GET with a fixed "
+        if "bare" in self.targets:
+            lines += ["", "bare: bench/bare_server.py, a uvloop Protocol answering each GET with a fixed "
                       "reply (no lookup): the least a server on uvloop spends per request."]
         if METRICS in self.targets:
             what = ("the metrics listener on (command latency timed) and scraped every second"
@@ -435,7 +435,7 @@ def _paired(on: list[float], off: list[float]) -> str:
 def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 3,
         timeout: float = 600, profile_seconds: int | None = None, keys: int = NKEYS,
         reads_over: list[int] | None = None,
-        variants: list[tuple[str, list[str]]] | None = None, floor: bool = False,
+        variants: list[tuple[str, list[str]]] | None = None, bare: bool = False,
         installed: bool = False, metrics: bool = False, control: bool = False,
         other_src: Path | None = None) -> GetBench:
     """Start nats-server, kvcache and redis-server under `work` with `keys` keys, run every
@@ -445,10 +445,10 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
     value = b"x" * value_size
     bench = GetBench(requests, value_size, repeat, keys, reads_over or [keys], variants or list(VARIANTS))
     nats_srv = None
-    sidecar = redis_proc = floor_proc = metered = None
+    sidecar = redis_proc = bare_proc = metered = None
     scraper: Scraper | None = None
-    if floor:
-        bench.targets = ("redis", "kvcache", "floor")
+    if bare:
+        bench.targets = ("redis", "kvcache", "bare")
     if metrics:
         bench.targets = (*bench.targets, METRICS)
     try:
@@ -460,9 +460,9 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
         redis_proc, redis_sock = start_redis(work, value, keys)
         socks = {"redis": redis_sock, "kvcache": kv_sock}
         pids = {"redis": redis_proc.pid, "kvcache": sidecar.pid}
-        if floor:
-            floor_proc, socks["floor"] = start_floor(work, value_size)
-            pids["floor"] = floor_proc.pid
+        if bare:
+            bare_proc, socks["bare"] = start_bare(work, value_size)
+            pids["bare"] = bare_proc.pid
         if metrics:
             metered, socks[METRICS] = start_sidecar(work, nats_srv.url, keys, installed, "kvcache-metrics",
                                                     [] if control else ["--metrics-listen", "127.0.0.1:0"],
@@ -529,7 +529,7 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
         if code not in (None, 0):
             bench.problems.append(f"metered sidecar exited with {code}; log in {work}/kvcache-metrics.log")
         stop(redis_proc)
-        stop(floor_proc)
+        stop(bare_proc)
         if nats_srv:
             nats_srv.stop()
 
@@ -745,7 +745,7 @@ def main() -> int:
                     f"{SCALE_KEYS:,})")
     ap.add_argument("--reads-over", default=None,
                     help="comma-separated -r values (default: the bucket's size; --scale: 10000 and the size)")
-    ap.add_argument("--floor", action="store_true", help="measure bench/floor_server.py beside them")
+    ap.add_argument("--bare", action="store_true", help="measure bench/bare_server.py beside them")
     ap.add_argument("--installed", action="store_true",
                     help="run the kvcache this Python has installed (pip install .), not this checkout's")
     ap.add_argument("--only", default=None, metavar="VARIANT",
@@ -753,7 +753,7 @@ def main() -> int:
     ap.add_argument("--metrics", action="store_true",
                     help="a second sidecar with the metrics listener on, scraped every second, beside the first")
     ap.add_argument("--control", action="store_true",
-                    help="with --metrics: the second sidecar without the listener, unscraped (the noise floor "
+                    help="with --metrics: the second sidecar without the listener, unscraped (the noise "
                          "between two identical sidecars)")
     ap.add_argument("--other-src", type=Path, default=None, metavar="DIR",
                     help="with --metrics: the second sidecar runs the kvcache of source tree DIR (e.g. a git "
@@ -794,7 +794,7 @@ def main() -> int:
     with work_dir("kvcache-socket-bench-", lambda: args.keep) as work:
         bench = run(work, args.requests or 200_000, value_size, args.repeat, args.timeout,
                     args.profile_seconds if args.profile else None, keys, reads_over,
-                    variants, args.floor, args.installed, args.metrics or args.other_src is not None,
+                    variants, args.bare, args.installed, args.metrics or args.other_src is not None,
                     args.control or args.other_src is not None,
                     args.other_src.resolve() if args.other_src is not None else None)
         print("\n" + bench.table())

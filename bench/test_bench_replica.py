@@ -4,7 +4,7 @@
 
 A replica of 10,000 keys (100-byte values) is written with Replica.apply, then read 10,000
 times per round by: raw py-lmdb with one transaction per get and with one reused transaction
-(the floor), Replica.get, and LocalReader.get / .entry. Every reader uses the same LMDB
+(the baseline), Replica.get, and LocalReader.get / .entry. Every reader uses the same LMDB
 environment (py-lmdb allows one per path per process).
 """
 from __future__ import annotations

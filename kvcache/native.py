@@ -224,7 +224,7 @@ class HitCounterAPI(Protocol):
     """A near cache's hit bookkeeping (its sketch, its sampled LRU moves): the near cache and
     both GET paths hand it hits alike whichever twin keeps them."""
 
-    sketch: Any          # kvcache.store.sketch.FrequencySketch (the store stands a floor above)
+    sketch: Any          # kvcache.store.sketch.FrequencySketch (the store stands a layer above)
     touched: list        # sampled keys not yet moved in the LRU order
     hits: int            # hits taken, since start
     pending: int         # hits not yet handed to the sketch's aging

@@ -2,7 +2,7 @@
 command layer count, and INFO and the metrics read.
 
 One plain object, written in place on the hot path (an attribute increment, no lock: the
-sidecar runs on one event loop), read by INFO and at a metrics scrape. On the ground floor
+sidecar runs on one event loop), read by INFO and at a metrics scrape. In the bottom layer
 (docs/architecture.md, Where it lives): every side counts into it, so it imports nothing of
 kvcache, and the sides depend on it and not on each other.
 """

@@ -1,6 +1,6 @@
 """The house rules that can be checked by reading the code, as rules over kvcache's folders
-(docs/architecture.md, Where it lives): kvcache's folders and top-level modules stand on
-floors, and a module imports only from its own floor or the ones below (no arrow back up); no
+(docs/architecture.md, Where it lives): kvcache's folders and top-level modules stand in
+layers, and a module imports only from its own layer or the ones below (no arrow back up); no
 import cycle among kvcache's modules; the application side (app/) imports nothing of the
 sidecar's sides, and the store (store/) nothing of the sides built on it. TYPE_CHECKING
 imports count: an annotation is a dependency too."""
@@ -15,10 +15,10 @@ from support.modgraph import ROOT, cycles, graph
 
 FOLDERS = {"app", "serve", "read", "feed", "store", "natsio", "ops", "pipeline", "_native"}
 
-# The floors, ground floor first: folders by name, top-level modules by their name without
-# `kvcache.` ("kvcache" is the package itself). A module may import from its own floor and
-# the floors below it, never from one above.
-FLOORS: list[tuple[str, ...]] = [
+# The layers, bottom layer first: folders by name, top-level modules by their name without
+# `kvcache.` ("kvcache" is the package itself). A module may import from its own layer and
+# the layers below it, never from one above.
+LAYERS: list[tuple[str, ...]] = [
     # the shared modules, each imported by many sides: exceptions, the key grammar, the KV
     # entry, the shared counters, the native extensions' table and the built extensions, RESP
     ("errors", "keys", "entry", "stats", "native", "_native", "resp"),
@@ -61,15 +61,15 @@ def leaks(g: dict[str, list[str]], rules: dict[str, set[str]] = RULES) -> list[s
             if folder(m) in rules and folder(d) in rules[folder(m)]]
 
 
-def floor(module: str, floors: list[tuple[str, ...]] = FLOORS) -> int:
-    """The floor a module stands on (0: the ground floor): its folder's, or its own."""
+def layer(module: str, layers: list[tuple[str, ...]] = LAYERS) -> int:
+    """The layer a module stands in (0: the bottom layer): its folder's, or its own."""
     name = folder(module).removeprefix("kvcache.")
-    return next(i for i, names in enumerate(floors) if name in names)
+    return next(i for i, names in enumerate(layers) if name in names)
 
 
-def climbs(g: dict[str, list[str]], floors: list[tuple[str, ...]] = FLOORS) -> list[str]:
-    """Every import from a lower floor to a higher one, as "importer -> imported"."""
-    return [f"{m} -> {d}" for m, deps in sorted(g.items()) for d in deps if floor(d, floors) > floor(m, floors)]
+def climbs(g: dict[str, list[str]], layers: list[tuple[str, ...]] = LAYERS) -> list[str]:
+    """Every import from a lower layer to a higher one, as "importer -> imported"."""
+    return [f"{m} -> {d}" for m, deps in sorted(g.items()) for d in deps if layer(d, layers) > layer(m, layers)]
 
 
 def test_every_module_is_in_a_folder_or_a_shared_one():
@@ -83,15 +83,15 @@ def test_every_module_is_in_a_folder_or_a_shared_one():
     assert on_disk == FOLDERS
 
 
-def test_every_folder_and_top_level_module_is_on_one_floor():
-    """The floors name every folder and top-level module once, and nothing else: a new one is
-    placed on a floor when it is added."""
-    placed = [name for names in FLOORS for name in names]
+def test_every_folder_and_top_level_module_is_in_one_layer():
+    """The layers name every folder and top-level module once, and nothing else: a new one is
+    placed in a layer when it is added."""
+    placed = [name for names in LAYERS for name in names]
     assert len(placed) == len(set(placed))
     assert set(placed) == {folder(m).removeprefix("kvcache.") for m in graph()}
 
 
-def test_no_import_climbs_a_floor():
+def test_no_import_climbs_a_layer():
     g = graph()
     assert len(g) > 30  # the walk found the modules
     assert climbs(g) == []
@@ -114,11 +114,11 @@ def test_a_climb_is_found_when_there_is_one(tmp_path: Path):
     assert climbs(graph(tmp_path)) == ["kvcache.config -> kvcache.serve.keyspace_events"]
 
 
-def test_the_floors_keep_the_rules():
-    """What app/ and store/ may not import stands on floors above them: the floors alone would
+def test_the_layers_keep_the_rules():
+    """What app/ and store/ may not import stands in layers above them: the layers alone would
     refuse it, so the order cannot drift away from the rules below."""
     for side, forbidden in RULES.items():
-        assert all(floor(f"kvcache.{name}.x" if name in FOLDERS else name) > floor(f"kvcache.{side}.x")
+        assert all(layer(f"kvcache.{name}.x" if name in FOLDERS else name) > layer(f"kvcache.{side}.x")
                    for name in forbidden), side
 
 

@@ -130,7 +130,7 @@ class Snapshot:
     nats_last_move_s: float = 0.0  # the main connection's latest reconnect (Stats.nats_last_move_ms)
 
 
-# What the collector reads of the read side and the server, a floor above ops/ (docs/
+# What the collector reads of the read side and the server, a layer above ops/ (docs/
 # architecture.md, Where it lives): named here, so that ops/ imports nothing of them.
 # kvcache.serve.commands.Commands is a CommandLayer (the type checker checks that at
 # kvcache.sidecar, which hands it over).

@@ -666,7 +666,7 @@ class FaultResult:
     notes: list[str] = field(default_factory=list)
     sidecar_log: str = ""
     # when the cluster itself was whole again after the heal (the stream led, every replica
-    # current), from the control client: the floor the sidecar's recovery cannot beat
+    # current), from the control client: the sidecar cannot recover before it
     t_current: float | None = None
 
 

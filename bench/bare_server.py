@@ -1,12 +1,12 @@
-"""The floor under any server on uvloop: a Protocol that answers every GET of a socket read
-with the same bulk reply, looking nothing up.
+"""The bare server: a Protocol on uvloop that answers every GET of a socket read with the
+same bulk reply, looking nothing up, the baseline under any server on uvloop.
 
 What it costs per request (uvloop's read callback into Python, one bytes object in, one
 write out, the system calls) is the least a Python server on uvloop can spend; socket_bench
---floor measures it beside kvcache and redis-server, so that a gap between kvcache and
+--bare measures it beside kvcache and redis-server, so that a gap between kvcache and
 redis-server can be told apart into what kvcache does and what the event loop costs.
 
-    python bench/floor_server.py SOCKET VALUE_SIZE [--gather]
+    python bench/bare_server.py SOCKET VALUE_SIZE [--gather]
 
 --gather holds each read's reply until the event loop's iteration ends and writes them then,
 as kvcache's GET path does with two or more clients (and redis-server before it sleeps).
@@ -23,7 +23,7 @@ import uvloop
 GET_UNIT = b"*2\r\n$3\r\nGET\r\n"
 
 
-class Floor(asyncio.Protocol):
+class BareServer(asyncio.Protocol):
     def __init__(self, reply: bytes, gather: list | None) -> None:
         self.reply = reply
         self.replies = [reply * n for n in range(65)]
@@ -57,7 +57,7 @@ async def serve(path: str, value_size: int, gather: bool) -> None:
     reply = b"$%d\r\n%s\r\n" % (value_size, b"x" * value_size)
     loop = asyncio.get_running_loop()
     held: list | None = [] if gather else None
-    server = await loop.create_unix_server(lambda: Floor(reply, held), path)
+    server = await loop.create_unix_server(lambda: BareServer(reply, held), path)
     stop = loop.create_future()
     loop.add_signal_handler(signal.SIGTERM, stop.set_result, None)
     async with server:
