@@ -421,7 +421,8 @@ def _health(cfg: Config, args: argparse.Namespace) -> int:
         print(f"not live: no sidecar answers on {cfg.socket_path}: {why}")
         return 1
     ready, why = readiness(
-        (BucketState(name, bool(row.get("synced")), int(row.get("lag_ms", 0)), int(row.get("max_stale_ms", 0)))
+        (BucketState(name, bool(row.get("synced")), int(row.get("lag_ms", 0)), int(row.get("max_stale_ms", 0)),
+                     int(row.get("unwritable_ms", 0)))
          for name, row in buckets.items()),
         bool(server.get("nats_connected")), bool(server.get("ready_on_fallback")))
     print(why)

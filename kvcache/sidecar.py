@@ -261,7 +261,7 @@ class Sidecar:
         """/readyz's answer: kvcache.ops.health's rule over the feeds as they are now."""
         if self._stopping.is_set():
             return False, "not ready: shutting down"
-        return readiness((BucketState(name, f.synced, f.lag_ms(), f.cfg.max_stale_ms)
+        return readiness((BucketState(name, f.synced, f.lag_ms(), f.cfg.max_stale_ms, f.unwritable_ms())
                           for name, f in self.feeds.items()),
                          self.stats.nats_connected, self.cfg.ready_on_fallback)
 

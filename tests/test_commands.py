@@ -580,8 +580,8 @@ def test_info(env, r, kc):
     buckets = r.info("buckets")
     assert set(buckets) == {"main", "second", "nodirect", "many"}
     for _name, row in buckets.items():
-        assert set(row) == {"synced", "keys", "applied_seq", "upstream_seq", "lag_ms", "max_stale_ms", "resyncs",
-                            "removed_upstream", "state_polls", "state_shared"}
+        assert set(row) == {"synced", "keys", "applied_seq", "upstream_seq", "lag_ms", "max_stale_ms",
+                            "unwritable_ms", "resyncs", "removed_upstream", "state_polls", "state_shared"}
         assert row["synced"] == 1 and row["resyncs"] == 0
         assert row["upstream_seq"] >= row["applied_seq"]
     assert buckets["second"]["keys"] >= 2 and buckets["many"]["keys"] == 0

@@ -34,6 +34,7 @@ from support.checkers import (
     until,
     wait_synced,
 )
+from support.scrape import METRICS_ENV, metrics_address, replica_error_retries
 from support.sidecar_proc import SidecarProcess
 from support.topology import DelayProxy, replicated_kv, start_server
 
@@ -380,7 +381,8 @@ async def test_map_grows_then_fills_up(nats_server_module, js, sidecars):
     """The map starts at 1 MiB and may grow to 4: 2 MB of values fit (it grows), 5.4 MB more
     do not (a clear error; the feed stops without skipping and the replica keeps serving what
     it has). A restart with room converges."""
-    b, kv, sc = await started(js, sidecars, nats_server_module.url, env=SMALL_MAP)
+    b, kv, sc = await started(js, sidecars, nats_server_module.url, env={**SMALL_MAP, **METRICS_ENV})
+    metrics = metrics_address(sc)
     offset = 0
 
     async def fault() -> float:
@@ -390,7 +392,7 @@ async def test_map_grows_then_fills_up(nats_server_module, js, sidecars):
         await until(lambda: "grow.1" in replica_state(sc.data_dir, b), 30, "the map to grow")
         for i in range(6):
             await kv.put(f"big.{i}", os.urandom(900_000))
-        await until(lambda: sc.log().count("replica map is full") >= 2, 30, "the map to fill up")
+        await until(lambda: replica_error_retries(metrics, b) >= 2, 30, "the map to fill up")
         assert "may not grow beyond max_map_size_mb=4" in sc.log()
         assert "big.5" not in replica_state(sc.data_dir, b)
         assert sc.proc.poll() is None

@@ -21,6 +21,7 @@ from support.checkers import (
     upstream_state,
     wait_synced,
 )
+from support.scrape import METRICS_ENV, metrics_address, replica_error_retries
 from support.sidecar_proc import SidecarProcess
 from support.topology import replicated_kv, start_single
 
@@ -571,11 +572,14 @@ async def test_interrupted_initial_sync_starts_over(nats_server_module, nc, side
 
 async def fill_up(kv, sc: SidecarProcess, b: str) -> int:
     """Write more than SMALL_MAP holds, then a small key; wait until the feed has failed to
-    write a few times. Returns the small key's revision."""
+    write a few times (retried: its metrics count them; its log says so once). Returns the
+    small key's revision."""
     for i in range(6):  # 5.4 MB: more than the 4 MiB the map may grow to
         await kv.put(f"big.{i}", os.urandom(900_000))
     after = await kv.put("after", b"later")
-    await until(lambda: sc.log().count("replica map is full") >= 3, what="the feed to fail and retry")
+    metrics = metrics_address(sc)
+    await until(lambda: replica_error_retries(metrics, b) >= 3, what="the feed to fail and retry")
+    assert sc.log().count("replica map is full") == 1  # one line for the state, not one a retry
     row = bucket_info(sc, b)
     assert row["applied_seq"] < after
     assert "after" not in replica_state(sc.data_dir, b)
@@ -592,7 +596,7 @@ async def test_full_replica_stops_the_feed_without_skipping(nats_server_module, 
     b = new_bucket()
     kv = await js.create_key_value(bucket=b)
     await kv.put("a", b"small")
-    small = sidecars(nats_server_module.url, b, env=SMALL_MAP).start(wait_synced=False)
+    small = sidecars(nats_server_module.url, b, env={**SMALL_MAP, **METRICS_ENV}).start(wait_synced=False)
     await wait_synced(small, b, keys=1)
     await fill_up(kv, small, b)
     small.kill()
@@ -608,7 +612,7 @@ async def test_full_replica_recovers_when_upstream_shrinks(nats_server_module, n
     b = new_bucket()
     kv = await js.create_key_value(bucket=b)
     await kv.put("a", b"small")
-    sc = sidecars(nats_server_module.url, b, env=SMALL_MAP).start(wait_synced=False)
+    sc = sidecars(nats_server_module.url, b, env={**SMALL_MAP, **METRICS_ENV}).start(wait_synced=False)
     await wait_synced(sc, b, keys=1)
     await fill_up(kv, sc, b)
     # Purges roll the big values out of the stream; the feed, retrying from where it
@@ -617,6 +621,8 @@ async def test_full_replica_recovers_when_upstream_shrinks(nats_server_module, n
         await kv.purge(f"big.{i}")
     await converged(sc, kv, b)
     assert sorted(replica_state(sc.data_dir, b)) == ["a", "after"]
+    await wait_synced(sc, b)  # caught up: the backlog applied, which the log says once
+    assert sc.log().count("replica written again") == 1
 
 
 # ----------------------------------------------------------------------------- size

@@ -47,6 +47,7 @@ from .freshness import Freshness
 from .position import Position
 from .quorum import ANCHOR_MAX_BYTES, NO_FENCE, QUORUM_HEARTBEAT_S, Evidence, Fence
 from .sweeps import Maintenance
+from .unwritable import Unwritable
 
 log = logging.getLogger("kvcache.feed")
 
@@ -87,6 +88,8 @@ class Feed(Maintenance):
         # How current the replica is known to be: the consumer's word and, for a replicated
         # stream, quorum evidence (kvcache.feed.freshness).
         self.freshness = Freshness(bucket, heartbeat_s, self.meta.fresh_at_ns)
+        # Failed writes of the replica, retried until one succeeds (kvcache.feed.unwritable).
+        self.unwritable = Unwritable(bucket.name, self.freshness.clock)
         self._info_sent_ns = 0  # when the last STREAM.INFO that answered was asked
         self.anchor = ""  # a key with a message in the stream (the last batch's): see Fence
         self._anchor_task: asyncio.Task | None = None
@@ -229,7 +232,9 @@ class Feed(Maintenance):
                 self._reconcile_task.cancel()
         else:
             self.upstream_seq = max(self.upstream_seq, last)
-            log.info("bucket %s: resuming after sequence %d", self.bucket, m.applied_seq)
+            # (each retry of a failed write resumes: that state has its own line, not one a try)
+            log.log(logging.DEBUG if self.unwritable.since_ns else logging.INFO,
+                    "bucket %s: resuming after sequence %d", self.bucket, m.applied_seq)
             self._reconcile_pending = self._reconcile_pending or reconcile
         if self.cache is not None:
             if self._full:
@@ -317,6 +322,10 @@ class Feed(Maintenance):
     def lag_ms(self) -> int:
         """What INFO, readiness and the lag metric show (Freshness.lag_ms)."""
         return self.freshness.lag_ms(self.meta.applied_seq)
+
+    def unwritable_ms(self) -> int:
+        """How long the replica has been unwritable (0: it is not): kvcache.feed.unwritable."""
+        return self.unwritable.ms()
 
     def fresh_within(self, max_stale_ms: int) -> bool:
         """Is the replica fresh enough to answer: synced, and not staler than the bound
@@ -426,7 +435,7 @@ class Feed(Maintenance):
                 except ReplicaError as e:
                     # Nothing past the failed batch is applied, so nothing is skipped: the
                     # next consumer starts again right after the last batch that made it.
-                    log.error("bucket %s: %s; retrying", self.bucket, e)
+                    self.unwritable.failed(e)
                     progressed = False
                     self.recreations["replica_error"] += 1
                 except (ConsumerLost, UpstreamError, BucketNotFound) as e:
@@ -514,19 +523,27 @@ class Feed(Maintenance):
             log.warning("bucket %s: %s", self.bucket, e)
             return False
         reconnected, self._reconnected = self._reconnected, False
-        self._choose_start(info, reconcile=reconnected)
+        try:
+            self._choose_start(info, reconcile=reconnected)
+        except ReplicaError as e:
+            # The plan could not be written (a full disk): plan again after the backoff (the
+            # decision is made again from what is in memory). Raising here ended the feed,
+            # and with it the process.
+            self._reconnected = self._reconnected or reconnected
+            self.unwritable.failed(e)
+            return False
         return True
 
     def _on_batch(self, runs: list[Run]) -> bool:
         last = runs[-1]
         top = max(self.meta.applied_seq, max(r.top_sseq for r in runs))
-        now = time.time_ns()
+        now = self.freshness.clock()
         caught_up = last.last_pending == 0
         # The new position is ours only once the batch is written: a failed write must leave
-        # the feed where it was, so that the next consumer starts at this batch again.
+        # the feed where it was, so that the next consumer starts at this batch again. So is
+        # the freshness it brings: caught up counts once written (`_unapplied`).
         m = dataclasses.replace(self.meta, applied_seq=top, last_update_ns=now)
         if caught_up:
-            self.freshness.heard_ns = now
             m.fresh_at_ns = max(m.fresh_at_ns, self.freshness.proven_with(top, now))
             if self._full and self._seen is None:
                 m.synced = True  # nothing to sweep: the last batch of the sync says so itself
@@ -548,8 +565,12 @@ class Feed(Maintenance):
         marks = [mk for r in runs for mk in r.marks] if deletes else ()
         # a record has a deadline only by the bucket's max_age or a TTL of its own (Run.ttls)
         deadlines = self._deadlines and (self.max_age_ns > 0 or any(r.ttls for r in runs))
-        self.replica.apply_items(self.bucket, items, m, deletes=deletes, deadlines=deadlines,
-                                 marks=marks, fresh=self._full and self._seen is None, entries=entries)
+        try:
+            self.replica.apply_items(self.bucket, items, m, deletes=deletes, deadlines=deadlines,
+                                     marks=marks, fresh=self._full and self._seen is None, entries=entries)
+        except ReplicaError as e:
+            self._unapplied(e)
+            raise
         if self._deadlines:
             self._sweep_wake.set()
         self.meta = m
@@ -565,16 +586,28 @@ class Feed(Maintenance):
         self.upstream_seq = max(self.upstream_seq, top)
         self.freshness.caught_up = caught_up
         if caught_up:
+            self.freshness.heard_ns = now
+            self.unwritable.written()
             self._reached_end()
         self._applied()
         return False
+
+    def _unapplied(self, error: ReplicaError) -> None:
+        """Deliveries were received and could not be written (kvcache.feed.unwritable): the
+        replica is known current only as of the last time it applied everything it had received
+        (Freshness.heard_ns, left as it was), whatever the server says meanwhile. The heard
+        time was once set before the write: every retry that received the stream's end made
+        the replica fresh again, and a full disk served its old values past max_stale_ms."""
+        self.freshness.caught_up = False
+        self.freshness.interrupted = True
+        self.unwritable.failed(error)
 
     def _on_idle(self, last_stream_seq: int) -> None:
         """Caught up and the server has nothing more. `last_stream_seq` (from a heartbeat,
         0 if unknown) is how far the consumer has looked: every matching message up to it
         was delivered, so the position may advance to it (keeps filtered buckets resumable)."""
         self.freshness.caught_up = True
-        now = time.time_ns()
+        now = self.freshness.clock()
         m = self.meta
         if last_stream_seq > m.applied_seq and not self._full:
             m.applied_seq = last_stream_seq
@@ -584,7 +617,14 @@ class Feed(Maintenance):
         self._reached_end()
         if now - self._last_meta_write >= META_TOUCH_INTERVAL_NS:
             self._last_meta_write = now
-            self.replica.put_meta(self.bucket, m)
+            try:
+                self.replica.put_meta(self.bucket, m)
+                self.unwritable.written()
+            except ReplicaError as e:
+                # The replica holds everything received: only the touch of its freshness for
+                # LocalReader (fresh_at_ns) is lost, and readers there see it age. Ending the
+                # consumer for it would make a current replica count as stale.
+                self.unwritable.failed(e)
         self._applied()
 
     def _flush(self, why: str) -> None:

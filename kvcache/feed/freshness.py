@@ -3,7 +3,10 @@
 Two witnesses, and the replica is as stale as the older of them says:
 - The consumer's word. A caught-up consumer hears from its server at least once a heartbeat;
   while it does, the replica is current. Silence, an interruption or catching up makes the
-  replica as old as the last time it was caught up.
+  replica as old as the last time it was caught up. Caught up counts only once written:
+  deliveries received and not applied (a full disk, a map that may not grow: the feed
+  retries them, kvcache.feed.unwritable) leave the replica as old as the last time it had
+  applied everything it received, however often the server says there is nothing more.
 - Quorum evidence (kvcache.feed.quorum), for a stream replicated in a cluster: a leader cut off
   from its peers keeps heartbeating and reports nothing pending, so the consumer's word proves
   nothing there; the replica counts as current only as of what the leader, heard by a quorum
@@ -47,8 +50,9 @@ class Freshness:
         self.caught_up = False
         # Catching up after an interruption (start, lost consumer, reconnect): see ages_ms.
         self.interrupted = True
-        # The last time the consumer said the replica was caught up (the meta's fresh_at_ns is
-        # that moment bounded by the quorum evidence: what LocalReader goes by).
+        # The last time the consumer said the replica was caught up and the replica held
+        # everything it had delivered (set only after the write: Feed._on_batch; the meta's
+        # fresh_at_ns is that moment bounded by the quorum evidence: what LocalReader goes by).
         self.heard_ns = heard_ns
         self.last_msg_ns = 0  # the stream timestamp of the newest message applied
         # A caught-up feed hears from the server at least once a heartbeat (an idle heartbeat

@@ -118,7 +118,7 @@ class Info:
             "buckets": [(name, _fields(
                 synced=int(f.synced), keys=self.replica.count(name), applied_seq=f.meta.applied_seq,
                 upstream_seq=max(f.upstream_seq, f.meta.applied_seq), lag_ms=f.lag_ms(),
-                max_stale_ms=f.cfg.max_stale_ms,
+                max_stale_ms=f.cfg.max_stale_ms, unwritable_ms=f.unwritable_ms(),
                 resyncs=f.meta.resyncs, removed_upstream=f.removed_upstream,
                 state_polls=f.state_polls, state_shared=f.state_shared, **_cache_fields(f, fast.get(name, (0, 0)))))
                 for name, f in self.feeds.items()],
