@@ -91,3 +91,35 @@ def test_minrev_read_after_ones_own_put_never_answers_below_it(live: Live):
           f"{statistics.median(took_ms):.0f} ms, max {max(took_ms):.0f} ms; sources {sources}")
     below = [(rev, got, s) for rev, got, _, s in rows if got < rev]
     assert not below, f"{len(below)} of {TRIES} answers below the revision asked (r, answered, source): {below}"
+
+
+def test_minrev_of_a_key_older_than_r_answers_and_beyond_the_bucket_is_an_error(live: Live):
+    """MINREV r asks for the bucket as of revision r or later, not for the key at r: a key last
+    written before r (another key was written at r) is answered at its own revision, from the
+    leader while the replica lags behind r. A revision the bucket has not reached is an error
+    naming it and the bucket's last revision, never the older answer."""
+    mine = kv_put(live.server_url, BUCKET, KEY, b"mine")
+    live.proxy.delay = DELAY_S
+    rev = kv_put(live.server_url, BUCKET, "other", b"theirs")     # the bucket at r, the key below
+    t0 = time.perf_counter()
+    value, got, _created, _op, source = live.r.execute_command("KV.GET", KEY, "MINREV", rev)
+    took = time.perf_counter() - t0
+    print(f"MINREV {rev} of a key last written at {got}: {value!r} from {source.decode()} "
+          f"after {took * 1000:.0f} ms")
+    assert (value, got) == (b"mine", mine) and got < rev
+
+    async def last_seq(js) -> int:
+        return (await js.stream_info(f"KV_{BUCKET}")).state.last_seq
+    last = nats_run(live.server_url, last_seq)
+    t0 = time.perf_counter()
+    with pytest.raises(redis.ResponseError) as err:
+        live.r.execute_command("KV.GET", KEY, "MINREV", 1_000_000)
+    print(f"MINREV 1000000: {err.value} after {(time.perf_counter() - t0) * 1000:.0f} ms")
+    assert str(err.value) == f"MINREV 1000000 is beyond bucket {BUCKET}'s last revision {last}"
+    with pytest.raises(redis.ResponseError, match=f"MINREV {last + 1} is beyond bucket {BUCKET}'s "
+                                                 f"last revision {last}"):
+        live.r.execute_command("KV.GET", KEY, "MINREV", last + 1, "CONSISTENCY", "strong")
+    live.proxy.delay = 0   # the replica current: the revision it holds answers there
+    wait_until(lambda: live.applied() >= last, 30, f"the replica at revision {last}")
+    reply = live.r.execute_command("KV.GET", KEY, "MINREV", last)
+    assert (reply[0], reply[1], reply[4]) == (b"mine", mine, b"local")
