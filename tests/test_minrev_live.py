@@ -107,6 +107,7 @@ def test_minrev_of_a_key_older_than_r_answers_and_beyond_the_bucket_is_an_error(
     print(f"MINREV {rev} of a key last written at {got}: {value!r} from {source.decode()} "
           f"after {took * 1000:.0f} ms")
     assert (value, got) == (b"mine", mine) and got < rev
+    live.proxy.delay = 0   # a revision beyond the bucket is one whatever the link
 
     async def last_seq(js) -> int:
         return (await js.stream_info(f"KV_{BUCKET}")).state.last_seq
@@ -119,7 +120,7 @@ def test_minrev_of_a_key_older_than_r_answers_and_beyond_the_bucket_is_an_error(
     with pytest.raises(redis.ResponseError, match=f"MINREV {last + 1} is beyond bucket {BUCKET}'s "
                                                  f"last revision {last}"):
         live.r.execute_command("KV.GET", KEY, "MINREV", last + 1, "CONSISTENCY", "strong")
-    live.proxy.delay = 0   # the replica current: the revision it holds answers there
+    # the replica current: the revision it holds answers there
     wait_until(lambda: live.applied() >= last, 30, f"the replica at revision {last}")
     reply = live.r.execute_command("KV.GET", KEY, "MINREV", last)
     assert (reply[0], reply[1], reply[4]) == (b"mine", mine, b"local")
