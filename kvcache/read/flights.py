@@ -11,8 +11,9 @@ ask NATS joins one when the read policy says the answer would keep the read's gu
 - a plain read joins a request sent no earlier than its staleness bound allows (the answer
   shows the bucket as of some moment after the request was sent);
 - a strong read (CONSISTENCY strong) joins only a strong request sent after it arrived;
-- a MINREV read joins as a plain one, then checks the answer's revision and asks on its own
-  when it is below (kvcache.read.reads).
+- a MINREV read joins as a plain one, then checks the answer's revision and asks the leader
+  on its own when it is below (kvcache.read.reads, which also decides whether an answer below
+  the revision is the key's right one or the revision is beyond the bucket).
 
 A request is sent by a task of its own, started on the next turn of the event loop: a reader
 that goes away (its client disconnects) does not cancel the others' answer, and every read of

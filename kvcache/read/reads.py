@@ -12,7 +12,9 @@ route carried out here, in one loop for one key and for many:
           handed out from NATS, or MINREV): one wait per bucket (up to MINREV_WAIT_S), the key
           routed again, and only a Local route taken; else its Remote;
   Remote  NATS through the router (peers by latency, the leader for CONSISTENCY strong or
-          MINREV), joining a request for the key already in flight when the policy allows
+          MINREV: an answer below MINREV's revision stands only from a bucket that holds it,
+          and a revision beyond the bucket's last is an error, _ask_minrev), joining a
+          request for the key already in flight when the policy allows
           (kvcache.read.flights: one request for a hot key's concurrent readers), the rest of a
           bucket's keys in one request (one key: a hedged Direct Get; many: a `multi_last`
           batch); the newer of NATS's and the replica's answers wins, and the answer is
@@ -246,6 +248,9 @@ class Reads:
             found, answered = await self._ask(bucket, keys, wanted[0][2], arrived, budget, single)
         except ReplyTooLarge:
             raise
+        except CommandError:  # the read's own mistake (MINREV beyond the bucket), said as is
+            stats.read_failed(bucket, len(wanted))
+            raise
         except KvcacheError as e:
             stats.remote_errors += 1
             try:  # every key from the stale replica, or the command fails
@@ -280,20 +285,15 @@ class Reads:
         """NATS's answers for keys of one bucket, with who answered each: a key with a request
         in flight the policy lets it join (ReadPolicy.may_join) takes its answer (charged to
         `budget` here: the request was another read's), the rest go in one request of our own
-        (charged by the router as it reads). MINREV (one key) joins as a plain read and keeps
-        the answer only at or above its revision; below (or not found), it asks the leader,
-        which has every acknowledged revision (a strong read, arriving now)."""
+        (charged by the router as it reads). A MINREV read (one key) is _ask_minrev's."""
+        if route.min_rev is not None:
+            key, = keys
+            got = await self._ask_minrev(bucket, key, route, arrived)
+            return {key: got[0]}, {key: got[1]}
         flights = self.flights
         strong = route.strong
         found: dict[str, Entry | None] = {}
         answered: dict[str, str] = {}
-        if route.min_rev is not None and not strong:
-            key, = keys
-            got = await self._join_minrev(bucket, key, route, arrived)
-            if got is not None:
-                found[key], answered[key] = got
-                return found, answered
-            strong, arrived = True, flights.clock()
         joined: dict[str, Flight] = {}
         for key in keys:
             f = flights.find(bucket, key, arrived, strong, route.bound)
@@ -319,6 +319,50 @@ class Reads:
                     budget.spend(len(e.value))
             found[key], answered[key] = e, by
         return found, answered
+
+    async def _ask_minrev(self, bucket: str, key: str, route: Remote, arrived: int) -> NatsAnswer:
+        """MINREV r's answer from NATS: the bucket as of revision r or later. A plain request
+        in flight is joined and its answer kept when at or above r; else the leader, which has
+        every acknowledged revision, is asked (a strong read arriving now; CONSISTENCY strong
+        asks it as it arrived). An answer below r (or not found) is right only if the leader
+        answered from a bucket at r or later: the key's own last revision is older than r, a
+        write of another key. Known when this sidecar had seen the stream reach r before asking
+        (its feed: `_reached`); else the leader's STREAM.INFO says: a last revision below r is
+        the error this returns (MINREV beyond the bucket); at or above, the key is asked again,
+        now of a bucket that holds r (the first answer may predate r's write)."""
+        min_rev = route.min_rev
+        assert min_rev is not None
+        reached = self._reached(bucket)  # before any request: what the answer is sure to include
+        got = None if route.strong else await self._join_minrev(bucket, key, route, arrived)
+        if got is not None:
+            return got
+        got = await self._ask_leader(bucket, key, arrived if route.strong else self.flights.clock(), route.bound)
+        entry = got[0]
+        if (entry is None or entry.revision < min_rev) and reached < min_rev:
+            last = await self.router.last_revision(bucket)
+            if last < min_rev:
+                raise CommandError(f"ERR MINREV {min_rev} is beyond bucket {bucket}'s last revision {last}")
+            got = await self._ask_leader(bucket, key, self.flights.clock(), route.bound)
+        return got
+
+    def _reached(self, bucket: str) -> int:
+        """The highest stream sequence this sidecar has seen the bucket's stream hold: what
+        its synced replica applied, or the stream's last sequence as its feed last saw it."""
+        feed = self.policy.feeds[bucket]
+        return max(feed.upstream_seq, feed.meta.applied_seq if feed.synced else 0)
+
+    async def _ask_leader(self, bucket: str, key: str, arrived: int, bound: int) -> NatsAnswer:
+        """The leader's answer for a read arriving at `arrived`: a strong request in flight
+        sent since (or not yet sent) is joined, else one is sent."""
+        flights = self.flights
+        joined = flights.find(bucket, key, arrived, True, bound)
+        if joined is not None:
+            self.stats.reads_coalesced += 1
+            try:
+                return await answer_of(joined, False)
+            except LookupError:  # not a batch's: cannot happen for a strong request; ask alone
+                pass
+        return await answer_of(flights.one(bucket, key, True), True)
 
     async def _join_minrev(self, bucket: str, key: str, route: Remote, arrived: int) -> NatsAnswer | None:
         """MINREV's answer from a plain request in flight, if one may be joined and answers at

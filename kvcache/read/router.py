@@ -30,6 +30,7 @@ from typing import Any
 from ..entry import Entry
 from ..errors import ReplyBudget, UpstreamError
 from ..feed.quorum import NO_FENCE, Fence
+from ..natsio import jetstream as jsapi
 from .ledger import FLOORS_MAX, Floors
 from .peer import MULTI_LAST_MAX, Peer, PeerStats
 
@@ -171,6 +172,18 @@ class Router:
                 answered[key] = ""
                 self.floors.saw(bucket, key, e)
         return got, answered
+
+    async def last_revision(self, bucket: str) -> int:
+        """The bucket's last revision (its stream's last sequence) as the stream's leader shows
+        it now: one STREAM.INFO, asked of a peer reaching the bucket's own stream (a mirror
+        lags, and numbers only what it copied). Only a MINREV read whose answer is below its
+        revision asks (kvcache.read.reads): is that revision beyond the bucket, or is the key
+        older than it? UpstreamError when no leader answers."""
+        async def fetch(p: Peer) -> int:
+            info = await jsapi.stream_info(p.nc, p.stream, self.timeout, p.api, need_leader=True)
+            return int((info.get("state") or {}).get("last_seq", 0) or 0)
+        last, _ = await self._route(self._bucket_peers(bucket, True), fetch, hedge=False)
+        return int(last)
 
     async def _catch_up(self, bucket: str, keys: list[str], stale: Peer,
                         peers: list[Peer], fence: Fence = NO_FENCE) -> dict[str, Entry | None]:
