@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import matplotlib
 import pyarrow.parquet as pq
 import pytest
 from support.sidecar_proc import run_cli
@@ -14,6 +15,11 @@ from kvcache.keys import valid_filter as valid_key_filter
 from kvcache.ops.accesslog import AccessLog
 from kvcache.pipeline.cover import Filter, cover_filters, group_of
 from kvcache.pipeline.hotkeys import Report, chart_figure
+
+# Loaded here, at collection: on a machine where matplotlib has no font cache yet, its first
+# load runs fc-list, a process, which the quick tier's tests may not start.
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
 
 # ---------------------------------------------------------------------------- the algorithm
 
@@ -165,8 +171,6 @@ def _report(p50s: list[int]) -> Report:
 def test_latency_axis_starts_below_the_smallest_p50(p50s, bottom):
     """The log axis of "read latency by source" starts at the power of ten below the lowest
     p50 (a p50 of 0 is drawn as 1 µs), so every bar, the shortest too, shows a height."""
-    import matplotlib.pyplot as plt
-
     fig = chart_figure(_report(p50s))
     try:
         ax = fig.axes[2]
