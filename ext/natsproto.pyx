@@ -22,7 +22,8 @@ from kvcache.natsio.natsproto import (
     MARK_DEL, MARK_PURGE, MAX_CONTROL_LINE, MAX_PAYLOAD, RUN_FIELDS, AckMeta, Err, HMsg, Info, Msg, OK,
     PING, PONG, mark_op as _py_mark_op,
 )
-from kvcache.store.record import MAX_LMDB_KEY, RECORD, item as _py_item, parse_msg_ttl as _parse_msg_ttl
+from kvcache.store.msgttl import parse_msg_ttl as _parse_msg_ttl
+from kvcache.store.record import MAX_LMDB_KEY, RECORD, item as _py_item
 from kvcache.store.revindex import put_entry as _put_entry
 
 cdef extern from "Python.h":
@@ -303,7 +304,7 @@ cdef class NatsReader:
         cdef unsigned long long ts = self._ack[3]
         cdef Py_ssize_t hn = self._hdr_len
         cdef Py_ssize_t ttl_s = -1, ttl_e = 0
-        cdef int op = _delete_op(b, hn, &ttl_s, &ttl_e) if hn > 0 else 0   # 0: a put
+        cdef int op = _delete_op(b, hn) if hn > 0 else 0   # 0: a put
         cdef object key = self._lane_key
         cdef Py_ssize_t kn = PyBytes_GET_SIZE(key)
         cdef const unsigned char* kp = <const unsigned char*>PyBytes_AS_STRING(key)
@@ -313,6 +314,8 @@ cdef class NatsReader:
                 run = <Run>last
                 if run.sid != self._sid or run.last_cseq + 1 != cseq:
                     run = None
+        if hn > 0 and not op:  # a put's own TTL, as nats-server finds it in the raw block
+            ttl_s = _ttl_span(b, hn, &ttl_e)
         if run is None:
             run = Run.__new__(Run)
             run.sid = self._sid

@@ -36,7 +36,9 @@ subject. Its messages with a JetStream ack reply then come out not as Msg/HMsg b
 (`kvcache.store.record.item`: the key is the subject minus its first prefix_len bytes), so that the
 feed does no per-message work in Python. Anything else on that sid (heartbeats, pull-request
 statuses) stays an ordinary event, in order. A delete item keeps only the LMDB key, so each Run
-also carries `marks`: per delete, what the item drops (see Run).
+also carries `marks`: per delete, what the item drops (see Run). A put's own TTL is read from
+its raw header block as nats-server reads it (kvcache.store.msgttl), not from the decoded
+headers (which trim names and keep a repeated name's last value).
 """
 from __future__ import annotations
 
@@ -46,8 +48,8 @@ from typing import NamedTuple, cast
 
 from kvcache.entry import Operation
 from kvcache.errors import ProtocolError
+from kvcache.store.msgttl import parse_msg_ttl, ttl_header
 from kvcache.store.record import item as _item
-from kvcache.store.record import parse_msg_ttl
 from kvcache.store.revindex import put_entry
 
 __all__ = [
@@ -300,13 +302,15 @@ def _deliver(events: list, sid: int, ack: AckMeta, key: bytes, header_block: byt
     headers = decode_headers(header_block)[2] if header_block else None
     op = mark_op(headers)
     value = None if op else payload
-    ttl_header = headers.get("Nats-TTL") if headers and value is not None else None
-    ttl = parse_msg_ttl(ttl_header) if ttl_header is not None else 0
+    # the TTL nats-server applies: its own reading of the raw block, not the decoded headers
+    # (the first line named exactly Nats-TTL, the value as sent: kvcache.store.msgttl)
+    ttl_value = ttl_header(header_block) if header_block and value is not None else None
+    ttl = parse_msg_ttl(ttl_value) if ttl_value is not None else 0
     it = _item(key, value, ack.stream_seq, ack.timestamp_ns, ttl)
     run.items.append(it)
     if value is not None:
         run.entries.append(put_entry(it[0], ack.stream_seq))
-    if ttl_header is not None:
+    if ttl_value is not None:
         run.ttls += 1
     if op:
         run.marks.append((key, ack.stream_seq, op, ack.timestamp_ns))
