@@ -220,11 +220,16 @@ cdef class NatsReader:
         # first line
         le = _crlf(h, 0, hn)  # end of first line
         if le >= 8 and memcmp(h, b"NATS/1.0", 8) == 0 and (le == 8 or h[8] == 32 or h[8] == 9):
+            # the line stripped of whitespace at both ends (a trailing \v, \f or lone \r
+            # included), as the twin strips it, before its status token is cut
             ls = 8
             while ls < le and _is_ws(h[ls]):
                 ls += 1
+            ve = le
+            while ve > ls and _is_ws(h[ve - 1]):
+                ve -= 1
             j = ls
-            while j < le and h[j] != 32 and h[j] != 9:
+            while j < ve and h[j] != 32 and h[j] != 9:
                 j += 1
             if 0 < j - ls <= 9:
                 status = 0
@@ -234,11 +239,8 @@ cdef class NatsReader:
                         status = 0
                         break
                     status = status * 10 + c
-            while j < le and _is_ws(h[j]):
+            while j < ve and _is_ws(h[j]):
                 j += 1
-            ve = le
-            while ve > j and _is_ws(h[ve - 1]):
-                ve -= 1
             if ve > j:
                 desc = _utf8(h + j, ve - j)
         # header lines

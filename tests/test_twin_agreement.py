@@ -5,7 +5,9 @@ against what they must mean, every input whole and split at every byte boundary.
   line named exactly `Nats-TTL`, a Go duration or a count of seconds, `never`); the table's
   accepted and refused values are nats-server's own (the live test publishes each), and a TTL
   nats-server applies is never stored as none, nor closes the connection (a running sidecar
-  applies past one)."""
+  applies past one).
+- the inline status of an HMSG: whitespace around the status line (a trailing \\v, \\f or lone
+  \\r) is part of neither the status nor the description, as in nats-py and nats.go."""
 from __future__ import annotations
 
 import asyncio
@@ -24,6 +26,7 @@ from support.poll import until
 from kvcache import resp as resp_twin
 from kvcache.native import native_or_none
 from kvcache.natsio import natsproto as nats_twin
+from kvcache.natsio.natsproto import HMsg
 from kvcache.store import msgttl
 from kvcache.store.record import NEVER, deadline, decode_record
 
@@ -296,3 +299,30 @@ async def test_the_feed_takes_every_ttl_nats_server_takes(nats_server, sidecars)
             assert r.execute_command("PEXPIRETIME", f"{b}:{key}") == (created + 300 * SEC) // 1_000_000, key
     finally:
         await nc.close()
+
+
+# --------------------------------------------------------------------------- HMSG status lines
+
+STATUS_LINES: list[tuple[bytes, int, str]] = [
+    (b"NATS/1.0 404\x0b", 404, ""),                 # the fuzz run's input
+    (b"NATS/1.0 404\x0c", 404, ""),
+    (b"NATS/1.0 404\r", 404, ""),                   # a lone CR before the CRLF
+    (b"NATS/1.0 404 \t\x0b\x0c\r", 404, ""),
+    (b"NATS/1.0 404 No Messages\x0b", 404, "No Messages"),
+    (b"NATS/1.0 408 Request Timeout\r", 408, "Request Timeout"),
+    (b"NATS/1.0\t503\x0c", 503, ""),
+    (b"NATS/1.0 404\x0bx", 0, ""),                  # \v inside the token: not a status
+    (b"NATS/1.0 40x", 0, ""),
+]
+
+
+@pytest.mark.parametrize("mod", NATS)
+@pytest.mark.parametrize("first,status,desc", STATUS_LINES, ids=[repr(f) for f, _, _ in STATUS_LINES])
+def test_status_line_whitespace(mod, first, status, desc):
+    wire = hmsg_frame("_INBOX.x", 1, "", first + b"\r\nNats-Pending: 3\r\n\r\n", b"")
+    for chunks in cuts(wire):
+        events: list = []
+        reader = mod.NatsReader()
+        for chunk in chunks:
+            events += reader.feed(chunk)
+        assert events == [HMsg(1, "_INBOX.x", "", status, desc, {"Nats-Pending": "3"}, b"", None)]

@@ -11,10 +11,14 @@ Events (server → client ops), all tuples of a distinct type; test with `type(e
 - `HMsg(sid, subject, reply, status, description, headers, payload, multi)`: `HMSG`. The
   `NATS/1.0 [<status> [<description>]]` first line of the header block gives `status` (int,
   0 when none) and `description` (str, "" when none), e.g. `100 Idle Heartbeat`,
-  `404 No Messages`, `204 EOB`. `headers` is a dict name → last value (names ASCII, values
-  UTF-8 with errors replaced, both stripped; lines without `:`, empty names and names with
-  whitespace or non-ASCII bytes are skipped, like nats-py). `multi` is None unless a name
-  repeats, then a dict name → [every value, in order] for the repeated names only.
+  `404 No Messages`, `204 EOB`: after `NATS/1.0` and a space or tab, the line stripped of
+  whitespace (bytes.strip()'s, a trailing \\v, \\f or lone \\r included, as nats-py strips the
+  status and nats.go trims the line), its first token up to a space or tab is the status when
+  it is 1 to 9 ASCII digits (nats-server writes 3), the rest, stripped, the description.
+  `headers` is a dict name → last value (names ASCII, values UTF-8 with errors replaced,
+  both stripped; lines without `:`, empty names and names with whitespace or non-ASCII bytes
+  are skipped, like nats-py). `multi` is None unless a name repeats, then a dict name →
+  [every value, in order] for the repeated names only.
 - `PING`, `PONG`, `OK`: singletons of the types `Ping`, `Pong`, `Ok`.
 - `Err(text)`: `-ERR 'text'` (quotes removed, case kept).
 - `Info(info)`: `INFO {json}` as a dict.
