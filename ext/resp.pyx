@@ -41,6 +41,9 @@ cdef enum:
     _LF = 10
 
 cdef unsigned long long LLMAX = 9223372036854775807ULL
+# the most pairs a map or an attribute may declare: twice that still fits a long long
+cdef unsigned long long LLMAX_PAIRS = 4611686018427387903ULL
+assert LLMAX == _twin._COUNT_MAX and LLMAX_PAIRS * 2 + 1 == LLMAX
 
 
 
@@ -474,8 +477,14 @@ cdef class ReplyReader(_BufferedReader):
                 elif count == 0:
                     value = {} if t == 37 else _SKIP if t == 124 else []
                 else:
+                    # bounded before it is doubled: a count of pairs past LLMAX_PAIRS (or of
+                    # elements past LLMAX) would overflow a long long
                     if t == 37 or t == 124:
+                        if mag > LLMAX_PAIRS:
+                            raise self._fail("invalid aggregate length")
                         count = count * 2
+                    elif mag > LLMAX:
+                        raise self._fail("invalid aggregate length")
                     self._push(t, count)
                     continue
             else:

@@ -57,6 +57,9 @@ _STAR, _DOLLAR, _PLUS, _MINUS, _COLON = 42, 36, 43, 45, 58
 _UNDERSCORE, _COMMA, _HASH, _LPAREN, _EQUALS, _BANG = 95, 44, 35, 40, 61, 33
 _PERCENT, _TILDE, _GT, _PIPE = 37, 126, 62, 124
 _AGGREGATES: Final = frozenset((_STAR, _PERCENT, _TILDE, _GT, _PIPE))
+# The most elements an aggregate may declare (a map or an attribute twice its count): what a
+# signed 64-bit count holds, the native reader's; more is a protocol error in both twins.
+_COUNT_MAX: Final = 2**63 - 1
 
 
 def _fail_int(line: bytes | bytearray) -> bool:
@@ -425,7 +428,11 @@ class ReplyReader(_BufferedReader):
                 elif count == 0:
                     value = {} if t == _PERCENT else _SKIP if t == _PIPE else []
                 else:
-                    stack.append([t, count * 2 if t in (_PERCENT, _PIPE) else count, []])
+                    if t in (_PERCENT, _PIPE):  # a map's or an attribute's count is of pairs
+                        count *= 2
+                    if count > _COUNT_MAX:
+                        raise self._fail("invalid aggregate length")
+                    stack.append([t, count, []])
                     continue
             else:
                 line = buf[pos + 1:crlf]

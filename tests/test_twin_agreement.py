@@ -7,7 +7,9 @@ against what they must mean, every input whole and split at every byte boundary.
   nats-server applies is never stored as none, nor closes the connection (a running sidecar
   applies past one).
 - the inline status of an HMSG: whitespace around the status line (a trailing \\v, \\f or lone
-  \\r) is part of neither the status nor the description, as in nats-py and nats.go."""
+  \\r) is part of neither the status nor the description, as in nats-py and nats.go.
+- a RESP3 map's or attribute's element count: counted in 64 bits, so a count past what they
+  hold is a protocol error in both (the native reader doubled it into a signed overflow)."""
 from __future__ import annotations
 
 import asyncio
@@ -24,6 +26,7 @@ from support.nats_vectors import hmsg_frame
 from support.poll import until
 
 from kvcache import resp as resp_twin
+from kvcache.errors import ProtocolError
 from kvcache.native import native_or_none
 from kvcache.natsio import natsproto as nats_twin
 from kvcache.natsio.natsproto import HMsg
@@ -326,3 +329,46 @@ def test_status_line_whitespace(mod, first, status, desc):
         for chunk in chunks:
             events += reader.feed(chunk)
         assert events == [HMsg(1, "_INBOX.x", "", status, desc, {"Nats-Pending": "3"}, b"", None)]
+
+
+# --------------------------------------------------------------------------- RESP3 aggregate counts
+
+# an aggregate header -> fine (waits for its elements), or the count is past 64 bits
+COUNTS: list[tuple[bytes, bool]] = [
+    (b"%4611686018427387903\r\n", True),   # LLMAX // 2 pairs: 2 * that elements still fit
+    (b"%4611686018427387904\r\n", False),  # the fuzz run's overflow: doubled, past LLMAX
+    (b"|4611686018427387904\r\n", False),  # an attribute counts pairs too
+    (b"%9223372036854775807\r\n", False),
+    (b"%9999999999999999999\r\n", False),
+    (b"*9223372036854775807\r\n", True),
+    (b"*9223372036854775808\r\n", False),
+    (b"~9999999999999999999\r\n", False),
+    (b">9223372036854775808\r\n", False),
+    (b"*2\r\n%4611686018427387904\r\n", False),  # nested
+]
+
+
+@pytest.mark.parametrize("mod", RESP)
+@pytest.mark.parametrize("wire,fits", COUNTS, ids=[repr(w) for w, _ in COUNTS])
+def test_aggregate_count_past_64_bits(mod, wire, fits):
+    for chunks in cuts(wire):
+        reader = mod.ReplyReader()
+        got: list = []
+        try:
+            for chunk in chunks:
+                reader.feed(chunk)
+                got.append(reader.gets())
+        except ProtocolError as e:
+            assert not fits and str(e) == "Protocol error: invalid aggregate length"
+            with pytest.raises(ProtocolError):  # sticky
+                reader.gets()
+            continue
+        assert fits and got == [False] * len(chunks), got
+
+
+@pytest.mark.parametrize("mod", RESP)
+def test_a_map_that_fits_still_parses(mod):
+    reader = mod.ReplyReader()
+    reader.feed(b"%2\r\n+a\r\n:1\r\n+b\r\n%1\r\n+c\r\n:2\r\n|1\r\n+k\r\n+v\r\n*1\r\n:3\r\n")
+    assert reader.gets() == {b"a": 1, b"b": {b"c": 2}}
+    assert reader.gets() == [3]
