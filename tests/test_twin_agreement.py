@@ -9,12 +9,15 @@ against what they must mean, every input whole and split at every byte boundary.
 - the inline status of an HMSG: whitespace around the status line (a trailing \\v, \\f or lone
   \\r) is part of neither the status nor the description, as in nats-py and nats.go.
 - a RESP3 map's or attribute's element count: counted in 64 bits, so a count past what they
-  hold is a protocol error in both (the native reader doubled it into a signed overflow)."""
+  hold is a protocol error in both (the native reader doubled it into a signed overflow).
+- `rewind_gets`: a call that does not follow the `take_gets` it names is a ValueError in
+  both, and the reader is left as it was (the native reader moved its read position anywhere)."""
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 
 import nats
 import pytest
@@ -372,3 +375,89 @@ def test_a_map_that_fits_still_parses(mod):
     reader.feed(b"%2\r\n+a\r\n:1\r\n+b\r\n%1\r\n+c\r\n:2\r\n|1\r\n+k\r\n+v\r\n*1\r\n:3\r\n")
     assert reader.gets() == {b"a": 1, b"b": {b"c": 2}}
     assert reader.gets() == [3]
+
+
+# --------------------------------------------------------------------------- rewind_gets
+
+
+def get_cmd(key: bytes) -> bytes:
+    return b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(key), key)
+
+
+WIRE = get_cmd(b"a") + get_cmd(b"key:2") + get_cmd(b"c") + b"*1\r\n$4\r\nPING\r\n"
+
+# a wrong call, given what take_gets returned -> the ValueError's text
+BAD_REWINDS: list[tuple[str, Callable[[int, list, list], tuple], str]] = [
+    ("count -1", lambda s, ls, ks: (s, ls, ks, -1), "count -1 is not within the 3 GETs"),
+    ("count past the run", lambda s, ls, ks: (s, ls, ks, 4), "count 4 is not within the 3 GETs"),
+    ("count past a list", lambda s, ls, ks: (s, ls, ks[:1], 2), "count 2 is not within the 1 GETs"),
+    ("another start", lambda s, ls, ks: (s + 1, ls, ks, 1), "start 1 is not where take_gets began (0)"),
+    ("a negative start", lambda s, ls, ks: (-40, ls, ks, 0), "start -40 is not where take_gets began (0)"),
+    ("a huge start", lambda s, ls, ks: (2**70, ls, ks, 0), f"start {2**70} is not where take_gets began (0)"),
+    ("longer keys", lambda s, ls, ks: (s, ls, [b"x" * 99] * 3, 3),
+     "the first 3 GETs end at 354, past where take_gets stopped (64)"),
+]
+
+
+def taken(mod):
+    reader = mod.RequestReader()
+    reader.feed(WIRE)
+    lengths, keys, start = reader.take_gets()
+    assert (lengths, keys, start) == ([b"$1", b"$5", b"$1"], [b"a", b"key:2", b"c"], 0)
+    return reader, lengths, keys, start
+
+
+@pytest.mark.parametrize("mod", RESP)
+@pytest.mark.parametrize("name,args,message", BAD_REWINDS, ids=[b[0] for b in BAD_REWINDS])
+def test_a_wrong_rewind_is_refused(mod, name, args, message):
+    """The same ValueError from both, and the reader as it was: the PING after the run is
+    next, and the buffer is intact (a later feed and compaction work)."""
+    reader, lengths, keys, start = taken(mod)
+    before = reader.buffered
+    with pytest.raises(ValueError, match=r"^rewind_gets: ") as e:
+        reader.rewind_gets(*args(start, lengths, keys))
+    assert message in str(e.value)
+    assert reader.buffered == before == 14
+    reader.rewind_gets(start, lengths, keys, 1)   # the right call still works
+    assert reader.next_command() == [b"GET", b"key:2"]
+    reader.feed(b"*1\r\n$70000\r\n" + b"x" * 70_000 + b"\r\n")
+    assert [reader.next_command(), reader.next_command(), reader.next_command()] == [
+        [b"GET", b"c"], [b"PING"], [b"x" * 70_000]]
+
+
+@pytest.mark.parametrize("mod", RESP)
+def test_a_rewind_must_follow_its_take(mod):
+    """No take_gets yet, a second rewind, or the reader moved on since (next_command):
+    refused, with the same text from both; a count that is not an integer: TypeError."""
+    reader = mod.RequestReader()
+    reader.feed(WIRE)
+    with pytest.raises(ValueError, match="no take_gets to rewind"):
+        reader.rewind_gets(0, [], [], 0)
+    reader, lengths, keys, start = taken(mod)
+    reader.rewind_gets(start, lengths, keys, 1)
+    with pytest.raises(ValueError, match="no take_gets to rewind"):
+        reader.rewind_gets(start, lengths, keys, 1)
+    reader, lengths, keys, start = taken(mod)
+    assert reader.next_command() == [b"PING"]
+    with pytest.raises(ValueError, match="no take_gets to rewind"):
+        reader.rewind_gets(start, lengths, keys, 0)
+    with pytest.raises(TypeError):
+        taken(mod)[0].rewind_gets(0, [b"$1"], [b"a"], 1.0)
+
+
+@pytest.mark.parametrize("mod", RESP)
+def test_rewinds_that_are_right(mod):
+    """Each count from 0 to the whole run: the GETs after it come next, as before."""
+    for count in range(4):
+        reader, lengths, keys, start = taken(mod)
+        reader.rewind_gets(start, lengths, keys, count)
+        rest = [reader.next_command() for _ in range(5 - count)]
+        assert rest == [[b"GET", k] for k in keys[count:]] + [[b"PING"], None]
+    # a take after an earlier one: its own start
+    reader = mod.RequestReader()
+    reader.feed(get_cmd(b"a") + b"*1\r\n$4\r\nPING\r\n" + get_cmd(b"b") * 2)
+    assert reader.take_gets()[1] == [b"a"] and reader.next_command() == [b"PING"]
+    lengths, keys, start = reader.take_gets()
+    assert start == 34
+    reader.rewind_gets(start, lengths, keys, 1)
+    assert reader.next_command() == [b"GET", b"b"] and reader.buffered == 0
