@@ -20,7 +20,7 @@ import json
 from kvcache.errors import ProtocolError
 from kvcache.natsio.natsproto import (
     MARK_DEL, MARK_PURGE, MAX_CONTROL_LINE, MAX_PAYLOAD, RUN_FIELDS, AckMeta, Err, HMsg, Info, Msg, OK,
-    PING, PONG, mark_op as _py_mark_op,
+    PING, PONG, _limit, mark_op as _py_mark_op,
 )
 from kvcache.store.msgttl import parse_msg_ttl as _parse_msg_ttl
 from kvcache.store.record import MAX_LMDB_KEY, RECORD, item as _py_item
@@ -93,10 +93,10 @@ cdef class NatsReader:
     cdef PyObject* _ns[32]
     cdef int _nn
 
-    def __init__(self, Py_ssize_t max_control_line=MAX_CONTROL_LINE,
-                 Py_ssize_t max_payload=MAX_PAYLOAD):
-        self.max_control_line = max_control_line
-        self.max_payload = max_payload
+    def __init__(self, max_control_line=MAX_CONTROL_LINE, max_payload=MAX_PAYLOAD):
+        # 0 to 2**63 - 1, or the twin's own TypeError or ValueError
+        self.max_control_line = _limit("max_control_line", max_control_line)
+        self.max_payload = _limit("max_payload", max_payload)
         self._buf = bytearray()
         self._scan = 0
         self._broken = False
@@ -165,7 +165,7 @@ cdef class NatsReader:
         while pos < n:
             if self._kind == 0:
                 lim = n - pos
-                if lim > self.max_control_line + 1:
+                if lim - 1 > self.max_control_line:  # (max_control_line + 1 may overflow)
                     lim = self.max_control_line + 1
                 q = <const unsigned char*>memchr(p + pos + self._scan, 10, lim - self._scan) \
                     if lim > self._scan else NULL

@@ -11,7 +11,10 @@ against what they must mean, every input whole and split at every byte boundary.
 - a RESP3 map's or attribute's element count: counted in 64 bits, so a count past what they
   hold is a protocol error in both (the native reader doubled it into a signed overflow).
 - `rewind_gets`: a call that does not follow the `take_gets` it names is a ValueError in
-  both, and the reader is left as it was (the native reader moved its read position anywhere)."""
+  both, and the reader is left as it was (the native reader moved its read position anywhere).
+- `NatsReader`'s limits: a negative one is a ValueError in both (the twin enforced
+  `max_payload=-1` as "nothing fits", the native reader as "no limit").
+"""
 from __future__ import annotations
 
 import asyncio
@@ -461,3 +464,29 @@ def test_rewinds_that_are_right(mod):
     assert start == 34
     reader.rewind_gets(start, lengths, keys, 1)
     assert reader.next_command() == [b"GET", b"b"] and reader.buffered == 0
+
+
+# --------------------------------------------------------------------------- NatsReader limits
+
+
+@pytest.mark.parametrize("mod", NATS)
+@pytest.mark.parametrize("limits", [{"max_payload": -1}, {"max_control_line": -1},
+                                    {"max_payload": 2**63}, {"max_control_line": -(2**70)}])
+def test_a_limit_out_of_range_is_refused(mod, limits):
+    ((name, value),) = limits.items()
+    with pytest.raises(ValueError, match=f"^NatsReader: {name} must be 0 to {LLMAX} bytes, got {value}$"):
+        mod.NatsReader(**limits)
+
+
+@pytest.mark.parametrize("mod", NATS)
+def test_limits_that_are_right(mod):
+    """0 and the largest: what they say, in both. Not an integer: TypeError in both."""
+    assert mod.NatsReader(max_payload=0).feed(b"MSG a 1 0\r\n\r\n")[0].payload == b""
+    with pytest.raises(ProtocolError, match="payload too large"):
+        mod.NatsReader(max_payload=0).feed(b"MSG a 1 1\r\nx\r\n")
+    big = mod.NatsReader(max_control_line=LLMAX, max_payload=LLMAX)
+    assert (big.max_control_line, big.max_payload) == (LLMAX, LLMAX)
+    assert big.feed(b"MSG a 1 1\r\nx\r\nPING\r\n")[1] is nats_twin.PING
+    with pytest.raises(TypeError):
+        mod.NatsReader(max_payload=1.5)
+

@@ -26,8 +26,9 @@ Events (server → client ops), all tuples of a distinct type; test with `type(e
 Op names are case-insensitive and fields may be separated by spaces or tabs; control lines end
 in CRLF (a bare LF is accepted). Malformed input raises `kvcache.errors.ProtocolError`, whose
 `.events` holds the events parsed earlier in that feed; the reader is then unusable (the
-connection must close). Limits: a control line of at most
-`max_control_line` bytes, a frame body (headers + payload) of at most `max_payload` bytes.
+connection must close). Limits: a control line of at most `max_control_line` bytes, a frame
+body (headers + payload) of at most `max_payload` bytes (each 0 to 2**63 - 1: anything else
+is an error at construction).
 
 The reader keeps only the unparsed tail of a frame between feeds; a frame whose control line
 has been parsed is not rescanned, so a big payload arriving in many reads costs linear time.
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import json
 import re
+from operator import index as _index
 from typing import NamedTuple, cast
 
 from kvcache.entry import Operation
@@ -325,6 +327,16 @@ def _deliver(events: list, sid: int, ack: AckMeta, key: bytes, header_block: byt
     run.last_pending = ack.pending
 
 
+def _limit(name: str, value: int) -> int:
+    """A NatsReader limit (bytes) as both twins take it: an integer from 0 to 2**63 - 1, else
+    TypeError or ValueError at construction (a negative one read as "no limit" natively and
+    "nothing fits" here, until both refused it)."""
+    value = _index(value)
+    if not 0 <= value <= _I64_MAX:
+        raise ValueError(f"NatsReader: {name} must be 0 to {_I64_MAX} bytes, got {value}")
+    return value
+
+
 def _size(tok: bytes, what: str) -> int:
     if not tok or len(tok) > 19 or not tok.isdigit():
         raise ProtocolError(f"nats: bad {what} field {tok[:32]!r}")
@@ -335,8 +347,8 @@ class NatsReader:
     """Push-style NATS protocol reader; see the module docstring."""
 
     def __init__(self, max_control_line: int = MAX_CONTROL_LINE, max_payload: int = MAX_PAYLOAD):
-        self.max_control_line = max_control_line
-        self.max_payload = max_payload
+        self.max_control_line = _limit("max_control_line", max_control_line)
+        self.max_payload = _limit("max_payload", max_payload)
         self._buf = bytearray()   # the unparsed tail of the previous feeds
         self._scan = 0            # where to resume looking for LF in an incomplete control line
         self._pending = None      # (kind, sid, subject, reply, hdr_len, total_len, body_off, raw subject)
