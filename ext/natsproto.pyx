@@ -20,9 +20,10 @@ import json
 from kvcache.errors import ProtocolError
 from kvcache.natsio.natsproto import (
     MARK_DEL, MARK_PURGE, MAX_CONTROL_LINE, MAX_PAYLOAD, RUN_FIELDS, AckMeta, Err, HMsg, Info, Msg, OK,
-    PING, PONG, mark_op as _py_mark_op,
+    PING, PONG, _limit, mark_op as _py_mark_op,
 )
-from kvcache.store.record import MAX_LMDB_KEY, RECORD, item as _py_item, parse_msg_ttl as _parse_msg_ttl
+from kvcache.store.msgttl import parse_msg_ttl as _parse_msg_ttl
+from kvcache.store.record import MAX_LMDB_KEY, RECORD, item as _py_item
 from kvcache.store.revindex import put_entry as _put_entry
 
 cdef extern from "Python.h":
@@ -92,10 +93,10 @@ cdef class NatsReader:
     cdef PyObject* _ns[32]
     cdef int _nn
 
-    def __init__(self, Py_ssize_t max_control_line=MAX_CONTROL_LINE,
-                 Py_ssize_t max_payload=MAX_PAYLOAD):
-        self.max_control_line = max_control_line
-        self.max_payload = max_payload
+    def __init__(self, max_control_line=MAX_CONTROL_LINE, max_payload=MAX_PAYLOAD):
+        # 0 to 2**63 - 1, or the twin's own TypeError or ValueError
+        self.max_control_line = _limit("max_control_line", max_control_line)
+        self.max_payload = _limit("max_payload", max_payload)
         self._buf = bytearray()
         self._scan = 0
         self._broken = False
@@ -164,7 +165,7 @@ cdef class NatsReader:
         while pos < n:
             if self._kind == 0:
                 lim = n - pos
-                if lim > self.max_control_line + 1:
+                if lim - 1 > self.max_control_line:  # (max_control_line + 1 may overflow)
                     lim = self.max_control_line + 1
                 q = <const unsigned char*>memchr(p + pos + self._scan, 10, lim - self._scan) \
                     if lim > self._scan else NULL
@@ -219,11 +220,16 @@ cdef class NatsReader:
         # first line
         le = _crlf(h, 0, hn)  # end of first line
         if le >= 8 and memcmp(h, b"NATS/1.0", 8) == 0 and (le == 8 or h[8] == 32 or h[8] == 9):
+            # the line stripped of whitespace at both ends (a trailing \v, \f or lone \r
+            # included), as the twin strips it, before its status token is cut
             ls = 8
             while ls < le and _is_ws(h[ls]):
                 ls += 1
+            ve = le
+            while ve > ls and _is_ws(h[ve - 1]):
+                ve -= 1
             j = ls
-            while j < le and h[j] != 32 and h[j] != 9:
+            while j < ve and h[j] != 32 and h[j] != 9:
                 j += 1
             if 0 < j - ls <= 9:
                 status = 0
@@ -233,11 +239,8 @@ cdef class NatsReader:
                         status = 0
                         break
                     status = status * 10 + c
-            while j < le and _is_ws(h[j]):
+            while j < ve and _is_ws(h[j]):
                 j += 1
-            ve = le
-            while ve > j and _is_ws(h[ve - 1]):
-                ve -= 1
             if ve > j:
                 desc = _utf8(h + j, ve - j)
         # header lines
@@ -303,7 +306,7 @@ cdef class NatsReader:
         cdef unsigned long long ts = self._ack[3]
         cdef Py_ssize_t hn = self._hdr_len
         cdef Py_ssize_t ttl_s = -1, ttl_e = 0
-        cdef int op = _delete_op(b, hn, &ttl_s, &ttl_e) if hn > 0 else 0   # 0: a put
+        cdef int op = _delete_op(b, hn) if hn > 0 else 0   # 0: a put
         cdef object key = self._lane_key
         cdef Py_ssize_t kn = PyBytes_GET_SIZE(key)
         cdef const unsigned char* kp = <const unsigned char*>PyBytes_AS_STRING(key)
@@ -313,6 +316,8 @@ cdef class NatsReader:
                 run = <Run>last
                 if run.sid != self._sid or run.last_cseq + 1 != cseq:
                     run = None
+        if hn > 0 and not op:  # a put's own TTL, as nats-server finds it in the raw block
+            ttl_s = _ttl_span(b, hn, &ttl_e)
         if run is None:
             run = Run.__new__(Run)
             run.sid = self._sid

@@ -1,19 +1,16 @@
-# A message's header block, line by line: CRLF search, name and value spans, and which KV
-# operation the block stands for (KV-Operation, server markers, Nats-TTL). Included by
-# natsproto.pyx.
+# A message's header block: CRLF search, name and value spans, which KV operation the block
+# stands for (KV-Operation, server markers), and its Nats-TTL as nats-server finds it.
+# Included by natsproto.pyx.
 
 
-cdef int _delete_op(const unsigned char* h, Py_ssize_t hn, Py_ssize_t* ttl_s,
-                    Py_ssize_t* ttl_e) except -1:
+cdef int _delete_op(const unsigned char* h, Py_ssize_t hn) except -1:
     """What this header block stands for, by Operation.of's rules: 0 for a put, _MARK_DEL or
     _MARK_PURGE. The last `KV-Operation` value decides (DEL or PURGE, any case; anything else
     is a put); without one, a server marker (`Nats-Marker-Reason`) is a DEL when the last
-    reason is `Remove` (case-sensitive), else a PURGE. The last `Nats-TTL` value's span goes
-    to ttl_s..ttl_e (ttl_s -1 without one)."""
+    reason is `Remove` (case-sensitive), else a PURGE."""
     cdef Py_ssize_t i, ns, ne, vs, ve
     cdef Py_ssize_t kv_s = -1, kv_e = 0     # the last KV-Operation value
     cdef Py_ssize_t mr_s = -1, mr_e = 0     # the last Nats-Marker-Reason value
-    ttl_s[0] = -1
     i = _crlf(h, 0, hn) + 2
     while i < hn:
         i = _header_line(h, i, hn, &ns, &ne, &vs, &ve)
@@ -23,9 +20,6 @@ cdef int _delete_op(const unsigned char* h, Py_ssize_t hn, Py_ssize_t* ttl_s,
         elif ne - ns == 18 and memcmp(h + ns, b"Nats-Marker-Reason", 18) == 0:
             mr_s = vs
             mr_e = ve
-        elif ne - ns == 8 and memcmp(h + ns, b"Nats-TTL", 8) == 0:
-            ttl_s[0] = vs
-            ttl_e[0] = ve
     # Values arrive trimmed of bytes.strip()'s whitespace; Operation.of then str.strip()s the
     # decoded value, which also removes \x1c-\x1f and non-ASCII spaces (NBSP, U+2000..). A
     # value with such a byte at an edge is rare and left to the twin's rule itself.
@@ -40,6 +34,43 @@ cdef int _delete_op(const unsigned char* h, Py_ssize_t hn, Py_ssize_t* ttl_s,
             return _py_mark_op({"Nats-Marker-Reason": _utf8(h + mr_s, mr_e - mr_s)})
         return _MARK_DEL if mr_e - mr_s == 6 and memcmp(h + mr_s, b"Remove", 6) == 0 else _MARK_PURGE
     return 0
+
+
+cdef Py_ssize_t _ttl_span(const unsigned char* h, Py_ssize_t hn, Py_ssize_t* end) noexcept nogil:
+    """Where the `Nats-TTL` value nats-server reads starts (its end in *end), or -1 without
+    one: kvcache.store.msgttl.ttl_header, step for step (getHeaderKeyIndex's search for the
+    name after a CRLF with ':' right after it, its quirk included: a candidate found within 2
+    bytes of where the search resumed ends it; then the value after its spaces, to the CRLF)."""
+    cdef Py_ssize_t offset = 0, i, s
+    cdef const unsigned char* q
+    while True:
+        i = offset
+        while True:  # the name's next occurrence at or after offset
+            q = <const unsigned char*>memchr(h + i, 78, hn - i) if i < hn else NULL  # 'N'
+            if q == NULL:
+                return -1
+            i = q - h
+            if hn - i < 8:
+                return -1
+            if memcmp(h + i, b"Nats-TTL", 8) == 0:
+                break
+            i += 1
+        if i - offset < 2:
+            return -1
+        if h[i - 1] != 10 or h[i - 2] != 13:
+            offset = i + 8
+            continue
+        if i + 8 >= hn:
+            return -1
+        if h[i + 8] != 58:  # ':'
+            offset = i + 8
+            continue
+        break
+    s = i + 9
+    while s < hn and h[s] == 32:
+        s += 1
+    end[0] = _crlf(h, s, hn)
+    return s
 
 
 cdef inline bint _plain_edges(const unsigned char* v, Py_ssize_t n) noexcept nogil:

@@ -30,6 +30,7 @@ __all__ = list(_twin.__all__)
 
 cdef object _split_inline = _twin._split_inline
 cdef object _hashable = _twin._hashable
+cdef object _rewind_to = _twin._rewind_to
 cdef list _GET_LEN = GET_LEN
 cdef object _SKIP = object()
 
@@ -41,6 +42,9 @@ cdef enum:
     _LF = 10
 
 cdef unsigned long long LLMAX = 9223372036854775807ULL
+# the most pairs a map or an attribute may declare: twice that still fits a long long
+cdef unsigned long long LLMAX_PAIRS = 4611686018427387903ULL
+assert LLMAX == _twin._COUNT_MAX and LLMAX_PAIRS * 2 + 1 == LLMAX
 
 
 
@@ -168,6 +172,8 @@ cdef class RequestReader(_BufferedReader):
     cdef long long _max_req, _max_args, _argc, _bulklen, _reqsize, _inline_max
     cdef list _args
     cdef bint _no_fast
+    # the last take_gets' run (start -1: none to rewind), as the twin's _taken
+    cdef Py_ssize_t _taken_start, _taken_end
 
     def __init__(self, max_request_bytes=4 * 1024 * 1024, max_args=1_048_576):
         self.max_request_bytes = max_request_bytes
@@ -176,6 +182,7 @@ cdef class RequestReader(_BufferedReader):
         self._args = []
         self._bulklen = -1
         self._reqsize = 0
+        self._taken_start = -1
         self._no_fast = max_request_bytes < _GET_UNIT_MAX
         self._inline_max = min(_INLINE_MAX, self._max_req)
 
@@ -231,17 +238,30 @@ cdef class RequestReader(_BufferedReader):
         if pos == start:
             return None
         self._pos = pos
+        self._taken_start = start
+        self._taken_end = pos
         return lengths, keys, start
 
-    def rewind_gets(self, Py_ssize_t start, list lengths, list keys, Py_ssize_t count):
-        """Consume only the first `count` of the GETs `take_gets` returned from `start`."""
-        cdef Py_ssize_t pos = start + 17 * count
-        cdef Py_ssize_t i
-        for i in range(min(count, PyList_GET_SIZE(lengths))):
-            pos += len(<bytes>PyList_GET_ITEM(lengths, i))
-        for i in range(min(count, PyList_GET_SIZE(keys))):
-            pos += len(<bytes>PyList_GET_ITEM(keys, i))
-        self._pos = pos
+    def rewind_gets(self, start, lengths, keys, count):
+        """Consume only the first `count` of the GETs `take_gets` returned from `start`: right
+        after that take_gets (nothing read since), else ValueError and nothing changes (the
+        twin's _rewind_to decides and words anything but the plain case)."""
+        cdef Py_ssize_t pos, i, c
+        if (type(start) is int and type(count) is int and type(lengths) is list and type(keys) is list
+                and self._taken_start >= 0 and self._pos == self._taken_end
+                and start == self._taken_start and 0 <= count
+                and count <= PyList_GET_SIZE(lengths) and count <= PyList_GET_SIZE(keys)):
+            c = count
+            pos = self._taken_start + 17 * c   # 17 bytes of framing per unit beside `$<n>` and the key
+            for i in range(c):
+                pos += len(<object>PyList_GET_ITEM(lengths, i)) + len(<object>PyList_GET_ITEM(keys, i))
+            if pos <= self._taken_end:
+                self._pos = pos
+                self._taken_start = -1
+                return
+        self._pos = _rewind_to((self._taken_start, self._taken_end) if self._taken_start >= 0 else None,
+                               self._pos, start, lengths, keys, count)
+        self._taken_start = -1
 
     def next_command(self):
         """The next complete command, or None until more data is fed."""
@@ -474,8 +494,14 @@ cdef class ReplyReader(_BufferedReader):
                 elif count == 0:
                     value = {} if t == 37 else _SKIP if t == 124 else []
                 else:
+                    # bounded before it is doubled: a count of pairs past LLMAX_PAIRS (or of
+                    # elements past LLMAX) would overflow a long long
                     if t == 37 or t == 124:
+                        if mag > LLMAX_PAIRS:
+                            raise self._fail("invalid aggregate length")
                         count = count * 2
+                    elif mag > LLMAX:
+                        raise self._fail("invalid aggregate length")
                     self._push(t, count)
                     continue
             else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
+from operator import index as _index
 from typing import Final
 
 from kvcache.errors import ProtocolError
@@ -57,6 +58,9 @@ _STAR, _DOLLAR, _PLUS, _MINUS, _COLON = 42, 36, 43, 45, 58
 _UNDERSCORE, _COMMA, _HASH, _LPAREN, _EQUALS, _BANG = 95, 44, 35, 40, 61, 33
 _PERCENT, _TILDE, _GT, _PIPE = 37, 126, 62, 124
 _AGGREGATES: Final = frozenset((_STAR, _PERCENT, _TILDE, _GT, _PIPE))
+# The most elements an aggregate may declare (a map or an attribute twice its count): what a
+# signed 64-bit count holds, the native reader's; more is a protocol error in both twins.
+_COUNT_MAX: Final = 2**63 - 1
 
 
 def _fail_int(line: bytes | bytearray) -> bool:
@@ -114,6 +118,7 @@ class RequestReader(_BufferedReader):
         "_inline_max",
         "_no_fast",
         "_reqsize",
+        "_taken",
         "max_args",
         "max_request_bytes",
     )
@@ -126,6 +131,7 @@ class RequestReader(_BufferedReader):
         self._args: list[bytes] = []
         self._bulklen = -1        # declared length of the bulk being read (-1: header next)
         self._reqsize = 0         # declared size of the current multibulk so far
+        self._taken: tuple[int, int] | None = None  # the last take_gets' start and end, to rewind
         # take_gets does not check request sizes: with a limit below its largest unit, every
         # request goes through next_command, which does.
         self._no_fast = max_request_bytes < _GET_UNIT_MAX
@@ -159,18 +165,21 @@ class RequestReader(_BufferedReader):
         end = m.end()
         if end == len(buf):  # the whole buffer is one GET: no run to split
             self._pos = end
+            self._taken = (pos, end)
             return [m[1]], [m[2]], pos
         m = _GET_RUN(buf, pos)
         assert m is not None  # _GET_ONE matched here, so the run has at least that GET
         end = m.end()
         self._pos = end
+        self._taken = (pos, end)
         fields = bytes(buf[pos:end]).split(b"\r\n")
         return fields[3::5], fields[4::5], pos
 
     def rewind_gets(self, start: int, lengths: list[bytes], keys: list[bytes], count: int) -> None:
-        """Consume only the first `count` of the GETs `take_gets` returned from `start`."""
-        # 17 bytes of fixed framing per unit besides its `$<n>` and its key
-        self._pos = start + 17 * count + sum(map(len, lengths[:count])) + sum(map(len, keys[:count]))
+        """Consume only the first `count` of the GETs `take_gets` returned from `start`: right
+        after that take_gets (nothing read since), else ValueError and nothing changes."""
+        self._pos = _rewind_to(self._taken, self._pos, start, lengths, keys, count)
+        self._taken = None
 
     def next_command(self) -> list[bytes] | None:
         """The next complete command, or None until more data is fed."""
@@ -341,6 +350,29 @@ def _split_inline(line: bytes) -> list[bytes] | None:
         args.append(bytes(word))
 
 
+def _rewind_to(taken: tuple[int, int] | None, pos: int, start: int, lengths: list[bytes],
+               keys: list[bytes], count: int) -> int:
+    """Where `rewind_gets(start, lengths, keys, count)` leaves the read position: the end of
+    the first `count` GETs of the run the last take_gets returned (`taken`: its start and end;
+    `pos`: the read position now). A call that does not follow that take_gets is a ValueError
+    (a wrong one would move the read position anywhere, and the native reader's memory with
+    it): both twins raise it from here, with the same text."""
+    start, count = _index(start), _index(count)
+    if taken is None or pos != taken[1]:
+        raise ValueError("rewind_gets: no take_gets to rewind (none yet, or read on since)")
+    if start != taken[0]:
+        raise ValueError(f"rewind_gets: start {start} is not where take_gets began ({taken[0]})")
+    n = min(len(lengths), len(keys))
+    if not 0 <= count <= n:
+        raise ValueError(f"rewind_gets: count {count} is not within the {n} GETs take_gets returned")
+    # 17 bytes of fixed framing per unit besides its `$<n>` and its key
+    to = start + 17 * count + sum(map(len, lengths[:count])) + sum(map(len, keys[:count]))
+    if to > taken[1]:
+        raise ValueError(f"rewind_gets: the first {count} GETs end at {to}, past where take_gets "
+                         f"stopped ({taken[1]})")
+    return to
+
+
 # --------------------------------------------------------------------------- replies
 
 
@@ -425,7 +457,11 @@ class ReplyReader(_BufferedReader):
                 elif count == 0:
                     value = {} if t == _PERCENT else _SKIP if t == _PIPE else []
                 else:
-                    stack.append([t, count * 2 if t in (_PERCENT, _PIPE) else count, []])
+                    if t in (_PERCENT, _PIPE):  # a map's or an attribute's count is of pairs
+                        count *= 2
+                    if count > _COUNT_MAX:
+                        raise self._fail("invalid aggregate length")
+                    stack.append([t, count, []])
                     continue
             else:
                 line = buf[pos + 1:crlf]

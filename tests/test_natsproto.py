@@ -438,7 +438,8 @@ LANE_VECTORS = [
     ("subject order: the top stream sequence is the highest, not the last",
      lane_frame("a", 50, 1, value=b"1") + lane_frame("b", 20, 2, value=b"2", long_form=True),
      [expected_run(1, [("a", 50, b"1"), ("b", 20, b"2")])]),
-    ("per-message TTLs ride in the record (the last Nats-TTL header counts; deletes keep none)",
+    ("per-message TTLs ride in the record (the first Nats-TTL header counts, as nats-server reads it; "
+     "deletes keep none)",
      lane_frame("a", 10, 1, value=b"1", extra=b"Nats-TTL: 2s\r\n")
      + lane_frame("b", 11, 2, value=b"2", extra=b"Nats-TTL: never\r\n")
      + lane_frame("c", 12, 3, value=b"3", extra=b"Nats-TTL: 1\r\nNats-TTL: 1h30m\r\n")
@@ -446,7 +447,7 @@ LANE_VECTORS = [
      + lane_frame("d", 14, 5, op="DEL", extra=b"Nats-TTL: 60s\r\n")
      + lane_frame("e", 15, 6, extra=b"Nats-Marker-Reason: MaxAge\r\nNats-TTL: 30s\r\n")
      + lane_frame("f", 16, 7, value=b"f", extra=b"Nats-TTL: bogus\r\n"),
-     [expected_run(1, [("a", 10, b"1", 2 * SEC), ("b", 11, b"2", -1), ("c", 12, b"3", 5400 * SEC),
+     [expected_run(1, [("a", 10, b"1", 2 * SEC), ("b", 11, b"2", -1), ("c", 12, b"3", 1 * SEC),
                        (LONG_KEY, 13, b"L", 5 * SEC), ("d", 14, DEL), ("e", 15, PURGE), ("f", 16, b"f")],
                    ttls=5)]),  # f's unreadable TTL is none of its own, but the header counts
     ("long keys are stored under a digest with the key in the record",
@@ -580,7 +581,10 @@ def lane_reference(wire: bytes) -> list:
         key = e.subject[len(LANE_PREFIX):].encode()
         prev = out[-1] if out else None
         has_ttl = bool(hdrs) and value is not None and hdrs.get("Nats-TTL") is not None
-        ttl = parse_msg_ttl(hdrs.get("Nats-TTL")) if has_ttl else 0
+        # the first Nats-TTL line counts, as nats-server reads it (the decoded headers keep the last)
+        multi = e.multi if type(e) is HMsg else None
+        ttl = parse_msg_ttl(multi["Nats-TTL"][0] if multi and "Nats-TTL" in multi else hdrs["Nats-TTL"]) \
+            if has_ttl else 0
         it = item(key, value, ack.stream_seq, ack.timestamp_ns, ttl)
         entries = [put_entry(it[0], ack.stream_seq)] if value is not None else []
         marks = [] if value is not None else [

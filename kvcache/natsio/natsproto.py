@@ -11,10 +11,14 @@ Events (server → client ops), all tuples of a distinct type; test with `type(e
 - `HMsg(sid, subject, reply, status, description, headers, payload, multi)`: `HMSG`. The
   `NATS/1.0 [<status> [<description>]]` first line of the header block gives `status` (int,
   0 when none) and `description` (str, "" when none), e.g. `100 Idle Heartbeat`,
-  `404 No Messages`, `204 EOB`. `headers` is a dict name → last value (names ASCII, values
-  UTF-8 with errors replaced, both stripped; lines without `:`, empty names and names with
-  whitespace or non-ASCII bytes are skipped, like nats-py). `multi` is None unless a name
-  repeats, then a dict name → [every value, in order] for the repeated names only.
+  `404 No Messages`, `204 EOB`: after `NATS/1.0` and a space or tab, the line stripped of
+  whitespace (bytes.strip()'s, a trailing \\v, \\f or lone \\r included, as nats-py strips the
+  status and nats.go trims the line), its first token up to a space or tab is the status when
+  it is 1 to 9 ASCII digits (nats-server writes 3), the rest, stripped, the description.
+  `headers` is a dict name → last value (names ASCII, values UTF-8 with errors replaced,
+  both stripped; lines without `:`, empty names and names with whitespace or non-ASCII bytes
+  are skipped, like nats-py). `multi` is None unless a name repeats, then a dict name →
+  [every value, in order] for the repeated names only.
 - `PING`, `PONG`, `OK`: singletons of the types `Ping`, `Pong`, `Ok`.
 - `Err(text)`: `-ERR 'text'` (quotes removed, case kept).
 - `Info(info)`: `INFO {json}` as a dict.
@@ -22,8 +26,9 @@ Events (server → client ops), all tuples of a distinct type; test with `type(e
 Op names are case-insensitive and fields may be separated by spaces or tabs; control lines end
 in CRLF (a bare LF is accepted). Malformed input raises `kvcache.errors.ProtocolError`, whose
 `.events` holds the events parsed earlier in that feed; the reader is then unusable (the
-connection must close). Limits: a control line of at most
-`max_control_line` bytes, a frame body (headers + payload) of at most `max_payload` bytes.
+connection must close). Limits: a control line of at most `max_control_line` bytes, a frame
+body (headers + payload) of at most `max_payload` bytes (each 0 to 2**63 - 1: anything else
+is an error at construction).
 
 The reader keeps only the unparsed tail of a frame between feeds; a frame whose control line
 has been parsed is not rescanned, so a big payload arriving in many reads costs linear time.
@@ -36,18 +41,21 @@ subject. Its messages with a JetStream ack reply then come out not as Msg/HMsg b
 (`kvcache.store.record.item`: the key is the subject minus its first prefix_len bytes), so that the
 feed does no per-message work in Python. Anything else on that sid (heartbeats, pull-request
 statuses) stays an ordinary event, in order. A delete item keeps only the LMDB key, so each Run
-also carries `marks`: per delete, what the item drops (see Run).
+also carries `marks`: per delete, what the item drops (see Run). A put's own TTL is read from
+its raw header block as nats-server reads it (kvcache.store.msgttl), not from the decoded
+headers (which trim names and keep a repeated name's last value).
 """
 from __future__ import annotations
 
 import json
 import re
+from operator import index as _index
 from typing import NamedTuple, cast
 
 from kvcache.entry import Operation
 from kvcache.errors import ProtocolError
+from kvcache.store.msgttl import parse_msg_ttl, ttl_header
 from kvcache.store.record import item as _item
-from kvcache.store.record import parse_msg_ttl
 from kvcache.store.revindex import put_entry
 
 __all__ = [
@@ -300,13 +308,15 @@ def _deliver(events: list, sid: int, ack: AckMeta, key: bytes, header_block: byt
     headers = decode_headers(header_block)[2] if header_block else None
     op = mark_op(headers)
     value = None if op else payload
-    ttl_header = headers.get("Nats-TTL") if headers and value is not None else None
-    ttl = parse_msg_ttl(ttl_header) if ttl_header is not None else 0
+    # the TTL nats-server applies: its own reading of the raw block, not the decoded headers
+    # (the first line named exactly Nats-TTL, the value as sent: kvcache.store.msgttl)
+    ttl_value = ttl_header(header_block) if header_block and value is not None else None
+    ttl = parse_msg_ttl(ttl_value) if ttl_value is not None else 0
     it = _item(key, value, ack.stream_seq, ack.timestamp_ns, ttl)
     run.items.append(it)
     if value is not None:
         run.entries.append(put_entry(it[0], ack.stream_seq))
-    if ttl_header is not None:
+    if ttl_value is not None:
         run.ttls += 1
     if op:
         run.marks.append((key, ack.stream_seq, op, ack.timestamp_ns))
@@ -315,6 +325,16 @@ def _deliver(events: list, sid: int, ack: AckMeta, key: bytes, header_block: byt
     run.top_sseq = max(run.top_sseq, ack.stream_seq)
     run.last_ts = ack.timestamp_ns
     run.last_pending = ack.pending
+
+
+def _limit(name: str, value: int) -> int:
+    """A NatsReader limit (bytes) as both twins take it: an integer from 0 to 2**63 - 1, else
+    TypeError or ValueError at construction (a negative one read as "no limit" natively and
+    "nothing fits" here, until both refused it)."""
+    value = _index(value)
+    if not 0 <= value <= _I64_MAX:
+        raise ValueError(f"NatsReader: {name} must be 0 to {_I64_MAX} bytes, got {value}")
+    return value
 
 
 def _size(tok: bytes, what: str) -> int:
@@ -327,8 +347,8 @@ class NatsReader:
     """Push-style NATS protocol reader; see the module docstring."""
 
     def __init__(self, max_control_line: int = MAX_CONTROL_LINE, max_payload: int = MAX_PAYLOAD):
-        self.max_control_line = max_control_line
-        self.max_payload = max_payload
+        self.max_control_line = _limit("max_control_line", max_control_line)
+        self.max_payload = _limit("max_payload", max_payload)
         self._buf = bytearray()   # the unparsed tail of the previous feeds
         self._scan = 0            # where to resume looking for LF in an incomplete control line
         self._pending = None      # (kind, sid, subject, reply, hdr_len, total_len, body_off, raw subject)

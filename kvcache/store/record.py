@@ -20,11 +20,13 @@ tests/test_server_get.py and tests/test_app_reader.py check that they do).
 from __future__ import annotations
 
 import hashlib
-import re
 import struct
 import time
 from dataclasses import dataclass
 from typing import TypeVar
+
+from .msgttl import expires_at
+from .msgttl import parse_msg_ttl as parse_msg_ttl  # its readers import it from here
 
 RECORD = struct.Struct("<QQI")
 EXPIRES = struct.Struct("<Q")
@@ -77,34 +79,8 @@ def encode_record(key_bytes: bytes, lkey: bytes, value: bytes, revision: int, cr
     full = b"" if lkey is key_bytes or lkey == key_bytes else key_bytes
     if not ttl_ns:
         return RECORD.pack(revision, created, len(full)) + full + value
-    expires = NEVER if ttl_ns < 0 else created + ttl_ns
+    expires = NEVER if ttl_ns < 0 else expires_at(created, ttl_ns)
     return RECORD.pack(revision, created, len(full) | FLAG_TTL) + EXPIRES.pack(expires) + full + value
-
-
-def parse_msg_ttl(text: str | bytes | None) -> int:
-    """A `Nats-TTL` header as nats-server reads it, in ns: `never` is -1; a Go duration
-    (`2s`, `1h30m`) is truncated to whole seconds; else an integer of seconds. 0: no TTL of its
-    own (absent or unreadable: the server refuses such a put, so none reaches a stream)."""
-    if text is None:
-        return 0
-    if isinstance(text, bytes):
-        text = text.decode("ascii", "replace")
-    text = text.strip()
-    if text.lower() == "never":
-        return -1
-    if text.isdigit():
-        return int(text) * 1_000_000_000
-    total = 0.0
-    for number, unit in _DURATION_PART.findall(text):
-        total += float(number) * _DURATION_UNIT[unit]
-    if not total or _DURATION_PART.sub("", text) or total < 1e9:
-        return 0
-    return int(total // 1e9) * 1_000_000_000
-
-
-_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
-_DURATION_UNIT = {"ns": 1.0, "us": 1e3, "\u00b5s": 1e3, "\u03bcs": 1e3, "ms": 1e6, "s": 1e9,
-                  "m": 60e9, "h": 3600e9}
 
 
 # A stored record as read: bytes, or a memoryview into the map (MGET's read transaction)
