@@ -1,4 +1,4 @@
-# Large values written to the client's socket straight from the replica's map (issue 29).
+# Large values written to the client's socket straight from the replica's map.
 # Included by server_get.pyx.
 #
 # A GET of a value of LARGE_VALUE bytes or more, answered while its connection's output is

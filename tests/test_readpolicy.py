@@ -7,7 +7,7 @@ started: the quick tier. The reads that carry these decisions out are tested end
 real servers (tests/test_commands.py, test_monotonic.py, test_nearcache_live.py,
 test_staleness.py).
 
-Rewritten for issue 37 from a version whose stand-in Feed re-implemented `held_until` and
+Rewritten from a version whose stand-in Feed re-implemented `held_until` and
 answered `fresh_within` from a flag: every assertion of that version is kept (the questions
 `local`, `held`, `local_now`, `held_raw` and `cached` are now the routes of `route`), and the
 real holds and freshness answer them."""

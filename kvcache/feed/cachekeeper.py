@@ -5,8 +5,8 @@ only the replicated filters. Each batch is then split: keys inside the filters (
 delete, since a long key's digest does not say where it belongs) go to the replica; a change
 outside them replaces the cached key's record, in stream order (NearCache.refresh: a delete or
 purge becomes a cached not-found), and is a change for the hub's listeners all the same. So a
-write of a hot cached key sends no reader to NATS: the next read finds the new value (issue
-28). A delete carries no sequence of its own; its cached not-found takes one more than the
+write of a hot cached key sends no reader to NATS: the next read finds the new value.
+A delete carries no sequence of its own; its cached not-found takes one more than the
 sequence of the message delivered just before it, a lower bound of its own: no message of
 the key can lie between the two, since the consumer reads every subject of the bucket.
 

@@ -4,7 +4,7 @@ Each feed needs its stream's state every watch_period: the quorum evidence that 
 replicated bucket fresh (kvcache.feed.quorum) and the first sequence that shows removals no
 message announces (kvcache.feed.sweeps). Asked by every sidecar, that is one STREAM.INFO per
 sidecar per bucket per period, landing on the few stream leaders: 0.8 requests/s per sidecar
-per bucket at the default bound, ~163,000/s for 10,000 hosts with 20 buckets (issue 36).
+per bucket at the default bound, ~163,000/s for 10,000 hosts with 20 buckets.
 
 Here the sidecars of a bucket share what they ask. A sidecar that polls publishes the answer
 (the stream's info, as its leader gave it, and when it was asked) on a core NATS subject of

@@ -1,5 +1,5 @@
 """Reads to NATS in flight, shared: concurrent reads of one key that must ask NATS send one
-request, not one each (issue 28).
+request, not one each.
 
 A hot key outside a bucket's filters (or any key while the replica is stale) is read by many
 connections at the same moment, and without this each sends its own Direct Get: NATS pays

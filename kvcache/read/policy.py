@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 # asking NATS.
 MINREV_WAIT_S = 0.25
 # Plans kept (raw key -> Plan), here and in the GET fast path's own map (kvcache.serve.server_get
-# and its C twin); each is cleared whole when full. Issue 15 revisits this bound.
+# and its C twin); each is cleared whole when full.
 PLAN_CACHE = 100_000
 # KV.GET's source for an answer from a replica too stale to be trusted, given because no peer
 # could answer and the bucket has serve_stale on (config.py keeps it from naming a peer).

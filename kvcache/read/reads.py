@@ -132,7 +132,7 @@ class Reads:
         """Read many raw keys and reply `reply(values)` (None: not found), in the keys'
         order. An invalid key fails the whole command (CommandError), and so do values beyond
         `budget` (ReplyTooLarge). The replica's values are memoryviews into its map, read in
-        one transaction (copied once, by the reply: issue 29), which ends after the reply.
+        one transaction (copied once, by the reply), which ends after the reply.
         Each key's access-log latency is its own: a key answered here, its lookup; a key that
         waits or asks NATS, that phase (_later); never the keys read before it."""
         timed = self.access.enabled
