@@ -63,9 +63,11 @@ def known(form: g.Form, state: g.State, holding: str, upstream: str) -> str | No
             return DISK  # the index, a kept value, EXEC not refused
         if g.OUTSIDE in form.keys:  # the near cache, refreshed by the batch whose write failed
             return DISK if not form.atomic or holding == "nothing" or upstream == "up" else None
-        plain = not form.strong and not form.minrev and form.maxstale != g.MAXSTALE_LOOSE
-        if form.kind == "point" and plain and holding == "nothing":
-            return DISK  # in.k from the replica (a holding sends it to NATS: held)
+        # in.k from the replica where its bound (or a MINREV it holds) lets it answer; a holding
+        # sends it to NATS (held), and so does a MINREV it lacks
+        local = (not form.strong and form.minrev != g.LATEST and form.maxstale != g.MAXSTALE_LOOSE)
+        if form.kind == "point" and local and holding == "nothing":
+            return DISK
         return None
     if state.name == "bucket recreated" and form.kind == "stream" and holding != "hold":
         return REVINDEX  # (the "hold" rows read the old stream before: their error is right)

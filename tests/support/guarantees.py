@@ -42,6 +42,7 @@ BOUND_MS = 1000                # the bucket's max_stale_ms
 HEARTBEAT_MS = 500             # heartbeat_ms
 SILENCE_MS = 2 * HEARTBEAT_MS  # kvcache.feed.freshness.SILENT_HEARTBEATS heartbeats
 MAXSTALE_TIGHT, MAXSTALE_LOOSE = 200, 5000
+LATEST = -1  # MINREV of the key's latest revision
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ class Form:
     kind: str = "point"
     strong: bool = False
     maxstale: int | None = None
-    minrev: bool = False
+    minrev: int | None = None  # MINREV: LATEST (the key's latest revision), or this revision
     asks_nats: bool = True
     atomic: bool = False  # one command for every key: one key's error is the command's
 
@@ -187,8 +188,9 @@ FORMS = (
     Form("KV.GET CONSISTENCY strong", (KEY,), strong=True),
     Form(f"KV.GET MAXSTALE {MAXSTALE_TIGHT}", (KEY,), maxstale=MAXSTALE_TIGHT),
     Form(f"KV.GET MAXSTALE {MAXSTALE_LOOSE}", (KEY,), maxstale=MAXSTALE_LOOSE),
-    Form("KV.GET MINREV latest", (KEY,), minrev=True),
-    Form("KV.GET out.o MINREV latest", (OUTSIDE,), minrev=True),
+    Form("KV.GET MINREV latest", (KEY,), minrev=LATEST),
+    Form("KV.GET MINREV 4", (KEY,), minrev=4),  # one the replica holds in most states
+    Form("KV.GET out.o MINREV latest", (OUTSIDE,), minrev=LATEST),
     Form("MULTI GET GET EXEC", (KEY, OUTSIDE)),
     Form("WATCH MULTI GET EXEC", (KEY,), kind="exec_watch"),
     Form("near cache, generic path", (OUTSIDE,)),
@@ -236,6 +238,13 @@ def revision_at(state: State, key: str, at_ms: int) -> int:
 
 def latest(state: State, key: str) -> int:
     return revision_at(state, key, 0)
+
+
+def minrev_of(form: Form, state: State, key: str) -> int:
+    """The revision a MINREV read asks for (0: none)."""
+    if form.minrev is None:
+        return 0
+    return latest(state, key) if form.minrev == LATEST else form.minrev
 
 
 def effective_bound(form: Form, state: State) -> int:
@@ -290,17 +299,17 @@ def allowed(form: Form, state: State, upstream: str, key: str, handed: int = 0,
         return Allowed({"null": 0}, error=False, must_error=False)
 
     replicated = key != OUTSIDE
-    minrev = latest(state, key) if form.minrev else 0
+    minrev = minrev_of(form, state, key)
     lowest = max(by_bound, handed, minrev)
     nats = upstream == "up" and state.quorum
     # A plain read's Direct Get may reach a follower that cannot show it holds what the read
     # needs: the router then fails it (an error, not a guess) unless the leader answers.
     follower = state.follower_seq
-    follower_short = (follower is not None and not form.strong and not form.minrev
+    follower_short = (follower is not None and not form.strong and form.minrev is None
                       and max((w.seq for w in writes_of(state) if w.key == key and w.seq <= follower),
                               default=0) < lowest)
     serve_stale = upstream == "timeout, serve_stale"
-    plain = not form.strong and not form.minrev
+    plain = not form.strong and form.minrev is None
 
     out: dict[str, int] = {}
     if nats:

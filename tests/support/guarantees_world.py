@@ -635,8 +635,8 @@ class World:
                 opts += ["CONSISTENCY", "strong"]
             if f.maxstale is not None:
                 opts += ["MAXSTALE", str(f.maxstale)]
-            if f.minrev:
-                opts += ["MINREV", str(g.latest(self.state, keys[0]))]
+            if f.minrev is not None:
+                opts += ["MINREV", str(g.minrev_of(f, self.state, keys[0]))]
             got, = await self.row.call(["KV.GET", keys[0], *opts])
             return {keys[0]: self._kv_seen(keys[0], got, asked_from)}
         else:
