@@ -42,14 +42,6 @@ def _id(row) -> str:
 
 # Rows that fail on this tree, each with why (strict: a row that passes fails the run, so a
 # mark goes in the commit that fixes its cause).
-DISK = ("deliveries received but not applied: the feed counts itself caught up from what it "
-        "received (Feed._on_batch sets heard_ns before the write that fails), so the replica, the "
-        "near cache the same batch refreshed, the stream index and tracking clients' values are "
-        "vouched for past max_stale_ms; the disk-full work makes the replica not fresh once older "
-        "than the bound")
-REVINDEX = ("a recreated bucket's stream loses a key: revindex.Index._forget deletes the entry at "
-            "the replaced record's revision, which the new numbering gave another key (in.f's old "
-            "revision 1 is in.k's new one), so XRANGE/XREAD of @b and @b:in.k miss in.k")
 FENCE = ("MAXSTALE tighter than max_stale_ms is not kept by a fallback read of a replicated stream: "
          "the router's fence (Feed.fence, Freshness.required) is built from the bucket's "
          "max_stale_ms, so a follower 400 ms behind answers KV.GET MAXSTALE 200 with in.k@6 "
@@ -58,19 +50,6 @@ FENCE = ("MAXSTALE tighter than max_stale_ms is not kept by a fallback read of a
 
 def known(form: g.Form, state: g.State, holding: str, upstream: str) -> str | None:
     """Why a row fails on this tree, or None."""
-    if state.name == "deliveries not applied":
-        if form.kind in ("stream", "tracking", "exec_watch"):
-            return DISK  # the index, a kept value, EXEC not refused
-        if g.OUTSIDE in form.keys:  # the near cache, refreshed by the batch whose write failed
-            return DISK if not form.atomic or holding == "nothing" or upstream == "up" else None
-        # in.k from the replica where its bound (or a MINREV it holds) lets it answer; a holding
-        # sends it to NATS (held), and so does a MINREV it lacks
-        local = (not form.strong and form.minrev != g.LATEST and form.maxstale != g.MAXSTALE_LOOSE)
-        if form.kind == "point" and local and holding == "nothing":
-            return DISK
-        return None
-    if state.name == "bucket recreated" and form.kind == "stream" and holding != "hold":
-        return REVINDEX  # (the "hold" rows read the old stream before: their error is right)
     if (state.name == "follower lagging" and form.maxstale == g.MAXSTALE_TIGHT and holding == "nothing"
             and upstream == "up"):
         return FENCE

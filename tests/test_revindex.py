@@ -141,3 +141,21 @@ def test_markers_leave_when_the_stream_drops_them(replica):
     assert replica.max_removed("b") == 3
     deliver(replica, [(7, b"b", "PUT", b"7")], 7)  # a key whose tombstone went, written again
     assert [e[1] for e in listing(replica)] == [b"a", b"d", b"e", b"f", b"b"]
+
+
+@pytest.mark.parametrize("old_state", ["PUT", "DEL"])
+def test_a_recreated_stream_keeps_the_entry_its_new_numbering_gave_another_key(replica, old_state):
+    """A stream recreated since numbers from 1 again. Resynced onto the same replica, a key
+    whose old record (or marker) sat at a revision the new stream gave another key must not
+    take that key's entry with it when it is replaced."""
+    old = [(1, b"in.f", old_state if old_state == "PUT" else "PUT", b"old"), (2, b"x", "PUT", b"x")]
+    if old_state == "DEL":
+        old.append((3, b"in.f", "DEL", None))
+    deliver(replica, old, len(old))
+    # the new stream: in.k is its revision 1 (in.f's old one, or its marker's 3 for x's)...
+    new = [(1, b"in.k", "PUT", b"k1"), (2, b"y", "PUT", b"y"), (3, b"x", "PUT", b"x3")]
+    deliver(replica, new, 3)
+    # ...then in.f is written again, replacing its old record or marker
+    deliver(replica, [(4, b"in.f", "PUT", b"new")], 4)
+    assert listing(replica) == [(1, b"in.k", "PUT", b"k1"), (2, b"y", "PUT", b"y"),
+                                (3, b"x", "PUT", b"x3"), (4, b"in.f", "PUT", b"new")]

@@ -49,6 +49,13 @@ def put_entry(lk: bytes, revision: int) -> tuple[bytes, bytes]:
     return REV.pack(revision), PUT + lk
 
 
+def _names(entry: bytes, lk: bytes) -> bool:
+    """Is `entry` (an index entry) the one of the key stored under `lk`?"""
+    if entry[:1] == PUT:
+        return entry[1:] == lk
+    return lkey_of(entry[1 + CREATED.size:]) == lk
+
+
 def names(bucket: str) -> tuple[bytes, bytes]:
     """The names of the bucket's index and tombstone databases."""
     b = bucket.encode()
@@ -85,18 +92,24 @@ class Index:
         self.tombs = txn.stat(tdb)["entries"] > 0
 
     def _forget(self, lk: bytes, old: bytes | memoryview | None) -> None:
-        """Drop the entry of the key's previous state: its record `old`, else its tombstone."""
+        """Drop the entry of the key's previous state: its record `old`, else its tombstone.
+        Only while the entry is still the key's: a stream recreated since numbers its
+        revisions from 1 again, and a resync may already have given the old revision to
+        another key, whose entry must stay."""
         if old is not None:
             rev = RECORD.unpack_from(old)[0]
-            self.txn.delete(REV.pack(rev), db=self.rdb)
         elif self.tombs:
             t = self.txn.pop(lk, db=self.tdb)
             if t is None:
                 return
-            self.txn.delete(t, db=self.rdb)
             rev = REV.unpack(t)[0]
         else:
             return
+        rk = REV.pack(rev)
+        entry = self.txn.get(rk, db=self.rdb)
+        if entry is None or not _names(bytes(entry), lk):
+            return
+        self.txn.delete(rk, db=self.rdb)
         if rev > self.removed:
             self.removed = rev
 
