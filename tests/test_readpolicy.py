@@ -196,6 +196,10 @@ ROUTES = [
     ("MAXSTALE is the bound", b"rep.a", ["behind 200 ms"], {"max_stale_ms": 50},
      lambda e: Remote(False, 50, None, False, True)),
     ("within the bucket's bound", b"rep.a", ["behind 200 ms"], {}, lambda e: Local(_rec(e, "rep.a"))),
+    ("MAXSTALE below the bound, a quorum's stream: the leader", b"rep.a", ["behind 200 ms", "quorum"],
+     {"max_stale_ms": 50}, lambda e: Remote(True, 50, None, False, True)),
+    ("MAXSTALE at the bound, a quorum's stream: any peer", b"rep.a", ["stale", "quorum"],
+     {"max_stale_ms": 1000}, lambda e: Remote(False, 1000, None, False, True)),
     ("held: its record below a revision handed out", b"rep.a", ["handed rep.a 12"], {},
      lambda e: Held(12, Remote(False, 1000, None, False, True))),
     ("held: no record, NATS had one", b"rep.gone", ["handed rep.gone 11"], {},
@@ -247,6 +251,8 @@ def _set(env, what: str) -> None:
     word, *args = what.split()
     if word == "stale":
         stale(feed)
+    elif word == "quorum":
+        feed.freshness.quorum = True
     elif word == "unsynced":
         feed.meta.synced = False
     elif word == "behind":

@@ -83,7 +83,8 @@ class Plan(NamedTuple):
 # What ReadPolicy.route decides for one key, and kvcache.read.reads carries out.
 
 class Remote(NamedTuple):
-    """NATS answers, through the router: the stream's leader when `strong`; the read's bound
+    """NATS answers, through the router: the stream's leader when `strong` (CONSISTENCY strong,
+    or a MAXSTALE below what the quorum evidence fencing a follower vouches for); the read's bound
     (max_stale_ms or MAXSTALE: which requests in flight it may join); `min_rev`: only a
     revision at or above it answers (else the leader is asked); `may_fill`: the answer is
     offered to the near cache (a key outside the filters of a bucket with one); `may_serve_stale`:
@@ -239,12 +240,16 @@ class ReadPolicy:
         replicated = plan.replicated
         if strong:
             return Remote(True, bound, min_rev, plan.cache is not None, False)
+        # A MAXSTALE below the bucket's own bound, on a stream replicated in a cluster: the
+        # quorum evidence that fences a follower's answer is kept within max_stale_ms only
+        # (Feed.fence), so such a read that NATS answers asks the leader.
+        leader = bound < plan.max_stale_ms and witness.feed.quorum
         if min_rev is not None and replicated:
             meta = witness.feed.meta
             if not (meta.synced and meta.applied_seq >= min_rev):
                 # the replica answers once it holds the revision asked (a short wait), else
                 # NATS with the same MINREV: a second route keeps what the first was asked
-                return Held(min_rev, Remote(False, bound, min_rev, False, False))
+                return Held(min_rev, Remote(leader, bound, min_rev, False, False))
         record = None
         if replicated:
             if txn is None:
@@ -257,8 +262,8 @@ class ReadPolicy:
                 return Local(record)
             plain = min_rev is None  # MINREV is never answered by a stale replica
             if v > 0:
-                return Held(v, Remote(False, bound, min_rev, False, plain))
-            return Remote(False, bound, min_rev, False, plain)
+                return Held(v, Remote(leader, bound, min_rev, False, plain))
+            return Remote(leader, bound, min_rev, False, plain)
         cache = plan.cache
         if cache is not None:
             if replica_verdict(witness, bound, False) == STALE:
@@ -270,7 +275,7 @@ class ReadPolicy:
                         return Cached(Entry(plan.bucket, plan.key, None, rec.revision, 0, 0, Operation.DEL, "cache"))
                     return Cached(Entry(plan.bucket, plan.key, rec.value, rec.revision, rec.created, 0,
                                         Operation.PUT, "cache", rec.expires))
-        return Remote(False, bound, min_rev, cache is not None, False)
+        return Remote(leader, bound, min_rev, cache is not None, False)
 
     # ------------------------------------------------------------------ the near cache
 
