@@ -45,6 +45,8 @@ cdef unsigned long long LLMAX = 9223372036854775807ULL
 # the most pairs a map or an attribute may declare: twice that still fits a long long
 cdef unsigned long long LLMAX_PAIRS = 4611686018427387903ULL
 assert LLMAX == _twin._COUNT_MAX and LLMAX_PAIRS * 2 + 1 == LLMAX
+cdef long long _MBULK_MAX = 2147483647
+assert _MBULK_MAX == _twin._MBULK_MAX
 
 
 
@@ -313,14 +315,14 @@ cdef class RequestReader(_BufferedReader):
                 if not _parse_int(buf + pos + 1, crlf - pos - 1, &neg, &mag):
                     raise self._fail("invalid multibulk length")
                 count = _sat(neg, mag)
-                if count < -1:
+                if count > _MBULK_MAX:  # the twin's _MBULK_MAX: Redis's INT_MAX
                     raise self._fail("invalid multibulk length")
                 if count > self._max_args:
                     raise self._fail("too many arguments")
                 self._reqsize = crlf + 2 - pos
                 pos = crlf + 2
                 if count <= 0:
-                    continue  # *0 and *-1 are no command at all
+                    continue  # *0, *-1 and every negative count are no command at all
                 self._argc = count
                 self._args = []
                 self._bulklen = -1

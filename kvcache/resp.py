@@ -61,6 +61,11 @@ _AGGREGATES: Final = frozenset((_STAR, _PERCENT, _TILDE, _GT, _PIPE))
 # The most elements an aggregate may declare (a map or an attribute twice its count): what a
 # signed 64-bit count holds, the native reader's; more is a protocol error in both twins.
 _COUNT_MAX: Final = 2**63 - 1
+# The most arguments a request may declare before the count itself is malformed: Redis's
+# processMultibulkBuffer refuses a count past INT_MAX as `invalid multibulk length` (kvcache's
+# own `max_args`, lower, then says `too many arguments`); a count of zero or below, however
+# negative, is no command at all there, not an error.
+_MBULK_MAX: Final = 2**31 - 1
 
 
 def _fail_int(line: bytes | bytearray) -> bool:
@@ -223,14 +228,14 @@ class RequestReader(_BufferedReader):
                 if _fail_int(line):
                     raise self._fail("invalid multibulk length")
                 count = int(line)
-                if count < -1:
+                if count > _MBULK_MAX:
                     raise self._fail("invalid multibulk length")
                 if count > self.max_args:
                     raise self._fail("too many arguments")
                 self._reqsize = crlf + 2 - pos
                 pos = crlf + 2
                 if count <= 0:
-                    continue  # *0 and *-1 are no command at all
+                    continue  # *0, *-1 and every negative count are no command at all
                 self._argc = count
                 self._args = []
                 self._bulklen = -1

@@ -1,0 +1,131 @@
+"""Where Redis's own test suite (tag 7.4.1, external-server mode) found kvcache answering
+otherwise, checked byte for byte against a real redis-server over raw sockets.
+
+- Pub/sub confirmations under CLIENT REPLY OFF and SKIP (unit/pubsub.tcl, "PubSub messages
+  with CLIENT REPLY OFF" and the keyspace tests that subscribe after OFF or SKIP): Redis sends
+  (P)(UN)SUBSCRIBE's confirmations whatever CLIENT REPLY says, in RESP2 and RESP3 alike
+  (pubsub.c marks them CLIENT_PUSHING, which lifts OFF and SKIP), so a client waiting for one
+  must get it. kvcache used to drop them, and such a client waited for ever.
+- `*-10\\r\\n` (unit/protocol.tcl, "Negative multibulk length"): no command at all, as `*0` and
+  `*-1` are; the connection goes on (kvcache used to close it with a protocol error).
+- `*3000000000\\r\\n` ("Out of range multibulk length"): a count past INT_MAX is `invalid
+  multibulk length`, before kvcache's own `max_args` would say `too many arguments`.
+
+The request reader is checked in both twins (the Cython one and the pure Python one), and the
+server through two real sidecars, one with the native modules and one with the twins
+(KVCACHE_NO_EXTENSIONS=1), each against the same redis-server on a Unix socket.
+"""
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+from support.kvdata import _put_all
+from support.redis_ref import redis_server
+from support.sidecar_proc import SidecarProcess
+from support.topology import nats_run
+
+from kvcache import resp as resp_twin
+from kvcache.app.client import encode_command as encode
+from kvcache.errors import ProtocolError
+from kvcache.native import native_or_none
+
+resp_native = native_or_none("resp")
+READERS = [pytest.param(resp_twin, id="python"),
+           pytest.param(resp_native, id="native",
+                        marks=pytest.mark.skipif(resp_native is None, reason="kvcache._native.resp not built"))]
+
+VALUES = {"k1": b"v1", "k2": b"v2"}
+END = encode(["CLIENT", "REPLY", "ON"]) + encode(["ECHO", "__end__"])
+END_REPLY = b"+OK\r\n$7\r\n__end__\r\n"
+
+
+@pytest.fixture(scope="module")
+def redis_sock(tmp_path_factory) -> Iterator[str]:
+    """The reference: a real redis-server holding VALUES, on a Unix socket only."""
+    with redis_server(tmp_path_factory.mktemp("redis"), VALUES) as path:
+        yield path
+
+
+@pytest.fixture(scope="module")
+def bucket_url(nats_server_module) -> str:
+    async def setup(js):
+        kv = await js.create_key_value(bucket="rc", direct=True)
+        await _put_all(kv, VALUES)
+    nats_run(nats_server_module.url, setup)
+    return nats_server_module.url
+
+
+@pytest.fixture(scope="module", params=["native", "twins"])
+def sidecar_sock(request, bucket_url, tmp_path_factory) -> Iterator[str]:
+    """A real sidecar replicating bucket rc (its default bucket), native or pure Python."""
+    env = {"KVCACHE_NO_EXTENSIONS": "1" if request.param == "twins" else "0"}
+    sc = SidecarProcess(tmp_path_factory.mktemp(request.param) / "sc", bucket_url, ["rc"], env=env)
+    with sc:
+        sc.start()
+        yield sc.socket
+        assert sc.stop() == 0
+
+
+def exchange(path: str, parts: list[bytes], until: bytes | None = END_REPLY) -> bytes:
+    """Send `parts`, one write each; read until the reply ends with `until`, or (None) until
+    the server closes. A server that never sends what the client waits for times out here."""
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(10)
+    s.connect(path)
+    try:
+        for part in parts:
+            s.sendall(part)
+        got = b""
+        while until is None or not got.endswith(until):
+            chunk = s.recv(1 << 16)
+            if not chunk:
+                break
+            got += chunk
+        return got
+    finally:
+        s.close()
+
+
+# --------------------------------------------------------------------------- multibulk counts
+
+@pytest.mark.parametrize("data,until", [
+    (b"*-10\r\n" + encode(["PING"]), b"+PONG\r\n"),                        # "Negative multibulk length"
+    (b"*-10\r\n*-1\r\n*0\r\n*-2147483649\r\nPING\r\n", b"+PONG\r\n"),     # any negative: nothing
+    (b"*3000000000\r\n", None),                                           # "Out of range multibulk length"
+    (b"*2147483648\r\n", None),                                           # INT_MAX + 1
+    (b"*9223372036854775807\r\n", None),
+], ids=["negative", "negatives", "3e9", "int-max+1", "llong-max"])
+def test_multibulk_counts_as_redis(redis_sock, sidecar_sock, data, until):
+    """A negative count is no command and the connection goes on; a count past INT_MAX is
+    Redis's `invalid multibulk length`, then the connection closes."""
+    want = exchange(redis_sock, [data], until)
+    got = exchange(sidecar_sock, [data], until)
+    print(f"{data[:24]!r}: redis-server {want!r}, sidecar {got!r}")
+    assert got == want
+    if until is None:
+        assert want == b"-ERR Protocol error: invalid multibulk length\r\n"
+
+
+@pytest.mark.parametrize("mod", READERS)
+def test_reader_skips_negative_counts(mod):
+    reader = mod.RequestReader()
+    reader.feed(b"*-10\r\n*-1\r\n*-9223372036854775808\r\n*0\r\n*1\r\n$4\r\nPING\r\n")
+    assert reader.next_command() == [b"PING"]
+    assert reader.next_command() is None and reader.buffered == 0
+
+
+@pytest.mark.parametrize("mod", READERS)
+@pytest.mark.parametrize("count,error", [
+    (b"3000000000", "invalid multibulk length"),
+    (b"2147483648", "invalid multibulk length"),
+    (b"9999999999999999999", "invalid multibulk length"),
+    (b"2147483647", "too many arguments"),   # within Redis's range: kvcache's own max_args
+    (b"1048577", "too many arguments"),
+])
+def test_reader_count_limits(mod, count, error):
+    reader = mod.RequestReader()
+    reader.feed(b"*" + count + b"\r\n")
+    with pytest.raises(ProtocolError, match=f"^Protocol error: {error}$"):
+        reader.next_command()
