@@ -88,6 +88,92 @@ def exchange(path: str, parts: list[bytes], until: bytes | None = END_REPLY) -> 
         s.close()
 
 
+def cmds(*commands: list[str]) -> bytes:
+    return b"".join(encode(c) for c in commands)
+
+
+def one_per_write(data: bytes) -> list[bytes]:
+    """`data` cut into its commands, so that each arrives in a read of its own."""
+    reader = resp_twin.RequestReader()
+    reader.feed(data)
+    out, pos = [], 0
+    while reader.next_command() is not None:
+        n = len(data) - reader.buffered - pos
+        out.append(data[pos:pos + n])
+        pos += n
+    assert pos == len(data)
+    return out
+
+
+# --------------------------------------------------------------------------- pub/sub and CLIENT REPLY
+
+ON, OFF, SKIP = (["CLIENT", "REPLY", m] for m in ("ON", "OFF", "SKIP"))
+HELLO3 = ["HELLO", "3"]  # always behind a SKIP: its reply names the server and the client id
+
+# Each ends unsubscribed, so END's CLIENT REPLY ON and ECHO run in RESP2 too. UNSUBSCRIBE with
+# no argument is used with one subscription at most (Redis lists the rest in hash order).
+PUBSUB = {
+    "resp2-off": cmds(OFF, ["SUBSCRIBE", "a", "b"], ["PSUBSCRIBE", "a*"], ["PING"], ["PING", "x"],
+                      ["SUBSCRIBE"], ["GET", "k1"], ["UNSUBSCRIBE", "a"], ["PUNSUBSCRIBE", "a*"],
+                      ["UNSUBSCRIBE", "b"], ["UNSUBSCRIBE"], ["PUNSUBSCRIBE"]),
+    "resp2-skip": cmds(SKIP, ["SUBSCRIBE", "a"], ["PING"], SKIP, ["PSUBSCRIBE", "a*", "b*"],
+                       ["PING", "x"], SKIP, ["UNSUBSCRIBE", "a"], SKIP, ["PUNSUBSCRIBE", "b*"],
+                       ["PUNSUBSCRIBE", "a*"], SKIP, ["PUNSUBSCRIBE"], ["PING"]),
+    "resp3-off": cmds(SKIP, HELLO3, OFF, ["SUBSCRIBE", "a"], ["PSUBSCRIBE", "a*"], ["PING"],
+                      ["GET", "k1"], ["UNSUBSCRIBE", "a", "b"], ["PUNSUBSCRIBE", "a*"],
+                      ["UNSUBSCRIBE"]),
+    "resp3-skip": cmds(SKIP, HELLO3, SKIP, ["SUBSCRIBE", "a", "b"], ["PING"], SKIP,
+                       ["PSUBSCRIBE", "a*"], ["GET", "k1"], SKIP, ["UNSUBSCRIBE", "b", "a"],
+                       SKIP, ["PUNSUBSCRIBE"], ["GET", "k2"]),
+    # inside EXEC: the transaction's reply is dropped, its confirmations still go out
+    "resp3-off-exec": cmds(SKIP, HELLO3, ["SUBSCRIBE", "q"], OFF, ["MULTI"], ["UNSUBSCRIBE", "q"],
+                           ["PING"], ["SUBSCRIBE", "r"], ["EXEC"], ["UNSUBSCRIBE", "r"]),
+    "resp2-off-exec": cmds(OFF, ["MULTI"], ["SUBSCRIBE", "a"], ["PING"], ["EXEC"],
+                           ["UNSUBSCRIBE", "a"]),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBSUB))
+def test_pubsub_confirmations_whatever_client_reply_says(redis_sock, sidecar_sock, name):
+    """The confirmations come as Redis sends them, with OFF or SKIP in force, RESP2 and RESP3;
+    every other reply those modes drop stays dropped. The same bytes whether the pipeline
+    arrives in one write or one command per write."""
+    data = PUBSUB[name] + END
+    want = exchange(redis_sock, [data])
+    assert b"subscribe\r\n" in want and want.endswith(END_REPLY), want
+    got = exchange(sidecar_sock, [data])
+    print(f"{name}: {len(want)} bytes from redis-server, {len(got)} from the sidecar")
+    assert got == want
+    assert exchange(sidecar_sock, one_per_write(data)) == want
+
+
+@pytest.mark.parametrize("proto", [2, 3])
+@pytest.mark.parametrize("mode", ["OFF", "SKIP"])
+@pytest.mark.parametrize("command", [["SUBSCRIBE", "chan", "ch2"], ["PSUBSCRIBE", "ch*"]],
+                         ids=["subscribe", "psubscribe"])
+def test_a_client_waiting_for_its_confirmation_gets_it(redis_sock, sidecar_sock, proto, mode, command):
+    """As Redis's test client does: set the mode, subscribe, then wait for the confirmations
+    before going on (RESP3 confirmations are pushes, `>3`). Both servers, the same bytes."""
+    head = b">3" if proto == 3 else b"*3"
+    kind = command[0].lower()
+    want = b"".join(head + b"\r\n" + encode([kind, ch])[4:] + b":%d\r\n" % n
+                    for n, ch in enumerate(command[1:], 1))
+    for path in (redis_sock, sidecar_sock):
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(10)
+        s.connect(path)
+        try:
+            s.sendall(cmds(SKIP, ["HELLO", str(proto)], ["CLIENT", "REPLY", mode], command))
+            got = b""
+            while len(got) < len(want):  # times out (a failure) if they never come
+                chunk = s.recv(len(want) - len(got))
+                assert chunk, got
+                got += chunk
+            assert got == want, path
+        finally:
+            s.close()
+
+
 # --------------------------------------------------------------------------- multibulk counts
 
 @pytest.mark.parametrize("data,until", [
