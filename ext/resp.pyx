@@ -70,6 +70,13 @@ cdef inline bint _parse_int(const unsigned char* p, Py_ssize_t n, bint* neg,
     return True
 
 
+cdef inline bint _leading_zero(const unsigned char* p, Py_ssize_t n) noexcept nogil:
+    """For a number _parse_int accepted: True when Redis's string2ll would not, for a zero
+    before other digits or after a `-` (`007`, `-0`): the twin's `_fail_ll`."""
+    cdef Py_ssize_t i = 1 if p[0] == 45 else 0
+    return n > 1 and p[i] == 48
+
+
 cdef inline long long _sat(bint neg, unsigned long long mag) noexcept nogil:
     """The value saturated to ±LLONG_MAX: every comparison with a long long limit holds."""
     if mag > LLMAX:
@@ -312,7 +319,8 @@ cdef class RequestReader(_BufferedReader):
                         raise self._fail("too big mbulk count string")
                     self._pos = pos
                     return None
-                if not _parse_int(buf + pos + 1, crlf - pos - 1, &neg, &mag):
+                if (not _parse_int(buf + pos + 1, crlf - pos - 1, &neg, &mag)
+                        or _leading_zero(buf + pos + 1, crlf - pos - 1)):
                     raise self._fail("invalid multibulk length")
                 count = _sat(neg, mag)
                 if count > _MBULK_MAX:  # the twin's _MBULK_MAX: Redis's INT_MAX
@@ -339,7 +347,8 @@ cdef class RequestReader(_BufferedReader):
                         raise self._fail("too big bulk count string")
                     self._pos = pos
                     return None
-                if not _parse_int(buf + pos + 1, crlf - pos - 1, &neg, &mag) or neg:
+                if (not _parse_int(buf + pos + 1, crlf - pos - 1, &neg, &mag) or neg
+                        or _leading_zero(buf + pos + 1, crlf - pos - 1)):
                     raise self._fail("invalid bulk length")
                 size = _sat(neg, mag)
                 if size > self._max_req:
