@@ -45,6 +45,8 @@ cdef unsigned long long LLMAX = 9223372036854775807ULL
 # the most pairs a map or an attribute may declare: twice that still fits a long long
 cdef unsigned long long LLMAX_PAIRS = 4611686018427387903ULL
 assert LLMAX == _twin._COUNT_MAX and LLMAX_PAIRS * 2 + 1 == LLMAX
+cdef long long _MBULK_MAX = 2147483647
+assert _MBULK_MAX == _twin._MBULK_MAX
 
 
 
@@ -66,6 +68,13 @@ cdef inline bint _parse_int(const unsigned char* p, Py_ssize_t n, bint* neg,
         i += 1
     mag[0] = v
     return True
+
+
+cdef inline bint _leading_zero(const unsigned char* p, Py_ssize_t n) noexcept nogil:
+    """For a number _parse_int accepted: True when Redis's string2ll would not, for a zero
+    before other digits or after a `-` (`007`, `-0`): the twin's `_fail_ll`."""
+    cdef Py_ssize_t i = 1 if p[0] == 45 else 0
+    return n > 1 and p[i] == 48
 
 
 cdef inline long long _sat(bint neg, unsigned long long mag) noexcept nogil:
@@ -310,17 +319,18 @@ cdef class RequestReader(_BufferedReader):
                         raise self._fail("too big mbulk count string")
                     self._pos = pos
                     return None
-                if not _parse_int(buf + pos + 1, crlf - pos - 1, &neg, &mag):
+                if (not _parse_int(buf + pos + 1, crlf - pos - 1, &neg, &mag)
+                        or _leading_zero(buf + pos + 1, crlf - pos - 1)):
                     raise self._fail("invalid multibulk length")
                 count = _sat(neg, mag)
-                if count < -1:
+                if count > _MBULK_MAX:  # the twin's _MBULK_MAX: Redis's INT_MAX
                     raise self._fail("invalid multibulk length")
                 if count > self._max_args:
                     raise self._fail("too many arguments")
                 self._reqsize = crlf + 2 - pos
                 pos = crlf + 2
                 if count <= 0:
-                    continue  # *0 and *-1 are no command at all
+                    continue  # *0, *-1 and every negative count are no command at all
                 self._argc = count
                 self._args = []
                 self._bulklen = -1
@@ -337,7 +347,8 @@ cdef class RequestReader(_BufferedReader):
                         raise self._fail("too big bulk count string")
                     self._pos = pos
                     return None
-                if not _parse_int(buf + pos + 1, crlf - pos - 1, &neg, &mag) or neg:
+                if (not _parse_int(buf + pos + 1, crlf - pos - 1, &neg, &mag) or neg
+                        or _leading_zero(buf + pos + 1, crlf - pos - 1)):
                     raise self._fail("invalid bulk length")
                 size = _sat(neg, mag)
                 if size > self._max_req:

@@ -53,7 +53,7 @@ INLINE_MAX: Final = 64 * 1024
 # input costs O(n) overall instead of one copy of the remainder per command.
 _COMPACT_AT: Final = 64 * 1024
 
-_CR, _LF = 13, 10
+_CR, _LF, _ZERO = 13, 10, 48
 _STAR, _DOLLAR, _PLUS, _MINUS, _COLON = 42, 36, 43, 45, 58
 _UNDERSCORE, _COMMA, _HASH, _LPAREN, _EQUALS, _BANG = 95, 44, 35, 40, 61, 33
 _PERCENT, _TILDE, _GT, _PIPE = 37, 126, 62, 124
@@ -61,12 +61,25 @@ _AGGREGATES: Final = frozenset((_STAR, _PERCENT, _TILDE, _GT, _PIPE))
 # The most elements an aggregate may declare (a map or an attribute twice its count): what a
 # signed 64-bit count holds, the native reader's; more is a protocol error in both twins.
 _COUNT_MAX: Final = 2**63 - 1
+# The most arguments a request may declare before the count itself is malformed: Redis's
+# processMultibulkBuffer refuses a count past INT_MAX as `invalid multibulk length` (kvcache's
+# own `max_args`, lower, then says `too many arguments`); a count of zero or below, however
+# negative, is no command at all there, not an error.
+_MBULK_MAX: Final = 2**31 - 1
 
 
 def _fail_int(line: bytes | bytearray) -> bool:
-    """True unless `line` is an optionally negative decimal as Redis's string2ll accepts it."""
+    """True unless `line` is an optionally negative decimal of 1 to 19 digits: how replies'
+    lengths and integers are read (leading zeros allowed, as hiredis allows them)."""
     digits = line[1:] if line[:1] == b"-" else line
     return not digits.isdigit() or len(digits) > 19
+
+
+def _fail_ll(line: bytes | bytearray) -> bool:
+    """True unless `line` is a number as Redis's string2ll reads a request's counts and
+    lengths: `0`, or an optional `-` and 1 to 19 digits without a leading zero (so `-0`,
+    `007`, `+1` and ` 1` are not numbers: `invalid multibulk length` or `invalid bulk length`)."""
+    return _fail_int(line) or (len(line) > 1 and line[line[0] == _MINUS] == _ZERO)
 
 
 class _BufferedReader:
@@ -220,17 +233,17 @@ class RequestReader(_BufferedReader):
                     self._pos = pos
                     return None
                 line = buf[pos + 1:crlf]
-                if _fail_int(line):
+                if _fail_ll(line):
                     raise self._fail("invalid multibulk length")
                 count = int(line)
-                if count < -1:
+                if count > _MBULK_MAX:
                     raise self._fail("invalid multibulk length")
                 if count > self.max_args:
                     raise self._fail("too many arguments")
                 self._reqsize = crlf + 2 - pos
                 pos = crlf + 2
                 if count <= 0:
-                    continue  # *0 and *-1 are no command at all
+                    continue  # *0, *-1 and every negative count are no command at all
                 self._argc = count
                 self._args = []
                 self._bulklen = -1
@@ -248,7 +261,7 @@ class RequestReader(_BufferedReader):
                     self._pos = pos
                     return None
                 line = buf[pos + 1:crlf]
-                if line[:1] == b"-" or _fail_int(line):
+                if line[:1] == b"-" or _fail_ll(line):
                     raise self._fail("invalid bulk length")
                 size = int(line)
                 if size > self.max_request_bytes:

@@ -83,3 +83,57 @@ def test_each_doc_says_each_thing_once():
         assert sorted({h for h in headings if headings.count(h) > 1}) == [], path.name
     rows = re.findall(r"^\| `(kvcache_[a-z_]+)` \|", _doc("metrics.md"), re.M)
     assert len(rows) > 40 and sorted({r for r in rows if rows.count(r) > 1}) == []
+
+
+ROOT = DOCS.parent
+# What a clone holds and a reader follows: the docs, the READMEs, and the code and tests that cite them
+LINKED = [*sorted(DOCS.glob("*.md")), ROOT / "README.md", ROOT / "bench" / "README.md",
+          ROOT / "deploy" / "README.md"]
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    return {_slug(h) for h in re.findall(r"^#{1,6} (.+)$", _outside_code(path.read_text()), re.M)}
+
+
+def _outside_code(text: str) -> str:
+    return re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+
+
+def _links(path: Path) -> list[str]:
+    return [t for t in re.findall(r"\]\(([^)\s]+)\)", _outside_code(path.read_text()))
+            if not re.match(r"[a-z]+:", t)]
+
+
+def test_relative_links_lead_somewhere():
+    """Every relative link in the docs and READMEs names a file of the repository, and an
+    anchor a heading of it (GitHub's slug)."""
+    assert len([t for p in LINKED for t in _links(p)]) > 20  # the walk found links
+    broken = []
+    for path in LINKED:
+        for target in _links(path):
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.exists():
+                broken.append(f"{path.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                broken.append(f"{path.relative_to(ROOT)}: {target} (no such heading)")
+    assert broken == []
+
+
+def test_the_repository_points_inside_itself():
+    """The facts the code, tests and docs rely on are in docs/ (sources.md) with their public
+    sources, never in notes beside the repository that a clone does not have."""
+    kinds = (".py", ".pyx", ".pxd", ".pxi", ".md", ".toml", ".yaml", ".yml", ".sh", ".js", ".mjs")
+    files = [p for d in ("kvcache", "ext", "tests", "docs", "bench", "deploy") for p in (ROOT / d).rglob("*")
+             if p.suffix in kinds and "node_modules" not in p.parts and p.is_file()]
+    files += [ROOT / "README.md", ROOT / "Makefile"]
+    outside = re.compile(r"\.\./shared/|shared/notes/")
+    here = Path(__file__).resolve()
+    cited = sorted(str(p.relative_to(ROOT)) for p in files
+                   if p.resolve() != here and outside.search(p.read_text(errors="replace")))
+    assert len(files) > 100 and cited == []

@@ -138,6 +138,57 @@ def test_wire_frames_resp2_and_resp3(env):
         s3.close()
 
 
+def pmsg(pattern: str, channel: str, payload: str, proto: int = 2) -> bytes:
+    head = b">4\r\n" if proto == 3 else b"*4\r\n"
+    return head + b"$8\r\npmessage\r\n" + encode([pattern, channel, payload])[4:]
+
+
+def ack(kind: str, channel: str | None, count: int, proto: int = 2) -> bytes:
+    head = b">3\r\n" if proto == 3 else b"*3\r\n"
+    name = encode([kind])[4:]
+    ch = encode([channel])[4:] if channel is not None else (b"_\r\n" if proto == 3 else b"$-1\r\n")
+    return head + name + ch + b":%d\r\n" % count
+
+
+@pytest.mark.parametrize("proto,mode", [(2, "OFF"), (2, "SKIP"), (3, "OFF"), (3, "SKIP")])
+def test_subscribing_with_client_reply_off_or_skip(env, proto, mode):
+    """Redis's own tests (unit/pubsub.tcl: "PubSub messages with CLIENT REPLY OFF" in RESP3,
+    the keyspace tests after OFF and SKIP in RESP2) silence replies, subscribe, and wait for
+    the confirmation, then for the notification of a change: Redis sends both whatever
+    CLIENT REPLY says. A sidecar that dropped the confirmation left them waiting for ever."""
+    url = env["url"]
+    key = f"silenced{proto}{mode.lower()}"
+    space, event = f"__keyspace@0__:{key}", "__keyevent@0__:set"
+    s = connect(env)
+    try:
+        s.sendall(encode(["CLIENT", "REPLY", "SKIP"]) + encode(["HELLO", str(proto)])
+                  + encode(["CLIENT", "REPLY", mode]) + encode(["PSUBSCRIBE", f"__keyspace@0__:{key}*"]))
+        want = ack("psubscribe", f"__keyspace@0__:{key}*", 1, proto)
+        assert read_exactly(s, want) == want
+        if proto == 3:  # RESP3: CLIENT REPLY may be set again while subscribed
+            s.sendall(encode(["CLIENT", "REPLY", mode]))
+        s.sendall(encode(["SUBSCRIBE", event]))
+        want = ack("subscribe", event, 2, proto)
+        assert read_exactly(s, want) == want
+        put(url, "ps", key, b"v")
+        want = pmsg(f"__keyspace@0__:{key}*", space, "set", proto) + msg(event, key, proto)
+        assert read_exactly(s, want) == want
+        if proto == 3:
+            s.sendall(encode(["CLIENT", "REPLY", mode]))
+        s.sendall(encode(["UNSUBSCRIBE", event]) + encode(["PUNSUBSCRIBE"]))
+        want = (ack("unsubscribe", event, 1, proto)
+                + ack("punsubscribe", f"__keyspace@0__:{key}*", 0, proto))
+        assert read_exactly(s, want) == want
+        # SKIP covered one command; OFF is still in force: PING answers only after SKIP
+        s.sendall(encode(["PING"]))
+        if mode == "SKIP":
+            assert read_exactly(s, b"+PONG\r\n") == b"+PONG\r\n"
+        s.sendall(encode(["CLIENT", "REPLY", "ON"]) + encode(["ECHO", "end"]))
+        assert read_exactly(s, b"+OK\r\n$3\r\nend\r\n") == b"+OK\r\n$3\r\nend\r\n"
+    finally:
+        s.close()
+
+
 def test_pubsub_introspection_config_and_reset(env):
     r = redis.Redis(unix_socket_path=env["sock"], decode_responses=True)
     p = r.pubsub()

@@ -207,12 +207,14 @@ def test_request_larger_than_limit(own_sidecar):
 
 # Each hostile input, sent alone on a connection that is then half-closed, and the whole reply:
 # the exact error (Redis's wording), or nothing for an incomplete command (the client
-# hung up before finishing it) and for empty lines and *0 / *-1 (no command at all).
+# hung up before finishing it) and for empty lines and *0 / *-1 / any negative count (no command
+# at all, as in Redis).
 PROTO = b"-ERR Protocol error: "
 HOSTILE = {
     b"\x00\xff\xfe garbage \x01\x02\r\n":
         b"-ERR unknown command '\x00\xef\xbf\xbd\xef\xbf\xbd', with args beginning with: 'garbage' '\x01\x02' \r\n",
-    b"*-5\r\n": PROTO + b"invalid multibulk length\r\n",
+    b"*-5\r\n": b"",
+    b"*3000000000\r\n": PROTO + b"invalid multibulk length\r\n",   # past INT_MAX, as Redis
     b"*1\r\n$99999999999\r\n": PROTO + b"invalid bulk length\r\n",
     b"$99999999999\r\n": b"-ERR unknown command '$99999999999', with args beginning with: \r\n",
     b"*3\r\n$3\r\nGET\r\n": b"",                      # half a command, then close

@@ -1,5 +1,5 @@
 """Stream IDs of the `@<bucket>` streams (kvcache.serve.stream_ids): Redis's grammar and
-errors (../shared/notes/redis-streams.md, section 1), and the revisions an ID bound selects
+errors (docs/sources.md, "Redis stream IDs"), and the revisions an ID bound selects
 when every entry's ID is `<revision>-0`."""
 from __future__ import annotations
 

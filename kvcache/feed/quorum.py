@@ -3,8 +3,8 @@
 A consumer's idle heartbeats come from a local timer on the server that hosts it, and the
 stream's leader answers STREAM.INFO from its own store. A leader cut off from its peers keeps
 doing both for 10-20 s after the majority elected another leader and acknowledged new writes
-(../shared/notes/partitions.md), so "caught up, heartbeats arriving" proves nothing about a
-clustered stream. What does:
+(docs/sources.md, "A partitioned stream leader": nats-server's raft timers, measured), so
+"caught up, heartbeats arriving" proves nothing about a clustered stream. What does:
 
 A stream's info, as its leader answers it, lists each follower's `active`: the time since
 the leader last heard from it. A follower that voted for a newer term answers the leader's

@@ -107,6 +107,7 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         "after_reply",
         "authenticated",
         "channels",
+        "confirmations",
         "created",
         "exec_keys",
         "gate",
@@ -166,7 +167,13 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         # SKIP_NEXT (set by CLIENT REPLY SKIP, becomes SKIP once that command is done).
         # GetConnection._muted says whether any is set.
         self._reply_off = self._skip = self._skip_next = False
-        self._drop_busy = False  # the reply of the command in flight is to be dropped
+        # The reply of the command in flight is to be dropped: what goes out instead (its
+        # pub/sub confirmations), None while it is not.
+        self._drop_busy: bytes | None = None
+        # Pub/sub confirmations of the command running while its reply is dropped (`silenced`):
+        # Redis sends them anyway, as pushes (CLIENT_PUSHING lifts CLIENT REPLY OFF and SKIP,
+        # in RESP2 as in RESP3), so a client that waits for them does not wait for ever.
+        self.confirmations: list[bytes] = []
         self._muted = self.gate
         self.no_evict = self.no_touch = False  # CLIENT NO-EVICT / NO-TOUCH: shown, nothing more
         self._busy_argv = 0  # argument bytes of the commands waiting for NATS (argv-mem)
@@ -181,6 +188,11 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
     @property
     def subscribed(self) -> bool:
         return bool(self.channels or self.patterns)
+
+    @property
+    def silenced(self) -> bool:
+        """CLIENT REPLY OFF, or SKIP for the command running now: its reply is dropped."""
+        return self._reply_off or self._skip
 
     def refresh_path(self) -> None:
         """After any change of the state the command layer looks at: does every command go
@@ -504,9 +516,8 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
                 break
             replies.popleft()
             reply = self._reply_of(head)
-            drop, self._drop_busy = self._drop_busy, False
-            if not drop:
-                out.append(reply)
+            instead, self._drop_busy = self._drop_busy, None
+            out.append(reply if instead is None else instead)
             if self.after_reply:  # keys kvcache cannot vouch for (server_tracking): after it
                 if out and not transport.is_closing():
                     transport.write(b"".join(out))
@@ -565,15 +576,19 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
     def _reply_mode_step(self, reply: bytes | Awaitable[bytes]) -> bytes | Awaitable[bytes]:
         """A command has run while a reply mode other than ON was in force (or was just set):
         drop its reply if OFF or SKIP applies to it (errors too, as Redis does; a reply still
-        to come from NATS when it arrives), then advance SKIP as Redis does after each command."""
+        to come from NATS when it arrives), then advance SKIP as Redis does after each command.
+        A dropped reply leaves its pub/sub confirmations (`confirmations`) in its place: Redis
+        sends those whatever CLIENT REPLY says, also from inside an EXEC whose reply it drops."""
         drop = self._reply_off or self._skip
         self._skip, self._skip_next = self._skip_next, False
         self.refresh_path()
         if not drop:
             return reply
+        instead = b"".join(self.confirmations) if self.confirmations else b""
+        self.confirmations.clear()
         if reply.__class__ is bytes:
-            return b""
-        self._drop_busy = True
+            return instead
+        self._drop_busy = instead
         return reply
 
     # ------------------------------------------------------------------ CLIENT LIST / INFO / KILL

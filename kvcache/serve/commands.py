@@ -182,7 +182,8 @@ class Commands:
         if not conn.authenticated and name not in NO_AUTH:
             return NOAUTH
         if conn.proto == 2 and conn.subscribed and name not in SUBSCRIBED_OK:
-            return resp.error(f"ERR Can't execute '{name.decode(errors='replace')}': only (P|S)SUBSCRIBE / "
+            shown = conn.last_cmd or name  # Redis names a subcommand in full: 'client|reply'
+            return resp.error(f"ERR Can't execute '{shown.decode(errors='replace')}': only (P|S)SUBSCRIBE / "
                               "(P|S)UNSUBSCRIBE / PING / QUIT / RESET are allowed in this context")
         if conn.multi is not None and name not in CONTROL:
             conn.multi.append(args)

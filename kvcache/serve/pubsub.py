@@ -43,6 +43,17 @@ SUBSCRIBED_OK = frozenset({b"subscribe", b"ssubscribe", b"unsubscribe", b"sunsub
                            b"psubscribe", b"punsubscribe", b"ping", b"quit", b"reset"})
 
 
+def _confirm(conn: ClientConnection, confirmations: bytes) -> bytes:
+    """(P)(UN)SUBSCRIBE's confirmations, the command's reply. They are pushes in Redis, sent
+    whatever CLIENT REPLY says (pubsub.c sets CLIENT_PUSHING around each, which lifts OFF and
+    SKIP in RESP2 and RESP3 alike): while this command's reply is to be dropped, they are kept
+    on the connection (`confirmations`) to go out in its place. A client that waits for them
+    (Redis's own tests, client libraries) would otherwise wait for ever."""
+    if conn.silenced:
+        conn.confirmations.append(confirmations)
+    return confirmations
+
+
 def pmessage(pattern: bytes, channel: bytes, payload: bytes, proto: int) -> bytes:
     return resp.push([b"$8\r\npmessage\r\n", resp.bulk(pattern), resp.bulk(channel), resp.bulk(payload)], proto)
 
@@ -135,14 +146,14 @@ class PubSub:
                     self.channels.setdefault(ch, set()).add(conn)
             replies.append(self._ack(conn, kind, ch))
         conn.refresh_path()
-        return b"".join(replies)
+        return _confirm(conn, b"".join(replies))
 
     def unsubscribe(self, conn: ClientConnection, channels: list[bytes], pattern: bool) -> bytes:
         kind = b"punsubscribe" if pattern else b"unsubscribe"
         mine = conn.patterns if pattern else conn.channels
         targets = channels or sorted(mine)
         if not targets:
-            return self._ack(conn, kind, None)
+            return _confirm(conn, self._ack(conn, kind, None))
         replies = []
         for ch in targets:
             if ch in mine:
@@ -150,7 +161,7 @@ class PubSub:
                 self._forget(conn, ch, pattern)
             replies.append(self._ack(conn, kind, ch))
         conn.refresh_path()
-        return b"".join(replies)
+        return _confirm(conn, b"".join(replies))
 
     def drop(self, conn: ClientConnection) -> None:
         """RESET or a closed connection: every subscription goes."""

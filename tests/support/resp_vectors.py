@@ -95,7 +95,15 @@ REQUEST_VECTORS = [
     ("quote not followed by space", b'ECHO "a"b\r\n', [],
      "Protocol error: unbalanced quotes in request"),
     ("bad multibulk length", b"*x\r\n", [], "Protocol error: invalid multibulk length"),
-    ("negative multibulk length", b"*-2\r\n", [], "Protocol error: invalid multibulk length"),
+    # as Redis (processMultibulkBuffer): a negative count is no command; past INT_MAX, an error
+    ("negative multibulk length", b"*-2\r\n*-10\r\nPING\r\n", [[b"PING"]], None),
+    ("multibulk length past INT_MAX", b"*2147483648\r\n", [], "Protocol error: invalid multibulk length"),
+    # numbers as Redis's string2ll reads them: no leading zero, no `-0`
+    ("multibulk length with a leading zero", b"*01\r\n$4\r\nPING\r\n", [],
+     "Protocol error: invalid multibulk length"),
+    ("multibulk length minus zero", b"*-0\r\n", [], "Protocol error: invalid multibulk length"),
+    ("bulk length with a leading zero", b"*1\r\n$04\r\nPING\r\n", [], "Protocol error: invalid bulk length"),
+    ("bulk length zero", b"*1\r\n$0\r\n\r\n", [[b""]], None),
     ("multibulk length with space", b"* 1\r\n", [], "Protocol error: invalid multibulk length"),
     ("expected dollar", b"*1\r\n+PING\r\n", [], "Protocol error: expected '$', got '+'"),
     ("bad bulk length", b"*1\r\n$x\r\n", [], "Protocol error: invalid bulk length"),
