@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_flights import MS, Clock, Router, settle
+from test_flights import MS, Clock, Router, flight, settle
 
 from kvcache.errors import ReplyBudget
 from kvcache.read.flights import Flights, _retrieve, answer_of
@@ -28,7 +28,8 @@ async def test_a_batch_is_sent_at_a_moment_and_is_not_strong():
     assert fl.find("b", "a", clock.now, False, 1000) is None  # sent 2 s before: too old
     assert fl.find("b", "a", clock.now, False, 3000) is batch["a"]
     router.release.set()
-    await answer_of(batch["a"], True)
+    e, by = await answer_of(batch["a"], True)
+    assert (e.key, by) == ("a", "main.b")  # who answered: the near cache's fill asks
 
 
 async def test_a_key_the_batchs_answer_left_out_is_not_found_by_nobody():
@@ -73,3 +74,9 @@ async def test_a_failed_request_with_no_reader_left_is_marked_seen():
     cancelled = loop.create_future()
     cancelled.cancel()
     _retrieve(cancelled)  # a cancelled one has no exception to mark: no error either
+
+
+def test_a_plain_read_does_not_join_a_request_one_ns_older_than_its_bound():
+    arrived = 1_500 * MS
+    assert may_join(flight(sent_ns=arrived - 500 * MS), arrived, False, 500)
+    assert not may_join(flight(sent_ns=arrived - 500 * MS - 1), arrived, False, 500)

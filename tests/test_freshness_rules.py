@@ -161,6 +161,7 @@ def test_the_low_bound_warning_once_when_a_stream_turns_out_replicated(caplog):
     fr.note(lone, T0, applied=0)
     assert not caplog.records  # one copy: no quorum, no warning
     fr.note(replicated(), T0, applied=0)
+    assert len(caplog.records) == 1  # said when the stream is first seen replicated
     fr.note(replicated(), T0, applied=0)
     assert [r.getMessage() for r in caplog.records] == [
         "bucket b: max_stale_ms 1000 is below 1500 ms: its stream is replicated, and a quorum's word about "
@@ -219,3 +220,13 @@ def test_evidence_at_the_replicas_own_sequence_is_reached_at_once(applied):
     p = Proofs()
     p.add(Evidence(2 * S, 20, "a"), applied=applied)
     assert (p.best is not None) == (applied >= 20)
+
+
+def test_evidence_age_is_whole_milliseconds_and_0_when_just_shown():
+    fr, clock = fresh()
+    fr.caught_up = True
+    fr.note(replicated(last_seq=5, active_ns=1), T0, applied=5)  # as of T0 - 1 ns
+    clock.now = fr.heard_ns = T0 - 1
+    assert fr.ages_ms(5) == (0, 0)
+    clock.now = T0 - 1 + 1500 * MS + MS // 2
+    assert fr.ages_ms(5)[1] == 1500 and isinstance(fr.ages_ms(5)[1], int)

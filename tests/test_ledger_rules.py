@@ -219,6 +219,9 @@ def test_the_ledgers_on_hold_is_called_through_the_witness():
     assert calls == [1]
     quiet = Ledger()
     quiet.witness(feed(applied=1)).handed_out("k", 5)  # none set: nothing called, no error
+    given = Ledger(on_hold=lambda: calls.append(2))  # the sidecar's way: given at construction
+    given.witness(feed(applied=1)).handed_out("k", 5)
+    assert calls == [1, 2]
 
 
 def test_the_ledger_passes_max_age_to_its_floors():
@@ -282,3 +285,12 @@ def test_revision_1_counts_like_any_other():
     ledger = Ledger()
     ledger.stream_handed(1, B, 1)
     assert ledger.stream_regressed(1, B, 0)
+
+
+def test_a_not_found_is_below_a_floor_until_the_very_ns_it_expires(monkeypatch):
+    floors = Floors()
+    floors.saw(B, "k", entry("k", 3, created=1000, expires=2000))
+    monkeypatch.setattr(ledger_mod, "time", SimpleNamespace(time_ns=lambda: 1999))
+    assert floors.below(B, "k", None)
+    monkeypatch.setattr(ledger_mod, "time", SimpleNamespace(time_ns=lambda: 2000))
+    assert not floors.below(B, "k", None)

@@ -19,7 +19,7 @@ from kvcache.errors import CommandError, UpstreamError
 from kvcache.read.ledger import Ledger
 from kvcache.read.policy import STALE_SOURCE, Cached, Held, Local, ReadPolicy, Remote
 from kvcache.store import verdict
-from kvcache.store.record import NEVER, encode_record
+from kvcache.store.record import NEVER, encode_record, item
 from kvcache.store.verdict import stored_revision
 
 DOWN = UpstreamError("no peer answered")
@@ -189,3 +189,49 @@ def test_a_stale_answer_is_checked_against_its_own_revision(env):
     w.handed_out("x", 4)
     assert stale_error(p, b"all:x", SERVES_STALE).endswith(
         "not serving stale: a newer revision of the key was already read from a peer")
+
+
+# ---------------------------------------------------------------------- the near cache's fill
+
+def _fill(env, key, e, answered):
+    env.policy.fill(env.policy.address(key.encode()), e, answered)
+
+
+def test_fill_keeps_a_cached_not_found_and_a_newer_value(env):
+    cache = env.cache
+    _fill(env, "gone", None, "main.b")
+    _fill(env, "gone", None, "main.b")  # the same not-found again: kept
+    assert cache.lookup(b"gone") == (None, 0, 0, 0)
+    _fill(env, "k", entry("k", b"v", 9), "main.b")
+    _fill(env, "k", entry("k", None, 8, op=Operation.DEL), "main.b")  # an older deletion's marker
+    assert cache.lookup(b"k") == (b"v", 9, NOW, 0)
+
+
+def test_a_deletions_marker_is_the_responders_to_vouch_for(env):
+    _fill(env, "d", entry("d", None, 9, source="main.b", op=Operation.DEL), "mirror.b")
+    assert b"d" not in env.cache  # answered by a mirror, whatever the marker says
+
+
+def test_fill_that_may_not_go_in_drops_only_an_older_cached_value(env):
+    cache = env.cache
+    _fill(env, "k", entry("k", b"v", 9), "main.b")
+    stale(env.feeds["b"])  # the feed cannot vouch: nothing goes in
+    _fill(env, "k", entry("k", b"old", 7), "main.b")
+    _fill(env, "k", entry("k", b"v", 9), "main.b")
+    assert cache.lookup(b"k") == (b"v", 9, NOW, 0)
+
+
+def test_fill_keeps_the_answers_expiry(env):
+    _fill(env, "t", entry("t", b"v", 4, expires=NEVER), "main.b")
+    assert env.cache.lookup(b"t") == (b"v", 4, NOW, NEVER)
+
+
+def test_fill_refuses_an_answer_older_than_a_change_the_feed_saw_meanwhile(env):
+    """A change of the key (outside the filters) delivered while the read was on its way:
+    the answer, older, must not go into the near cache; one at that revision may."""
+    keeper = env.feeds["b"]._keeper
+    keeper.split([item(b"k", b"new", 8, NOW)], 8, 7)  # the feed's batch: k changed at 8
+    _fill(env, "k", entry("k", b"old", 7), "main.b")
+    assert env.cache.lookup(b"k") != (b"old", 7, NOW, 0)
+    _fill(env, "k", entry("k", b"new", 8), "main.b")
+    assert env.cache.lookup(b"k") == (b"new", 8, NOW, 0)
