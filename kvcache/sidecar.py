@@ -108,7 +108,7 @@ class Sidecar:
         self._dirlock.acquire()
         self._trail.locked()
         self._dirwatch = asyncio.ensure_future(self._watch_host())
-        check_room(self.cfg.data_dir)  # one line for a full disk, not the first write's failure
+        check_room(self.cfg.data_dir, self.cfg.socket_path)  # one line for a full disk, not a write's failure
         claim_socket_path(os.path.abspath(self.cfg.socket_path))
         self._warn_bounds_under_heartbeats()
         if self.use_embedded:

@@ -95,6 +95,36 @@ def test_full_disk_at_start_is_one_line_and_leaves_nothing(tmp_path, nats_server
         assert not os.path.exists(outside_lock_path(str(data)))
 
 
+def test_socket_on_a_filesystem_out_of_inodes_is_refused_before_nats(tmp_path, nats_server):
+    """A socket needs an inode and nothing else: none left was found at the bind, after the
+    sync (its consumer made on the stream); now before NATS is asked for anything."""
+    put_keys(nats_server.url, {"a": b"1"})
+    with small_tmpfs(tmp_path / "run", "1m", "nr_inodes=8") as run:
+        n = 0
+        while True:  # every inode taken
+            try:
+                (run / f"f{n}").touch()
+            except OSError:
+                break
+            n += 1
+        sock = run / "sc.sock"
+        result = run_cli("serve", "--data-dir", str(tmp_path / "data"), "--socket", str(sock),
+                         "--nats", nats_server.url, "--bucket", BUCKET)
+        print(f"\nexit {result.returncode}: {result.stderr.strip().splitlines()[-1:]}")
+        assert result.returncode == 1, result
+        assert error_line(result) == (f"kvcache: error: no space left for socket {sock} (no inode free on its "
+                                      "filesystem): free some there, or choose another --socket")
+        assert not (tmp_path / "data").exists() and not sock.exists()
+
+    async def consumers() -> int:
+        nc = await nats.connect(nats_server.url)
+        try:
+            return (await nc.jetstream().stream_info(f"KV_{BUCKET}")).state.consumer_count
+        finally:
+            await nc.close()
+    assert asyncio.run(consumers()) == 0
+
+
 def test_replica_on_a_full_disk_is_an_error_not_sigbus(tmp_path):
     """LMDB makes its lock file sparse and writes it through its map: on a full tmpfs the first
     touch of a page never allocated was a SIGBUS, the process gone without a word (reached
@@ -268,3 +298,28 @@ def test_a_runtime_dir_open_to_others_is_not_used(tmp_path, monkeypatch, caplog)
     finally:
         lock.release()
     assert os.listdir(tmp_path / "xdg" / "kvcache") == []
+
+
+def test_outside_lock_files_of_killed_sidecars_are_swept(tmp_path, monkeypatch):
+    """A killed sidecar leaves its outside lock file (a clean stop removes it): the next start
+    removes every one no process holds, and leaves a held one."""
+    import fcntl
+
+    from kvcache.ops.datadir import DataDirLock
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
+    where = tmp_path / "xdg" / "kvcache"
+    where.mkdir(parents=True, mode=0o700)
+    left, held = where / "kvcache-0000000000000000.lock", where / "kvcache-1111111111111111.lock"
+    left.write_text("4242\n")
+    held.write_text("4343\n")
+    with open(held) as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        (tmp_path / "data").mkdir()
+        lock = DataDirLock(str(tmp_path / "data"))
+        lock.acquire()
+        try:
+            assert sorted(os.listdir(where)) == sorted([held.name, os.path.basename(lock.outside.path)])
+        finally:
+            lock.release()
+    assert os.listdir(where) == [held.name]

@@ -69,11 +69,20 @@ def short_of_room(data_dir: str) -> bool:
     return free < START_FREE_BYTES or (inodes is not None and inodes < START_FREE_INODES)
 
 
-def check_room(data_dir: str) -> None:
+def check_room(data_dir: str, socket_path: str | None = None) -> None:
     """Refuse a start with too little room to make its first writes: one line (no_room)
-    rather than whichever write failed first."""
+    rather than whichever write failed first. The socket (elsewhere) needs one inode: checked
+    here too, before NATS is asked for anything, not at the bind after the sync."""
     if short_of_room(data_dir):
         raise no_room(data_dir)
+    if socket_path is not None:
+        try:
+            inodes = room(os.path.dirname(os.path.abspath(socket_path)))[1]
+        except OSError:
+            return
+        if inodes == 0:
+            raise KvcacheError(f"no space left for socket {socket_path} (no inode free on its filesystem): "
+                               "free some there, or choose another --socket")
 
 
 def _size(n: int) -> str:
@@ -182,6 +191,31 @@ class LockFile:
         self.fd = None
 
 
+def sweep(where: str) -> None:
+    """Remove the outside lock files no process holds (left by killed sidecars: a clean stop
+    removes its own), so that the runtime directory does not fill with them. Each is removed
+    under its lock; a start that opened it meanwhile takes the path's new file (acquire)."""
+    try:
+        names = [n for n in os.listdir(where) if n.startswith("kvcache-") and n.endswith(".lock")]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(where, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            st, mine = os.stat(path), os.fstat(fd)
+            if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                os.unlink(path)
+        except OSError:  # held (a sidecar runs on it), or gone meanwhile
+            pass
+        finally:
+            os.close(fd)
+
+
 def _holder(fd: int) -> str:
     try:
         text = os.pread(fd, 32, 0).decode(errors="replace").strip()
@@ -217,6 +251,8 @@ class DataDirLock:
             self.outside = None
             log.warning("no lock outside the data directory (%s): a second sidecar could start on %s "
                         "once it is removed under this one", e, self.data_dir)
+        else:
+            sweep(os.path.dirname(self.outside.path))
         self.inside.acquire()
         self.keep(self.data_dir)
 
