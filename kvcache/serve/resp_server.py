@@ -86,20 +86,22 @@ class RespServer:
         old_umask = os.umask(0o177)
         try:
             sock.bind(self.path)
-            os.chmod(self.path, self.cfg.socket_mode)
-            st = os.stat(self.path)
         except BaseException:
             sock.close()
             raise
         finally:
             os.umask(old_umask)
-        loop = asyncio.get_running_loop()
-        try:
-            server = await loop.create_unix_server(lambda: ClientConnection(self, next(self._ids)),
-                                                   sock=sock, backlog=1024)
+        try:  # from here the file is this listener's: removed if it cannot serve (or is cancelled)
+            os.chmod(self.path, self.cfg.socket_mode)
+            st = os.stat(self.path)
+            server = await asyncio.get_running_loop().create_unix_server(
+                lambda: ClientConnection(self, next(self._ids)), sock=sock, backlog=1024)
         except BaseException:
             sock.close()
-            os.unlink(self.path)
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
             raise
         self._inode = (st.st_dev, st.st_ino)
         return server
@@ -112,6 +114,8 @@ class RespServer:
         socket at the path is replaced, as at start), with one line; when it cannot be (its
         directory gone too, another process serving there, a file there), one line saying
         why, and `socket_fault` set until it can (/readyz reports it)."""
+        if self._server is None or self.closing:  # not serving yet, or no more
+            return
         try:
             st = os.lstat(self.path)
             if (st.st_dev, st.st_ino) == self._inode:
