@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import difflib
-import errno
-import fcntl
 import functools
 import gc
 import logging
@@ -19,7 +17,7 @@ import nats
 from . import native
 from .config import BucketConfig, Config, ensure_dirs, start_warnings
 from .demo import DEMO_BUCKET, ensure_demo_bucket
-from .errors import BucketNotFound, ConfigError, KvcacheError, describe
+from .errors import BucketNotFound, KvcacheError, describe
 from .feed.changes import ChangeHub
 from .feed.feed import Feed
 from .feed.fleet import StateShare
@@ -31,6 +29,7 @@ from .natsio import jetstream as jsapi
 from .natsio.embedded import EmbeddedNats
 from .natsio.upstream import Upstream
 from .ops.accesslog import AccessLog
+from .ops.datadir import CHECK_S, LOCK_FILE, NO_SPACE, DataDirLock, check_room, no_room, short_of_room
 from .ops.health import BucketState, readiness
 from .ops.metrics import SidecarCollector, exposition
 from .ops.metrics_http import MetricsServer
@@ -53,7 +52,6 @@ from .store.replica import Replica
 log = logging.getLogger("kvcache")
 
 STOP_STEP_S = 5.0  # longest wait for one shutdown step (a feed, the router, peer connections)
-LOCK_FILE = "kvcache.lock"
 
 
 class Sidecar:
@@ -93,7 +91,8 @@ class Sidecar:
         self.upstream = Upstream(cfg, self.stats, self.feeds, self._stopping, self._fail)
         self._supervisor: asyncio.Task | None = None
         self._hopper: asyncio.Task | None = None  # Upstream.leave_servers_without_quorum
-        self._lock_fd: int | None = None
+        self._dirlock = DataDirLock(cfg.data_dir)  # one sidecar per data directory (kvcache.ops.datadir)
+        self._dirwatch: asyncio.Task | None = None  # _watch_host
         self._fatal_error: KvcacheError | None = None
         self._trail: StartTrail | None = None  # what start found, for a failed start to restore
         self._undo_start = False  # set when start failed: stop() removes what it created
@@ -106,8 +105,10 @@ class Sidecar:
         # Refuse a data directory another sidecar uses, then a live socket, before doing
         # anything else: a second sidecar must fail at once, not after starting an embedded
         # nats-server, opening the replica, connecting, syncing and logging.
-        self._lock_data_dir()
+        self._dirlock.acquire()
         self._trail.locked()
+        self._dirwatch = asyncio.ensure_future(self._watch_host())
+        check_room(self.cfg.data_dir, self.cfg.socket_path)  # one line for a full disk, not a write's failure
         claim_socket_path(os.path.abspath(self.cfg.socket_path))
         self._warn_bounds_under_heartbeats()
         if self.use_embedded:
@@ -126,6 +127,7 @@ class Sidecar:
             map_size=self.cfg.map_size_mb << 20, max_map_size=self.cfg.max_map_size_mb << 20,
             buckets=len(self.cfg.buckets))
         self.replica.set_buckets([b.name for b in self.cfg.buckets])
+        self._dirlock.keep(os.path.join(self.replica.path, "data.mdb"))
         timeout = self.cfg.nats.request_timeout_ms / 1000
         shared_watch = len(self.cfg.buckets) >= SHARED_FROM
         # The parts, built and wired here and nowhere else: the read decisions and the GET
@@ -231,7 +233,12 @@ class Sidecar:
                 # ended by a fatal error (not a signal): as failed as a start that raised
                 self._undo_start = self._fatal_error is not None
             else:
-                self._undo_start = starting.exception() is not None
+                error = starting.exception()
+                self._undo_start = error is not None
+                if error is not None and not isinstance(error, KvcacheError) and (
+                        (isinstance(error, OSError) and error.errno in NO_SPACE) or short_of_room(self.cfg.data_dir)):
+                    # a write the start's check_room could not foresee (the disk filled meanwhile)
+                    raise no_room(self.cfg.data_dir) from None
                 starting.result()  # a failed start: its one-line error reaches the CLI
             await self._stopping.wait()
             log.info("shutting down")
@@ -258,12 +265,30 @@ class Sidecar:
         return conns
 
     def readiness(self) -> tuple[bool, str]:
-        """/readyz's answer: kvcache.ops.health's rule over the feeds as they are now."""
+        """/readyz's answer: kvcache.ops.health's rule over the feeds as they are now; not ready
+        while the socket, removed, cannot be made again (RespServer.socket_fault)."""
         if self._stopping.is_set():
             return False, "not ready: shutting down"
+        if self.server is not None and self.server.socket_fault:
+            return False, f"not ready: {self.server.socket_fault}"
         return readiness((BucketState(name, f.synced, f.lag_ms(), f.cfg.max_stale_ms, f.unwritable_ms())
                           for name, f in self.feeds.items()),
                          self.stats.nats_connected, self.cfg.ready_on_fallback)
+
+    async def _watch_host(self) -> None:
+        """What the host can take away while the sidecar runs, looked at every CHECK_S seconds
+        (a few stats): the data directory removed ends the sidecar (exit 1, its one line),
+        since its replica and lock went with it and a supervisor's restart makes them anew;
+        a lock file or the socket removed is made again (RespServer.check_socket)."""
+        while True:
+            await asyncio.sleep(CHECK_S)
+            why = self._dirlock.check()
+            if why is not None:
+                log.error("%s", why)
+                self._fail(KvcacheError(why))
+                return
+            if self.server is not None and not self.server.closing:
+                await self.server.check_socket()
 
     def _warn_bounds_under_heartbeats(self) -> None:
         """A caught-up replica counts as behind only after two heartbeats of silence
@@ -298,6 +323,10 @@ class Sidecar:
         socket and the data-directory lock must be released all the same. Safe to call twice."""
         self._stopping.set()
         served = self.server is not None
+        if self._dirwatch is not None:
+            self._dirwatch.cancel()
+            await asyncio.wait({self._dirwatch})
+            self._dirwatch = None
         if self._hopper is not None:
             self._hopper.cancel()
             await asyncio.wait({self._hopper})
@@ -345,9 +374,9 @@ class Sidecar:
             self.embedded = None
         if self._undo_start and self._trail is not None:
             # with the lock still held: the lock file goes before another start can take it
-            self._trail.undo(locked=self._lock_fd is not None)
+            self._trail.undo(locked=self._dirlock.held)
             self._undo_start = False
-        self._release_lock()
+        self._dirlock.release()
         if served:
             log.info("stopped")
 
@@ -361,52 +390,6 @@ class Sidecar:
         it as its one error line."""
         self._fatal_error = err
         self._fatal(err)
-
-    # ------------------------------------------------------------------ data directory lock
-
-    def _lock_data_dir(self) -> None:
-        """One sidecar per data directory: an exclusive flock on <data_dir>/kvcache.lock, held
-        until stop() (or the process's end: the kernel drops it with the process, so a file
-        left by a killed sidecar never blocks)."""
-        path = os.path.join(self.cfg.data_dir, LOCK_FILE)
-        while True:
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            except OSError as e:
-                raise ConfigError(f"cannot create the lock file {path}: {e.strerror}") from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                try:
-                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-                except OSError:
-                    holder = ""
-                os.close(fd)
-                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise KvcacheError(
-                        f"data directory {self.cfg.data_dir} is in use by another kvcache serve"
-                        f"{f' (pid {holder})' if holder.isdigit() else ''}; one sidecar per data "
-                        f"directory (lock: {path})") from None
-                raise ConfigError(f"cannot lock {path}: {e.strerror}") from None
-            # A failed start removes the lock file it made (StartTrail), holding the lock: a
-            # lock taken on a file removed meanwhile is no lock; take the new file's instead.
-            try:
-                held = os.stat(path)
-            except FileNotFoundError:
-                held = None
-            mine = os.fstat(fd)
-            if held is not None and (held.st_dev, held.st_ino) == (mine.st_dev, mine.st_ino):
-                break
-            os.close(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
-
-    def _release_lock(self) -> None:
-        if self._lock_fd is not None:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
-            self._lock_fd = None
 
     async def _add_peers(self, timeout: float) -> None:
         """The [[peer]] entries (one connection per server set) and, when asked, the mirrors

@@ -20,17 +20,14 @@ from __future__ import annotations
 
 import itertools
 import os
-import subprocess
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import nats
 import pytest
 from support.poll import wait_until
 from support.scrape import http_get, metrics_address, replica_error_retries
 from support.sidecar_proc import SidecarProcess, run_cli
+from support.tmpfs import fill, small_tmpfs
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.servers]
 
@@ -47,38 +44,6 @@ HOLD_RETRIES = 3
 PACE_S = 0.02  # between rounds of reads (not a wait for anything: reads keep going)
 UNWRITABLE_LINE = "cannot write the replica"
 WRITABLE_LINE = "replica written again"
-
-
-@contextmanager
-def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of `size` mounted at `path`, unmounted on every way out. Skips where the test
-    may not mount (not root, or no mount permission in this container)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs for the data directory needs root (CI runs as root)")
-    path.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                       capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
-
-
-def fill(path: Path, leave: int) -> Path:
-    """A filler file leaving about `leave` bytes free on `path`'s filesystem."""
-    st = os.statvfs(path)
-    want = st.f_bavail * st.f_frsize - leave
-    filler = path / "filler"
-    with open(filler, "wb") as f:
-        chunk = b"\0" * 65536
-        while want > 0:
-            try:
-                want -= f.write(chunk[:min(want, len(chunk))])
-            except OSError:  # ENOSPC: the filesystem counts blocks its own way; full enough
-                break
-    return filler
 
 
 class Reads:

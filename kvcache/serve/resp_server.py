@@ -58,7 +58,9 @@ class RespServer:
         self._tcp: asyncio.Server | None = None
         self._server: asyncio.AbstractServer | None = None
         self._ids = itertools.count(1)
-        self._inode: int | None = None
+        self._inode: tuple[int, int] | None = None  # the socket file's (st_dev, st_ino) as bound
+        # why the socket is not served (removed, and it cannot be made again), else None: /readyz says it
+        self.socket_fault: str | None = None
         self.closing = False
         self.write_stall_s = cfg.client_write_stall_ms / 1000
 
@@ -67,20 +69,84 @@ class RespServer:
         claim_socket_path(self.path)
         loop = asyncio.get_running_loop()
         self.gets.call_soon = loop.call_soon
-        old_umask = os.umask(0o177)  # no window in which the socket is more open than asked
         try:
-            self._server = await loop.create_unix_server(
-                lambda: ClientConnection(self, next(self._ids)), self.path, backlog=1024)
+            self._server = await self._listen_unix()
         except OSError as e:
             raise KvcacheError(f"cannot listen on {self.path}: {e.strerror}") from None
-        finally:
-            os.umask(old_umask)
-        os.chmod(self.path, self.cfg.socket_mode)
-        self._inode = os.stat(self.path).st_ino
         log.info("serving RESP on %s (mode %o)", self.path, self.cfg.socket_mode)
         address = self.cfg.listen_address
         if address is not None:
             await self._listen_tcp(*address)
+
+    async def _listen_unix(self) -> asyncio.AbstractServer:
+        """A listener on the socket path, bound here (not by the loop) so that the umask that
+        keeps it from being more open than socket_mode covers the bind alone, with no other
+        callback running meanwhile. Raises OSError."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)
+        try:
+            sock.bind(self.path)
+        except BaseException:
+            sock.close()
+            raise
+        finally:
+            os.umask(old_umask)
+        try:  # from here the file is this listener's: removed if it cannot serve (or is cancelled)
+            os.chmod(self.path, self.cfg.socket_mode)
+            st = os.stat(self.path)
+            server = await asyncio.get_running_loop().create_unix_server(
+                lambda: ClientConnection(self, next(self._ids)), sock=sock, backlog=1024)
+        except BaseException:
+            sock.close()
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+            raise
+        self._inode = (st.st_dev, st.st_ino)
+        return server
+
+    async def check_socket(self) -> None:
+        """Is the socket file still the one bound? (A stat: the sidecar asks every CHECK_S
+        seconds.) A socket removed under a running server (`rm`, a cleaner of old files, a
+        deployment script) leaves it listening on a file no client can reach while it looks
+        healthy; redis-server and nginx do not notice either. Here it is made again (a stale
+        socket at the path is replaced, as at start), with one line; when it cannot be (its
+        directory gone too, another process serving there, a file there), one line saying
+        why, and `socket_fault` set until it can (/readyz reports it)."""
+        if self._server is None or self.closing:  # not serving yet, or no more
+            return
+        try:
+            st = os.lstat(self.path)
+            if (st.st_dev, st.st_ino) == self._inode:
+                return
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            self._socket_fault(e.strerror or str(e))
+            return
+        old = self._server
+        try:
+            claim_socket_path(self.path)
+            self._server = await self._listen_unix()
+        except KvcacheError as e:
+            self._socket_fault(str(e))
+            return
+        except OSError as e:
+            self._socket_fault(e.strerror or str(e))
+            return
+        if old is not None:
+            old.close()  # the file it listened on is gone; its clients keep their connections
+        self.socket_fault = None
+        log.warning("socket %s was removed while serving; made it again (mode %o; connected clients "
+                    "kept their connections)", self.path, self.cfg.socket_mode)
+
+    def _socket_fault(self, why: str) -> None:
+        fault = (f"socket {self.path} was removed while serving and cannot be made again ({why}): "
+                 "clients cannot connect through it")
+        if fault != self.socket_fault:
+            log.error("%s", fault)
+        self.socket_fault = fault
 
     async def _listen_tcp(self, host: str, port: int) -> None:
         """The TCP listener (`listen`): for pods whose containers share no volume, and for
@@ -139,7 +205,8 @@ class RespServer:
 
     def _remove_socket(self) -> None:
         try:
-            if os.stat(self.path).st_ino == self._inode:
+            st = os.lstat(self.path)
+            if (st.st_dev, st.st_ino) == self._inode:
                 os.unlink(self.path)
         except FileNotFoundError:
             pass

@@ -26,6 +26,10 @@ log = logging.getLogger("kvcache.replica")
 # transaction (LMDB sizes a transaction's tables by it), so the writer takes what its buckets
 # need (dbs_for), never less than MAX_DBS; readers take room for what the file holds.
 MAX_DBS = 256
+MAX_READERS = 1024
+# LMDB's lock file holds a header and one 64-byte slot per reader (1024 readers: 65664 bytes);
+# reserved a page beyond that (reserve_lock_file), since LMDB keeps a longer file as it is.
+LOCK_FILE_BYTES = MAX_READERS * 64 + 4096
 
 
 def dbs_for(buckets: int, existing: int = 0) -> int:
@@ -55,8 +59,32 @@ def _open(path: str, map_size: int, max_dbs: int) -> lmdb.Environment:
         # Durability comes from NATS: after an OS crash we resume from an older
         # applied sequence, which is still consistent because data and position
         # share each transaction. Process crashes lose nothing either way.
-        sync=False, metasync=False, readahead=False, max_readers=1024,
+        sync=False, metasync=False, readahead=False, max_readers=MAX_READERS,
     )
+
+
+def reserve_lock_file(path: str) -> None:
+    """Allocate every block of the environment's lock file before LMDB maps it. LMDB makes
+    the file with ftruncate (a sparse file) and writes it through its map: on a filesystem
+    with no room left (a full tmpfs above all) its first touch of a page never allocated is a
+    SIGBUS that kills the process without a word, at open or later when a new reader takes
+    a slot. Reserved here, a full disk is an error (lmdb.Error, ENOSPC) instead. Done before
+    the open only: closing a descriptor of the file would drop the POSIX locks LMDB holds on
+    it once it has opened it."""
+    lock = os.path.join(path, "lock.mdb")
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise lmdb.Error(f"{lock}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        size = max(st.st_size, LOCK_FILE_BYTES)
+        if st.st_blocks * 512 < size:
+            os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        raise lmdb.Error(f"{lock}: {e.strerror}") from None
+    finally:
+        os.close(fd)
 
 
 def drop(path: str, why: object) -> None:
@@ -86,6 +114,7 @@ def open_writer(path: str, map_size: int, max_dbs: int) -> tuple[lmdb.Environmen
     why = damage(path)
     if why is not None:
         drop(path, why)
+    reserve_lock_file(path)
     env = _open(path, map_size, max_dbs)
     existing = _named_dbs(env)
     if dbs_for(0, existing) > max_dbs:  # a file from a configuration with more buckets
