@@ -18,14 +18,19 @@ it for 5 s against the demo and expects no failure.)
 The bucket holds `hot.<NNNNNN>` keys, which the sidecar replicates (compare.py's bucket filter
 `hot.>`), and `cold.<NNNNNN>` keys, which it does not there: reading those goes to NATS (Direct
 Get). The demo bucket (kvcache.demo.demo_entries: 100 of each, the defaults below)
-replicates every key, so against it cold reads are answered locally too. Each simulated user
-has its own connection and, between requests, waits --kv-wait-ms on average:
+replicates every key, so a GET of a cold key would be answered locally there: when the
+sidecar answers the first cold key from its replica or near cache (KV.GET's `source`, asked
+once at the start), cold keys are read with `KV.GET key CONSISTENCY strong` instead, the read
+a replicating sidecar still sends to NATS (the stream leader), and the mix keeps its remote
+reads (one the sidecar answers itself is a failure). Each simulated user has its own
+connection and, between requests, waits --kv-wait-ms on average:
 
 | weight | request | what |
 |---:|---|---|
 | 70 | `GET hot (zipf)` | one key, Zipf-distributed over the hot keys (rank 1 most popular) |
 | 15 | `MGET 8 hot (zipf)` | eight keys drawn the same way |
 | 10 | `GET cold (remote)` | a key outside the replicated filter: the sidecar's Direct Get |
+| | or `KV.GET cold strong (remote)` | where cold keys are replicated (the demo): the leader's answer |
 | 5 | `GET missing` | a key inside the filter that does not exist: nil, answered locally |
 
 Values are checked (`value-<key>-xxx...`, 100 bytes, as compare.py and the demo write them); a
@@ -80,6 +85,8 @@ def _options(parser) -> None:
 
 _samples: dict[str, list[float]] = {}
 _cum_weights: list[float] = []
+_cold_strong: list[bool] = [False]  # cold keys are replicated here: read them with CONSISTENCY strong
+LOCAL_SOURCES = ("local", "cache")  # KV.GET's sources that are not NATS
 
 
 @events.test_start.add_listener
@@ -87,6 +94,8 @@ def _start(environment, **_kw) -> None:
     opts = environment.parsed_options
     _cum_weights[:] = zipf_cum_weights(opts.kv_hot_keys, opts.kv_zipf)
     _samples.clear()
+    with Client(opts.kv_socket, timeout=5) as c:
+        _cold_strong[0] = c.entry(key_name(COLD_PREFIX, 0)).source in LOCAL_SOURCES
 
 
 @events.test_stop.add_listener
@@ -151,7 +160,17 @@ class KvcacheUser(User):
     @task(10)
     def get_cold(self) -> None:
         key = key_name(COLD_PREFIX, self._rng.randrange(self._cold))
-        self._request("GET", "GET cold (remote)", lambda: self._client.get(key), value_of(key))
+        if _cold_strong[0]:
+            self._request("KV.GET", "KV.GET cold strong (remote)", lambda: self._strong_get(key), value_of(key))
+        else:
+            self._request("GET", "GET cold (remote)", lambda: self._client.get(key), value_of(key))
+
+    def _strong_get(self, key: str) -> bytes | None:
+        """The value NATS answers for `key`: a strong read, which no replica or cache answers."""
+        entry = self._client.entry(key, consistency="strong")
+        if entry.source in LOCAL_SOURCES:
+            raise AssertionError(f"{key}: a strong read answered by the sidecar ({entry.source}), not NATS")
+        return entry.value
 
     @task(5)
     def get_missing(self) -> None:
