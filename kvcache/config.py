@@ -242,6 +242,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"embedded_port must be a TCP port (1-65535, or 0 for a free one), got {cfg.embedded_port}")
     if not 0 <= cfg.socket_mode <= 0o777:
         raise ConfigError(f"socket_mode must be an octal file mode, got {cfg.socket_mode:o}")
+    unusable = socket_mode_error(cfg.socket_mode)
+    if unusable:
+        raise ConfigError(unusable)
     for name in ("max_clients", "max_request_bytes", "max_reply_bytes", "max_args", "heartbeat_ms",
                  "map_size_mb"):
         if getattr(cfg, name) <= 0:
@@ -325,7 +328,7 @@ def validate(cfg: Config) -> None:
 def start_warnings(cfg: Config) -> list[str]:
     """What `kvcache serve` warns about at start (one line each): settings that are legal but
     most likely not what was meant, so that they do not fail silently."""
-    lines = []
+    lines = socket_mode_warnings(cfg.socket_mode)
     for b in cfg.buckets:
         exact = [f for f in b.keys if "*" not in f.split(".") and ">" not in f.split(".")]
         # A bucket with a wildcard filter too was written by someone who knows them: its
@@ -345,6 +348,52 @@ def start_warnings(cfg: Config) -> list[str]:
         lines.append(f"{' and '.join(bounds)} {verb} no bucket: every bucket here replicates every "
                      "key, and a near cache holds only keys outside a bucket's filters (give the "
                      "bucket to cache key filters: --bucket NAME:FILTER,... or keys = [...])")
+    return lines
+
+
+# ---------------------------------------------------------------------------- the socket's mode
+
+# What a `socket_mode` lets happen, said before the socket exists.
+#
+# Connecting to a Unix socket needs write permission on its file (connect(2): EACCES without
+# it); read and execute do nothing for a socket. The kernel checks one class of bits only: the
+# owner's for the owner, whatever the group's and others' say. So:
+#
+# - **Refused** (one line, before anything starts): a mode without owner write (`u+w`). The
+#   owner is the user `kvcache serve` runs as, and its own `kvcache health` probe and
+#   `kvcache cli` run as it; with no write bit anywhere (400, 444) no one but root connects.
+# - **Warned** (one line at start, the start goes on): others' write (`o+w`, as in 777 or 666):
+#   every local user can connect and read every replicated key; and a class given read without
+#   write (644, 640: a file's habit), which lets that class in no more than 600 would.
+SAFE_MODES = "660 (the sidecar's user and group) or 600 (its user only)"
+_CLASSES = ((0o070, "the group"), (0o007, "others"))
+
+
+def socket_mode_error(mode: int) -> str | None:
+    """Why `mode` cannot be the socket's: a ConfigError's text; None when it can."""
+    if mode & 0o200:
+        return None
+    if not mode & 0o222:
+        return (f"socket_mode {mode:03o} lets no one connect: connecting to a Unix socket needs write "
+                f"permission on it, which {mode:03o} gives no one; use {SAFE_MODES}")
+    return (f"socket_mode {mode:03o} shuts out the socket's owner, the user kvcache serve runs as "
+            "(and its kvcache health and kvcache cli): connecting to a Unix socket needs write "
+            f"permission, and the owner gets only the owner's bits ({mode >> 6:o}), whatever the "
+            f"group's and others' say; use {SAFE_MODES}")
+
+
+def socket_mode_warnings(mode: int) -> list[str]:
+    """What `mode` lets happen that was most likely not meant (one line each)."""
+    lines = []
+    if mode & 0o002:
+        lines.append(f"socket_mode {mode:03o} lets every local user connect (others may write to the "
+                     f"socket) and read every replicated key; {SAFE_MODES} keeps them out")
+    read_only = [who for bits, who in _CLASSES if mode & bits & 0o444 and not mode & bits & 0o222]
+    if read_only:
+        acts = mode & ~sum(bits for bits, who in _CLASSES if who in read_only) & 0o666
+        lines.append(f"socket_mode {mode:03o}: {' and '.join(read_only)} may read the socket file but "
+                     f"not connect (connecting needs write permission; read does nothing for a "
+                     f"socket), so it acts as {acts:03o}; 660 lets the group connect")
     return lines
 
 

@@ -5,8 +5,10 @@ start runs `kvcache serve` as a subprocess against real nats-servers."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import subprocess
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -358,4 +360,140 @@ def test_failed_start_keeps_what_it_found(tmp_path, nats_server):
         sc.start()
         with sc.client() as c:
             assert c.get("a") == b"1"
+        assert sc.stop() == 0
+
+
+# ---------------------------------------------------------------------- 9: the socket's mode
+
+# Every kind of socket_mode, and what it must give: refused (exit 2, one line naming the mode),
+# warned (one line each at start, the start goes on), or silent. Connecting needs write
+# permission on the socket file, and the kernel checks the owner's bits only for the owner.
+SAFE = "use 660 (the sidecar's user and group) or 600 (its user only)"
+SOCKET_MODES = {
+    0o660: [], 0o600: [], 0o620: [], 0o700: [], 0o770: [], 0o760: [],  # the usual, x ignored
+    0o400: "refused", 0o444: "refused", 0o000: "refused", 0o555: "refused",  # no one may write
+    0o460: "refused", 0o066: "refused", 0o066 | 0o100: "refused",  # others may, the owner not
+    0o777: ["world"], 0o666: ["world"], 0o662: ["world"], 0o602: ["world"],
+    0o644: ["read-only"], 0o640: ["read-only"], 0o664: ["read-only"], 0o604: ["read-only"],
+    0o646: ["world", "read-only"],
+}
+
+
+def _socket_mode_outcome(mode: int) -> str | list[str]:
+    try:
+        cfg = load(env={}, overrides={"socket_mode": mode})
+    except ConfigError as e:
+        assert "\n" not in str(e)
+        return "refused"
+    kinds = []
+    for line in start_warnings(cfg):
+        assert line.startswith(f"socket_mode {mode:03o}"), line
+        kinds.append("world" if "every local user" in line else "read-only")
+    return kinds
+
+
+@pytest.mark.parametrize("mode", sorted(SOCKET_MODES), ids=lambda m: f"{m:03o}")
+def test_socket_mode_refused_warned_or_silent(mode):
+    assert _socket_mode_outcome(mode) == SOCKET_MODES[mode]
+
+
+def test_socket_mode_messages():
+    def refusal(mode: int) -> str:
+        return error_of(env={}, overrides={"socket_mode": mode})
+
+    def warnings(mode: int) -> list[str]:
+        return start_warnings(load(env={}, overrides={"socket_mode": mode}))
+
+    assert refusal(0o400) == ("socket_mode 400 lets no one connect: connecting to a Unix socket needs "
+                              f"write permission on it, which 400 gives no one; {SAFE}")
+    assert refusal(0o460) == (
+        "socket_mode 460 shuts out the socket's owner, the user kvcache serve runs as (and its kvcache "
+        "health and kvcache cli): connecting to a Unix socket needs write permission, and the owner "
+        f"gets only the owner's bits (4), whatever the group's and others' say; {SAFE}")
+    assert warnings(0o777) == [
+        "socket_mode 777 lets every local user connect (others may write to the socket) and read every "
+        "replicated key; 660 (the sidecar's user and group) or 600 (its user only) keeps them out"]
+    assert warnings(0o644) == [
+        "socket_mode 644: the group and others may read the socket file but not connect (connecting "
+        "needs write permission; read does nothing for a socket), so it acts as 600; 660 lets the group "
+        "connect"]
+    assert warnings(0o664)[0].endswith("others may read the socket file but not connect (connecting needs "
+                                       "write permission; read does nothing for a socket), so it acts as "
+                                       "660; 660 lets the group connect")
+    # the same from a file and the environment (octal strings), where most modes are written
+    assert error_of(env={"KVCACHE_SOCKET_MODE": "400"}).startswith("socket_mode 400 lets no one connect")
+    with tempfile.TemporaryDirectory() as d:
+        assert error_of(path=write(Path(d), 'socket_mode = "0o440"\n'), env={}).startswith(
+            "socket_mode 440 lets no one connect")
+
+
+@pytest.mark.servers  # runs processes as other users
+@pytest.mark.skipif(os.geteuid() != 0, reason="connecting as three users needs root to become them")
+def test_socket_mode_rule_is_the_kernels(tmp_path):
+    """The rule above, checked against the kernel: for each mode, a socket owned by one
+    user, connected to by that user, a member of its group and another user. Refused modes
+    are those whose owner cannot connect; warned-for world modes those that let the other
+    user in; a read-only class connects no more than with no bits at all."""
+    import socket
+
+    owner, group_member, other = 65534, 65533, 65532
+    group = 65534
+    # a directory the three users can reach (pytest's own temporary directories are root's only)
+    where = Path(tempfile.mkdtemp(prefix="kvcache-mode-"))
+    where.chmod(0o711)
+    path = where / "s.sock"
+
+    def connects(uid: int, gid: int) -> bool:
+        pid = os.fork()  # (not a new interpreter: this one's files may be closed to that user)
+        if pid == 0:
+            try:
+                os.setgroups([gid])
+                os.setgid(gid)
+                os.setuid(uid)
+                socket.socket(socket.AF_UNIX).connect(str(path))
+                os._exit(0)
+            except BaseException:
+                os._exit(1)
+        return os.waitpid(pid, 0)[1] == 0
+
+    rows = []
+    for mode, expected in sorted(SOCKET_MODES.items()):
+        try:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.bind(str(path))
+                s.listen(8)
+                os.chown(path, owner, group)
+                os.chmod(path, mode)
+                who = {"owner": connects(owner, group), "group": connects(group_member, group),
+                       "other": connects(other, other)}
+        finally:
+            path.unlink(missing_ok=True)
+        rows.append(f"{mode:03o}: {expected!s:22} " + " ".join(k for k, v in who.items() if v))
+        assert (expected == "refused") == (not who["owner"]), (oct(mode), who)
+        if expected == "refused":
+            continue
+        assert ("world" in expected) == who["other"], (oct(mode), who)
+        if "read-only" in expected:
+            acts = int(next(w for w in start_warnings(load(env={}, overrides={"socket_mode": mode}))
+                            if "acts as" in w).split("acts as ")[1][:3], 8)
+            assert who["group"] == bool(acts & 0o020) and who["other"] == bool(acts & 0o002), (oct(mode), who)
+    where.rmdir()
+    print("\n" + "\n".join(rows))
+
+
+def test_socket_mode_at_start(tmp_path, nats_server):
+    """`kvcache serve --socket-mode 400`: exit 2 before anything is made; 777: one warning in
+    the log, and the socket has the mode asked for."""
+    data = tmp_path / "refused"
+    result = run_cli("serve", "--nats", nats_server.url, "--bucket", "sm", "--data-dir", str(data),
+                     "--socket-mode", "400")
+    assert one_line_error(result, 2).startswith("kvcache: error: socket_mode 400 lets no one connect")
+    assert not data.exists()
+    asyncio.run(make_buckets(nats_server.url, {"sm": {"a": b"1"}}))
+    with SidecarProcess(tmp_path / "sc", nats_server.url, buckets=["sm"], extra=["--socket-mode", "777"]) as sc:
+        sc.start()
+        warned = [ln for ln in sc.log().splitlines() if "WARNING" in ln and "socket_mode" in ln]
+        assert len(warned) == 1, warned
+        assert "WARNING kvcache: socket_mode 777 lets every local user connect" in warned[0], warned
+        assert Path(sc.socket).stat().st_mode & 0o777 == 0o777
         assert sc.stop() == 0

@@ -79,12 +79,23 @@ def test_socket_mode_written_in_decimal(tmp_path, literal, digits):
 
 
 @pytest.mark.parametrize("text, mode", [("socket_mode = 0o640", 0o640), ('socket_mode = "640"', 0o640),
-                                        ('socket_mode = "0o600"', 0o600), ("socket_mode = 0", 0)])
+                                        ('socket_mode = "0o600"', 0o600), ("socket_mode = 0o0660", 0o660)])
 def test_socket_mode_in_octal_or_as_a_string(tmp_path, text, mode):
     from kvcache.config_sources import load
     path = tmp_path / "kvcache.toml"
     path.write_text(text + "\n")
     assert load(str(path), env={}).socket_mode == mode
+
+
+def test_socket_mode_zero_is_read_as_a_mode(tmp_path):
+    """`socket_mode = 0` is the same number in any base: read as the mode 000 (not refused as a
+    decimal literal), which lets no one connect (tests/test_config_messages.py)."""
+    from kvcache.config_sources import load
+    from kvcache.errors import ConfigError
+    path = tmp_path / "kvcache.toml"
+    path.write_text("socket_mode = 0\n")
+    with pytest.raises(ConfigError, match=r"^socket_mode 000 lets no one connect"):
+        load(str(path), env={})
 
 
 def test_socket_mode_bad_string(tmp_path):
