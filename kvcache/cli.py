@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -20,6 +21,9 @@ if TYPE_CHECKING:
 
 EXIT_CONFIG = 2
 EXIT_RUNTIME = 1
+# stdout closed by its reader (`kvcache cli GET big | head -c 8`): the status a shell shows for
+# redis-cli, cat or any C tool that SIGPIPE ended (128 + 13)
+EXIT_BROKEN_PIPE = 141
 
 
 class _NoCommand(Exception):
@@ -259,6 +263,29 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at exit: a reader gone is a BrokenPipeError caught below
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """The reader of stdout went away (`| head`): end quietly, as a tool killed by SIGPIPE
+    does, rather than with a traceback. What is still buffered goes to /dev/null, so that
+    the interpreter's own flush at exit cannot fail again (Python's documented recipe, with
+    the status a shell shows for redis-cli in the same pipe)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real stdout (a test's capture): nothing to redirect
+        pass
+    return EXIT_BROKEN_PIPE
+
+
+def _main(argv: list[str] | None) -> int:
+    try:
         args = _parse(argv)
         if args.command in ("load", "hotkeys"):
             _require_spark(args.command)  # before anything is done (load creates buckets)
@@ -328,7 +355,32 @@ def _require_spark(command: str) -> None:
     except ImportError as e:
         missing = f"no module named '{e.name}'" if e.name else str(e)
         raise KvcacheError(f"kvcache {command} needs the Spark extra, which is not installed "
-                           f"({missing}): pip install 'kvcache[spark]' (Spark also needs Java 17+)") from None
+                           f"({missing}): {spark_install_hint()} (Spark also needs Java 17+)") from None
+
+
+def spark_install_hint() -> str:
+    """How to install the Spark extra here. kvcache is not on a package index, so
+    `pip install 'kvcache[spark]'` finds nothing: from a clone (this package sits in a source
+    tree: an editable install, or run from the checkout) the extra is installed from the tree;
+    otherwise the extra's own packages are named, as this installation's metadata lists them."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(package)
+    if os.path.isfile(os.path.join(root, "pyproject.toml")) and os.path.isfile(os.path.join(root, "setup.py")):
+        where = "." if os.path.abspath(os.getcwd()) == root else root
+        return f"pip install -e '{where}[spark]'"
+    return "pip install " + " ".join(f"'{r}'" for r in _spark_requirements())
+
+
+def _spark_requirements() -> list[str]:
+    """The `spark` extra's requirements from the installed metadata (pyproject.toml's list
+    when the metadata cannot be read)."""
+    try:
+        from importlib.metadata import requires
+        reqs = [r.split(";")[0].strip() for r in requires("kvcache") or []
+                if "extra" in r and ("'spark'" in r or '"spark"' in r)]
+    except Exception:  # no metadata (run from a copy of the sources)
+        reqs = []
+    return reqs or ["pyspark>=3.5", "pyarrow>=14", "pandas>=2", "matplotlib>=3.7"]
 
 
 def _serve(cfg: Config, args: argparse.Namespace) -> int:
@@ -365,8 +417,19 @@ def _get(cfg: Config, args: argparse.Namespace) -> int:
     if value is None:
         print("(nil)", file=sys.stderr)
         return 1
-    sys.stdout.buffer.write(value + b"\n")
+    _write_all(value + b"\n")
     return 0
+
+
+def _write_all(data: bytes) -> None:
+    """All of `data` to stdout. A large write to a pipe whose reader left returns short (the
+    count the pipe took) rather than failing; the next write raises BrokenPipeError, which
+    main() turns into a quiet exit."""
+    out = sys.stdout.buffer
+    view = memoryview(data)
+    while view:
+        n = out.write(view)
+        view = view[n:] if n else view[:0]  # (None: a non-blocking stdout buffered it all)
 
 
 def _info(cfg: Config, args: argparse.Namespace) -> int:

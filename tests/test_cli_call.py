@@ -26,12 +26,16 @@ COMMANDS = [
 ]
 
 
+BIG = b"x" * (512 * 1024)  # several times a pipe's buffer: its write cannot end before the reader goes
+
+
 @pytest.fixture
 def sidecar(nats_server, sidecars):
     async def setup(js):
         kv = await js.create_key_value(bucket="cli")
         for k, v in VALUES.items():
             await kv.put(k, v)
+        await kv.put("big", BIG)
     nats_run(nats_server.url, setup)
     return sidecars(nats_server.url, "cli").start()
 
@@ -55,3 +59,30 @@ def test_no_command_and_no_sidecar_are_one_line(tmp_path):
     r = run_cli("cli", "--data-dir", str(tmp_path), "GET", "x")
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1
     assert r.stderr.startswith("kvcache: error: cannot connect to the sidecar: No such file or directory")
+
+
+def _first_bytes_then_gone(command: str) -> tuple[str, str, str]:
+    """`COMMAND | head -c 8` in bash: what head printed, the command's stderr, and its exit
+    status as the shell sees it (PIPESTATUS)."""
+    r = subprocess.run(["bash", "-c", f"{command} 2>err.txt | head -c 8; echo \" rc=${{PIPESTATUS[0]}}\"; cat err.txt"],
+                       capture_output=True, text=True, timeout=60)
+    out, _, rest = r.stdout.partition(" rc=")
+    rc, _, err = rest.partition("\n")
+    return out, err, rc
+
+
+def test_a_reader_that_leaves_early_ends_it_quietly(sidecar, tmp_path, monkeypatch):
+    """`kvcache cli GET big | head -c 8` (and `kvcache get`): the first bytes, then an exit
+    as quiet as redis-cli's in the same pipe (killed by SIGPIPE: status 141), no
+    BrokenPipeError traceback."""
+    monkeypatch.chdir(tmp_path)
+    kv = f"{sys.executable} -m kvcache"
+    for command, first in ((f"{kv} cli --socket {sidecar.socket} GET big", '"xxxxxxx'),
+                           (f"{kv} get --socket {sidecar.socket} big", "xxxxxxxx")):
+        out, err, rc = _first_bytes_then_gone(command)
+        print(f"{command.split(' -m ')[1].split(' --')[0]}: printed {out!r}, exit {rc}, stderr {err!r}")
+        assert (out, err, rc) == (first, "", "141"), (command, out, err, rc)
+    if shutil.which("redis-cli"):
+        out, err, rc = _first_bytes_then_gone(f"redis-cli -s {sidecar.socket} GET big")
+        print(f"redis-cli GET big: printed {out!r}, exit {rc}, stderr {err!r}")
+        assert (err, rc) == ("", "141")

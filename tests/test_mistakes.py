@@ -7,10 +7,14 @@ import asyncio
 import os
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import nats
 import pytest
 from support.sidecar_proc import SidecarProcess, run_cli
+
+import kvcache
 
 pytestmark = pytest.mark.servers  # each test starts its own servers or sidecar process
 
@@ -205,9 +209,21 @@ def test_load_without_spark_creates_nothing(tmp_path, nats_server):
     data = tmp_path / "rows.csv"
     data.write_text("k,v\na,1\n")
     result = run_without_pyspark("load", str(data), "--nats", nats_server.url, "--bucket", "fresh", "--key", "k")
+    # kvcache is on no package index: from a clone, the extra is installed from the tree
+    root = Path(kvcache.__file__).resolve().parent.parent
+    where = "." if Path.cwd().resolve() == root else str(root)
     one_line_error(result, 1, "kvcache load needs the Spark extra", "no module named 'pyspark'",
-                   "pip install 'kvcache[spark]'")
+                   f"pip install -e '{where}[spark]'")
     assert asyncio.run(_bucket_names(nats_server.url)) == []  # no bucket created
+
+
+def test_spark_hint_outside_a_clone_names_the_extras_packages():
+    """Installed from a wheel (no source tree around the package), the hint names the
+    packages of the `spark` extra, as pyproject.toml lists them."""
+    from kvcache.cli import _spark_requirements
+    with open(Path(kvcache.__file__).resolve().parent.parent / "pyproject.toml", "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["spark"]
+    assert sorted(_spark_requirements()) == sorted(extra)
 
 
 def test_hotkeys_without_spark(tmp_path):
