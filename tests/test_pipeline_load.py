@@ -394,16 +394,21 @@ with open(sys.argv[1], "w") as f:
 
 def test_progress_speaks_before_spark_starts(nats_server, tmp_path):
     """The first progress line comes before Spark starts (before the seconds a JVM takes), the
-    read is announced before Spark runs any job for it, the write before the write's job."""
+    read is announced before Spark runs any job for it, the write before the write's job; and
+    the run leaves no kvcache-spark-* directory (its log4j file) in its temp directory."""
     data = tmp_path / "p.csv"
     data.write_text("k,v\n" + "".join(f"p.{i},v{i}\n" for i in range(200)))
     record = tmp_path / "lines.json"
+    temp = tmp_path / "tmp"  # the run's temp directory: it must leave nothing of its own there
+    temp.mkdir()
     p = subprocess.run([sys.executable, "-c", PROGRESS_HARNESS, str(record), "load", str(data),
                         "--nats", nats_server.url, "--bucket", "prog", "--key", "k", "--value", "v",
                         "--master", "local[1]", "--progress", "30"],
                        capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYSPARK_PYTHON": sys.executable})
+                       env={**os.environ, "PYSPARK_PYTHON": sys.executable, "TMPDIR": str(temp)})
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    assert not list(temp.glob("kvcache-spark-*")), sorted(x.name for x in temp.iterdir())
+    assert "StatusLogger" not in p.stderr, p.stderr  # log4j had its configuration (read before it went)
     got = json.loads(record.read_text())
     assert got["code"] == 0
     lines = got["lines"]

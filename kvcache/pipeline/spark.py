@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sys
 import tempfile
 import warnings
@@ -42,8 +43,10 @@ def session(master: str | None, app: str) -> tuple[SparkSession, bool]:
     if master or not launched:
         master = master or "local[*]"
         b = b.master(master)
+    made = None  # the log4j file's directory, removed once the JVM has read it
     if master and master.startswith("local") and not launched:
-        log4j = os.path.join(tempfile.mkdtemp(prefix="kvcache-spark-"), "log4j2.properties")
+        made = tempfile.mkdtemp(prefix="kvcache-spark-")
+        log4j = os.path.join(made, "log4j2.properties")
         with open(log4j, "w") as f:
             f.write(QUIET_LOG4J)
         b = (b.config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
@@ -55,6 +58,12 @@ def session(master: str | None, app: str) -> tuple[SparkSession, bool]:
         spark = b.getOrCreate()
     except Exception as e:  # no Java, bad master URL...
         raise ConfigError(f"cannot start Spark (master {master or 'from spark-submit'}): {first_line(e)}") from None
+    finally:
+        # log4j reads its configuration as the JVM starts, before getOrCreate returns (and
+        # never again: no monitorInterval), so the file can go now: every run, and every
+        # test session, used to leave a kvcache-spark-* directory in the temp directory.
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
     spark.sparkContext.setLogLevel("ERROR")
     return spark, True
 
