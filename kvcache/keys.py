@@ -35,6 +35,22 @@ def readable_key(key: str) -> bool:
     return KEY_RE.fullmatch(key) is not None and not key.startswith(RESERVED_PREFIX)
 
 
+def invalid_key(key: str) -> str | None:
+    """Why a read may not name `key` (the socket's `ERR invalid key ...` reply, which
+    LocalReader raises too); None when it may. One line: a line break in the key shows as
+    a space, as an error reply carries it."""
+    shown = key[:64].translate(_ONE_LINE)
+    if not KEY_RE.fullmatch(key):
+        return f"ERR invalid key '{shown}': KV keys use A-Z a-z 0-9 - / _ = and dots between tokens"
+    if key.startswith(RESERVED_PREFIX):
+        return (f"ERR invalid key '{shown}': keys starting with {RESERVED_PREFIX} are reserved for "
+                "NATS's own use (ADR-8)")
+    return None
+
+
+_ONE_LINE = str.maketrans("\r\n", "  ")
+
+
 def valid_filter(f: str) -> bool:
     """A NATS subject filter over KV keys: tokens, `*` for one token, `>` last."""
     tokens = f.split(".")

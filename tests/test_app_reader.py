@@ -57,6 +57,26 @@ def test_reads_match_the_sidecar(sidecar):
         assert r.keys("a.1?") == [f"a.1{i}" for i in range(10)]
 
 
+BAD_NAMES = ["bad key", "a..b", "a.", ".a", "", "x\ny", "_kv.x", "_kvx", "lr2:bad key", "lr2:_kv.y"]
+
+
+def test_a_name_that_is_no_key_raises_the_sockets_error(sidecar):
+    """Where the socket answers `ERR invalid key ...` (kvcache.Client raises it as
+    ResponseError), LocalReader raises the same error with the same text: not None, which
+    would say "absent" of a name no bucket can hold."""
+    import kvcache
+    with LocalReader(str(sidecar.data_dir)) as r, sidecar.client() as c:
+        for name in BAD_NAMES:
+            with pytest.raises(kvcache.ResponseError) as remote:
+                c.get(name)
+            assert str(remote.value).startswith("ERR invalid key"), (name, remote.value)
+            for read in (r.get, r.entry, lambda k: r.mget(["a.1", k])):
+                with pytest.raises(kvcache.ResponseError) as local:
+                    read(name)
+                assert str(local.value) == str(remote.value), name
+        assert r.get("a.1") == b"value-1\r\n\x00"  # and a good key after them still reads
+
+
 def test_sees_live_updates(sidecar):
     async def put():
         nc = await nats.connect(sidecar.args[sidecar.args.index("--nats") + 1])
@@ -208,5 +228,7 @@ def test_its_errors_are_public_names():
     """An application catches LocalReader's errors as kvcache.StaleReplica and
     kvcache.NotReplicated, not by the module they are defined in."""
     import kvcache
+    from kvcache.app.client import ResponseError
     assert kvcache.StaleReplica is StaleReplica and kvcache.NotReplicated is NotReplicated
-    assert {"StaleReplica", "NotReplicated", "LocalReader"} <= set(kvcache.__all__)
+    assert kvcache.ResponseError is ResponseError  # a name that is no key, from either side
+    assert {"StaleReplica", "NotReplicated", "LocalReader", "ResponseError"} <= set(kvcache.__all__)

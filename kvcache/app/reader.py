@@ -23,10 +23,11 @@ import lmdb
 from .. import native
 from ..entry import Entry, Operation
 from ..errors import KvcacheError, ReplicaError
-from ..keys import FilterSet, glob_matcher, split_address
+from ..keys import FilterSet, glob_matcher, invalid_key, split_address
 from ..store.record import live_value
 from ..store.replica import BUCKETS_KEY, META_DB, BucketMeta, Replica, decode_record, lmdb_key, meta_fresh
 from ..store.verdict import OUTSIDE, STALE, replica_verdict
+from .client import ResponseError
 
 _APP_GET = native.load("app_get")
 
@@ -82,8 +83,9 @@ class LocalReader:
 
     def get(self, key: str) -> bytes | None:
         """The value of `key` (`bucket:key` names a bucket), None if absent; raises
-        StaleReplica, and NotReplicated for a key outside its bucket's filters (None would
-        say "absent" of a key the bucket may hold). Each instance replaces this with its LocalGet fast path (see
+        StaleReplica, NotReplicated for a key outside its bucket's filters (None would
+        say "absent" of a key the bucket may hold), and ResponseError for a name that is no
+        KV key, as the socket does. Each instance replaces this with its LocalGet fast path (see
         __init__), which comes back to _get_checked whenever there is checking to do."""
         return self._get_checked(key)
 
@@ -146,8 +148,13 @@ class LocalReader:
 
     def _address(self, key: str) -> tuple[str, str]:
         """The bucket and key `key` names, the bucket's state read from its meta record
-        (_refresh)."""
+        (_refresh). A name that is no KV key raises the socket's error for it, as the
+        socket's client raises it (ResponseError, `ERR invalid key ...`): None would say
+        "absent" of a key no bucket can hold."""
         bucket, name, named = split_address(key, self.default_bucket)
+        problem = invalid_key(name)
+        if problem:
+            raise ResponseError(problem)
         if not named:
             bucket = self._require_default()
         self._refresh(bucket)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from ..entry import Entry, Operation
 from ..errors import CommandError, KvcacheError, UpstreamError
-from ..keys import KEY_RE, RESERVED_PREFIX, split_address
+from ..keys import invalid_key, split_address
 from ..store.record import LONG_KEY_PREFIX, RECORD, lmdb_key
 from ..store.verdict import LOCAL, STALE, replica_verdict, stored_revision
 
@@ -178,12 +178,9 @@ class ReadPolicy:
                 f"ERR no such bucket '{bucket[:64]}' in this sidecar (it replicates: "
                 f"{names or 'none'}); to read it, add --bucket {bucket[:64] or 'NAME'} or a "
                 "[[bucket]] entry and restart")
-        if not KEY_RE.fullmatch(key):
-            raise CommandError(f"ERR invalid key '{key[:64]}': KV keys use A-Z a-z 0-9 - / _ = "
-                               "and dots between tokens")
-        if key.startswith(RESERVED_PREFIX):
-            raise CommandError(f"ERR invalid key '{key[:64]}': keys starting with {RESERVED_PREFIX} are "
-                               "reserved for NATS's own use (ADR-8)")
+        problem = invalid_key(key)
+        if problem:
+            raise CommandError(problem)
         return bc, key
 
     def address(self, raw: bytes) -> Plan:
