@@ -13,16 +13,15 @@ import logging
 import re
 import ssl
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
-
-import nats.errors
 
 from ..config import BucketConfig, Config, strip_url_auth, tls_context, url_auth
 from ..errors import KvcacheError, UpstreamError, describe
 from ..stats import Stats
-from .first_connect import bounded, quiet_tls_eof
+from .first_connect import first_connect, quiet_tls_eof
 from .nats_connection import NatsConnection
+from .peek import NATS
 from .servers import ServerChoice, parse_url
 
 log = logging.getLogger("kvcache")
@@ -169,34 +168,36 @@ class Upstream:
         if tls is not None:
             opts["tls"] = tls
         quiet_tls_eof()
-        # The first connect is nats-py's own (no handler): it gets the servers that answer first.
-        await choice.probe([parse_url(u) for u in urls], wait_for_one_besides="")
-        opts["servers"] = choice.ordered(urls)
         # nats-py retries the first connect forever when reconnects are unlimited; a sidecar
-        # that cannot reach NATS at start must say so and exit instead. So: a bounded first
-        # attempt, then reconnect forever once we have been connected. Bounded in time too:
-        # after a failed TLS handshake nats-py's connect never returns (2.16), and a TLS
-        # failure at start is a configuration to fix, not a server to wait for.
-        e = await bounded(nc, nc.connect(**{**opts, "max_reconnect_attempts": 1}), tls_failed,
-                          n.connect_timeout_s * (2 * len(urls) + 1) + 1, first)
-        if e is None:
-            nc.options["max_reconnect_attempts"] = -1
-            first_done = True
-            choice.options = nc.options
-            at[0] = nc.connected_url.netloc if nc.connected_url else ""
-            choice.connected(at[0])
-            return nc
-        if not isinstance(e, (OSError, asyncio.TimeoutError, nats.errors.Error)):
-            raise e
-        # nats-py ends with "no servers available"; the server's own answer (-ERR
-        # 'Authorization Violation', before the reset or broken pipe that follows it), else
-        # the last failure (refused, TLS verification, timeout), is the one that helps.
-        if first and isinstance(e, nats.errors.NoServersError):
-            e = ([x for x in first if str(x).startswith("nats: '")] or first)[-1]
-        why = describe(e)
-        if why.startswith("'") and why.endswith("'"):  # the server's -ERR 'Authorization Violation'
-            why = why.strip("'").lower()
-        raise UpstreamError(f"cannot connect to NATS at {', '.join(urls)}: {why}") from None
+        # that cannot reach NATS at start must say so and exit instead. So: one bounded first
+        # connection (the whole of connect_timeout_s: a look at each address, then one nats-py
+        # attempt per server that answered as NATS, in that order), then reconnect forever
+        # once connected. After a failed TLS handshake nats-py's connect never returns (2.16),
+        # and a TLS failure at start is a configuration to fix, not a server to wait for.
+        def attempt(servers: list[str], timeout: float) -> Awaitable[None]:
+            return nc.connect(**{**opts, "servers": servers, "connect_timeout": timeout,
+                                 "max_reconnect_attempts": 1})
+        outcome = await first_connect(
+            nc, attempt, urls, n.connect_timeout_s, tls_failed, first, shown=lambda u: u,
+            tls=tls is not None or any(u.startswith("tls://") for u in urls),
+            credentials=bool(n.creds or n.nkey or n.token or n.user or in_url))
+        now = time.monotonic()
+        for url, found in outcome.found.items():  # what reconnects know of each server from the start
+            state = choice.state(parse_url(url).netloc)
+            if found.kind == NATS:
+                state.answered, state.rtt_s = now, found.took_s
+            else:
+                state.failed = now
+        if outcome.error is not None:
+            raise UpstreamError(f"cannot connect to NATS at {', '.join(urls)}: {outcome.error}")
+        nc.options["max_reconnect_attempts"] = -1
+        first_done = True
+        choice.options = nc.options
+        at[0] = nc.connected_url.netloc if nc.connected_url else ""
+        choice.connected(at[0])
+        for line in outcome.warnings:
+            log.warning("%s", line)
+        return nc
 
     def _denied(self, e: Exception, peer: bool, seen: dict[tuple[str, str], float]) -> bool:
         """A permissions violation: one warning naming the subject (again at most once a

@@ -20,17 +20,18 @@ import ssl
 import sys
 import threading
 import time
+from collections.abc import Awaitable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
 import nats
 import nats.errors
 
-from ..config import BUCKET_NAME, Config, NatsConfig, redact_url
+from ..config import BUCKET_NAME, Config, NatsConfig, redact_url, url_auth
 from ..config_nats import validate_nats_auth
-from ..errors import BucketNotFound, ConfigError, UpstreamError, describe
+from ..errors import BucketNotFound, ConfigError, UpstreamError
 from ..natsio import jetstream as jsapi
-from ..natsio.first_connect import bounded, quiet_tls_eof
+from ..natsio.first_connect import first_connect, quiet_tls_eof
 from . import spark as sparkio
 from .keys import KeySpec
 from .writer import (
@@ -162,7 +163,7 @@ def load(args: argparse.Namespace, err: TextIO | None = None) -> Summary:
                         retries=args.retries, ack_timeout_s=args.ack_timeout, creds=auth.creds,
                         nkey=auth.nkey, token=auth.token, user=auth.user, password=auth.password,
                         tls_ca=auth.tls_ca, tls_cert=auth.tls_cert, tls_key=auth.tls_key)
-    created = asyncio.run(ensure_bucket(opts, args.history, args.ttl, args.replicas))
+    created = asyncio.run(ensure_bucket(opts, args.history, args.ttl, args.replicas, warn=err))
     if created:
         print(f"kvcache load: created bucket '{args.bucket}' (history {args.history}, "
               f"replicas {args.replicas}, ttl {args.ttl:g}s, allow_direct)", file=err)
@@ -297,10 +298,11 @@ def _as_binary(df: DataFrame, column: str) -> Column:
 # ---------------------------------------------------------------------------- bucket
 
 async def ensure_bucket(opts: WriteOptions, history: int, ttl: float, replicas: int,
-                        timeout: float = 5.0) -> bool:
+                        timeout: float = 5.0, warn: TextIO | None = None) -> bool:
     """Create the bucket when its stream does not exist (allow_direct on, so sidecars read
-    misses with Direct Get). Returns True when it was created."""
-    nc = await connect(opts)
+    misses with Direct Get). Returns True when it was created. The connection's warnings go
+    to `warn` (this is the run's first connection)."""
+    nc = await connect(opts, warn=warn)
     try:
         try:
             await jsapi.stream_info(nc, jsapi.kv_stream(opts.bucket), timeout)
@@ -319,11 +321,12 @@ async def ensure_bucket(opts: WriteOptions, history: int, ttl: float, replicas: 
         await nc.close()
 
 
-async def connect(opts: WriteOptions, timeout: int = 3) -> nats.NATS:
-    """One bounded connection attempt for the driver: an unreachable server, refused
-    credentials or a certificate that does not verify is one clear line (the server's own
-    reason, not nats-py's "no servers available"), within seconds."""
-    errors: list[Exception] = []
+async def connect(opts: WriteOptions, timeout: float = 3.0, warn: TextIO | None = None) -> nats.NATS:
+    """One bounded first connection for the driver, within `timeout` seconds in all
+    (kvcache.natsio.first_connect): an unreachable server, a port that is not NATS, refused
+    credentials or a certificate that does not verify is one clear line naming what was found.
+    Warnings (credentials a server without auth does not use) go to `warn`."""
+    errors: list[BaseException] = []
     tls_failed = asyncio.Event()
 
     async def on_error(e: Exception) -> None:
@@ -336,22 +339,25 @@ async def connect(opts: WriteOptions, timeout: int = 3) -> nats.NATS:
     if "tls" in auth:
         quiet_tls_eof()
     nc = nats.NATS()
-    # allow_reconnect with one attempt: nats-py's bounded first connect (see the sidecar)
-    e = await bounded(nc, nc.connect(
-        servers=list(opts.servers), connect_timeout=timeout, allow_reconnect=True, max_reconnect_attempts=1,
-        **RECONNECT_WAIT, error_cb=on_error, name="kvcache-load-driver", **auth), tls_failed,
-        timeout * (2 * len(opts.servers) + 1) + 1, errors)
-    if e is None:
-        return nc
-    if not isinstance(e, (OSError, TimeoutError, nats.errors.Error)):
-        raise e
-    if errors and isinstance(e, nats.errors.NoServersError):
-        # the server's -ERR ('Authorization Violation') before the broken pipe that follows it
-        e = ([x for x in errors if str(x).startswith("nats: '")] or errors)[-1]
-    why = describe(e)
-    if why.startswith("'") and why.endswith("'"):
-        why = why.strip("'").lower()
-    raise UpstreamError(f"cannot connect to NATS at {where}: {why}") from None
+
+    def attempt(servers: list[str], left: float) -> Awaitable[None]:
+        # allow_reconnect with one attempt: nats-py's bounded first connect (see the sidecar).
+        # (connect_timeout is annotated int; nats-py only hands it to asyncio.wait_for.)
+        return nc.connect(servers=servers, connect_timeout=left,  # type: ignore[arg-type]
+                          allow_reconnect=True, max_reconnect_attempts=1, **RECONNECT_WAIT, error_cb=on_error,
+                          name="kvcache-load-driver", **auth)
+
+    in_url = any(url_auth(u) != (None, None) for u in opts.servers)
+    outcome = await first_connect(
+        nc, attempt, list(opts.servers), timeout, tls_failed, errors, shown=redact_url,
+        tls="tls" in auth or any(u.startswith("tls://") for u in opts.servers),
+        credentials=bool(opts.creds or opts.nkey or opts.token or opts.user or in_url))
+    if outcome.error is not None:
+        raise UpstreamError(f"cannot connect to NATS at {where}: {outcome.error}")
+    if warn is not None:
+        for line in outcome.warnings:
+            print(f"kvcache load: warning: {line}", file=warn, flush=True)
+    return nc
 
 
 # ---------------------------------------------------------------------------- progress
