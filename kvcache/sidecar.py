@@ -19,6 +19,7 @@ from .config import BucketConfig, Config, ensure_dirs, start_warnings
 from .demo import DEMO_BUCKET, ensure_demo_bucket
 from .errors import BucketNotFound, KvcacheError, describe
 from .feed.changes import ChangeHub
+from .feed.consumer import deletions_done
 from .feed.feed import Feed
 from .feed.fleet import StateShare
 from .feed.freshness import SILENT_HEARTBEATS
@@ -163,6 +164,9 @@ class Sidecar:
             except BucketNotFound:
                 names = await kv_bucket_names(nc, min(timeout, 1.0))
                 raise BucketNotFound(missing_bucket(b.name, self.upstream.url, names, self.use_embedded)) from None
+            except BaseException:  # not in self.feeds yet: stop what its start began (a consumer)
+                await _step(f"feed {b.name}", feed.stop(), STOP_STEP_S)
+                raise
             self.feeds[b.name] = feed
             ledger.witness(feed)
             if share is not None:
@@ -357,6 +361,9 @@ class Sidecar:
             await _step("shared stream state", self.share.close(), STOP_STEP_S)
         for name, feed in self.feeds.items():
             await _step(f"feed {name}", feed.stop(), STOP_STEP_S)
+        # the consumers' deletions, before the connection closes: a failed start (or a stop)
+        # leaves no consumer behind for the server to reap a minute later
+        await _step("consumer deletions", deletions_done(STOP_STEP_S), STOP_STEP_S)
         if self.upstream.nc and not self.upstream.nc.is_closed:
             # Bounded: shutdown must finish whatever state the connection is in.
             await _step("NATS close", self.upstream.close(), 2)

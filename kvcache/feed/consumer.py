@@ -70,9 +70,22 @@ _DELETIONS: dict[tuple[int, str, str], asyncio.Future] = {}
 
 def _delete_in_background(consumer: PullConsumer) -> None:
     key = (id(consumer.nc), consumer.stream, consumer.name)
+    pending = _DELETIONS.get(key)
+    if pending is not None and not pending.done():
+        return  # on its way already (a consumer waits for its predecessor's before it is made)
     task = asyncio.ensure_future(consumer._delete_quietly())
     _DELETIONS[key] = task
     task.add_done_callback(lambda t: _DELETIONS.pop(key, None) if _DELETIONS.get(key) is t else None)
+
+
+async def deletions_done(timeout: float) -> None:
+    """Wait (at most `timeout`) for the consumer deletions still on their way. Before the
+    connection closes: a deletion left behind then is never sent, and its consumer stays on
+    the stream until the server's inactivity reaper (60 s) takes it; a sidecar whose start
+    failed, or that stops, must leave none."""
+    pending = [t for t in _DELETIONS.values() if not t.done()]
+    if pending:
+        await asyncio.wait(pending, timeout=timeout)
 
 
 def _consumer_name() -> str:
@@ -136,16 +149,15 @@ class PullConsumer:
         self._last_activity = time.monotonic()
         self._caught_up = False
         self.host = ""  # the server the consumer was placed on ('' outside a cluster)
+        self._requested = False  # a CONSUMER.CREATE was sent: the consumer may exist on the server
 
     async def run(self) -> None:
         if not isinstance(self.nc, NatsConnection):
             raise TypeError("the feed needs a kvcache.natsio.nats_connection.NatsConnection (for its fast lane)")
         sub = await self.nc.subscribe(self._inbox)  # messages never reach its queue: the lane takes them
         self.nc.add_lane(sub._id, self.prefix, self._on_lane)
-        created = False
         try:
             info, stream_info = await self._create_placed()
-            created = True
             if self.after_create is not None:
                 await self.after_create(stream_info)
             self._last_activity = time.monotonic()
@@ -170,12 +182,14 @@ class PullConsumer:
         finally:
             self._done = True
             self.nc.remove_lane(sub._id)
+            # whatever ended it (a cancelled start too), what it made goes: scheduled before
+            # the await below, which a repeated cancel (Feed.stop) may cut short
+            if self._requested:
+                _delete_in_background(self)
             try:
                 await sub.unsubscribe()
             except Exception:  # the connection may be gone; the server drops the interest anyway
                 pass
-            if created:
-                _delete_in_background(self)
 
     def _check_silence(self, now: float) -> None:
         """Lose the consumer if the server has been silent too long: three idle heartbeats,
@@ -274,17 +288,36 @@ class PullConsumer:
             cfg["filter_subject"] = self.filters[0]
         else:
             cfg["filter_subjects"] = self.filters
-        return await jsapi.api_request(
+        self._requested = True
+        request = asyncio.ensure_future(jsapi.api_request(
             self.nc, f"{self.api}.CONSUMER.CREATE.{self.stream}.{self.name}",
             {"stream_name": self.stream, "config": cfg, "action": "create"}, self.timeout,
-        )
+        ))
+        try:
+            return await asyncio.shield(request)
+        except asyncio.CancelledError:
+            # Cancelled (a start abandoned or failed) while the request is on its way: the
+            # consumer exists once the server has handled it, and the server handles API
+            # requests concurrently, so a deletion sent now could pass it and leave the
+            # consumer behind. Let the answer come first (the request's own timeout bounds it).
+            while not request.done():
+                try:
+                    await asyncio.wait({request})
+                except asyncio.CancelledError:  # cancelled again (Feed.stop repeats it): still wait
+                    continue
+            if not request.cancelled():
+                request.exception()  # seen: a failed request matters no more to a cancelled run
+            raise
 
     async def _delete_quietly(self, timeout: float = 1.0) -> None:
         try:
             await jsapi.api_request(
                 self.nc, f"{self.api}.CONSUMER.DELETE.{self.stream}.{self.name}", None, timeout)
-        except Exception:  # inactive_threshold reaps it anyway
+        except jsapi.ApiError:  # not there (gone already): nothing left to delete either
             pass
+        except Exception:  # not answered: inactive_threshold reaps it anyway
+            return
+        self._requested = False  # answered: what this consumer made is gone
 
     async def _pull(self) -> None:
         """Top the window up to PULL_BATCH messages; each request's bytes are capped too, so
