@@ -32,7 +32,8 @@ STAMPS := build/stamps/$(shell printf '%s' '$(abspath $(PYTHON))' | cksum | cut 
 # be careful with folders ... the same name as your package"), 9 lines that tell a user nothing
 QUIET_EDITABLE = PYTHONWARNINGS="ignore:Editable installation"
 
-.PHONY: demo test quick mutation lint typecheck debug install install-test install-mutation native-deps system-deps clean
+.PHONY: demo test quick mutation lint typecheck debug install install-test install-mutation native-deps system-deps clean \
+        fuzz fuzz-short fuzz-deps
 
 APT = if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq $(1) >/dev/null; \
       else sudo apt-get update -qq && sudo apt-get install -y -qq $(1) >/dev/null; fi
@@ -161,6 +162,34 @@ mutation: install-mutation
 debug:
 	KVCACHE_DEBUG_BUILD=1 $(PYTHON) setup.py build_ext --inplace --force
 	rm -f $(STAMPS)/install $(STAMPS)/install-test
+
+# Coverage-guided fuzzing of the native readers (tests/fuzz/): each harness feeds a native
+# module and its pure-Python twin the same bytes, whole and cut, and fails on any difference;
+# the extensions are built again by clang with ASan, UBSan and libFuzzer's counters into
+# build/fuzz/ (the modules in place stay as they are), and every sanitizer report fails too.
+# FUZZ_SECONDS per reader; the corpus grows in build/fuzz/corpus/, findings go to
+# build/fuzz/findings/. clang comes from apt when missing, atheris from the package index.
+FUZZ_SECONDS ?= 60
+FUZZ_READERS ?= resp_request,resp_reply,nats,server_get
+FUZZ_EVERY_SPLIT ?= 0
+FUZZ_BUILD := build/fuzz
+
+fuzz: fuzz-deps $(FUZZ_BUILD)/built
+	$(PYTHON) tests/fuzz/run.py --build $(FUZZ_BUILD) --seconds $(FUZZ_SECONDS) --readers $(FUZZ_READERS) \
+	  --every-split $(FUZZ_EVERY_SPLIT)
+
+# The short run for CI: 20 s per reader, inputs of up to 64 bytes also cut at every boundary
+# (about 2.5 minutes on 2 cores with the sanitized build, when clang and atheris are there)
+fuzz-short:
+	@$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=20 FUZZ_EVERY_SPLIT=64
+
+fuzz-deps: install-test
+	@if ! command -v clang >/dev/null || ! command -v clang++ >/dev/null; then $(call APT,clang); fi
+	@$(PYTHON) -c 'import atheris' 2>/dev/null || $(PYTHON) -m pip install -q "atheris>=2.3"
+
+$(FUZZ_BUILD)/built: $(INSTALL_INPUTS) tests/fuzz/build_sanitized.sh | fuzz-deps
+	tests/fuzz/build_sanitized.sh $(PYTHON) $(FUZZ_BUILD)
+	@touch $@
 
 clean:
 	rm -rf build dist *.egg-info kvcache-data mutants ext/*.c ext/*.html kvcache/_native/*.so $(VENV)
