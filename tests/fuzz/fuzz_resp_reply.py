@@ -32,6 +32,8 @@ def norm(value: object) -> object:
         return ("error", f"{type(value).__module__}.{type(value).__qualname__}", str(value))
     if isinstance(value, list):
         return [norm(v) for v in value]
+    if isinstance(value, tuple):  # an aggregate as a map's key
+        return ("tuple", tuple(norm(v) for v in value))
     if isinstance(value, dict):
         return {norm(k): norm(v) for k, v in value.items()}
     if isinstance(value, float) and math.isnan(value):
