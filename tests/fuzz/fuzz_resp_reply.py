@@ -85,6 +85,7 @@ def seeds() -> list[bytes]:
         b"%1\r\n*2\r\n:1\r\n:2\r\n+v\r\n%2\r\n+k\r\n:1\r\n+k\r\n:2\r\n",
         b":9999999999999999999\r\n:-9999999999999999999\r\n:-9223372036854775808\r\n(-123456789012345678901\r\n",
         b">3\r\n+message\r\n+ch\r\n$1\r\nx\r\n~1\r\n#t\r\n",
+        b"%1\r\n*2\r\n-ERR k\r\n_\r\n:1\r\n",  # a key holding an error: compared by value
     ]
     out = []
     for wire in wires:
