@@ -2,7 +2,8 @@
 the JetStream fast lane (`add_lane`: KV deliveries folded into Runs of replica items, HMSG
 headers deciding each one's operation and TTL) included.
 
-The options byte picks the limits (bits 0-1, LIMITS), whether sids 0-15 are fast lanes
+The options byte picks the limits (bits 0-1, LIMITS: the last is a negative max_payload,
+which both twins must meet alike), whether sids 0-15 are fast lanes
 (bit 2) with a key prefix of 4 (`$KV.`) or 11 bytes (`$KV.config.`, bit 3), and whether one
 lane (a choice byte names it) is removed after the first chunk (bit 4). The outcome: every
 event (a Run by its fields), the protocol error (class, message, the events it carries) and
@@ -82,8 +83,10 @@ def check(data: bytes) -> None:
     case = decode(data)
     removed = case.choice(0, LANES)
     assert native is not None, "setup() first"
+    # a negative limit is the caller's mistake: refused alike (ValueError) or taken alike
+    allowed = (ProtocolError, ValueError) if LIMITS[case.options & 3].get("max_payload", 0) < 0 else (ProtocolError,)
     differential("nats", case, lambda mod, chunks: run(mod, chunks, case.options, removed), native, twin,
-                 allowed=(ProtocolError,), same_whole_as_cut=None if case.options & 16 else merged,
+                 allowed=allowed, same_whole_as_cut=None if case.options & 16 else merged,
                  settings=f"limits {LIMITS[case.options & 3]}, " + (
                      f"sids 0-{LANES - 1} lanes (key prefix {11 if case.options & 8 else 4} bytes)"
                      + (f", lane {removed} removed after the first chunk" if case.options & 16 else "")
