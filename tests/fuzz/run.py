@@ -9,9 +9,9 @@ Each reader keeps its corpus in build/fuzz/corpus/<reader>/ (seeded from the tes
 tests/support/*_vectors.py, and grown by every run), its libFuzzer log in build/fuzz/logs/ and
 what it found in build/fuzz/findings/<reader>/ (the input that failed, for --replay). The
 numbers come from libFuzzer: executions, `cov` and `ft` (edges and features reached, the
-twins' Python included), and, at the end, the C functions and edges of kvcache's own code
-(ext/*.pyx as compiled) that the run reached: the proof that the modules under test are the
-instrumented ones. A sanitizer report (ASan, UBSan), a difference between the twins, an
+twins' Python included), and, at the end, the functions of kvcache's own code (ext/*.pyx as
+Cython compiled them, its helpers apart) that the run reached and their edges: the proof that
+the modules under test are the instrumented ones. A sanitizer report (ASan, UBSan), a difference between the twins, an
 exception the contract does not allow, a hang or running out of memory fails the run.
 
 The twin's Python is instrumented too (atheris), so that its branches and comparisons guide
@@ -50,7 +50,9 @@ LIBFUZZER = ["-print_final_stats=1", "-print_coverage=1", "-timeout=30", "-rss_l
 SANITIZER = re.compile(r"ERROR: AddressSanitizer|runtime error:|ERROR: LeakSanitizer")
 STATUS = re.compile(r"^#(\d+)\s+\w+\s+cov: (\d+) ft: (\d+) corp: (\d+)/")
 LOADED = re.compile(r"INFO: Loaded (\d+) modules\s+\((\d+) inline 8-bit counters\)")
-FUNC = re.compile(r"^(UN)?COVERED_FUNC: hits: \d+ edges: (\d+)/(\d+) \S+ (\S+):\d+")
+# -print_coverage's lines; kvcache's own functions are those Cython names after their module
+# (__pyx_f_7kvcache_7_native_4resp_...), apart from Cython's helpers and LMDB
+FUNC = re.compile(r"^(UN)?COVERED_FUNC: hits: \d+ edges: (\d+)/(\d+) (\S+) ")
 
 
 @dataclass
@@ -64,7 +66,7 @@ class Result:
     ft: int = 0
     corpus: int = 0
     counters: int = 0
-    functions: tuple[int, int] = (0, 0)  # kvcache's C functions reached, of all
+    functions: tuple[int, int] = (0, 0)  # kvcache's own C functions reached, of all
     edges: tuple[int, int] = (0, 0)      # their edges reached, of all
     sanitizer: int = 0
     differences: int = 0
@@ -151,7 +153,7 @@ def read_log(result: Result, text: str, native: Path) -> None:
     functions = [0, 0]
     edges = [0, 0]
     for m in map(FUNC.match, lines):
-        if m and "/ext/" in m[4]:
+        if m and "_7kvcache_" in m[4]:
             functions[1] += 1
             functions[0] += not m[1]
             edges[0] += int(m[2])

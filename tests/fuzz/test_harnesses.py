@@ -126,6 +126,7 @@ INFO: Loaded 1 modules   (14048 inline 8-bit counters): 14048 [0x7f, 0x7f),
 COVERED_FUNC: hits: 12 edges: 30/44 __pyx_f_7kvcache_7_native_9natsproto_x /src/ext/natsproto.c:100
 UNCOVERED_FUNC: hits: 0 edges: 0/20 __pyx_f_7kvcache_7_native_9natsproto_y /src/ext/natsproto.c:200
 COVERED_FUNC: hits: 3 edges: 2/8 Py_DECREF /usr/include/python3.11/object.h:534
+COVERED_FUNC: hits: 9 edges: 5/16 __Pyx_PyObject_FastCallDict /src/ext/natsproto.c:900
 stat::number_of_executed_units: 24000
 stat::average_exec_per_sec:     400
 """
