@@ -66,6 +66,8 @@ class Result:
     ft: int = 0
     corpus: int = 0
     counters: int = 0
+    modules: int = 0   # instrumented modules libFuzzer saw
+    natives: int = 0   # kvcache._native modules the harness loaded
     functions: tuple[int, int] = (0, 0)  # kvcache's own C functions reached, of all
     edges: tuple[int, int] = (0, 0)      # their edges reached, of all
     sanitizer: int = 0
@@ -145,6 +147,7 @@ def read_log(result: Result, text: str, native: Path) -> None:
         if m := STATUS.match(line):
             result.executions, result.cov, result.ft = int(m[1]), int(m[2]), int(m[3])
         elif m := LOADED.search(line):
+            result.modules += int(m[1])
             result.counters += int(m[2])
         elif line.startswith("stat::number_of_executed_units:"):
             result.executions = int(line.split(":")[-1])
@@ -167,8 +170,9 @@ def read_log(result: Result, text: str, native: Path) -> None:
         result.problems.append("the harness did not start (no native modules loaded)")
     elif any(Path(p).parent != native for p in loaded):
         result.problems.append(f"native modules loaded from outside {native}: {loaded}")
-    elif result.counters == 0:
-        result.problems.append("libFuzzer saw no instrumented module (no 'Loaded N modules' line)")
+    elif result.modules < len(loaded):
+        result.problems.append(f"libFuzzer saw {result.modules} instrumented modules, {len(loaded)} are loaded")
+    result.natives = len(loaded)
     if result.sanitizer:
         result.problems.append(f"{result.sanitizer} sanitizer report(s)")
     if result.differences:
@@ -202,13 +206,16 @@ def excerpt(log: Path, limit: int = 60) -> str:
 
 def summary(results: list[Result]) -> str:
     head = (f"{'reader':<13} {'seconds':>7} {'executions':>11} {'exec/s':>7} {'cov':>6} {'ft':>7} {'corpus':>6}  "
-            f"{'kvcache C functions':>19} {'C edges':>13}  {'sanitizer':>9}  {'differences':>11}")
+            f"{'instrumented':>12} {'functions':>9} {'C edges':>11}  {'sanitizer':>9}  {'differences':>11}")
     rows = [head]
     for r in results:
+        modules = f"{r.modules} of {r.natives}"
         fn = f"{r.functions[0]}/{r.functions[1]}"
         edges = f"{r.edges[0]}/{r.edges[1]}"
         rows.append(f"{r.reader:<13} {r.seconds:>7.0f} {r.executions:>11,} {r.exec_per_s:>7} {r.cov:>6} {r.ft:>7} "
-                    f"{r.corpus:>6}  {fn:>19} {edges:>13}  {r.sanitizer:>9}  {r.differences:>11}")
+                    f"{r.corpus:>6}  {modules:>12} {fn:>9} {edges:>11}  {r.sanitizer:>9}  {r.differences:>11}")
+    rows.append("(instrumented: modules libFuzzer counts coverage in, of the kvcache._native modules loaded; "
+                "functions, C edges: kvcache's own code reached)")
     return "\n".join("fuzz: " + row for row in rows)
 
 

@@ -143,7 +143,7 @@ def test_the_runner_fails_a_run_with_a_report(extra: str, problem: str | None, t
     result = run.Result("nats")
     run.read_log(result, CLEAN_LOG.format(native=tmp_path) + extra + "\n", tmp_path)
     assert (result.executions, result.exec_per_s, result.cov, result.ft) == (24000, 400, 3105, 14438)
-    assert (result.functions, result.edges, result.counters) == ((1, 2), (30, 64), 14048)
+    assert (result.functions, result.edges, result.counters, result.modules) == ((1, 2), (30, 64), 14048, 1)
     assert result.problems == ([] if problem is None else [problem])
 
 
@@ -152,3 +152,7 @@ def test_the_runner_refuses_modules_from_another_build(tmp_path) -> None:
     result = run.Result("nats")
     run.read_log(result, CLEAN_LOG.format(native="/elsewhere"), tmp_path)
     assert result.failed and "native modules loaded from outside" in result.problems[0]
+    result = run.Result("nats")  # a module loaded from the build, but not instrumented
+    run.read_log(result, CLEAN_LOG.format(native=tmp_path).replace(
+        "natsproto.cpython-311-x86_64-linux-gnu.so", f"natsproto.so {tmp_path}/resp.so"), tmp_path)
+    assert result.problems == ["libFuzzer saw 1 instrumented modules, 2 are loaded"]
