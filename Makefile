@@ -33,7 +33,7 @@ STAMPS := build/stamps/$(shell printf '%s' '$(abspath $(PYTHON))' | cksum | cut 
 QUIET_EDITABLE = PYTHONWARNINGS="ignore:Editable installation"
 
 .PHONY: demo test quick mutation lint typecheck debug install install-test install-mutation native-deps system-deps clean \
-        fuzz fuzz-short fuzz-deps
+        fuzz fuzz-short fuzz-deps install-fuzz
 
 APT = if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq $(1) >/dev/null; \
       else sudo apt-get update -qq && sudo apt-get install -y -qq $(1) >/dev/null; fi
@@ -41,6 +41,7 @@ APT = if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq 
 install: $(STAMPS)/install
 install-test: $(STAMPS)/install-test
 install-mutation: $(STAMPS)/install-mutation
+install-fuzz: $(STAMPS)/install-fuzz
 
 # the package and the demo extra: what README.md's examples use (redis-py, locust), nothing
 # outside the virtualenv (libnetfilter-queue-dev, Java and redis-tools are the tests' only)
@@ -61,6 +62,11 @@ $(STAMPS)/install-test: $(INSTALL_INPUTS) $(VENV_MADE) tests/node/package-lock.j
 # mutmut, for `make mutation` (the mutation extra), beside the test extra
 $(STAMPS)/install-mutation: $(STAMPS)/install-test
 	$(QUIET_EDITABLE) $(PYTHON) -m pip install -q -e ".[test,mutation]"
+	@mkdir -p $(@D) && touch $@
+
+# atheris, for `make fuzz` (the fuzz extra), beside the test extra whose vectors seed it
+$(STAMPS)/install-fuzz: $(STAMPS)/install-test
+	$(QUIET_EDITABLE) $(PYTHON) -m pip install -q -e ".[test,fuzz]"
 	@mkdir -p $(@D) && touch $@
 
 # ./.venv (Debian's python3 needs python3-venv for it: installed when missing)
@@ -168,7 +174,7 @@ debug:
 # the extensions are built again by clang with ASan, UBSan and libFuzzer's counters into
 # build/fuzz/ (the modules in place stay as they are), and every sanitizer report fails too.
 # FUZZ_SECONDS per reader; the corpus grows in build/fuzz/corpus/, findings go to
-# build/fuzz/findings/. clang comes from apt when missing, atheris from the package index.
+# build/fuzz/findings/. clang comes from apt when missing, atheris with the fuzz extra.
 FUZZ_SECONDS ?= 60
 FUZZ_READERS ?= resp_request,resp_reply,nats,server_get
 FUZZ_EVERY_SPLIT ?= 0
@@ -183,9 +189,8 @@ fuzz: fuzz-deps $(FUZZ_BUILD)/built
 fuzz-short:
 	@$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=20 FUZZ_EVERY_SPLIT=64
 
-fuzz-deps: install-test
+fuzz-deps: install-fuzz
 	@if ! command -v clang >/dev/null || ! command -v clang++ >/dev/null; then $(call APT,clang); fi
-	@$(PYTHON) -c 'import atheris' 2>/dev/null || $(PYTHON) -m pip install -q "atheris>=2.3"
 
 $(FUZZ_BUILD)/built: $(INSTALL_INPUTS) tests/fuzz/build_sanitized.sh | fuzz-deps
 	tests/fuzz/build_sanitized.sh $(PYTHON) $(FUZZ_BUILD)
