@@ -4,13 +4,16 @@ headers deciding each one's operation and TTL) included.
 
 The options byte picks the limits (bits 0-1, LIMITS: the last is a negative max_payload,
 which both twins must meet alike), whether sids 0-15 are fast lanes
-(bit 2) with a key prefix of 4 (`$KV.`) or 11 bytes (`$KV.config.`, bit 3), and whether one
-lane (a choice byte names it) is removed after the first chunk (bit 4). The outcome: every
+(bit 2) with a key prefix of 4 (`$KV.`) or 11 bytes (`$KV.config.`, bit 3), whether one
+lane (a choice byte names it) is removed after the first chunk (bit 4), and whether the wire
+is framed by the harness (bit 5, `framed`): then a mutated header or payload keeps its frame's
+sizes right, where a byte-level mutation of a sized frame would mostly break its framing. The outcome: every
 event (a Run by its fields), the protocol error (class, message, the events it carries) and
 what stayed buffered; with small limits, the reader must never hold more than one frame.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from types import ModuleType
 from typing import Any
 
@@ -79,8 +82,36 @@ def merged(value: Any) -> Any:
     return (out, err) if err is not None else (out, err, buffered)
 
 
+FRAME, FIELD = b"\x00\x01", b"\x00\x02"
+
+
+def framed(wire: bytes) -> bytes:
+    """The wire a framed input stands for: frames split by FRAME, each `control` (one field:
+    sent as it is), `control FIELD payload` (a MSG) or `control FIELD headers FIELD payload`
+    (an HMSG), the sizes of the last two written by the harness: `MSG <control> <size>` and
+    `HMSG <control> <header size> <total size>`."""
+    out = []
+    for frame in wire.split(FRAME):
+        fields = frame.split(FIELD, 2)
+        if len(fields) == 1:
+            out.append(frame)
+        elif len(fields) == 2:
+            out.append(b"MSG %s %d\r\n%s\r\n" % (fields[0], len(fields[1]), fields[1]))
+        else:
+            head, payload = fields[1], fields[2]
+            out.append(b"HMSG %s %d %d\r\n%s%s\r\n" % (fields[0], len(head), len(head) + len(payload), head, payload))
+    return b"".join(out)
+
+
+def unframed(frames: list[tuple[bytes, ...]]) -> bytes:
+    """A framed wire (see framed) from (control[, headers], payload) tuples."""
+    return FRAME.join(FIELD.join(f) for f in frames)
+
+
 def check(data: bytes) -> None:
     case = decode(data)
+    if case.options & 32:
+        case = replace(case, wire=framed(case.wire))
     removed = case.choice(0, LANES)
     assert native is not None, "setup() first"
     # a negative limit is the caller's mistake: refused alike (ValueError) or taken alike
@@ -126,6 +157,23 @@ LANE_WIRES = [
 ]
 
 
+def lane_parts(key: str, sseq: int, cseq: int, headers: bytes = b"", value: bytes = b"") -> tuple[bytes, ...]:
+    control = f"$KV.config.{key} 7 {lane_ack(sseq, cseq)}".encode()
+    return (control, b"NATS/1.0\r\n" + headers + b"\r\n", value) if headers else (control, value)
+
+
+LANE_FRAMES = [
+    [lane_parts("a", 10, 1, b"Nats-TTL: 2s\r\n", b"1"), lane_parts("b", 11, 2, b"Nats-TTL: 90000000000ns\r\n", b"2"),
+     lane_parts("c", 12, 3, b"KV-Operation: DEL\r\n"), lane_parts("d", 13, 4, value=b"4")],
+    [(b"PING\r\n",), lane_parts("e", 20, 1, b"Nats-Marker-Reason: MaxAge\r\nNats-TTL: 1m\r\n"),
+     (b"_INBOX.x 7", b"NATS/1.0 100 Idle Heartbeat\r\nNats-Last-Consumer: 1\r\n\r\n", b""),
+     lane_parts("f", 21, 2, b"Nats-TTL: never\r\n", b"v")],
+    # a Nats-TTL in each unit of a Go duration, and in seconds
+    [lane_parts(f"t{i}", 30 + i, 1 + i, b"Nats-TTL: " + ttl + b"\r\n", b"v") for i, ttl in enumerate(
+        [b"1500ms", b"3000000us", b"2h", b"1m30s", b"7", b"1.5s"])],
+]
+
+
 def seeds() -> list[bytes]:
     out = []
     for wire in [v[1] for v in VECTORS if len(v[1]) < 4096]:
@@ -134,6 +182,9 @@ def seeds() -> list[bytes]:
         out += [encode(wire, 4 | 8), encode(wire, 4 | 8, bytes([30, 2, 60])), encode(wire, 4 | 1),
                 encode(wire, 4 | 8 | 16, bytes([7, 40]))]
     out.append(encode(msg_frame("a", 1, ACK, b"x") + msg_frame("b", 2, ACK_LONG, b"y"), 4))
+    for frames in LANE_FRAMES:
+        out += [encode(unframed(frames), 32 | 4 | 8), encode(unframed(frames), 32 | 4 | 8, bytes([17, 3])),
+                encode(unframed(frames), 32)]
     return out
 
 
@@ -143,4 +194,4 @@ DICTIONARY = [b"\r\n", b"MSG ", b"HMSG ", b"PING\r\n", b"PONG\r\n", b"+OK\r\n", 
               b"Remove", b"Nats-TTL: ", b"never", b"ns", b"us", b"\xc2\xb5s", b"\xce\xbcs", b"ms", b"s", b"m", b"h",
               b"$JS.ACK.", b"$JS.ACK.KV_config.cons.1.", b"$KV.config.", b".1700000000000000000.0",
               b"18446744073709551615", b"18446744073709551616", b"9223372036854775807", b"\t", b"\x0b", b"\x0c",
-              b"\xc2\xa0", b"\xff", b"\xef\xbf\xbd"]
+              b"\xc2\xa0", b"\xff", b"\xef\xbf\xbd", FRAME, FIELD]

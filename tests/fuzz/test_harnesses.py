@@ -44,6 +44,15 @@ def test_inputs_are_read_as_written() -> None:
     assert all(b"".join(c) == wire[:40] for c in harness.splits(wire[:40]))
 
 
+def test_a_framed_nats_input_gets_its_sizes_from_the_harness() -> None:
+    import fuzz_nats
+
+    from kvcache.natsio import natsproto
+    wire = fuzz_nats.framed(fuzz_nats.unframed([(b"PING\r\n",), (b"a 1", b"xy"), (b"b 2 r", b"NATS/1.0\r\n\r\n", b"")]))
+    assert wire == b"PING\r\nMSG a 1 2\r\nxy\r\nHMSG b 2 r 12 12\r\nNATS/1.0\r\n\r\n\r\n"
+    assert [type(e).__name__ for e in natsproto.NatsReader().feed(wire)] == ["Ping", "Msg", "HMsg"]
+
+
 @pytest.mark.parametrize("reader", harness.READERS)
 def test_every_seed_passes_cut_at_every_boundary(reader: str, monkeypatch) -> None:
     module = target(reader)
