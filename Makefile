@@ -32,7 +32,8 @@ STAMPS := build/stamps/$(shell printf '%s' '$(abspath $(PYTHON))' | cksum | cut 
 # be careful with folders ... the same name as your package"), 9 lines that tell a user nothing
 QUIET_EDITABLE = PYTHONWARNINGS="ignore:Editable installation"
 
-.PHONY: demo test quick mutation lint typecheck debug install install-test install-mutation native-deps system-deps clean
+.PHONY: demo test quick mutation lint typecheck debug install install-test install-mutation native-deps system-deps clean \
+        fuzz fuzz-short fuzz-deps install-fuzz
 
 APT = if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq $(1) >/dev/null; \
       else sudo apt-get update -qq && sudo apt-get install -y -qq $(1) >/dev/null; fi
@@ -40,6 +41,7 @@ APT = if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq 
 install: $(STAMPS)/install
 install-test: $(STAMPS)/install-test
 install-mutation: $(STAMPS)/install-mutation
+install-fuzz: $(STAMPS)/install-fuzz
 
 # the package and the demo extra: what README.md's examples use (redis-py, locust), nothing
 # outside the virtualenv (libnetfilter-queue-dev, Java and redis-tools are the tests' only)
@@ -60,6 +62,11 @@ $(STAMPS)/install-test: $(INSTALL_INPUTS) $(VENV_MADE) tests/node/package-lock.j
 # mutmut, for `make mutation` (the mutation extra), beside the test extra
 $(STAMPS)/install-mutation: $(STAMPS)/install-test
 	$(QUIET_EDITABLE) $(PYTHON) -m pip install -q -e ".[test,mutation]"
+	@mkdir -p $(@D) && touch $@
+
+# atheris, for `make fuzz` (the fuzz extra), beside the test extra whose vectors seed it
+$(STAMPS)/install-fuzz: $(STAMPS)/install-test
+	$(QUIET_EDITABLE) $(PYTHON) -m pip install -q -e ".[test,fuzz]"
 	@mkdir -p $(@D) && touch $@
 
 # ./.venv (Debian's python3 needs python3-venv for it: installed when missing)
@@ -161,6 +168,33 @@ mutation: install-mutation
 debug:
 	KVCACHE_DEBUG_BUILD=1 $(PYTHON) setup.py build_ext --inplace --force
 	rm -f $(STAMPS)/install $(STAMPS)/install-test
+
+# Coverage-guided fuzzing of the native readers (tests/fuzz/): each harness feeds a native
+# module and its pure-Python twin the same bytes, whole and cut, and fails on any difference;
+# the extensions are built again by clang with ASan, UBSan and libFuzzer's counters into
+# build/fuzz/ (the modules in place stay as they are), and every sanitizer report fails too.
+# FUZZ_SECONDS per reader; the corpus grows in build/fuzz/corpus/, findings go to
+# build/fuzz/findings/. clang comes from apt when missing, atheris with the fuzz extra.
+FUZZ_SECONDS ?= 60
+FUZZ_READERS ?= resp_request,resp_reply,nats,server_get
+FUZZ_EVERY_SPLIT ?= 0
+FUZZ_BUILD := build/fuzz
+
+fuzz: fuzz-deps $(FUZZ_BUILD)/built
+	$(PYTHON) tests/fuzz/run.py --build $(FUZZ_BUILD) --seconds $(FUZZ_SECONDS) --readers $(FUZZ_READERS) \
+	  --every-split $(FUZZ_EVERY_SPLIT)
+
+# The short run for CI: 20 s per reader, inputs of up to 64 bytes also cut at every boundary
+# (about 2.5 minutes on 2 cores with the sanitized build, when clang and atheris are there)
+fuzz-short:
+	@$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=20 FUZZ_EVERY_SPLIT=64
+
+fuzz-deps: install-fuzz
+	@if ! command -v clang >/dev/null || ! command -v clang++ >/dev/null; then $(call APT,clang); fi
+
+$(FUZZ_BUILD)/built: $(INSTALL_INPUTS) tests/fuzz/build_sanitized.sh | fuzz-deps
+	tests/fuzz/build_sanitized.sh $(PYTHON) $(FUZZ_BUILD)
+	@touch $@
 
 clean:
 	rm -rf build dist *.egg-info kvcache-data mutants ext/*.c ext/*.html kvcache/_native/*.so $(VENV)
