@@ -15,17 +15,12 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from support.kvdata import _put_all
-from support.redis_ref import redis_server
-from support.sidecar_proc import SidecarProcess
-from support.topology import nats_run
+from support.redis_ref import END, END_REPLY, bucket_holding, redis_server, twin_sidecar
 
 from kvcache.app.client import encode_command as encode
 
 VALUES = {f"in.k{i}": b"v%d" % i for i in range(10)}
 VALUES |= {"in.big": b"B" * (300 * 1024), "out.r1": b"remote1", "out.r2": b"remote2"}
-END = encode(["CLIENT", "REPLY", "ON"]) + encode(["ECHO", "__end__"])
-END_REPLY = b"+OK\r\n$7\r\n__end__\r\n"
 
 
 @pytest.fixture(scope="module")
@@ -37,22 +32,14 @@ def redis_sock(tmp_path_factory) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def bucket_url(nats_server_module) -> str:
-    async def setup(js):
-        kv = await js.create_key_value(bucket="rm", direct=True)
-        await _put_all(kv, VALUES)
-    nats_run(nats_server_module.url, setup)
-    return nats_server_module.url
+    return bucket_holding(nats_server_module.url, "rm", VALUES)
 
 
 @pytest.fixture(scope="module", params=["native", "twins"])
 def sidecar_sock(request, bucket_url, tmp_path_factory) -> Iterator[str]:
     """A sidecar replicating `in.>` of bucket rm (its default bucket): `out.*` are remote."""
-    env = {"KVCACHE_NO_EXTENSIONS": "1" if request.param == "twins" else "0"}
-    sc = SidecarProcess(tmp_path_factory.mktemp(request.param) / "sc", bucket_url, ["rm:in.>"], env=env)
-    with sc:
-        sc.start()
-        yield sc.socket
-        assert sc.stop() == 0
+    with twin_sidecar(request.param, tmp_path_factory.mktemp(request.param), bucket_url, "rm:in.>") as path:
+        yield path
 
 
 def exchange(path: str, parts: list[bytes], until_eof: bool = False, pause: float = 0.0,

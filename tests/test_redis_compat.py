@@ -23,10 +23,7 @@ import socket
 from collections.abc import Iterator
 
 import pytest
-from support.kvdata import _put_all
-from support.redis_ref import redis_server
-from support.sidecar_proc import SidecarProcess
-from support.topology import nats_run
+from support.redis_ref import END, END_REPLY, bucket_holding, redis_server, twin_sidecar
 
 from kvcache import resp as resp_twin
 from kvcache.app.client import encode_command as encode
@@ -39,8 +36,6 @@ READERS = [pytest.param(resp_twin, id="python"),
                         marks=pytest.mark.skipif(resp_native is None, reason="kvcache._native.resp not built"))]
 
 VALUES = {"k1": b"v1", "k2": b"v2"}
-END = encode(["CLIENT", "REPLY", "ON"]) + encode(["ECHO", "__end__"])
-END_REPLY = b"+OK\r\n$7\r\n__end__\r\n"
 
 
 @pytest.fixture(scope="module")
@@ -52,22 +47,14 @@ def redis_sock(tmp_path_factory) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def bucket_url(nats_server_module) -> str:
-    async def setup(js):
-        kv = await js.create_key_value(bucket="rc", direct=True)
-        await _put_all(kv, VALUES)
-    nats_run(nats_server_module.url, setup)
-    return nats_server_module.url
+    return bucket_holding(nats_server_module.url, "rc", VALUES)
 
 
 @pytest.fixture(scope="module", params=["native", "twins"])
 def sidecar_sock(request, bucket_url, tmp_path_factory) -> Iterator[str]:
     """A real sidecar replicating bucket rc (its default bucket), native or pure Python."""
-    env = {"KVCACHE_NO_EXTENSIONS": "1" if request.param == "twins" else "0"}
-    sc = SidecarProcess(tmp_path_factory.mktemp(request.param) / "sc", bucket_url, ["rc"], env=env)
-    with sc:
-        sc.start()
-        yield sc.socket
-        assert sc.stop() == 0
+    with twin_sidecar(request.param, tmp_path_factory.mktemp(request.param), bucket_url, "rc") as path:
+        yield path
 
 
 def exchange(path: str, parts: list[bytes], until: bytes | None = END_REPLY) -> bytes:

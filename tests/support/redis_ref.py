@@ -12,7 +12,11 @@ from pathlib import Path
 import pytest
 import redis
 
+from kvcache.app.client import encode_command
 from kvcache.natsio.nats_server import die_with_parent
+from support.kvdata import _put_all
+from support.sidecar_proc import SidecarProcess
+from support.topology import nats_run
 
 
 @contextlib.contextmanager
@@ -44,3 +48,32 @@ def redis_server(d: Path, values: dict[str, bytes] | None = None) -> Iterator[st
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+# The two sides of a byte-for-byte comparison with redis-server (tests/test_client_reply.py,
+# tests/test_redis_compat.py): commands sent to both end with END, whose reply ends what came back
+# even after CLIENT REPLY OFF.
+END = encode_command(["CLIENT", "REPLY", "ON"]) + encode_command(["ECHO", "__end__"])
+END_REPLY = b"+OK\r\n$7\r\n__end__\r\n"
+
+
+def bucket_holding(url: str, bucket: str, values: dict[str, bytes]) -> str:
+    """Make `bucket` (Direct Get on) holding `values` on the server at `url`; returns `url`."""
+    async def setup(js):
+        kv = await js.create_key_value(bucket=bucket, direct=True)
+        await _put_all(kv, values)
+    nats_run(url, setup)
+    return url
+
+
+@contextlib.contextmanager
+def twin_sidecar(twins: str, d: Path, url: str, spec: str) -> Iterator[str]:
+    """A real sidecar on bucket `spec` (its default bucket), on its native modules
+    (`twins` "native") or their pure-Python twins ("twins"); yields its socket's path and
+    checks that it stops cleanly."""
+    env = {"KVCACHE_NO_EXTENSIONS": "1" if twins == "twins" else "0"}
+    sc = SidecarProcess(d / "sc", url, [spec], env=env)
+    with sc:
+        sc.start()
+        yield sc.socket
+        assert sc.stop() == 0
