@@ -196,16 +196,22 @@ def test_credentials_refused_or_missing(tmp_path):
         server.stop()
 
 
-def test_a_pool_with_one_server_that_answers(tmp_path):
-    """A refused and a silent address beside one NATS server: connected at once, without
-    waiting out the silent one."""
-    server = NatsServer(tmp_path / "js", server_name="pool").start()
+def server_with_bucket(tmp_path, name: str) -> NatsServer:
+    """A nats-server holding bucket b with a = 1."""
+    server = NatsServer(tmp_path / "js", server_name=name).start()
 
     async def make() -> None:
         nc = await nats.connect(server.url)
         await (await nc.jetstream().create_key_value(bucket="b")).put("a", b"1")
         await nc.close()
     asyncio.run(make())
+    return server
+
+
+def test_a_pool_with_one_server_that_answers(tmp_path):
+    """A refused and a silent address beside one NATS server: connected at once, without
+    waiting out the silent one."""
+    server = server_with_bucket(tmp_path, "pool")
     try:
         with listener(accept=False) as silent:
             urls = f"nats://127.0.0.1:{free_port()},nats://127.0.0.1:{silent},{server.url}"
@@ -224,13 +230,7 @@ def test_a_pool_with_one_server_that_answers(tmp_path):
 
 
 def test_credentials_for_a_server_without_auth_are_warned_about(tmp_path):
-    server = NatsServer(tmp_path / "js", server_name="noauth").start()
-
-    async def make() -> None:
-        nc = await nats.connect(server.url)
-        await (await nc.jetstream().create_key_value(bucket="b")).put("a", b"1")
-        await nc.close()
-    asyncio.run(make())
+    server = server_with_bucket(tmp_path, "noauth")
     try:
         for n, flags in enumerate((["--user", "kv", "--password", "pw"], ["--token", "t0ken"])):
             with SidecarProcess(tmp_path / f"sc{n}", server.url, buckets=["b"], extra=flags) as sc:
