@@ -7,14 +7,19 @@ import http.client
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from support.poll import wait_until
+
 # The environment a sidecar needs for these helpers: its metrics listener on any free port.
 METRICS_ENV = {"KVCACHE_METRICS_LISTEN": "127.0.0.1:0"}
 
 
-def metrics_address(sc) -> str:
-    """Where the sidecar (a SidecarProcess) serves /metrics, as INFO says."""
-    with sc.client() as c:
-        return str(c.info("server")["server"]["metrics_listen"])
+def metrics_address(sc, timeout: float = 30.0) -> str:
+    """Where the sidecar (a SidecarProcess) serves /metrics, as INFO says: the listener is
+    bound just after the socket starts answering, so INFO may name none for a moment."""
+    def bound() -> str:
+        with sc.client() as c:
+            return str(c.info("server")["server"]["metrics_listen"])
+    return str(wait_until(bound, timeout, "the sidecar's metrics listener to be bound"))
 
 
 def http_get(address: str, path: str) -> tuple[int, str]:
