@@ -118,11 +118,20 @@ def setup() -> None:
     CONNECTIONS.update({native: connection_class(native), twin: connection_class(twin)})
 
 
+# One ServerGets per twin and setting, made on first use and kept: the native one keeps its
+# read-only LMDB environment (and its file descriptor) open for the life of the process by
+# design (ext/server_get.pyx: closing it would drop the writer's POSIX locks), so one made per
+# input ran the process out of file descriptors after some 20,000 inputs.
+_made: dict[tuple[ModuleType, bool], Any] = {}
+
+
 def make(mod: ModuleType, direct: bool) -> Any:
-    gets = mod.ServerGets(replica, Planner())
-    if direct:
-        gets.set_buckets([("main", feeds["main"], 1000, True), ("other", feeds["other"], 1000, False),
-                          ("later", feeds["later"], 1000, True)], "main")
+    gets = _made.get((mod, direct))
+    if gets is None:
+        gets = _made[(mod, direct)] = mod.ServerGets(replica, Planner())
+        if direct:
+            gets.set_buckets([("main", feeds["main"], 1000, True), ("other", feeds["other"], 1000, False),
+                              ("later", feeds["later"], 1000, True)], "main")
     return gets
 
 
