@@ -267,6 +267,7 @@ OTHER_ENV: dict[str, str] = {
     "KVCACHE_FAULT_TABLE": "tests/conftest.py: where the fault tests' table is written",
     "KVCACHE_LIFECYCLE_REPEAT": "tests/test_lifecycle.py: repeats of the shutdown test",
     "KVCACHE_GUARANTEES_TABLE": "tests/test_guarantees.py: where the guarantee table is written",
+    "KVCACHE_FUZZ_NATIVE": "tests/fuzz/harness.py: the sanitized native modules a fuzz run loads",
 }
 # What a flag's name or a [nats] key's name turns into by mistake, and the variable meant.
 _ENV_ALIASES = {"NATS": "NATS_SERVERS", "NATS_URL": "NATS_SERVERS", "NATS_URLS": "NATS_SERVERS",
