@@ -120,6 +120,13 @@ cdef class _BufferedReader:
         """A copy of the whole buffer, consumed prefix included (for tests of compaction)."""
         return PyBytes_FromStringAndSize(<char*>self._data, self._len)
 
+    def take_rest(self):
+        """The bytes received and not consumed, handed over: the buffer is empty after. A
+        worker's connection that becomes a pipe (kvcache.serve.relay) sends them on as they are."""
+        rest = PyBytes_FromStringAndSize(<char*>self._data + self._pos, self._len - self._pos)
+        self._pos = self._len
+        return rest
+
     def feed(self, data):
         cdef Py_buffer view
         cdef Py_ssize_t need

@@ -82,6 +82,7 @@ cdef class ServerGets(_ReplicaView):
     cdef unsigned char* _out
     cdef Py_ssize_t _cap, _len
     cdef bint _closed
+    cdef long long _verdict_ns  # how long a witness's yes is believed (FRESH_VERDICT_NS, or 0)
     # one call's state (see _start/_finish)
     cdef long long _now
     cdef unsigned long long _real  # wall clock for expiry, read once a call when needed
@@ -127,8 +128,11 @@ cdef class ServerGets(_ReplicaView):
     cdef unsigned long long _lat_sum_ns
     cdef long long _stash_t0
 
-    def __init__(self, replica, planner):
-        self._open(replica)
+    def __init__(self, replica, planner, writer_here=True):
+        self._open(replica, writer_here)
+        # A worker process (no writer here) asks its witness every batch: the feed's process
+        # changes the verdict at any moment (kvcache.supervisors.board), with no forget_fresh.
+        self._verdict_ns = FRESH_VERDICT_NS if writer_here else 0
         self.planner = planner
         self.plans = {}
         self._buckets = {}
@@ -386,7 +390,7 @@ cdef class ServerGets(_ReplicaView):
             if b.fresh_until_ns <= self._now:
                 if not b.witness.fresh_for_all(b.max_stale):
                     return 0
-                b.fresh_until_ns = self._now + FRESH_VERDICT_NS
+                b.fresh_until_ns = self._now + self._verdict_ns
                 b.max_age_ns = b.witness.max_age_ns
             self._fresh = b.witness
         if not b.has_dbi:

@@ -20,14 +20,19 @@ cdef class _ReplicaView:
         self._txn = NULL
         self._reader = NULL
 
-    cdef int _open(self, replica) except -1:
+    cdef int _open(self, replica, bint writer_here) except -1:
+        """`writer_here`: the writer is this process, on this thread (see the module docstring:
+        no lock needed). Else (a worker process, kvcache.supervisors.worker) every transaction
+        takes a slot in the lock file's reader table like any reader in another process, so
+        the writer never reuses a page a snapshot here still reads."""
         self.replica = replica
         path = os.fsencode(replica.path)
+        cdef unsigned int flags = MDB_RDONLY | MDB_NORDAHEAD | (MDB_NOLOCK if writer_here else 0)
         cdef int rc = mdb_env_create(&self._env)
         if rc == 0:
             rc = mdb_env_set_maxdbs(self._env, max(MAX_DBS, getattr(replica, "max_dbs", MAX_DBS)))
         if rc == 0:
-            rc = mdb_env_open(self._env, path, MDB_RDONLY | MDB_NOLOCK | MDB_NORDAHEAD, 0o600)
+            rc = mdb_env_open(self._env, path, flags, 0o600)
         if rc != 0:
             raise ReplicaError(f"cannot open the replica for the GET path: {mdb_strerror(rc).decode()}")
         cdef MDB_txn* t = NULL

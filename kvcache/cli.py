@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="first connection to NATS: give up after this long")
     serve.add_argument("--request-timeout-ms", type=int, dest="nats_request_timeout_ms", metavar="MS",
                        help="NATS requests (fallback reads, JetStream API) time out after this long")
+    serve.add_argument("--workers", dest="workers", metavar="N",
+                       help="processes serving the socket: N reading the one replica beside the "
+                       "one that holds the NATS connection, or auto (the cores it may use)")
     serve.add_argument("--max-clients", type=int, dest="max_clients", metavar="N",
                        help="connections over this are refused")
     serve.add_argument("--max-request-bytes", type=int, dest="max_request_bytes", metavar="N",

@@ -85,6 +85,10 @@ class Config:
     socket: str | None = None  # default: <data_dir>/kvcache.sock
     socket_mode: int = 0o660
     max_clients: int = 10_000
+    # Processes serving the socket (kvcache.supervisors): 1 = this one alone; N > 1 = N worker
+    # processes reading the one replica, beside this one (NATS, the feeds); "auto" in the
+    # sources = the cores this process may run on.
+    workers: int = 1
     max_request_bytes: int = 4 * 1024 * 1024
     max_reply_bytes: int = 64 * 1024 * 1024  # one MGET's values, at most (the rest is refused)
     client_write_stall_ms: int = 60_000  # a client reading none of its queued replies this long is cut off; 0 = never
@@ -238,6 +242,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"socket path is too long for a Unix socket ({MAX_SOCKET_PATH} bytes max): {cfg.socket_path}"
         )
+    internal = os.path.join(os.path.abspath(cfg.data_dir), "workers.sock")
+    if cfg.workers > 1 and len(os.fsencode(internal)) > MAX_SOCKET_PATH:
+        raise ConfigError(f"data_dir is too long for workers: their internal socket {internal} would be "
+                          f"over {MAX_SOCKET_PATH} bytes (a Unix socket's limit)")
+    if cfg.workers > 1 and cfg.access_log_rate > 0:
+        raise ConfigError("workers > 1 and access_log_rate cannot be combined yet: the access log is "
+                          "written by one process (set workers = 1 to record reads)")
     if not 0 <= cfg.embedded_port < 65536:
         raise ConfigError(f"embedded_port must be a TCP port (1-65535, or 0 for a free one), got {cfg.embedded_port}")
     if not 0 <= cfg.socket_mode <= 0o777:
@@ -245,7 +256,7 @@ def validate(cfg: Config) -> None:
     unusable = socket_mode_error(cfg.socket_mode)
     if unusable:
         raise ConfigError(unusable)
-    for name in ("max_clients", "max_request_bytes", "max_reply_bytes", "max_args", "heartbeat_ms",
+    for name in ("workers", "max_clients", "max_request_bytes", "max_reply_bytes", "max_args", "heartbeat_ms",
                  "map_size_mb"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")

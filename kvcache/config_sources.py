@@ -180,14 +180,22 @@ def _unknown(key: str, table: str, known: tuple[str, ...]) -> str:
                     "move it above the first [table])")
         return f"{where} (a {homes[0]} key)"
     lowered = {k.lower(): k for k in known}
-    close = [lowered[key.lower()]] if key.lower() in lowered else difflib.get_close_matches(key, known, n=1)
-    if close:
-        return f"{where} (did you mean '{close[0]}'?)"
-    for other, keys in (("[nats]", tuple(_NATS_SCALARS)), ("[[bucket]]", _BUCKET_KEYS), ("[[peer]]", _PEER_KEYS)):
-        close = difflib.get_close_matches(key, keys, n=1)
-        if close and other != table.split(" ")[0]:
-            return f"{where} (did you mean '{close[0]}' in {other}?)"
-    return where
+    if key.lower() in lowered:
+        return f"{where} (did you mean '{lowered[key.lower()]}'?)"
+    # the nearest key of this table or another (this one's on a tie): `srvers` at the top
+    # level is `servers` in [nats] rather than `workers`
+    best: tuple[float, int, str, str] | None = None
+    for rank, (other, keys) in enumerate((("", known), ("[nats]", tuple(_NATS_SCALARS)),
+                                          ("[[bucket]]", _BUCKET_KEYS), ("[[peer]]", _PEER_KEYS))):
+        if other and other == table.split(" ")[0]:
+            continue
+        for close in difflib.get_close_matches(key, keys, n=1):
+            score = difflib.SequenceMatcher(None, key, close).ratio()
+            if best is None or score > best[0]:
+                best = (score, rank, close, other)
+    if best is None:
+        return where
+    return f"{where} (did you mean '{best[2]}'" + (f" in {best[3]}?)" if best[3] else "?)")
 
 
 def _bucket_from(raw: Any, where: str) -> BucketConfig:
@@ -328,7 +336,9 @@ def _apply_env(cfg: Config, env: Mapping[str, str]) -> None:
         value = env.get(var)
         if value is None:
             continue
-        if name == "socket_mode":  # file modes are octal, with or without the 0o
+        if name == "workers":  # a count or "auto"
+            cfg.workers = workers_count(value, var)
+        elif name == "socket_mode":  # file modes are octal, with or without the 0o
             try:
                 cfg.socket_mode = int(value.removeprefix("0o"), 8)
             except ValueError:
@@ -382,6 +392,8 @@ def _apply_overrides(cfg: Config, overrides: Mapping[str, Any]) -> None:
             for b in cfg.buckets:
                 if key == "serve_stale" or ">" not in b.keys:
                     setattr(b, key, value)
+        elif key == "workers":
+            cfg.workers = workers_count(value, "workers")
         elif key.startswith("nats_") and key[5:] in _NATS_SCALARS:
             setattr(cfg.nats, key[5:], value)
         elif key in _SCALARS:
@@ -409,10 +421,27 @@ def _set_field(obj: Any, known: dict[str, Any], key: str, value: Any, where: str
     if key == "socket_mode" and known is _SCALARS:
         obj.socket_mode = _octal_mode(value, f"{where}: socket_mode")
         return
+    if key == "workers" and known is _SCALARS:
+        obj.workers = workers_count(value, f"{where}: workers")
+        return
     if key == "servers":
         setattr(obj, key, _str_list(value, f"{where}: servers", "servers"))
         return
     setattr(obj, key, _coerce(value, f.type, f"{where}: {key}"))
+
+
+def workers_count(value: Any, what: str) -> int:
+    """`workers`: a positive count, or "auto": the cores this process may run on."""
+    if value == "auto":
+        return len(os.sched_getaffinity(0))
+    if isinstance(value, str):
+        try:
+            value = int(value)
+        except ValueError:
+            raise ConfigError(f"{what} must be a number of processes or auto, got '{value}'") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{what} must be a number of processes (1 or more) or auto, got {value!r}")
+    return value
 
 
 def _coerce(value: Any, type_name: str, what: str) -> Any:

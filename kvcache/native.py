@@ -79,6 +79,7 @@ class RequestReaderAPI(Protocol):
     def take_gets(self) -> tuple[list[bytes], list[bytes], int] | None: ...  # (headers, keys, start)
     def rewind_gets(self, start: int, lengths: list[bytes], keys: list[bytes], count: int) -> None: ...
     def next_command(self) -> list[bytes] | None: ...
+    def take_rest(self) -> bytes: ...  # what is not consumed, handed over (a worker's pipe)
 
 
 class ReplyReaderAPI(Protocol):
@@ -216,7 +217,7 @@ class ServerGet(Protocol):
     # module's search() and LMDB_VERSION (lmdb_version() and tests/test_lmdb_walk.py ask the
     # extension for them); the twin's ServerGets.replica, .planner, .plans (the extension's are
     # C fields) and fit_send_buffer().
-    def ServerGets(self, replica: Any, planner: Callable[[bytes], Any]) -> ServerGetsAPI: ...
+    def ServerGets(self, replica: Any, planner: Callable[[bytes], Any], writer_here: bool = True) -> ServerGetsAPI: ...
     def GetConnection(self, gets: ServerGetsAPI, stats: Any, reader: RequestReaderAPI) -> GetConnectionAPI: ...
 
 

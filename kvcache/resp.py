@@ -98,6 +98,13 @@ class _BufferedReader:
         """Bytes received but not yet consumed."""
         return len(self._buf) - self._pos
 
+    def take_rest(self) -> bytes:
+        """The bytes received and not consumed, handed over: the buffer is empty after. A
+        worker's connection that becomes a pipe (kvcache.serve.relay) sends them on as they are."""
+        rest = bytes(self._buf[self._pos:])
+        self._pos = len(self._buf)
+        return rest
+
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         buf = self._buf
         if self._pos == len(buf):

@@ -41,14 +41,25 @@ from .read.reads import Reads
 from .read.router import Peer, Router
 from .serve.commands import Commands
 from .serve.info import Info
+from .serve.links import LinkConnection
 from .serve.multi import Transactions
 from .serve.pubsub import PubSub
-from .serve.resp_server import ClientConnection, RespServer, claim_socket_path, direct_buckets, server_gets
+from .serve.resp_server import (
+    ClientConnection,
+    RespServer,
+    bind_tcp,
+    bind_unix,
+    claim_socket_path,
+    direct_buckets,
+    server_gets,
+)
 from .serve.streams import Streams
 from .serve.tracking import Tracking
 from .stats import Stats
 from .store.nearcache import NearCache
 from .store.replica import Replica
+from .supervisors.board import Board, board_path
+from .supervisors.workers import Workers, main_socket_path
 
 log = logging.getLogger("kvcache")
 
@@ -82,6 +93,10 @@ class Sidecar:
         self.peer_conns: PeerConnections | None = None
         self.server: RespServer | None = None
         self.metrics: MetricsServer | None = None  # with metrics_listen
+        # workers > 1 (kvcache.supervisors): the board this process publishes each bucket's
+        # verdict on, and the worker processes serving the sockets
+        self.board: Board | None = None
+        self.workers: Workers | None = None
         self.commands: Commands | None = None
         self.use_embedded = cfg.embedded  # decided once: starting it fills in nats.servers
         self.exit_code = 0
@@ -139,6 +154,13 @@ class Sidecar:
         policy = ReadPolicy(self.cfg, self.replica, self.feeds, ledger)
         gets = server_gets(self.cfg, policy, every_get_to_commands=access.enabled)
         ledger.on_hold = gets.forget_fresh  # a held key must not ride a cached verdict
+        if self.cfg.workers > 1:
+            # the workers' GET path reads each bucket's verdict from the board: published after
+            # every change of it (Feed.on_state), and as a hold is placed, before its answer
+            # goes out (kvcache.supervisors.board)
+            self.board = Board(board_path(self.cfg.data_dir), [b.name for b in self.cfg.buckets],
+                               self.cfg.workers, create=True)
+            ledger.on_hold = self._on_hold
         hub = self.hub
         # The fleet's shared stream-state polls (kvcache.feed.fleet): set on each feed before it
         # starts, followed once it has (the answers are checked against its stream's identity).
@@ -159,6 +181,8 @@ class Sidecar:
             if (max_keys or max_bytes) and ">" not in b.keys:
                 feed.set_cache(NearCache(self.replica, b.name, max_keys, max_bytes, self.cfg.cache_admission))
             feed.share = share
+            if self.board is not None:
+                feed.on_state = functools.partial(self._publish, b.name)
             try:
                 await feed.start(watch=not shared_watch)
             except BucketNotFound:
@@ -195,8 +219,13 @@ class Sidecar:
         self.commands = Commands(self.cfg, reads, self.stats, tracking, pubsub, transactions, info,
                                  streams, clients.values)
         hub.start_watch(self.feeds.values())
-        self.server = RespServer(self.cfg, self.commands, self.stats, gets, clients)
+        internal = main_socket_path(self.cfg.data_dir) if self.cfg.workers > 1 else None
+        if internal is not None:
+            claim_socket_path(internal)
+        self.server = RespServer(self.cfg, self.commands, self.stats, gets, clients, internal=internal)
         await self.server.start()
+        if self.board is not None:
+            await self._start_workers(info)
         if self.cfg.metrics_address is not None:
             await self._start_metrics(*self.cfg.metrics_address)
         # Which implementation serves each native module: logged once serving (a mistake
@@ -208,6 +237,85 @@ class Sidecar:
         # buckets) lives as long as the process: out of the cyclic GC's sight, so that a full
         # collection (which a scrape's allocations can set off) walks only what came after.
         gc.freeze()
+
+    # ------------------------------------------------------------------ workers
+
+    def _publish(self, bucket: str) -> None:
+        """The bucket's verdict for every key at once (Witness.fresh_for_all at its bound), on
+        the board as a deadline (kvcache.supervisors.board)."""
+        feed = self.feeds.get(bucket)
+        board = self.board
+        if board is None or feed is None:
+            return
+        holds = self.ledger.holds.get(bucket)
+        meta = feed.meta
+        if not meta.synced or (holds is not None and holds.held_until(None, None, meta)):
+            until = 0
+        else:
+            until = feed.freshness.fresh_until_ns(feed.cfg.max_stale_ms, meta.applied_seq)
+        board.publish(bucket, until, feed.max_age_ns)
+
+    def _on_hold(self) -> None:
+        """A key became held: no verdict believed before it may answer it, here or in a worker."""
+        if self.server is not None:
+            self.server.gets.forget_fresh()
+        for bucket in self.feeds:
+            self._publish(bucket)
+
+    async def _start_workers(self, info: Info) -> None:
+        """Bind the sockets the workers accept on, and start them (kvcache.supervisors.workers);
+        INFO adds up their counters from the first client on."""
+        assert self.board is not None
+        for bucket in self.feeds:
+            self._publish(bucket)
+        path = os.path.abspath(self.cfg.socket_path)
+        claim_socket_path(path)
+        try:
+            unix, _ = bind_unix(path, self.cfg.socket_mode)
+        except OSError as e:
+            raise KvcacheError(f"cannot listen on {path}: {e.strerror}") from None
+        tcp = None
+        if self.cfg.listen_address is not None:
+            try:
+                tcp = bind_tcp(*self.cfg.listen_address)
+            except OSError as e:
+                unix.close()
+                raise KvcacheError(f"cannot listen on {self.cfg.listen}: {e.strerror}") from None
+            bound = tcp.getsockname()
+            self.stats.listen = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
+        self.workers = Workers(self.cfg, self.board, unix, tcp)
+        info.workers = self.workers.totals
+        info.refresh = self.workers.refresh
+        assert self.commands is not None
+        self.commands.session.seen_in_workers = self._seen_in_workers
+        await self.workers.start()
+        log.info("serving RESP on %s (mode %o) with %d workers%s", path, self.cfg.socket_mode, self.cfg.workers,
+                 f", and on {self.stats.listen} (TCP)" if tcp is not None else "")
+
+    async def _seen_in_workers(self) -> None:
+        """What every worker saw of its clients last, on their links here (kvcache.serve.links)."""
+        if self.workers is None or self.server is None:
+            return
+        seen = await self.workers.connections()
+        for conn_id, (last_io, cmd) in seen.items():
+            conn = self.server.by_id.get(conn_id)
+            if isinstance(conn, LinkConnection):
+                conn.seen_in_worker(last_io, cmd)
+
+    async def _stop_workers(self) -> None:
+        """New clients get ENOENT at once (the socket file goes first), the workers answer
+        what is in flight (their links are this process's clients: its server stops after)."""
+        if self.workers is not None:
+            self.workers.stop_accepting()
+            await self.workers.stop(self.workers.grace)
+            self.workers = None
+        if self.board is not None:
+            self.board.close()
+            self.board = None
+            try:
+                os.unlink(board_path(self.cfg.data_dir))
+            except OSError:
+                pass
 
     async def run(self) -> None:
         """Serve until SIGTERM, SIGINT or SIGHUP, then shut down gracefully. A signal during
@@ -257,6 +365,8 @@ class Sidecar:
         self.commands.time_commands()
         self.server.gets.timed = True
         collector = SidecarCollector(self.cfg, self.stats, self.commands, self.server.gets, self._connections)
+        if self.workers is not None:
+            collector.workers = self.workers.totals  # /metrics adds up every worker
         self.metrics = MetricsServer(lambda accept: exposition(collector.snapshot(), accept), self.readiness)
         self.stats.metrics_listen = await self.metrics.start(host, port, self.cfg.metrics_listen)
         log.info("serving metrics on http://%s/metrics (and /healthz, /readyz)", self.stats.metrics_listen)
@@ -327,6 +437,8 @@ class Sidecar:
         socket and the data-directory lock must be released all the same. Safe to call twice."""
         self._stopping.set()
         served = self.server is not None
+        if self.workers is not None:  # new clients get ENOENT from here on (see _stop_workers)
+            self.workers.stop_accepting()
         if self._dirwatch is not None:
             self._dirwatch.cancel()
             await asyncio.wait({self._dirwatch})
@@ -339,6 +451,8 @@ class Sidecar:
             self._supervisor.cancel()
             await asyncio.wait({self._supervisor})
             self._supervisor = None
+        drain = max(5.0, self.cfg.nats.request_timeout_ms / 1000 + 1)  # the drains' grace (see below)
+        await _step("workers", self._stop_workers(), drain + STOP_STEP_S + 5)
         if self.server:
             # A request in flight ends within the request timeout (a fallback read gives up
             # then), so that long is enough, and never less than the default 5 s.

@@ -56,3 +56,13 @@ class Stats:
         """Count n keys whose read failed outright (the command answered an error)."""
         key = (bucket, "peer", "error")
         self.reads[key] = self.reads.get(key, 0) + n
+
+
+@dataclass
+class WorkerTotals:
+    """What the worker processes counted (kvcache.supervisors.workers.Workers.totals): INFO and
+    /metrics add it to this process's."""
+
+    total: dict[str, int]                   # WORKER_FIELDS summed (but pid and written_ns)
+    each: list[dict[str, int]]              # per worker, as on the board
+    reads: dict[str, tuple[int, int]]       # GETs per bucket, (found, not found), summed

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from support.modgraph import ROOT, cycles, graph
 
-FOLDERS = {"app", "serve", "read", "feed", "store", "natsio", "ops", "pipeline", "_native"}
+FOLDERS = {"app", "serve", "read", "feed", "store", "natsio", "ops", "pipeline", "supervisors", "_native"}
 
 # The layers, bottom layer first: folders by name, top-level modules by their name without
 # `kvcache.` ("kvcache" is the package itself). A module may import from its own layer and
@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("read",),                                        # the read decisions and reads to NATS and peers
     ("serve",),                                       # the RESP server and the command layer
     ("pipeline",),                                    # the Spark jobs
+    ("supervisors",),                                 # the worker processes (workers = N)
     ("demo", "sidecar"),                              # wiring the parts together
     ("cli", "__main__"),                              # the `kvcache` command
 ]

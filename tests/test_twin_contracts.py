@@ -451,6 +451,9 @@ class BrokenRequestReader:
     def next_command(self, block=False):
         return None
 
+    def take_rest(self) -> bytes:
+        return b""
+
 
 class BrokenResp:
     """A module stand-in: ReplyReader missing, RequestReader's limits keyword-only."""

@@ -127,6 +127,10 @@ class Feed(Maintenance):
         self.position = Position()
         self.on_applied = on_applied
         self.on_resync = on_resync
+        # Called after every change of what `fresh_within` answers (a batch applied, caught up
+        # or not, an interruption, a resync begun or ended, quorum evidence): the workers'
+        # board republishes the bucket's deadline (kvcache.supervisors.board). None: nobody.
+        self.on_state: Callable[[], None] | None = None
         # Called when the stream was recreated or rewound (its revisions start again): the
         # ledger forgets the bucket's floors (kvcache.read.ledger).
         self.on_renumbered = on_renumbered
@@ -227,6 +231,7 @@ class Feed(Maintenance):
             m.applied_seq = 0
             self.upstream_seq = last
             self._synced_event.clear()
+            self._state()
             self._reconcile_pending = False
             if self._reconcile_task and not self._reconcile_task.done():
                 self._reconcile_task.cancel()
@@ -262,6 +267,7 @@ class Feed(Maintenance):
         if exc is not None:
             log.critical("bucket %s: feed stopped", self.bucket, exc_info=exc)
             self.freshness.caught_up = False
+            self._state()
             if self.on_fatal is not None:
                 self.on_fatal(exc)
 
@@ -287,6 +293,7 @@ class Feed(Maintenance):
         """Called on disconnect: stop claiming freshness, and start over on reconnect."""
         self.freshness.caught_up = False
         self.freshness.interrupted = True
+        self._state()
         self._reconnected = True
         if self._consumer:
             self._consumer.fail("connection lost", "connection")
@@ -386,6 +393,7 @@ class Feed(Maintenance):
         fresh = self.freshness
         ev = fresh.note(info, sent_ns, self.meta.applied_seq)
         if ev is None:
+            self._state()  # (whether the stream needs quorum evidence may have changed)
             return None
         if ev.seq > self.meta.applied_seq:
             if self._behind_since is None:
@@ -401,6 +409,7 @@ class Feed(Maintenance):
             at = fresh.proven_with(self.meta.applied_seq, time.time_ns())
             if at > self.meta.fresh_at_ns:
                 self.meta.fresh_at_ns = at
+        self._state()
         return ev
 
     def _applied(self) -> None:
@@ -413,6 +422,12 @@ class Feed(Maintenance):
                 self._behind_since = None
         if self.on_applied is not None:
             self.on_applied(self.meta)
+        self._state()
+
+    def _state(self) -> None:
+        """What fresh_within answers may have changed: tell `on_state`."""
+        if self.on_state is not None:
+            self.on_state()
 
     # -------------------------------------------------------------- consumer loop
 
@@ -445,6 +460,7 @@ class Feed(Maintenance):
                     backoff = 0.1
             self.freshness.caught_up = False
             self.freshness.interrupted = True
+            self._state()
             try:
                 await asyncio.wait_for(self._retry_now.wait(), backoff * (0.5 + random.random()))
             except TimeoutError:
@@ -464,6 +480,7 @@ class Feed(Maintenance):
             self.meta.applied_seq = self.upstream_seq
         heartbeat_s = self.consumer_heartbeat_s()
         self.freshness.expect_heartbeats(heartbeat_s)
+        self._state()
         self._behind_since = None
         consumer = PullConsumer(
             self.nc, self.stream, self.prefix, self.filters, start_seq=start,
@@ -597,6 +614,7 @@ class Feed(Maintenance):
         self.freshness.caught_up = False
         self.freshness.interrupted = True
         self.unwritable.failed(error)
+        self._state()
 
     def _on_idle(self, last_stream_seq: int) -> None:
         """Caught up and the server has nothing more. `last_stream_seq` (from a heartbeat,

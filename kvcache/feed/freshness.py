@@ -34,6 +34,7 @@ SILENT_HEARTBEATS = 2
 # evidence is up to a raft heartbeat (kvcache.feed.quorum.RAFT_HEARTBEAT_S) plus a state poll
 # (Maintenance.watch_period) old when it arrives; a start warning names buckets below it.
 QUORUM_MIN_STALE_MS = 1500
+NEVER = (1 << 63) - 1  # fresh_until_ns when no age runs
 
 
 class Freshness:
@@ -84,6 +85,23 @@ class Freshness:
         is synced at all is the feed's question.)"""
         consumer, evidence = self.ages_ms(applied)
         return consumer <= max_stale_ms and evidence <= max_stale_ms
+
+    def fresh_until_ns(self, max_stale_ms: int, applied: int) -> int:
+        """The last wall-clock moment (ns) at which `within(max_stale_ms, applied)` holds if
+        nothing else changes: the same two witnesses, as a deadline instead of a yes or no, for
+        a reader in another process that cannot ask (kvcache.supervisors.board: the workers' GET
+        path compares it with its own clock). 2**63-1: no age runs."""
+        span = (max_stale_ms + 1) * 1_000_000 - 1  # an age in whole ms is <= the bound up to here
+        heard = self.heard_ns
+        if self.caught_up:
+            until = heard + max(self._silence_ns, span) if heard else NEVER
+        else:
+            fresh = heard if self.interrupted else max(heard, self.last_msg_ns)
+            until = fresh + span if fresh else NEVER
+        if self.quorum:
+            best = self.proofs.reached(applied)
+            until = min(until, (best.as_of_ns if best is not None else self._born_ns) + span)
+        return until
 
     def ages_ms(self, applied: int) -> tuple[int, int]:
         """The replica's age by the consumer's word, and by the quorum evidence it reached

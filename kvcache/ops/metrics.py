@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
     from ..config import Config
     from ..feed.feed import Feed
-    from ..stats import Stats
+    from ..stats import Stats, WorkerTotals
     from ..store.replica import Replica
     from .accesslog import AccessLog
 
@@ -196,12 +196,18 @@ class SidecarCollector:
         self.policy = commands.reads.policy
         self.gets = gets
         self.connections = connections
+        # workers > 1: their counters (kvcache.supervisors.workers.Workers.totals), added in
+        self.workers: Callable[[], WorkerTotals] | None = None
 
     def snapshot(self) -> Snapshot:
         """Copy the numbers (on the event loop: see the module docstring)."""
         st, cmds, policy = self.stats, self.commands, self.policy
         reads = dict(st.reads)
-        for source, counted in (("local", self.gets.bucket_reads()), ("cache", self.gets.cache_reads())):
+        workers = self.workers() if self.workers is not None else None
+        counted_by = [("local", self.gets.bucket_reads()), ("cache", self.gets.cache_reads())]
+        if workers is not None:
+            counted_by.append(("local", workers.reads))
+        for source, counted in counted_by:
             for bucket, (found, absent) in counted.items():
                 for result, n in (("hit", found), ("miss", absent)):
                     if n:
@@ -222,7 +228,8 @@ class SidecarCollector:
             reads=reads, latency=latency,
             client_gauges=(st.connected_clients, self.cfg.max_clients, len(cmds.tracking.clients),
                            len(cmds.tracking.table), cmds.pubsub.clients()),
-            counters=(st.commands, st.remote_errors, st.reads_gathered, st.reads_coalesced,
+            counters=(st.commands + (workers.total.get("commands", 0) if workers is not None else 0),
+                      st.remote_errors, st.reads_gathered, st.reads_coalesced,
                       st.stream_list_requests,
                       cmds.access.records, st.connections_received, st.rejected_connections,
                       st.clients_cut_off, st.subscribers_cut_off, st.protocol_errors,

@@ -627,7 +627,7 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         multi_mem = sum(sum(map(len, cmd)) + 8 * len(cmd) for cmd in self.multi) if self.multi is not None else 0
         argv_mem = argv_mem or self._busy_argv
         t = self.tracking
-        events = ("r" if transport is not None and not self._closing and transport.is_reading() else "") + (
+        events = ("r" if self.reading() else "") + (
             "w" if pending else "")
         name = self.name.decode()
         cmd = self.last_cmd.decode() if self.last_cmd is not None else "NULL"
@@ -640,6 +640,10 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
                 f"obl=0 oll=0 omem={pending} tot-mem={qbuf + argv_mem + multi_mem + pending} "
                 f"events={events} cmd={cmd} user=default redir={t.redirect if t is not None else -1} "
                 f"resp={self.proto} lib-name={self.lib_name.decode()} lib-ver={self.lib_ver.decode()}\n")
+
+    def reading(self) -> bool:
+        """CLIENT LIST's `r`: the server waits to read from the client."""
+        return self.transport is not None and not self._closing and self.transport.is_reading()
 
     def _flags(self) -> str:
         """Redis's flag letters, in its order, for the states kvcache has (N: none)."""

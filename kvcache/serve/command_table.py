@@ -260,3 +260,24 @@ def _info(c: CommandSpec | None, proto: int) -> bytes:
 def _docs(c: CommandSpec, proto: int) -> bytes:
     fields = [(b"summary", c.summary), (b"group", c.group)] + ([(b"since", c.since)] if c.since else [])
     return resp.map_([(resp.bulk(k, proto), resp.bulk(v.encode(), proto)) for k, v in fields], proto)
+
+
+def full_name(spec: CommandSpec, args: list[bytes]) -> bytes | None:
+    """CLIENT LIST's `cmd`: Redis's full name (`client|list`); None for a subcommand Redis
+    does not have (NULL there, as in Redis)."""
+    name = spec.name.encode()
+    if len(args) == 1:
+        return name
+    sub = args[1].lower()
+    return name + b"|" + sub if sub in spec.subcommands else None
+
+
+def listed_name(args: list[bytes]) -> bytes | None:
+    """CLIENT LIST's `cmd` after `args` ran: the full name of a known command, the name of a
+    write kvcache refuses, NULL (None) for anything else; what the command layer sets, and a
+    worker for the commands it relays (kvcache.serve.relay)."""
+    name = args[0].lower()
+    spec = BY_NAME.get(name)
+    if spec is None:
+        return name if name in WRITES else None
+    return full_name(spec, args) if spec.subcommands else name

@@ -24,7 +24,17 @@ from ..read.reads import Reads
 from ..stats import Stats
 from ..store.record import expiry
 from .arguments import as_is, cursor, integer, non_negative, options, text
-from .command_table import BY_NAME, COMMANDS, NO_AUTH, WRITES, CommandSpec, arity_error, command_reply, key_args
+from .command_table import (
+    BY_NAME,
+    COMMANDS,
+    NO_AUTH,
+    WRITES,
+    CommandSpec,
+    arity_error,
+    command_reply,
+    full_name,
+    key_args,
+)
 from .commands_session import NOAUTH, SessionCommands
 from .info import Info
 from .multi import CONTROL, QUEUED, Transactions
@@ -43,16 +53,6 @@ READONLY = resp.error("READONLY kvcache is a read replica")
 COMMAND_SPECS: dict[str, CommandSpec] = {c.name: c for c in COMMANDS}
 # Reads a connection may send ahead while one before it waits for NATS (pipelined_keys)
 PIPELINED = frozenset({b"get", b"mget"})
-
-
-def _full_name(spec: CommandSpec, args: list[bytes]) -> bytes | None:
-    """CLIENT LIST's `cmd`: Redis's full name (`client|list`); None for a subcommand Redis
-    does not have (NULL there, as in Redis)."""
-    name = spec.name.encode()
-    if len(args) == 1:
-        return name
-    sub = args[1].lower()
-    return name + b"|" + sub if sub in spec.subcommands else None
 
 
 if TYPE_CHECKING:  # the connection the server hands every handler
@@ -154,7 +154,7 @@ class Commands:
             handler, spec = bound
             # CLIENT LIST's cmd: Redis's full name of the command looked up (`client|list`),
             # NULL for a subcommand Redis does not have
-            conn.last_cmd = _full_name(spec, args) if spec.subcommands else name
+            conn.last_cmd = full_name(spec, args) if spec.subcommands else name
             wrong = arity_error(spec, args)
             if wrong is not None:
                 reply = resp.error(wrong)
@@ -368,7 +368,14 @@ class Commands:
 
     def info(self, conn: Session, args: list[bytes]) -> Reply:
         wanted = {a.decode(errors="replace").lower() for a in args[1:]}
+        refresh = self.info_source.refresh
+        if refresh is not None:  # workers: their counters as of now first
+            return self._info_after(refresh(), wanted, conn.proto)
         return resp.verbatim(self.info_text(wanted), conn.proto)
+
+    async def _info_after(self, refreshed: Awaitable[None], wanted: set[str], proto: int) -> bytes:
+        await refreshed
+        return resp.verbatim(self.info_text(wanted), proto)
 
     def info_text(self, wanted: set[str]) -> str:
         return self.info_source.text(wanted)

@@ -59,6 +59,9 @@ class SessionCommands:
         self.password = cfg.requirepass
         # Every open connection, oldest first (CLIENT LIST, CLIENT KILL): the server's registry
         self.clients = clients
+        # workers > 1: asks every worker what it saw of its clients last (their idle time and
+        # last command), before CLIENT LIST and CLIENT INFO (kvcache.serve.links)
+        self.seen_in_workers: Callable[[], Awaitable[None]] | None = None
 
     # ------------------------------------------------------------------ basics
 
@@ -185,6 +188,8 @@ class SessionCommands:
             return resp.OK
         if sub == b"id":
             return resp.integer(conn.id)
+        if sub in (b"info", b"list") and self.seen_in_workers is not None:
+            return self._after_workers(conn, args)
         if sub == b"info":
             return resp.verbatim(conn.client_info(_argv_mem(args)), conn.proto)
         if sub == b"list":
@@ -221,6 +226,16 @@ class SessionCommands:
         if sub == b"trackinginfo":
             return tracking_info(conn)
         raise CommandError(f"ERR unknown subcommand '{args[1].decode(errors='replace')[:64]}'. Try CLIENT HELP.")
+
+    async def _after_workers(self, conn: ClientConnection, args: list[bytes]) -> bytes:
+        """CLIENT INFO or LIST once the workers said what they saw of their clients."""
+        assert self.seen_in_workers is not None
+        await self.seen_in_workers()
+        if args[1].lower() == b"info":
+            return resp.verbatim(conn.client_info(_argv_mem(args)), conn.proto)
+        reply = self.client_list(conn, args)
+        assert isinstance(reply, bytes)
+        return reply
 
     def client_list(self, conn: ClientConnection, args: list[bytes]) -> Reply:
         """CLIENT LIST [TYPE type | ID id ...], as Redis 7.4 (networking.c): one line per

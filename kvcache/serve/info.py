@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from .. import __version__, native
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ..feed.feed import Feed
     from ..ops.accesslog import AccessLog
     from ..read.router import Router
-    from ..stats import Stats
+    from ..stats import Stats, WorkerTotals
     from ..store.replica import Replica
     from .pubsub import PubSub
     from .streams import Streams
@@ -69,10 +69,17 @@ class Info:
         self.fast_cache_reads = fast_cache_reads or dict
         # As Redis makes one at start: 40 random hex digits, new with every process
         self.replid = os.urandom(20).hex()
+        # workers > 1: their counters (kvcache.supervisors.workers.Workers.totals), added to
+        # this process's; None: no workers
+        self.workers: Callable[[], WorkerTotals] | None = None
+        self.refresh: Callable[[], Awaitable[None]] | None = None  # their counters written now
 
     def sections(self) -> dict[str, list[tuple[str, object]]]:
         st, cfg, router = self.stats, self.cfg, self.router
         fast = self.fast_cache_reads()
+        workers = self.workers() if self.workers is not None else None
+        w = workers.total if workers is not None else {}
+        now = time.time_ns()
         return {
             "server": [
                 ("kvcache_version", __version__), ("redis_version", REDIS_VERSION),
@@ -91,24 +98,24 @@ class Info:
             "clients": [
                 ("connected_clients", st.connected_clients),
                 ("maxclients", cfg.max_clients),
-                ("rejected_connections", st.rejected_connections),
-                ("clients_cut_off", st.clients_cut_off),
+                ("rejected_connections", st.rejected_connections + w.get("rejected_connections", 0)),
+                ("clients_cut_off", st.clients_cut_off + w.get("clients_cut_off", 0)),
                 ("subscribers_cut_off", st.subscribers_cut_off),
                 ("tracking_clients", len(self.tracking.clients) if self.tracking else 0),
                 ("pubsub_clients", self.pubsub.clients() if self.pubsub else 0),
                 ("blocked_clients", self.streams.blocked if self.streams else 0),
             ],
             "stats": [
-                ("gets_local", st.gets_local), ("gets_cached", st.gets_cached),
+                ("gets_local", st.gets_local + w.get("gets_local", 0)), ("gets_cached", st.gets_cached),
                 ("gets_remote", st.gets_remote),
-                ("gets_notfound", st.gets_notfound), ("remote_errors", st.remote_errors),
-                ("gets_stale", st.gets_stale), ("reads_gathered", st.reads_gathered),
+                ("gets_notfound", st.gets_notfound + w.get("gets_notfound", 0)), ("remote_errors", st.remote_errors),
+                ("gets_stale", st.gets_stale), ("reads_gathered", st.reads_gathered + w.get("reads_gathered", 0)),
                 ("reads_coalesced", st.reads_coalesced),
                 ("stream_list_requests", st.stream_list_requests),
                 ("stream_entries_sent", self.streams.entries_sent if self.streams else 0),
-                ("total_commands_processed", st.commands),
+                ("total_commands_processed", st.commands + w.get("commands", 0)),
                 ("total_connections_received", st.connections_received),
-                ("protocol_errors", st.protocol_errors),
+                ("protocol_errors", st.protocol_errors + w.get("protocol_errors", 0)),
                 ("access_log_records", self.access.records),
                 *(self.tracking.info() if self.tracking else []),
                 *(self.pubsub.info() if self.pubsub else []),
@@ -127,6 +134,11 @@ class Info:
                 requests=p.stats.requests, errors=p.stats.errors, hedges=p.stats.hedges))
                 for p in router.peers()],
             "routing": router.info_rows(),
+            "workers": [("workers", cfg.workers), *((f"worker{i}", _fields(
+                pid=e["pid"], clients=e["clients"], commands=e["commands"], gets_local=e["gets_local"],
+                gets_notfound=e["gets_notfound"], connections_received=e["connections_received"],
+                reported_ms_ago=(now - e["written_ns"]) // 1_000_000 if e["written_ns"] else -1))
+                for i, e in enumerate(workers.each if workers is not None else []))],
         }
 
     def text(self, wanted: set[str]) -> str:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import KvcacheError
 from .client_connection import SERVER_GET, ClientConnection
+from .links import LinkConnection
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -29,8 +30,8 @@ if TYPE_CHECKING:
     from .commands import Commands
     from .server_get import ServerGets
 
-__all__ = ["FD_MARGIN", "ClientConnection", "RespServer", "claim_socket_path", "direct_buckets",
-           "raise_fd_limit", "server_gets"]
+__all__ = ["FD_MARGIN", "ClientConnection", "RespServer", "bind_tcp", "bind_unix", "claim_socket_path",
+           "direct_buckets", "raise_fd_limit", "server_gets"]
 
 log = logging.getLogger("kvcache.server")
 
@@ -44,12 +45,17 @@ class RespServer:
     gracefully (requests in flight finish, the socket file is removed)."""
 
     def __init__(self, cfg: Config, commands: Commands, stats: Stats, gets: ServerGets,
-                 by_id: dict[int, ClientConnection]) -> None:
+                 by_id: dict[int, ClientConnection], internal: str | None = None) -> None:
         self.cfg = cfg
         self.commands = commands
         self.stats = stats
         self.gets = gets  # the GET fast path (server_gets)
-        self.path = os.path.abspath(cfg.socket_path)
+        # `internal`: with workers (kvcache.supervisors.workers), the feed's process listens
+        # only there, mode 0600, for its workers' links; the workers serve the sockets
+        self.internal = internal is not None
+        self.path = os.path.abspath(internal or cfg.socket_path)
+        self.mode = 0o600 if internal is not None else cfg.socket_mode
+        self.connection_class = LinkConnection if internal is not None else ClientConnection
         self.connections: set[ClientConnection] = set()
         # REDIRECT targets and CLIENT LIST / KILL, by CLIENT ID (oldest first: ids grow); the
         # sidecar hands the same registry to tracking and the session commands
@@ -73,6 +79,9 @@ class RespServer:
             self._server = await self._listen_unix()
         except OSError as e:
             raise KvcacheError(f"cannot listen on {self.path}: {e.strerror}") from None
+        if self.internal:
+            log.debug("serving the workers' links on %s", self.path)
+            return
         log.info("serving RESP on %s (mode %o)", self.path, self.cfg.socket_mode)
         address = self.cfg.listen_address
         if address is not None:
@@ -82,20 +91,10 @@ class RespServer:
         """A listener on the socket path, bound here (not by the loop) so that the umask that
         keeps it from being more open than socket_mode covers the bind alone, with no other
         callback running meanwhile. Raises OSError."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o177)
-        try:
-            sock.bind(self.path)
-        except BaseException:
-            sock.close()
-            raise
-        finally:
-            os.umask(old_umask)
+        sock, inode = bind_unix(self.path, self.mode)
         try:  # from here the file is this listener's: removed if it cannot serve (or is cancelled)
-            os.chmod(self.path, self.cfg.socket_mode)
-            st = os.stat(self.path)
             server = await asyncio.get_running_loop().create_unix_server(
-                lambda: ClientConnection(self, next(self._ids)), sock=sock, backlog=1024)
+                lambda: self.connection_class(self, next(self._ids)), sock=sock, backlog=1024)
         except BaseException:
             sock.close()
             try:
@@ -103,7 +102,7 @@ class RespServer:
             except OSError:
                 pass
             raise
-        self._inode = (st.st_dev, st.st_ino)
+        self._inode = inode
         return server
 
     async def check_socket(self) -> None:
@@ -231,6 +230,50 @@ def direct_buckets(gets: ServerGets, cfg: Config, witnesses: dict[str, Witness])
     gets.set_buckets([(b.name, witnesses[b.name], b.max_stale_ms, list(b.keys) == [">"],
                        witnesses[b.name].cache if list(b.keys) == [] else None)
                       for b in cfg.buckets], cfg.default_bucket)
+
+
+def bind_unix(path: str, mode: int) -> tuple[socket.socket, tuple[int, int]]:
+    """A listening Unix socket at `path` with file mode `mode`, and the file's (st_dev,
+    st_ino). Bound under a umask that keeps it from being more open than `mode` for the bind
+    alone, with no other callback running meanwhile. Raises OSError (the file removed)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)
+    try:
+        sock.bind(path)
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        os.umask(old_umask)
+    try:
+        os.chmod(path, mode)
+        st = os.stat(path)
+        sock.listen(1024)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        raise
+    return sock, (st.st_dev, st.st_ino)
+
+
+def bind_tcp(host: str, port: int) -> socket.socket:
+    """The TCP listener (`listen`) as a socket, for worker processes to accept on. Raises OSError."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by what it accepts
+        sock.bind((host, port))
+        sock.listen(1024)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def raise_fd_limit(wanted: int) -> int:

@@ -100,9 +100,12 @@ class ServerGets:
     """The server's GET fast path over the replica (twin of ext/server_get.pyx): answers runs
     of pipelined GETs from plans (kvcache.read.policy.Plan) in one read transaction."""
 
-    def __init__(self, replica: Replica, planner: Planner) -> None:
+    def __init__(self, replica: Replica, planner: Planner, writer_here: bool = True) -> None:
         self.replica = replica
         self.planner = planner
+        # how long a witness's yes is believed: a worker process (no writer here) asks every
+        # batch, the feed's process changing the verdict at any moment (kvcache.supervisors.board)
+        self._verdict_s = FRESH_VERDICT_S if writer_here else 0.0
         self.plans: dict[bytes, Plan | Literal[False]] = {}
         # Large values written from the map (LARGE_VALUE): the connection's socket and transport
         # while GetConnection's call runs (-1: copy every value into the output)
@@ -252,7 +255,7 @@ class ServerGets:
                     if self._fresh_until.get(witness, 0.0) <= now:
                         if not witness.fresh_for_all(plan.max_stale_ms):
                             break
-                        self._fresh_until[witness] = now + FRESH_VERDICT_S
+                        self._fresh_until[witness] = now + self._verdict_s
                     fresh = witness
                 if txn is None:
                     txn = self.replica.env.begin()

@@ -1,0 +1,173 @@
+"""A worker process (`workers = N`): serves the sidecar's sockets from the replica's files.
+
+LMDB lets any number of processes read one map at once without locks, so N processes can
+answer GETs where one event loop stops at one core. A worker has no NATS connection, no feed
+and no read ledger: those stay in the feed's process (kvcache.sidecar), so the cluster sees
+one connection and one consumer per bucket per host whatever N is. A worker:
+- accepts on the listening sockets the feed's process bound and handed down (the Unix
+  socket, the TCP listener): the kernel gives each new connection to one of them;
+- answers GET (and the runs of pipelined GETs) with the same GET path as the feed's process
+  (kvcache.serve.server_get, in C when built) over its own read-only view of the map, for the
+  buckets that replicate every key, when the board (kvcache.supervisors.board) says the
+  replica is fresh and nothing is held;
+- sends everything else to the feed's process over a link per client connection
+  (kvcache.serve.relay), where it runs as it would on the socket;
+- writes its counters to the board twice a second, and ends when the feed's process does
+  (its parent gone) or on SIGTERM, after the requests in flight are answered.
+
+Started by kvcache.supervisors.workers with `python -m kvcache.supervisors.worker`, its
+WorkerSpec on stdin.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+
+from .. import native
+from ..config import Config
+from ..ops import logformat
+from ..serve.client_connection import SERVER_GET
+from ..serve.relay import RelayCommands, WorkerConnection
+from ..serve.resp_server import FD_MARGIN, RespServer, raise_fd_limit
+from ..stats import Stats
+from ..store.replica import Replica
+from .board import Board, conns_path
+
+log = logging.getLogger("kvcache.worker")
+
+REPORT_S = 0.5  # how often a worker writes its counters to the board
+
+
+@dataclass
+class WorkerSpec:
+    """What the feed's process tells a worker it starts (pickled to its stdin)."""
+
+    cfg: Config
+    index: int           # 0..N-1: its slot on the board, and its name in the logs
+    unix_fd: int         # the listening Unix socket, inherited
+    tcp_fd: int          # the TCP listener, inherited; -1: none
+    board: str           # the board's path
+    main_path: str       # the feed's process's internal socket
+    parent: int          # the feed's process's pid: a worker outliving it ends
+    grace: float         # SIGTERM: how long requests in flight may take to finish
+
+
+class WorkerServer(RespServer):
+    """The worker's listeners: the sockets the feed's process bound, adopted (nothing bound
+    or removed here), each connection a WorkerConnection."""
+
+    def __init__(self, spec: WorkerSpec, stats: Stats, gets) -> None:
+        super().__init__(spec.cfg, RelayCommands(spec.cfg), stats, gets, {})  # type: ignore[arg-type]
+        self.main_path = spec.main_path
+        self.spec = spec
+
+    async def start(self) -> None:
+        raise_fd_limit(self.cfg.max_clients + FD_MARGIN)
+        loop = asyncio.get_running_loop()
+        self.gets.call_soon = loop.call_soon
+        unix = socket.socket(fileno=self.spec.unix_fd)
+        self._server = await loop.create_unix_server(
+            lambda: WorkerConnection(self, next(self._ids)), sock=unix)
+        if self.spec.tcp_fd >= 0:
+            tcp = socket.socket(fileno=self.spec.tcp_fd)
+            self._tcp = await loop.create_server(lambda: WorkerConnection(self, next(self._ids), tcp=True), sock=tcp)
+
+    async def check_socket(self) -> None:
+        """The socket file is the feed's process's to watch."""
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.stats = Stats()
+        self._stop = asyncio.Event()
+
+    async def run(self) -> None:
+        spec, cfg = self.spec, self.spec.cfg
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.add_signal_handler(sig, self._stop.set)
+        asked = asyncio.Event()  # SIGUSR1: the feed's process wants the counters now (Board.ask)
+        loop.add_signal_handler(signal.SIGUSR1, asked.set)
+        board = Board(spec.board, [b.name for b in cfg.buckets], cfg.workers, create=False)
+        replica = Replica(os.path.join(cfg.data_dir, "replica"), readonly=True)
+        # Only the buckets that replicate every key are answered here (no per-key plan, no
+        # near cache: both live in the feed's process); any other key is planned False, so
+        # its GET goes over the link.
+        gets = SERVER_GET.ServerGets(replica, lambda key: False, False)
+        gets.set_buckets([(b.name, board.witness(b.name), b.max_stale_ms, True)
+                          for b in cfg.buckets if list(b.keys) == [">"]], cfg.default_bucket)
+        server = WorkerServer(spec, self.stats, gets)
+        await server.start()
+        report = loop.create_task(self._report(board, server, asked))
+        board.report(spec.index, {"pid": os.getpid()})
+        log.info("worker %d (pid %d) serving", spec.index, os.getpid())
+        try:
+            await self._stop.wait()
+        finally:
+            report.cancel()
+            await server.stop(grace=spec.grace)
+            self._write(board, server)
+
+    async def _report(self, board: Board, server: WorkerServer, asked: asyncio.Event) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(asked.wait(), REPORT_S)
+            except TimeoutError:
+                pass
+            asked.clear()
+            self._write(board, server)
+            if os.getppid() != self.spec.parent:  # the feed's process is gone
+                log.warning("worker %d: the feed's process ended; stopping", self.spec.index)
+                self._stop.set()
+
+    def _write(self, board: Board, server: WorkerServer) -> None:
+        if board.connections_asked():  # before the counters: their write says it is done
+            self._write_connections(server)
+        s = self.stats
+        board.report(self.spec.index, {
+            "pid": os.getpid(), "commands": s.commands, "gets_local": s.gets_local,
+            "gets_notfound": s.gets_notfound, "clients": len(server.connections),
+            "connections_received": s.connections_received, "rejected_connections": s.rejected_connections,
+            "protocol_errors": s.protocol_errors, "clients_cut_off": s.clients_cut_off,
+            "reads_gathered": s.reads_gathered},
+            server.gets.bucket_reads())
+
+
+    def _write_connections(self, server: WorkerServer) -> None:
+        """Each connection's last I/O and command (its GETs answered here never reach the feed's
+        process), for CLIENT LIST and CLIENT INFO there (kvcache.serve.links)."""
+        lines = []
+        for c in server.connections:
+            main_id = getattr(c, "main_id", 0)
+            if main_id and not getattr(c, "piped", False):  # (a pipe: the feed's process sees it all)
+                cmd = c.last_cmd.decode(errors="replace") if c.last_cmd else "NULL"
+                lines.append(f"{main_id} {c._last_io} {cmd}\n")
+        path = conns_path(self.spec.cfg.data_dir, self.spec.index)
+        with open(path + ".tmp", "w") as f:
+            f.writelines(lines)
+        os.replace(path + ".tmp", path)
+
+
+def main() -> int:
+    spec: WorkerSpec = pickle.load(sys.stdin.buffer)
+    logformat.setup(spec.cfg.log_level, spec.cfg.log_format)
+    import uvloop
+
+    try:
+        uvloop.run(Worker(spec).run())
+    except KeyboardInterrupt:
+        pass
+    if not native.all_native():
+        log.debug("worker %d: implementations %s", spec.index, native.report())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

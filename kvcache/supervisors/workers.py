@@ -1,0 +1,199 @@
+"""The feed's process's side of `workers = N`: it binds the sockets, starts N worker processes
+(kvcache.supervisors.worker) that accept on them, replaces one that dies, and stops them all
+first on shutdown. nginx's master/worker with a shared listen socket is the model: the feed's
+process itself accepts only its workers' links, on an internal socket.
+
+A worker that dies takes its client connections with it (they see a closed connection, never
+a wrong answer: every answer a worker gives is the GET path's over the board's verdict, or the
+feed's process's own); it is started again at once, then after a growing pause if it keeps
+dying (RESTART_MAX_S), and the feed never stops meanwhile.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from ..config import Config
+from ..errors import KvcacheError
+from ..stats import WorkerTotals
+from .board import Board, board_path, conns_path
+from .worker import WorkerSpec
+
+log = logging.getLogger("kvcache.workers")
+
+READY_S = 30.0        # a worker not serving this long after its start is a failed start
+RESTART_MAX_S = 10.0  # the longest pause before starting again a worker that keeps dying
+STOP_S = 5.0          # past a worker's own grace for its requests in flight: SIGKILL
+
+
+def main_socket_path(data_dir: str) -> str:
+    """The feed's process's internal socket, which only its workers' links connect to."""
+    return os.path.join(os.path.abspath(data_dir), "workers.sock")
+
+
+class Workers:
+    """N worker processes over the sockets `unix` and `tcp` (None: no TCP listener)."""
+
+    def __init__(self, cfg: Config, board: Board, unix: socket.socket, tcp: socket.socket | None) -> None:
+        self.cfg = cfg
+        self.board = board
+        self.unix = unix
+        self.tcp = tcp
+        self.procs: list[subprocess.Popen | None] = [None] * cfg.workers
+        self.started_at = [0.0] * cfg.workers
+        self.restarts = [0] * cfg.workers
+        self.retired: dict[str, int] = {}  # the counters of workers since replaced
+        self.retired_reads: dict[str, tuple[int, int]] = {}
+        self._watch: asyncio.Task | None = None
+        self.grace = max(5.0, cfg.nats.request_timeout_ms / 1000 + 1)  # as the sidecar's own drain
+        self._stopping = False
+
+    def _spawn(self, i: int) -> subprocess.Popen:
+        self.board.clear_worker(i)
+        spec = WorkerSpec(cfg=self.cfg, index=i, unix_fd=self.unix.fileno(),
+                          tcp_fd=self.tcp.fileno() if self.tcp is not None else -1,
+                          board=board_path(self.cfg.data_dir), main_path=main_socket_path(self.cfg.data_dir),
+                          parent=os.getpid(), grace=self.grace)
+        fds = [self.unix.fileno()] + ([self.tcp.fileno()] if self.tcp is not None else [])
+        proc = subprocess.Popen([sys.executable, "-m", "kvcache.supervisors.worker"], stdin=subprocess.PIPE,
+                                pass_fds=fds, close_fds=True)
+        assert proc.stdin is not None
+        proc.stdin.write(pickle.dumps(spec))
+        proc.stdin.close()
+        self.procs[i] = proc
+        self.started_at[i] = time.monotonic()
+        return proc
+
+    async def start(self) -> None:
+        """Start every worker and wait until each serves (its pid on the board)."""
+        for i in range(self.cfg.workers):
+            self._spawn(i)
+        deadline = time.monotonic() + READY_S
+        while not all(self.board.worker(i)["pid"] for i in range(self.cfg.workers)):
+            for i, proc in enumerate(self.procs):
+                if proc is not None and proc.poll() is not None:
+                    raise KvcacheError(f"worker {i} exited with status {proc.returncode} as it started")
+            if time.monotonic() > deadline:
+                raise KvcacheError(f"the workers did not start within {READY_S:g}s")
+            await asyncio.sleep(0.05)
+        log.info("%d workers serving (pids %s)", self.cfg.workers,
+                 " ".join(str(p.pid) for p in self.procs if p is not None))
+        self._watch = asyncio.ensure_future(self._supervise())
+
+    async def _supervise(self) -> None:
+        """Replace a worker that exits while the sidecar serves."""
+        while not self._stopping:
+            await asyncio.sleep(0.2)
+            for i, proc in enumerate(self.procs):
+                if self._stopping or proc is None or proc.poll() is None:
+                    continue
+                lived = time.monotonic() - self.started_at[i]
+                why = (f"was killed by signal {-proc.returncode}" if proc.returncode < 0
+                       else f"exited with status {proc.returncode}")
+                pause = 0.0 if lived > RESTART_MAX_S else min(RESTART_MAX_S, 0.5 * 2 ** min(self.restarts[i], 5))
+                log.warning("worker %d (pid %d) %s; starting another%s", i, proc.pid, why,
+                            f" in {pause:g}s" if pause else "")
+                self.procs[i] = None
+                self.restarts[i] += 1
+                for k, v in self.board.worker(i).items():
+                    if k not in ("pid", "written_ns", "answered", "clients"):
+                        self.retired[k] = self.retired.get(k, 0) + v
+                for bucket, (found, absent) in self.board.worker_reads(i).items():
+                    f0, a0 = self.retired_reads.get(bucket, (0, 0))
+                    self.retired_reads[bucket] = (f0 + found, a0 + absent)
+                if pause:
+                    await asyncio.sleep(pause)
+                if not self._stopping:
+                    self._spawn(i)
+
+    async def refresh(self, timeout: float = 0.5, connections: bool = False) -> None:
+        """Every live worker's counters written now (INFO waits for it): asked on the board,
+        signalled, awaited up to `timeout` (a worker too busy to answer shows its last ones).
+        `connections`: their connections' state too (`connections`)."""
+        want = self.board.ask(connections)
+        live = [(i, p) for i, p in enumerate(self.procs) if p is not None and p.poll() is None
+                and self.board.worker(i)["pid"]]
+        for _, p in live:
+            try:
+                p.send_signal(signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + timeout
+        while any(self.board.answered(i) < want for i, _ in live) and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+
+    async def connections(self) -> dict[int, tuple[int, bytes]]:
+        """Every worker's connections as they last saw them: id in this process (their link's)
+        -> (last I/O, monotonic ns; last command)."""
+        await self.refresh(connections=True)
+        seen: dict[int, tuple[int, bytes]] = {}
+        for i in range(self.cfg.workers):
+            try:
+                with open(conns_path(self.cfg.data_dir, i), "rb") as f:
+                    for line in f:
+                        main_id, io, cmd = line.split()
+                        seen[int(main_id)] = (int(io), cmd)
+            except (OSError, ValueError):
+                continue
+        return seen
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p is not None and p.poll() is None]
+
+    def stop_accepting(self) -> None:
+        """The socket file removed (new clients get ENOENT at once, as from the sidecar's own
+        server), this process's copies of the listeners closed. Once only."""
+        if self.unix.fileno() < 0:
+            return
+        try:
+            path = self.unix.getsockname()
+            if path and os.path.exists(path):
+                os.unlink(path)
+        except OSError:
+            pass
+        self.unix.close()
+        if self.tcp is not None:
+            self.tcp.close()
+
+    async def stop(self, grace: float) -> None:
+        """Stop accepting (stop_accepting: the workers' copies go as they stop), SIGTERM each
+        (they answer what is in flight, within `grace`, and close), then SIGKILL past STOP_S more."""
+        self._stopping = True
+        if self._watch is not None:
+            self._watch.cancel()
+        self.stop_accepting()
+        live = [p for p in self.procs if p is not None and p.poll() is None]
+        for p in live:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace + STOP_S
+        while any(p.poll() is None for p in live) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for p in live:
+            if p.poll() is None:
+                log.warning("worker pid %d did not stop within %gs: killed", p.pid, STOP_S)
+                p.kill()
+                p.wait()
+
+    def totals(self) -> WorkerTotals:
+        """Every worker's counters from the board, and their sums with those of the workers
+        replaced since start (INFO, /metrics)."""
+        each = [self.board.worker(i) for i in range(self.cfg.workers)]
+        total: dict[str, int] = dict(self.retired)
+        for w in each:
+            for k, v in w.items():
+                if k not in ("pid", "written_ns", "answered"):
+                    total[k] = total.get(k, 0) + v
+        reads = {bucket: list(counts) for bucket, counts in self.retired_reads.items()}
+        for i in range(self.cfg.workers):
+            for bucket, (found, absent) in self.board.worker_reads(i).items():
+                r = reads.setdefault(bucket, [0, 0])
+                r[0] += found
+                r[1] += absent
+        return WorkerTotals(total, each, {b: (r[0], r[1]) for b, r in reads.items()})
