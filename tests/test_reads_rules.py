@@ -36,8 +36,10 @@ from kvcache.store.record import item
 from kvcache.store.replica import BucketMeta, Replica
 
 MS = 1_000_000
-ASK_MS = 7    # a request to NATS, on the test's clock
-WAIT_MS = 3   # the wait for the replica (Held), on the test's clock
+# on the test's clock (ns, not whole µs: the log's latency is whole µs, rounded down)
+ASK_NS = 7_001_500   # a request to NATS
+WAIT_NS = 3_000_700  # the wait for the replica (Held)
+ASK_US, WAIT_US, BOTH_US = ASK_NS // 1000, WAIT_NS // 1000, (WAIT_NS + ASK_NS) // 1000
 LATER = NOW + 3_600_000_000_000  # rep.t's own expiry, an hour on
 
 
@@ -51,14 +53,14 @@ class Clock:
     def ns(self) -> int:
         return self.now
 
-    def advance(self, ms: int) -> None:
-        self.now += ms * MS
+    def advance(self, ms: int = 0, ns: int = 0) -> None:
+        self.now += ms * MS + ns
 
 
 class Nats:
     """The router as Reads calls it: each key's answer from `truth` ((bucket, key) -> (value,
     revision, operation); absent: not found), `fail` raised instead when set, and every call
-    recorded in `calls`. A request takes ASK_MS on the clock; with `gated`, each waits for
+    recorded in `calls`. A request takes ASK_NS on the clock; with `gated`, each waits for
     `release(n)` (its number in `calls`). The bucket's own stream answers: a value names
     `main.BUCKET` (the leader: "leader"), as kvcache.read.peer does. A batch charges its
     values to the budget it is given, as the router does."""
@@ -86,7 +88,7 @@ class Nats:
         if not self.gated:
             gate.set()
         await gate.wait()
-        self.clock.advance(ASK_MS)
+        self.clock.advance(ns=ASK_NS)
         if self.fail is not None:
             raise self.fail
 
@@ -170,7 +172,7 @@ def w(tmp_path, monkeypatch):
         async def wait_applied(seq: int, timeout: float, name: str = name, real=real) -> bool:
             """The feed's own wait, recorded; what the story does meanwhile happens first."""
             waits.append((name, seq, timeout))
-            clock.advance(WAIT_MS)
+            clock.advance(ns=WAIT_NS)
             if name in meanwhile:
                 meanwhile.pop(name)()
             return await real(seq, timeout)
@@ -246,7 +248,7 @@ async def test_a_near_cache_answer_and_a_cached_not_found(w):
     s = w.stats
     assert (s.gets_cached, s.gets_notfound, s.gets_local) == (2, 1, 0)
     assert s.reads == {("b", "cache", "hit"): 1, ("b", "cache", "miss"): 1}
-    assert [r[1:4] for r in w.access.log] == [("o.k", "cache", True), ("o.gone", "cache", False)]
+    assert w.access.log == [("b", "o.k", "cache", True, 0, "GET"), ("b", "o.gone", "cache", False, 0, "GET")]
     assert w.nats.calls == []
 
 
@@ -279,7 +281,7 @@ async def test_a_key_outside_the_filters_is_natss_answer_and_fills_the_near_cach
     s = w.stats
     assert (s.gets_remote, s.gets_notfound, s.reads_coalesced, s.remote_errors) == (1, 0, 0, 0)
     assert s.reads == {("b", "peer", "hit"): 1}
-    assert w.access.log == [("b", "o.k", "main.b", True, ASK_MS * 1000, "GET")]
+    assert w.access.log == [("b", "o.k", "main.b", True, ASK_US, "GET")]
 
 
 async def test_a_not_found_from_nats_is_counted_and_cached_as_one(w):
@@ -288,21 +290,21 @@ async def test_a_not_found_from_nats_is_counted_and_cached_as_one(w):
     s = w.stats
     assert (s.gets_remote, s.gets_notfound) == (1, 1)
     assert s.reads == {("b", "peer", "miss"): 1}
-    assert w.access.log == [("b", "o.none", "remote", False, ASK_MS * 1000, "GET")]
+    assert w.access.log == [("b", "o.none", "remote", False, ASK_US, "GET")]
 
 
 async def test_a_deletion_from_nats_is_not_found(w):
     w.nats.put("o.del", None, 9, op=Operation.DEL)
     assert await kv_get(w, b"o.del", "GET") is None
     assert w.stats.reads == {("b", "peer", "miss"): 1} and w.stats.gets_notfound == 1
-    assert w.access.log == [("b", "o.del", "main.b", False, ASK_MS * 1000, "GET")]
+    assert w.access.log == [("b", "o.del", "main.b", False, ASK_US, "GET")]
 
 
 async def test_a_strong_read_is_the_leaders_and_counted_so(w):
     w.nats.put("rep.a", b"A12", 12)
     assert seen(await kv_get(w, b"rep.a", strong=True)) == (b"A12", 12, "leader")
     assert w.stats.reads == {("b", "leader", "hit"): 1}
-    assert w.access.log == [("b", "rep.a", "leader", True, ASK_MS * 1000, "KV.GET")]
+    assert w.access.log == [("b", "rep.a", "leader", True, ASK_US, "KV.GET")]
     assert w.wb.held_until("rep.a") == 12       # handed out ahead of the replica: held
 
 
@@ -341,7 +343,7 @@ async def test_a_held_key_waits_for_the_replica_and_is_answered_there(w):
     assert w.waits == [("b", 12, reads_module.MINREV_WAIT_S)]
     assert w.nats.calls == []
     assert w.stats.reads == {("b", "local", "hit"): 1} and w.stats.gets_local == 1
-    assert w.access.log == [("b", "rep.a", "local", True, WAIT_MS * 1000, "GET")]
+    assert w.access.log == [("b", "rep.a", "local", True, WAIT_US, "GET")]
 
 
 async def test_a_held_key_the_replica_does_not_reach_is_natss(w):
@@ -350,7 +352,7 @@ async def test_a_held_key_the_replica_does_not_reach_is_natss(w):
     assert seen(await kv_get(w, b"rep.a", "GET")) == (b"A12", 12, "main.b")
     assert w.waits == [("b", 12, reads_module.MINREV_WAIT_S)]
     assert w.nats.calls == [("get", "b", "rep.a", False)]
-    assert w.access.log == [("b", "rep.a", "main.b", True, (WAIT_MS + ASK_MS) * 1000, "GET")]
+    assert w.access.log == [("b", "rep.a", "main.b", True, BOTH_US, "GET")]
 
 
 async def test_a_held_key_is_routed_again_with_its_own_bound(w):
@@ -461,19 +463,20 @@ async def test_many_keys_from_nats_in_one_batch_per_bucket(w):
     stale(w.feeds["all"])
     w.nats.put("x", b"X7", 7, bucket="all")
     budget = ReplyBudget(100)
-    got = await mget(w, [b"o.k", b"rep.a", b"o.l", b"o.none", b"all:x"], budget)
-    assert got == [(b"VV", "bytes"), (b"A", "bytes"), (b"LLL", "bytes"), None, (b"X7", "bytes")]
-    assert w.nats.calls == [("many", "b", ("o.k", "o.l", "o.none")), ("many", "all", ("x",))]
+    got = await mget(w, [b"o.k", b"rep.a", b"o.l", b"o.none", b"all:x", b"o.none2"], budget)
+    assert got == [(b"VV", "bytes"), (b"A", "bytes"), (b"LLL", "bytes"), None, (b"X7", "bytes"), None]
+    assert w.nats.calls == [("many", "b", ("o.k", "o.l", "o.none", "o.none2")), ("many", "all", ("x",))]
     assert budget.left == 100 - 1 - (2 + 3) - 2     # the replica's here, the rest by the router
     assert w.cache.current_revision(b"o.l") == (9, False)
     s = w.stats
-    assert (s.gets_local, s.gets_remote, s.gets_notfound) == (1, 4, 1)
-    assert s.reads == {("b", "local", "hit"): 1, ("b", "peer", "hit"): 2, ("b", "peer", "miss"): 1,
+    assert (s.gets_local, s.gets_remote, s.gets_notfound) == (1, 5, 2)
+    assert s.reads == {("b", "local", "hit"): 1, ("b", "peer", "hit"): 2, ("b", "peer", "miss"): 2,
                        ("all", "peer", "hit"): 1}
     assert [r[1:] for r in w.access.log] == [
-        ("rep.a", "local", True, 0, "MGET"), ("o.k", "main.b", True, ASK_MS * 1000, "MGET"),
-        ("o.l", "main.b", True, ASK_MS * 1000, "MGET"), ("o.none", "remote", False, ASK_MS * 1000, "MGET"),
-        ("x", "main.all", True, ASK_MS * 1000, "MGET")]   # each from its own request's start
+        ("rep.a", "local", True, 0, "MGET"), ("o.k", "main.b", True, ASK_US, "MGET"),
+        ("o.l", "main.b", True, ASK_US, "MGET"), ("o.none", "remote", False, ASK_US, "MGET"),
+        ("o.none2", "remote", False, ASK_US, "MGET"),
+        ("x", "main.all", True, ASK_US, "MGET")]   # each from its own request's start
 
 
 async def test_many_keys_held_wait_once_per_bucket_for_the_highest(w):
@@ -488,7 +491,7 @@ async def test_many_keys_held_wait_once_per_bucket_for_the_highest(w):
     assert w.nats.calls == [("many", "b", ("rep.b",))]
     assert budget.left == 100 - 3 - 3
     assert [r[1:] for r in w.access.log] == [
-        ("rep.a", "local", True, WAIT_MS * 1000, "MGET"), ("rep.b", "main.b", True, ASK_MS * 1000, "MGET")]
+        ("rep.a", "local", True, WAIT_US, "MGET"), ("rep.b", "main.b", True, ASK_US, "MGET")]
 
 
 async def test_a_held_key_of_many_over_the_budget(w):
@@ -694,3 +697,123 @@ async def test_minrev_asks_the_leader_as_of_now_not_as_it_arrived(w):
     assert seen(await minrev) == (b"VV", 8, "leader")   # below 9: the bucket at 10 (the feed's)
     assert w.nats.calls == [("get", "b", "o.k", False), ("get", "b", "o.k", True), ("get", "b", "o.k", True)]
     assert w.stats.reads_coalesced == 1
+
+
+async def test_a_read_of_one_key_is_timed_from_the_commands_start(w):
+    """The held key's latency includes the time before its wait began (the coroutine ran
+    2 ms after the command came)."""
+    w.wb.handed_out("rep.a", 12)
+    w.meanwhile["b"] = reached(w, "b", b"rep.a", b"A12", 12)
+    reply = w.reads.one(b"rep.a", "GET", answer)
+    w.clock.advance(2)
+    assert seen(await reply) == (b"A12", 12, "local")
+    assert w.access.log == [("b", "rep.a", "local", True, (2 * MS + WAIT_NS) // 1000, "GET")]
+
+
+async def test_held_keys_of_many_buckets_wait_each_for_its_own(w):
+    w.wb.handed_out("rep.a", 12)
+    w.ledger.witness(w.feeds["all"]).handed_out("x", 14)
+    w.meanwhile["b"] = reached(w, "b", b"rep.a", b"A12", 12)
+    w.meanwhile["all"] = reached(w, "all", b"x", b"X14", 14)
+    assert await mget(w, [b"rep.a", b"all:x"]) == [(b"A12", "bytes"), (b"X14", "bytes")]
+    assert w.waits == [("b", 12, reads_module.MINREV_WAIT_S), ("all", 14, reads_module.MINREV_WAIT_S)]
+    assert w.nats.calls == []
+
+
+class Transactions:
+    """The replica's LMDB environment as Reads.many sees it, counting the read transactions
+    it begins and aborts."""
+
+    def __init__(self, env) -> None:
+        self.env, self.begun, self.aborted = env, 0, 0
+
+    def begin(self, **kw):
+        txn = self.env.begin(**kw)
+        self.begun += 1
+        counter = self
+
+        class Txn:
+            def get(self, *a):
+                return txn.get(*a)
+
+            def abort(self) -> None:
+                counter.aborted += 1
+                txn.abort()
+        return Txn()
+
+
+async def test_many_keys_read_the_replica_in_one_transaction(w):
+    envs = Transactions(w.replica.env)
+    w.reads.replica = SimpleNamespace(env=envs)
+    w.nats.put("o.k", b"V", 8)
+    assert w.reads.many([b"rep.a", b"all:y", b"rep.none", b"f:rep.f"], "MGET", values) == [
+        (b"A", "memoryview"), (b"YY", "memoryview"), None, (b"F", "memoryview")]
+    assert (envs.begun, envs.aborted) == (1, 1)
+    assert await mget(w, [b"o.k", b"rep.a", b"o.l"]) == [(b"V", "bytes"), (b"A", "bytes"), None]
+    assert (envs.begun, envs.aborted) == (2, 2)
+    assert await mget(w, [b"o.k", b"o.l"]) == [(b"V", "bytes"), None]    # outside the filters: none
+    assert (envs.begun, envs.aborted) == (2, 2)
+
+
+async def test_reads_join_a_request_sent_before_they_arrived_within_their_bound(w):
+    """A plain request sent 500 ms before: MGET and MINREV join it; 1500 ms before: MINREV
+    asks the leader (the bucket's bound is 1000 ms)."""
+    w.nats.put("o.k", b"VV", 8)
+    w.nats.gated = True
+    plain = asyncio.ensure_future(kv_get(w, b"o.k"))
+    await until(lambda: len(w.nats.calls) == 1)
+    w.clock.advance(500)     # each read arrives as it is made (its coroutine runs later)
+    many = asyncio.ensure_future(w.reads.many([b"o.k"], "MGET", values))
+    minrev = asyncio.ensure_future(w.reads.one(b"o.k", "KV.GET", answer, min_rev=8))
+    w.clock.advance(1000)
+    late = asyncio.ensure_future(w.reads.one(b"o.k", "KV.GET", answer, min_rev=8))
+    await until(lambda: len(w.nats.calls) == 2)
+    w.nats.gated = False
+    for n in (0, 1):
+        w.nats.release(n)
+    got = await asyncio.gather(plain, many, minrev, late)
+    assert got[1] == [(b"VV", "bytes")]
+    assert [seen(got[0]), seen(got[2]), seen(got[3])] == [(b"VV", 8, "main.b"), (b"VV", 8, "main.b"),
+                                                           (b"VV", 8, "leader")]
+    assert w.nats.calls == [("get", "b", "o.k", False), ("get", "b", "o.k", True)]
+    assert w.stats.reads_coalesced == 2
+
+
+async def test_strong_minrev_joins_a_strong_request_sent_since_it_arrived(w):
+    """The read arrived before the strong request was sent (its coroutine ran later): the
+    leader's answer shows every write acknowledged before the read arrived."""
+    w.nats.put("o.k", b"VV", 8)
+    w.nats.gated = True
+    reply = w.reads.one(b"o.k", "KV.GET", answer, strong=True, min_rev=8)
+    w.clock.advance(50)
+    strong = asyncio.ensure_future(kv_get(w, b"o.k", strong=True))
+    await until(lambda: len(w.nats.calls) == 1)
+    w.clock.advance(50)
+    minrev = asyncio.ensure_future(reply)
+    await until(lambda: w.stats.reads_coalesced == 1)
+    w.nats.release(0)
+    assert [seen(e) for e in await asyncio.gather(strong, minrev)] == [(b"VV", 8, "leader")] * 2
+    assert w.nats.calls == [("get", "b", "o.k", True)]
+
+
+async def test_minrev_asked_again_after_stream_info_asks_as_of_now(w):
+    """MINREV 12: the leader answers 5, STREAM.INFO shows the bucket at 12; a strong request
+    sent before that (by another read) may not show 12: the read asks on its own."""
+    w.nats.put("o.k", b"V5", 5)
+    w.nats.last = 12
+    w.nats.gated = True
+    minrev = asyncio.ensure_future(kv_get(w, b"o.k", min_rev=12))
+    await until(lambda: len(w.nats.calls) == 1)
+    w.nats.release(0)
+    await until(lambda: len(w.nats.calls) == 2)          # STREAM.INFO
+    strong = asyncio.ensure_future(kv_get(w, b"o.k", strong=True))
+    await until(lambda: len(w.nats.calls) == 3)
+    w.clock.advance(100)
+    w.nats.release(1)
+    await until(lambda: len(w.nats.calls) == 4)
+    w.nats.gated = False
+    for n in (2, 3):
+        w.nats.release(n)
+    assert [seen(e) for e in await asyncio.gather(minrev, strong)] == [(b"V5", 5, "leader")] * 2
+    assert w.nats.calls == [("get", "b", "o.k", True), ("info", "b"), ("get", "b", "o.k", True),
+                            ("get", "b", "o.k", True)]
