@@ -10,9 +10,11 @@ whole table, too slowly for that).
 Each test states what a read answers, from which source, what it counted and logged, and
 which requests it sent: the routes Local, Cached, Held and Remote for one key and for many,
 joined requests in flight (plain, strong, MINREV), the stale fallback and its errors, the
-reply budget, and the access log's latency per key (on a clock the test moves: the request to
-NATS takes 7 ms, the wait for the replica 3 ms). MINREV's own questions (the leader, STREAM.INFO)
-are tests/test_minrev.py's.
+reply budget, the one LMDB transaction of a read of many keys, and the access log's latency
+per key (on a clock the test moves: a request to NATS takes about 7 ms, the wait for the
+replica about 3 ms). When a read arrived decides which request in flight it may join, so each
+read here arrives on that clock too. MINREV's questions to the leader and STREAM.INFO are
+tests/test_minrev.py's; here, how MINREV joins requests in flight.
 """
 from __future__ import annotations
 
