@@ -19,6 +19,8 @@ from .. import resp
 from .client_connection import ClientConnection
 
 LINK = b"KVCACHE.LINK"
+LINK_ARGS = 4
+LINK_BYTES = 4096  # two addresses: a socket path (at most 107 bytes) or an ip:port each
 
 
 class LinkConnection(ClientConnection):
@@ -29,6 +31,10 @@ class LinkConnection(ClientConnection):
     def __init__(self, srv, conn_id: int, tcp: bool = False) -> None:  # srv: a Listener
         super().__init__(srv, conn_id, tcp)
         self.peer: tuple[str, str] | None = None  # the client's (addr, laddr), once told
+        # room for KVCACHE.LINK itself under any max_args and max_request_bytes; the client's
+        # own limits apply from the next command on (_link)
+        self.reader.max_args = max(LINK_ARGS, srv.cfg.max_args)
+        self.reader.max_request_bytes = max(LINK_BYTES, srv.cfg.max_request_bytes)
 
     def seen_in_worker(self, last_io: int, cmd: bytes) -> None:
         """What the worker saw of the client last: it reads every byte the client sends and
@@ -57,5 +63,7 @@ class LinkConnection(ClientConnection):
         self.needs_auth = tcp
         self.authenticated = not (tcp and self.srv.cfg.requirepass)
         self.peer = (args[2].decode(errors="replace"), args[3].decode(errors="replace"))
+        self.reader.max_args = self.srv.cfg.max_args
+        self.reader.max_request_bytes = self.srv.cfg.max_request_bytes
         self.refresh_path()
         return resp.integer(self.id)  # the worker keeps it: its reports name the client by it

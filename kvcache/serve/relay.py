@@ -100,7 +100,8 @@ class MainLink(asyncio.Protocol):
         self.conn = conn
         self.transport: asyncio.Transport | None = None
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.waiting: deque[asyncio.Future[bytes]] = deque()
+        # the replies awaited, in order; None: KVCACHE.LINK's, handled here as it comes
+        self.waiting: deque[asyncio.Future[bytes] | None] = deque()
         self.buf = bytearray()
         self.piped = False
         self.closed = False
@@ -108,14 +109,16 @@ class MainLink(asyncio.Protocol):
         # sent before the link was up; first, the KVCACHE.LINK that says who the client is
         # (its reply, +OK, is the link's first and nobody's: `waiting` starts with a future for it)
         self._queued: list[bytes] = [announce]
-        told: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        told.add_done_callback(self._told)
-        self.waiting.append(told)
+        self.waiting.append(None)
 
-    def _told(self, told: asyncio.Future[bytes]) -> None:
-        """KVCACHE.LINK's answer, `:<id>`: the client's id in the feed's process."""
-        if not told.cancelled() and told.exception() is None and told.result().startswith(b":"):
-            self.conn.main_id = int(told.result()[1:-2])
+    def _told(self, reply: bytes) -> None:
+        """KVCACHE.LINK's answer, `:<id>`: the client's id in the feed's process. Anything else
+        is the feed's process refusing the client (max_clients counts every worker's, there):
+        the client gets the reply, and the link closes after it."""
+        if reply.startswith(b":"):
+            self.conn.main_id = int(reply[1:-2])
+        else:
+            self.conn.from_link(reply)
 
     # --------------------------------------------------------------- asyncio.Protocol
 
@@ -143,7 +146,9 @@ class MainLink(asyncio.Protocol):
             reply = bytes(buf[:end])
             del buf[:end]
             fut = self.waiting.popleft()
-            if not fut.done():
+            if fut is None:
+                self._told(reply)
+            elif not fut.done():
                 fut.set_result(reply)
         if buf and not self.waiting:  # nothing asked for it (the feed's process closing)
             self.conn.from_link(bytes(buf))
@@ -157,7 +162,7 @@ class MainLink(asyncio.Protocol):
             self.ready.exception()  # retrieved: nobody may be waiting
         while self.waiting:
             fut = self.waiting.popleft()
-            if not fut.done():
+            if fut is not None and not fut.done():
                 fut.set_exception(KvcacheError(LINK_DOWN))
         self.conn.link_lost()
 
@@ -237,7 +242,7 @@ class WorkerConnection(ClientConnection):
         if link is None or self._closing or self.transport.is_closing():
             return
         if link.waiting:  # the link's own first reply (KVCACHE.LINK's) is still to come
-            link.waiting[-1].add_done_callback(lambda _: self.pipe(first))
+            asyncio.get_running_loop().call_later(0.001, self.pipe, first)
             return
         self.piped = True
         link.piped = True

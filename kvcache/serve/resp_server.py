@@ -186,12 +186,7 @@ class RespServer:
         # a blocked stream read is a request in flight that never ends by itself: end it
         # with its error reply first, so the drain below waits only for real requests
         self.commands.streams.end_all("kvcache is shutting down")
-        conns = list(self.connections)
-        if conns:
-            await asyncio.wait([asyncio.ensure_future(c.drain()) for c in conns], timeout=grace)
-        for c in conns:
-            if c.transport and not c.transport.is_closing():
-                c.transport.close()
+        await self.drain_all(grace)
         for server in (self._server, self._tcp):
             if server is None:
                 continue
@@ -201,6 +196,15 @@ class RespServer:
                 pass
         self._server = self._tcp = None
         self._remove_socket()
+
+    async def drain_all(self, grace: float) -> None:
+        """Every connection answers what is in flight (within `grace`) and closes."""
+        conns = list(self.connections)
+        if conns:
+            await asyncio.wait([asyncio.ensure_future(c.drain()) for c in conns], timeout=grace)
+        for c in conns:
+            if c.transport and not c.transport.is_closing():
+                c.transport.close()
 
     def _remove_socket(self) -> None:
         try:

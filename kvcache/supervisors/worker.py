@@ -4,8 +4,8 @@ LMDB lets any number of processes read one map at once without locks, so N proce
 answer GETs where one event loop stops at one core. A worker has no NATS connection, no feed
 and no read ledger: those stay in the feed's process (kvcache.sidecar), so the cluster sees
 one connection and one consumer per bucket per host whatever N is. A worker:
-- accepts on the listening sockets the feed's process bound and handed down (the Unix
-  socket, the TCP listener): the kernel gives each new connection to one of them;
+- serves the client connections the feed's process accepts on the sockets and hands to its
+  workers in turn (a descriptor passed over a socket pair);
 - answers GET (and the runs of pipelined GETs) with the same GET path as the feed's process
   (kvcache.serve.server_get, in C when built) over its own read-only view of the map, for the
   buckets that replicate every key, when the board (kvcache.supervisors.board) says the
@@ -27,6 +27,7 @@ import pickle
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import native
@@ -50,8 +51,7 @@ class WorkerSpec:
 
     cfg: Config
     index: int           # 0..N-1: its slot on the board, and its name in the logs
-    unix_fd: int         # the listening Unix socket, inherited
-    tcp_fd: int          # the TCP listener, inherited; -1: none
+    hand_fd: int         # its end of the pair the connections are handed over on, inherited
     board: str           # the board's path
     main_path: str       # the feed's process's internal socket
     parent: int          # the feed's process's pid: a worker outliving it ends
@@ -59,24 +59,60 @@ class WorkerSpec:
 
 
 class WorkerServer(RespServer):
-    """The worker's listeners: the sockets the feed's process bound, adopted (nothing bound
-    or removed here), each connection a WorkerConnection."""
+    """The worker's side of the sockets: the connections the feed's process accepted and handed
+    over (`hand`, a SOCK_SEQPACKET pair: one byte, `u` or `t`, and the socket's descriptor),
+    each a WorkerConnection. Nothing is bound, accepted or removed here."""
 
     def __init__(self, spec: WorkerSpec, stats: Stats, gets) -> None:
         super().__init__(spec.cfg, RelayCommands(spec.cfg), stats, gets, {})  # type: ignore[arg-type]
         self.main_path = spec.main_path
         self.spec = spec
+        self.hand = socket.socket(fileno=spec.hand_fd)
+        self.hand.setblocking(False)
+        self.orphaned = asyncio.Event()  # the feed's process closed its end: it is gone
+        self._adopting: set[asyncio.Task] = set()  # connect_accepted_socket calls under way
 
     async def start(self) -> None:
         raise_fd_limit(self.cfg.max_clients + FD_MARGIN)
         loop = asyncio.get_running_loop()
         self.gets.call_soon = loop.call_soon
-        unix = socket.socket(fileno=self.spec.unix_fd)
-        self._server = await loop.create_unix_server(
-            lambda: WorkerConnection(self, next(self._ids)), sock=unix)
-        if self.spec.tcp_fd >= 0:
-            tcp = socket.socket(fileno=self.spec.tcp_fd)
-            self._tcp = await loop.create_server(lambda: WorkerConnection(self, next(self._ids), tcp=True), sock=tcp)
+        loop.add_reader(self.hand.fileno(), self._take)
+
+    def _take(self) -> None:
+        """Connections handed over: each served from here on (asyncio's accepted-socket path)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                kind, fds, _, _ = socket.recv_fds(self.hand, 1, 16)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                kind, fds = b"", []
+            if not kind and not fds:  # end of file
+                loop.remove_reader(self.hand.fileno())
+                self.orphaned.set()
+                return
+            for fd in fds:
+                sock = socket.socket(fileno=fd)
+                sock.setblocking(False)
+                if self.closing:
+                    sock.close()
+                    continue
+                task = loop.create_task(loop.connect_accepted_socket(self._factory(kind == b"t"), sock))
+                self._adopting.add(task)
+                task.add_done_callback(self._adopting.discard)
+
+    def _factory(self, tcp: bool) -> Callable[[], WorkerConnection]:
+        return lambda: WorkerConnection(self, next(self._ids), tcp=tcp)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Take no more connections; the ones here answer what is in flight and close."""
+        self.closing = True
+        try:
+            asyncio.get_running_loop().remove_reader(self.hand.fileno())
+        except (ValueError, OSError):
+            pass
+        await self.drain_all(grace)
 
     async def check_socket(self) -> None:
         """The socket file is the feed's process's to watch."""
@@ -105,6 +141,8 @@ class Worker:
                           for b in cfg.buckets if list(b.keys) == [">"]], cfg.default_bucket)
         server = WorkerServer(spec, self.stats, gets)
         await server.start()
+        orphaned = loop.create_task(server.orphaned.wait())
+        orphaned.add_done_callback(lambda _: self._stop.set())
         report = loop.create_task(self._report(board, server, asked))
         board.report(spec.index, {"pid": os.getpid()})
         log.info("worker %d (pid %d) serving", spec.index, os.getpid())
@@ -112,6 +150,7 @@ class Worker:
             await self._stop.wait()
         finally:
             report.cancel()
+            orphaned.cancel()
             await server.stop(grace=spec.grace)
             self._write(board, server)
 

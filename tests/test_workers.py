@@ -1,0 +1,212 @@
+"""`workers = N`: N processes serve the socket from the one replica (kvcache.supervisors), the
+sidecar's own process keeping NATS, the feeds and every per-connection state.
+
+Against real nats-servers, with real clients (redis-py, redis-benchmark, raw sockets):
+- under load both workers answer GETs from the replica, and INFO adds them up;
+- a revision handed out from NATS to a client of one process is never followed by an older
+  one from the replica to a client of any worker (the board's hold, published before the
+  answer that placed it goes out), with the feed held 0.8 s behind by a delaying proxy;
+- a worker killed with SIGKILL: its clients see a closed connection, never a wrong answer,
+  another takes its place, and the others serve on;
+- CLIENT LIST sees every worker's clients, and CLIENT KILL closes one on another worker;
+- the settings: `auto`, a bad count, and what cannot be combined with workers yet.
+The same suites that test one process (server, tracking, streams, pub/sub, MULTI, CLIENT,
+AUTH, MINREV, the read matrix, partitions) run again with KVCACHE_WORKERS=2 in CI (`make
+test-workers`).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from support.kvdata import connect, kv_put, read_until
+from support.poll import wait_until
+from support.sidecar_proc import SidecarProcess, write_config
+from support.topology import DelayProxy, nats_run
+
+from kvcache.config import ConfigError
+from kvcache.config_sources import load
+from kvcache.serve.relay import reply_end
+
+pytestmark = pytest.mark.timeout(300)
+
+BUCKET = "wk"
+NKEYS = 50
+VALUE = b"w" * 100
+REDIS_BENCHMARK = shutil.which("redis-benchmark")
+
+
+def key(i: int) -> str:
+    return f"k{i:04d}"
+
+
+def workers_info(sc: SidecarProcess) -> dict[str, dict]:
+    with sc.client() as c:
+        return {k: v for k, v in c.info("workers")["workers"].items() if k.startswith("worker") and k != "workers"}
+
+
+def seed(url: str, bucket: str = BUCKET) -> None:
+    async def setup(js):
+        kv = await js.create_key_value(bucket=bucket, history=1)
+        for i in range(NKEYS):
+            await kv.put(key(i), VALUE)
+    nats_run(url, setup)
+
+
+@pytest.fixture
+def two(nats_server, tmp_path: Path) -> Iterator[SidecarProcess]:
+    seed(nats_server.url)
+    sc = SidecarProcess(tmp_path / "sc", nats_server.url, [BUCKET], extra=["--workers", "2"])
+    with sc:
+        sc.start()
+        wait_until(lambda: all(w["pid"] for w in workers_info(sc).values()), 30, "both workers serving")
+        yield sc
+        assert sc.stop() == 0
+
+
+def get(c: socket.socket, k: str) -> bytes:
+    """One GET on a raw connection: its whole reply (b"" if the connection closed)."""
+    c.sendall(b"GET %s\r\n" % k.encode())
+    buf = b""
+    while reply_end(buf) < 0:
+        chunk = c.recv(65536)
+        if not chunk:
+            return b""
+        buf += chunk
+    return buf
+
+
+def spread(sc: SidecarProcess, most: int = 64) -> list[socket.socket]:
+    """Connections opened until both workers have at least one (the kernel chooses)."""
+    conns: list[socket.socket] = []
+    for _ in range(most):
+        c = connect(sc.socket)
+        c.sendall(b"PING\r\n")
+        assert read_until(c, b"+PONG\r\n") == b"+PONG\r\n"
+        conns.append(c)
+        if len(conns) >= 2 and all(int(w["clients"]) >= 1 for w in workers_info(sc).values()):
+            return conns
+    counts = {n: w["clients"] for n, w in workers_info(sc).items()}
+    pytest.fail(f"{most} connections, and not every worker got one: {counts}")
+
+
+@pytest.mark.skipif(REDIS_BENCHMARK is None, reason="redis-benchmark not installed (make system-deps)")
+def test_under_load_both_workers_answer_and_info_adds_them_up(two):
+    before = workers_info(two)
+    r = subprocess.run([REDIS_BENCHMARK, "-s", two.socket, "-n", "40000", "-c", "50", "-q",
+                        "GET", key(7)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "requests per second" in r.stdout + r.stderr, r.stderr
+    print(r.stdout.strip().splitlines()[-1])
+    after = workers_info(two)
+    served = {n: int(after[n]["gets_local"]) - int(before[n]["gets_local"]) for n in after}
+    print(f"GETs answered per worker: {served}")
+    assert len(served) == 2 and all(n > 0 for n in served.values()), served
+    with two.client() as c:
+        stats = c.info("stats")["stats"]
+    assert stats["gets_local"] >= 40000 and stats["gets_remote"] == 0
+    assert stats["gets_local"] >= sum(int(w["gets_local"]) for w in after.values())
+
+
+def test_a_revision_from_nats_is_never_followed_by_an_older_one_on_any_worker(nats_server, tmp_path):
+    """The feed 0.8 s behind (a delaying proxy), well inside max_stale_ms: a strong read hands
+    out revision r from the leader, then every connection, on both workers, reads the key:
+    none may answer r-1 from its worker's replica."""
+    seed(nats_server.url)
+    with DelayProxy(nats_server.port) as proxy:
+        cfg = write_config(tmp_path / "kvcache.toml", {"servers": [proxy.url], "request_timeout_ms": 10_000},
+                           [{"name": BUCKET, "max_stale_ms": 5000}])
+        sc = SidecarProcess(tmp_path / "sc", None, extra=["--config", cfg, "--workers", "2"])
+        with sc:
+            sc.start()
+            wait_until(lambda: all(w["pid"] for w in workers_info(sc).values()), 30, "both workers serving")
+            conns = spread(sc)
+            strong = redis.Redis(unix_socket_path=sc.socket, socket_timeout=30)
+            proxy.delay = 0.8
+            older = []
+            for i in range(5):
+                rev = kv_put(nats_server.url, BUCKET, key(1), b"v%d" % i)
+                _value, got, *_, source = strong.execute_command("KV.GET", key(1), "CONSISTENCY", "strong")
+                assert got == rev and source == b"leader", (got, rev, source)
+                for c in conns:
+                    reply = get(c, key(1))
+                    if reply != b"$%d\r\nv%d\r\n" % (len(b"v%d" % i), i):
+                        older.append((i, reply))
+                print(f"put {i} acked at {rev}: {len(conns)} connections on both workers read it")
+            strong.close()
+            for c in conns:
+                c.close()
+            proxy.delay = 0
+            assert not older, f"answers below a revision already handed out: {older}"
+            assert sc.stop() == 0
+
+
+def test_a_worker_killed_is_replaced_and_its_clients_see_a_closed_connection(two):
+    conns = spread(two)
+    before = workers_info(two)
+    victim = int(before["worker0"]["pid"])
+    on_victim = int(before["worker0"]["clients"])
+    os.kill(victim, signal.SIGKILL)
+    closed = answered = 0
+    for c in conns:
+        try:
+            reply = get(c, key(3))
+        except OSError:
+            reply = b""
+        if reply == b"":
+            closed += 1
+        else:  # whatever answers is right: the value, whole (never another reply)
+            assert reply == b"$100\r\n" + VALUE + b"\r\n", reply
+            answered += 1
+        c.close()
+    print(f"{on_victim} clients on the killed worker: {closed} closed, {answered} answered by the other")
+    assert closed >= 1 and answered >= 1
+    wait_until(lambda: int(workers_info(two)["worker0"]["pid"]) not in (0, victim), 30, "worker 0 started again")
+    assert f"worker 0 (pid {victim}) was killed by signal 9; starting another" in two.log()
+    with two.client() as c:
+        assert c.get(key(3)) == VALUE
+    assert two.proc is not None and two.proc.poll() is None  # the feed never stopped
+
+
+def test_client_list_and_kill_see_every_workers_clients(two):
+    conns = spread(two)
+    r = redis.Redis(unix_socket_path=two.socket)
+    listed = r.client_list()
+    assert len(listed) == len(conns) + 1  # every connection, whichever worker has it, and this one
+    assert {c["addr"] for c in listed} == {f"{two.socket}:0"}  # the clients' own socket
+    ids = [int(c["id"]) for c in listed if int(c["id"]) != r.client_id()]
+    assert r.client_kill_filter(_id=ids[0]) == 1
+    gone = 0
+    for c in conns:
+        try:
+            c.sendall(b"PING\r\n")
+            gone += c.recv(64) == b""
+        except OSError:
+            gone += 1
+        c.close()
+    assert gone == 1
+    r.close()
+
+
+@pytest.mark.quick
+def test_the_workers_setting(tmp_path):
+    assert load(None, env={"KVCACHE_WORKERS": "auto"}).workers == len(os.sched_getaffinity(0))
+    assert load(None, env={}, overrides={"workers": "3"}).workers == 3
+    path = tmp_path / "kvcache.toml"
+    path.write_text("workers = 2\n")
+    assert load(str(path), env={}).workers == 2
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(ConfigError, match="KVCACHE_WORKERS must be a number of processes"):
+            load(None, env={"KVCACHE_WORKERS": bad})
+    with pytest.raises(ConfigError, match="workers > 1 and access_log_rate cannot be combined"):
+        load(None, env={"KVCACHE_WORKERS": "2", "KVCACHE_ACCESS_LOG_RATE": "0.5"})
+    long_dir = "/tmp/" + "d" * 95
+    with pytest.raises(ConfigError, match="data_dir is too long for workers"):
+        load(None, env={"KVCACHE_WORKERS": "2", "KVCACHE_DATA_DIR": long_dir,
+                        "KVCACHE_SOCKET": "/tmp/s.sock"})
