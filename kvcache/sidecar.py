@@ -58,7 +58,7 @@ from .serve.tracking import Tracking
 from .stats import Stats
 from .store.nearcache import NearCache
 from .store.replica import Replica
-from .supervisors.board import Board, board_path
+from .supervisors.board import Board, BoardPublisher, board_path
 from .supervisors.workers import Workers, main_socket_path
 
 log = logging.getLogger("kvcache")
@@ -96,6 +96,7 @@ class Sidecar:
         # workers > 1 (kvcache.supervisors): the board this process publishes each bucket's
         # verdict on, and the worker processes serving the sockets
         self.board: Board | None = None
+        self.publisher: BoardPublisher | None = None
         self.workers: Workers | None = None
         self.commands: Commands | None = None
         self.use_embedded = cfg.embedded  # decided once: starting it fills in nats.servers
@@ -160,7 +161,8 @@ class Sidecar:
             # goes out (kvcache.supervisors.board)
             self.board = Board(board_path(self.cfg.data_dir), [b.name for b in self.cfg.buckets],
                                self.cfg.workers, create=True)
-            ledger.on_hold = self._on_hold
+            self.publisher = BoardPublisher(self.board, self.feeds, ledger, gets.forget_fresh)
+            ledger.on_hold = self.publisher.held
         hub = self.hub
         # The fleet's shared stream-state polls (kvcache.feed.fleet): set on each feed before it
         # starts, followed once it has (the answers are checked against its stream's identity).
@@ -181,8 +183,8 @@ class Sidecar:
             if (max_keys or max_bytes) and ">" not in b.keys:
                 feed.set_cache(NearCache(self.replica, b.name, max_keys, max_bytes, self.cfg.cache_admission))
             feed.share = share
-            if self.board is not None:
-                feed.on_state = functools.partial(self._publish, b.name)
+            if self.publisher is not None:
+                feed.on_state = functools.partial(self.publisher.publish, b.name)
             try:
                 await feed.start(watch=not shared_watch)
             except BucketNotFound:
@@ -240,34 +242,11 @@ class Sidecar:
 
     # ------------------------------------------------------------------ workers
 
-    def _publish(self, bucket: str) -> None:
-        """The bucket's verdict for every key at once (Witness.fresh_for_all at its bound), on
-        the board as a deadline (kvcache.supervisors.board)."""
-        feed = self.feeds.get(bucket)
-        board = self.board
-        if board is None or feed is None:
-            return
-        holds = self.ledger.holds.get(bucket)
-        meta = feed.meta
-        if not meta.synced or (holds is not None and holds.held_until(None, None, meta)):
-            until = 0
-        else:
-            until = feed.freshness.fresh_until_ns(feed.cfg.max_stale_ms, meta.applied_seq)
-        board.publish(bucket, until, feed.max_age_ns)
-
-    def _on_hold(self) -> None:
-        """A key became held: no verdict believed before it may answer it, here or in a worker."""
-        if self.server is not None:
-            self.server.gets.forget_fresh()
-        for bucket in self.feeds:
-            self._publish(bucket)
-
     async def _start_workers(self, info: Info) -> None:
         """Bind the sockets the workers accept on, and start them (kvcache.supervisors.workers);
         INFO adds up their counters from the first client on."""
-        assert self.board is not None
-        for bucket in self.feeds:
-            self._publish(bucket)
+        assert self.board is not None and self.publisher is not None
+        self.publisher.publish_all()
         path = os.path.abspath(self.cfg.socket_path)
         claim_socket_path(path)
         try:

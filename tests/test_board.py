@@ -115,3 +115,56 @@ def test_command_bytes_is_what_the_request_reader_reads() -> None:
     args = [b"SET", b"a b", b"", b"\r\n"]
     reader.feed(command_bytes(args))
     assert reader.next_command() == args
+
+
+def test_the_publisher_follows_every_change_before_control_returns(tmp_path) -> None:
+    """The sidecar's wiring, in process: a real Feed (no connection) and Ledger publishing on a
+    real Board, read by a worker's BoardWitness. What the worker believes must follow the
+    witness's own fresh_for_all at once: a hold placed (the ledger calls the publisher before
+    the answer that placed it can go out), the replica reaching it, a lost connection."""
+    import functools
+
+    from kvcache.feed.feed import Feed
+    from kvcache.read.ledger import Ledger
+    from kvcache.store.replica import Replica
+    from kvcache.supervisors.board import BoardPublisher
+
+    replica = Replica(str(tmp_path / "replica"), buckets=1)
+    replica.set_buckets(["b"])
+    ledger = Ledger()
+    # a heartbeat long enough that a caught-up feed's silence never counts here; heard 3 s ago
+    # (past the 2 s bound: only being caught up keeps it fresh)
+    feed = Feed(None, BucketConfig(name="b", max_stale_ms=2000), replica, heartbeat_s=60.0,  # type: ignore[arg-type]
+                on_applied=functools.partial(ledger.applied, "b"))
+    fr = feed.freshness
+    fr.caught_up, fr.interrupted, fr.heard_ns = True, False, time_ns() - 3000 * MS
+    feed.meta.synced, feed.meta.applied_seq = True, 10
+    witness = ledger.witness(feed)
+    main = Board(str(tmp_path / "workers.board"), ["b"], 1, create=True)
+    worker = Board(str(tmp_path / "workers.board"), ["b"], 1, create=False).witness("b")
+    forgotten = []
+    publisher = BoardPublisher(main, {"b": feed}, ledger, lambda: forgotten.append(1))
+    feed.on_state = functools.partial(publisher.publish, "b")
+    ledger.on_hold = publisher.held
+    publisher.publish_all()
+
+    def agree() -> bool:
+        ours = witness.fresh_for_all(2000)
+        assert worker.fresh_for_all(2000) == ours
+        return ours
+
+    assert agree()
+    witness.handed_out("k", 12)  # revision 12 went out from NATS, the replica at 10
+    assert not agree() and forgotten == [1]
+    feed._on_idle(12)  # the replica reaches it: the hold ends
+    assert agree()
+    assert agree()
+    fr.heard_ns = time_ns() - 3000 * MS  # as if that was 3 s ago: caught up, it is still fresh
+    assert agree()
+    feed.connection_lost()  # interrupted: as old as the last word, 3 s ago
+    assert not agree()
+
+
+def time_ns() -> int:
+    import time
+    return time.time_ns()

@@ -26,7 +26,12 @@ from __future__ import annotations
 import mmap
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..feed.feed import Feed
+    from ..read.ledger import Ledger
 
 MAGIC = 0x4B5643424F415244  # "KVCBOARD"
 VERSION = 1
@@ -167,3 +172,39 @@ class BoardWitness:
         """The rule for every key at once, as the feed's process last published it for the
         bucket's own bound (the only one the GET path asks with)."""
         return time.time_ns() <= self._words[self._at]
+
+
+class BoardPublisher:
+    """The feed's process's side: each bucket's verdict for every key at once (the witness's
+    fresh_for_all at the bucket's bound), published as a deadline. `publish(bucket)` is what
+    a feed calls after every change of it (Feed.on_state); `held()` what the ledger calls as a
+    hold is placed (Ledger.on_hold), before the answer that placed it goes out, so that no
+    worker answers that key from the replica after a client saw the newer revision."""
+
+    def __init__(self, board: Board, feeds: Mapping[str, Feed], ledger: Ledger,
+                 forget_fresh: Callable[[], None]) -> None:
+        self.board = board
+        self.feeds = feeds
+        self.ledger = ledger
+        self.forget_fresh = forget_fresh  # this process's own GET path's cached verdicts
+
+    def publish(self, bucket: str) -> None:
+        feed = self.feeds.get(bucket)
+        if feed is None:  # (still starting: published once it is in, and before any worker)
+            return
+        holds = self.ledger.holds.get(bucket)
+        meta = feed.meta
+        if not meta.synced or (holds is not None and holds.held_until(None, None, meta)):
+            until = 0
+        else:
+            until = feed.freshness.fresh_until_ns(feed.cfg.max_stale_ms, meta.applied_seq)
+        self.board.publish(bucket, until, feed.max_age_ns)
+
+    def publish_all(self) -> None:
+        for bucket in self.feeds:
+            self.publish(bucket)
+
+    def held(self) -> None:
+        """A key became held: no verdict believed before it may answer it, here or in a worker."""
+        self.forget_fresh()
+        self.publish_all()
