@@ -169,7 +169,7 @@ def start_sidecar(work: Path, url: str, keys: int = NKEYS, installed: bool = Fal
     """`python -m kvcache serve`: this checkout's kvcache, or with `installed` the one this
     Python has installed (started outside the checkout, so the checkout is not on its path),
     or with `src` the kvcache of that source tree (another checkout or a git worktree, its
-    native modules built or copied in: started there, with it on PYTHONPATH)."""
+    own native modules built there: started there, with it on PYTHONPATH)."""
     sock = str(work / f"{name}.sock")
     log = open(work / f"{name}.log", "ab")
     proc = subprocess.Popen(
@@ -774,7 +774,7 @@ def main() -> int:
                          "between two identical sidecars)")
     ap.add_argument("--other-src", type=Path, default=None, metavar="DIR",
                     help="with --metrics: the second sidecar runs the kvcache of source tree DIR (e.g. a git "
-                         "worktree of an earlier commit, native modules built or copied in), without the "
+                         "worktree of an earlier commit, its native modules built there), without the "
                          "listener: the ratios are DIR's over this checkout's, same run (implies --control)")
     ap.add_argument("--scale", action="store_true",
                     help=f"{SCALE_KEYS:,} keys of 100 bytes, -r 10000 and -r {SCALE_KEYS}, -P 16 and -P 1")
