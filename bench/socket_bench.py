@@ -402,7 +402,9 @@ class GetBench:
             lines += ["", "bare: bench/bare_server.py, a uvloop Protocol answering each GET with a fixed "
                       "reply (no lookup): the least a server on uvloop spends per request."]
         if METRICS in self.targets:
-            what = ("the metrics listener on (command latency timed) and scraped every second"
+            what = ("no listener, not scraped, running the other source tree's kvcache (named above), "
+                    "not this checkout's" if self.other else
+                    "the metrics listener on (command latency timed) and scraped every second"
                     if not self.metrics.startswith("CONTROL") else "no listener, not scraped: the CONTROL run")
             lines += ["", f"{METRICS}: a second sidecar on the same bucket with {what} ({self.metrics}). "
                       "Same run, runs alternating (the two sidecars swap order every other round); "
