@@ -169,7 +169,7 @@ def start_sidecar(work: Path, url: str, keys: int = NKEYS, installed: bool = Fal
     """`python -m kvcache serve`: this checkout's kvcache, or with `installed` the one this
     Python has installed (started outside the checkout, so the checkout is not on its path),
     or with `src` the kvcache of that source tree (another checkout or a git worktree, its
-    native modules built or copied in: started there, with it on PYTHONPATH)."""
+    own native modules built there: started there, with it on PYTHONPATH)."""
     sock = str(work / f"{name}.sock")
     log = open(work / f"{name}.log", "ab")
     proc = subprocess.Popen(
@@ -263,11 +263,14 @@ def start_redis(work: Path, value: bytes, keys: int = NKEYS) -> tuple[subprocess
     return proc, sock
 
 
-def describe_kvcache(server: dict, work: Path, installed: bool = False) -> str:
-    """Which kvcache served, from the sidecar's INFO server: version, where from, the native
-    modules it runs (kvcache.native.report() in the sidecar) and its LMDB binding."""
+def describe_kvcache(server: dict, work: Path, installed: bool = False, src: Path | None = None) -> str:
+    """Which kvcache served, from the sidecar's INFO server: version, where from (imported the
+    way start_sidecar starts it: `src` for another source tree), the native modules it runs
+    (kvcache.native.report() in the sidecar) and its LMDB binding."""
     where = subprocess.run([sys.executable, "-c", "import kvcache; print(kvcache.__file__)"],
-                           capture_output=True, text=True, cwd=work if installed else ROOT).stdout.strip()
+                           capture_output=True, text=True,
+                           cwd=src if src is not None else work if installed else ROOT,
+                           env={**os.environ, "PYTHONPATH": str(src)} if src is not None else None).stdout.strip()
     native = server["native"]
     if isinstance(native, dict):  # the client parses `a=b,c=d` values
         native = ",".join(f"{k}={v}" for k, v in native.items())
@@ -356,6 +359,7 @@ class GetBench:
     summary: str = ""
     targets: tuple[str, ...] = ("redis", "kvcache")
     kvcache: str = ""  # which kvcache served: version, where from, its native modules
+    other: str = ""    # with --other-src: the same of the second sidecar (the other tree's kvcache)
     metrics: str = ""  # with --metrics: the scraper's tally
 
     def order(self, round_: int) -> tuple[str, ...]:
@@ -378,6 +382,7 @@ class GetBench:
         lines = [f"redis-benchmark -t get {over} -n {self.requests}, a {self.keys:,}-key bucket, "
                  f"{self.value_size}-byte values, {os.cpu_count()} CPUs, best of {self.repeat} runs", "",
                  f"kvcache: {self.kvcache}", "",
+                 *([f"{METRICS}: {self.other}", ""] if self.other else []),
                  "| target | reads over | variant | requests/s | p50 ms | p99 ms | kvcache/redis | "
                  "full/hot | server CPU us/req |",
                  "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
@@ -397,7 +402,9 @@ class GetBench:
             lines += ["", "bare: bench/bare_server.py, a uvloop Protocol answering each GET with a fixed "
                       "reply (no lookup): the least a server on uvloop spends per request."]
         if METRICS in self.targets:
-            what = ("the metrics listener on (command latency timed) and scraped every second"
+            what = ("no listener, not scraped, running the other source tree's kvcache (named above), "
+                    "not this checkout's" if self.other else
+                    "the metrics listener on (command latency timed) and scraped every second"
                     if not self.metrics.startswith("CONTROL") else "no listener, not scraped: the CONTROL run")
             lines += ["", f"{METRICS}: a second sidecar on the same bucket with {what} ({self.metrics}). "
                       "Same run, runs alternating (the two sidecars swap order every other round); "
@@ -475,11 +482,20 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
             else:
                 with Client(socks[METRICS]) as c:
                     scraper = Scraper(str(c.info("server")["server"]["metrics_listen"])).start()
-        with Client(kv_sock) as c:
-            assert c.get(f"key:{key(1)}") == value and c.get(key(keys - 1)) == value
-            before = c.info("stats")["stats"]
-            server = c.info("server")["server"]
-        bench.kvcache = describe_kvcache(server, work, installed)
+        # Every sidecar is checked alike: a second one that answered from NATS, or with errors,
+        # would look cheaper or dearer per GET for a reason that is not its GET path.
+        sidecars = {t: socks[t] for t in bench.targets if t.startswith("kvcache")}
+        before: dict[str, dict] = {}
+        for target, sock in sidecars.items():
+            with Client(sock) as c:
+                if not (c.get(f"key:{key(1)}") == value and c.get(f"key:{key(keys - 1)}") == value):
+                    raise RuntimeError(f"{target}: a value differs from the bucket's")
+                before[target] = c.info("stats")["stats"]
+                server = c.info("server")["server"]
+            if target == "kvcache":
+                bench.kvcache = describe_kvcache(server, work, installed)
+            elif other_src is not None:
+                bench.other = describe_kvcache(server, work, src=other_src)
 
         for r in bench.reads_over:
             for name, extra in bench.variants:
@@ -502,19 +518,22 @@ def run(work: Path, requests: int = 200_000, value_size: int = 3, repeat: int = 
             bench.metrics = f"{scraper.scrapes} scrapes of {scraper.bytes:,} bytes, {scraper.failures} failed"
             if scraper.failures or not scraper.scrapes:
                 bench.problems.append(f"metrics: {bench.metrics}")
-        with Client(kv_sock) as c:
-            after = c.info("stats")["stats"]
-        gets = after["gets_local"] - before["gets_local"]
-        for f in ("protocol_errors", "remote_errors", "gets_remote", "gets_notfound"):
-            if after[f] != before[f]:
-                bench.problems.append(f"{f} went {before[f]} -> {after[f]}")
         expected = requests * len(bench.variants) * len(bench.reads_over) * repeat
-        if gets < expected:
-            bench.problems.append(f"only {gets} local GETs for {expected} requests")
-        bench.summary = (
-            f"kvcache INFO: {gets} local GETs, gets_remote +{after['gets_remote'] - before['gets_remote']}, "
-            f"protocol_errors {after['protocol_errors']}, remote_errors {after['remote_errors']}"
-            + (f"; PROBLEMS: {'; '.join(bench.problems)}" if bench.problems else " (all checks passed)"))
+        told = []
+        for target, sock in sidecars.items():
+            with Client(sock) as c:
+                after = c.info("stats")["stats"]
+            was = before[target]
+            gets = after["gets_local"] - was["gets_local"]
+            for f in ("protocol_errors", "remote_errors", "gets_remote", "gets_notfound"):
+                if after[f] != was[f]:
+                    bench.problems.append(f"{target}: {f} went {was[f]} -> {after[f]}")
+            if gets < expected:
+                bench.problems.append(f"{target}: only {gets} local GETs for {expected} requests")
+            told.append(f"{target} INFO: {gets} local GETs, gets_remote +{after['gets_remote'] - was['gets_remote']}, "
+                        f"protocol_errors {after['protocol_errors']}, remote_errors {after['remote_errors']}")
+        bench.summary = ("; ".join(told)
+                         + (f"; PROBLEMS: {'; '.join(bench.problems)}" if bench.problems else " (all checks passed)"))
 
         if profile_seconds:
             profile(sidecar.pid, kv_sock, requests, profile_seconds, work, max(bench.reads_over))
@@ -757,7 +776,7 @@ def main() -> int:
                          "between two identical sidecars)")
     ap.add_argument("--other-src", type=Path, default=None, metavar="DIR",
                     help="with --metrics: the second sidecar runs the kvcache of source tree DIR (e.g. a git "
-                         "worktree of an earlier commit, native modules built or copied in), without the "
+                         "worktree of an earlier commit, its native modules built there), without the "
                          "listener: the ratios are DIR's over this checkout's, same run (implies --control)")
     ap.add_argument("--scale", action="store_true",
                     help=f"{SCALE_KEYS:,} keys of 100 bytes, -r 10000 and -r {SCALE_KEYS}, -P 16 and -P 1")
