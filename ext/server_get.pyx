@@ -199,6 +199,9 @@ cdef class ServerGets(_ReplicaView):
             b.witness = witness
             b.max_stale = max_stale
             b.all_keys = all_keys
+            # a BoardWitness (kvcache.supervisors.board) lends its words' address: read in C
+            address = getattr(witness, "address", 0)
+            b.board = <const volatile long long*><size_t>address if address else NULL
             if near is not None:
                 b = _cache_bucket(self, name, near)
                 b.witness = witness
@@ -387,7 +390,11 @@ cdef class ServerGets(_ReplicaView):
         if b.witness is not self._fresh:
             if self._now == 0:
                 self._now = _now_ns()
-            if b.fresh_until_ns <= self._now:
+            if b.board != NULL:  # a worker's: the board's deadline, one load (BoardWitness's rule)
+                if _wall_ns() > b.board[0]:
+                    return 0
+                b.max_age_ns = <unsigned long long>b.board[1]
+            elif b.fresh_until_ns <= self._now:
                 if not b.witness.fresh_for_all(b.max_stale):
                     return 0
                 b.fresh_until_ns = self._now + self._verdict_ns

@@ -52,6 +52,10 @@ cdef class _Bucket:
     cdef object witness  # the bucket's witness (kvcache.read.ledger.Witness)
     cdef object max_stale
     cdef long long fresh_until_ns  # witness.fresh_for_all said yes: believed until then
+    # A worker process's bucket (kvcache.supervisors.board): the board's words for it, the
+    # deadline (wall clock, ns) and max_age_ns, read here each batch instead of asking the
+    # witness (NULL: ask the witness)
+    cdef const volatile long long* board
     cdef unsigned long long max_age_ns  # the stream's max_age (0: none), read with the verdict
     cdef str name
     cdef bytes prefix      # b"<name>:"
@@ -124,6 +128,12 @@ for _i, _b in enumerate(BOUNDS_NS):
 cdef inline long long _now_ns() noexcept nogil:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec * 1_000_000_000LL + ts.tv_nsec
+
+
+cdef inline long long _wall_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_REALTIME, &ts)
     return ts.tv_sec * 1_000_000_000LL + ts.tv_nsec
 
 

@@ -23,6 +23,7 @@ answered found, not found).
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import time
@@ -157,12 +158,16 @@ class BoardWitness:
     """One bucket's replica as a worker's GET path takes its word (the `witness` of its plans,
     kvcache.serve.server_get): the deadline its feed's process published."""
 
-    __slots__ = ("_at", "_words", "cache")
+    __slots__ = ("_at", "_words", "address", "cache")
 
     def __init__(self, board: Board, at: int) -> None:
         self._words = board.words
         self._at = at
         self.cache = None  # a worker has no near cache: those keys go to the feed's process
+        # where its two words are in this process's memory: the native GET path reads the
+        # deadline there itself, each batch, with no call into Python (ext/server_get.pyx);
+        # valid while the board is mapped, which is the worker's whole life
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(board._map, at * 8))
 
     @property
     def max_age_ns(self) -> int:
