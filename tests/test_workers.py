@@ -31,6 +31,7 @@ from support.poll import wait_until
 from support.sidecar_proc import SidecarProcess, write_config
 from support.topology import DelayProxy, nats_run
 
+from kvcache.app.client import encode_command
 from kvcache.config import ConfigError
 from kvcache.config_sources import load
 from kvcache.serve.relay import reply_end
@@ -72,8 +73,10 @@ def two(nats_server, tmp_path: Path) -> Iterator[SidecarProcess]:
 
 
 def get(c: socket.socket, k: str) -> bytes:
-    """One GET on a raw connection: its whole reply (b"" if the connection closed)."""
-    c.sendall(b"GET %s\r\n" % k.encode())
+    """One GET on a raw connection, as clients send it (a multibulk: the GET path's; an inline
+    GET is the command layer's, in the sidecar's process): its whole reply (b"" if the
+    connection closed)."""
+    c.sendall(encode_command(["GET", k]))
     buf = b""
     while reply_end(buf) < 0:
         chunk = c.recv(65536)
@@ -214,3 +217,37 @@ def test_the_workers_setting(tmp_path):
     with pytest.raises(ConfigError, match="data_dir is too long for workers"):
         load(None, env={"KVCACHE_WORKERS": "2", "KVCACHE_DATA_DIR": long_dir,
                         "KVCACHE_SOCKET": "/tmp/s.sock"})
+
+
+def test_metrics_add_up_every_worker_and_show_each(nats_server, tmp_path):
+    from support.scrape import http_get, metrics_address
+    seed(nats_server.url)
+    sc = SidecarProcess(tmp_path / "sc", nats_server.url, [BUCKET],
+                        extra=["--workers", "2", "--metrics-listen", "127.0.0.1:0"])
+    with sc:
+        sc.start()
+        wait_until(lambda: all(w["pid"] for w in workers_info(sc).values()), 30, "both workers serving")
+        conns = spread(sc)
+        for c in conns:
+            for i in range(10):
+                assert get(c, key(i)) == b"$100\r\n" + VALUE + b"\r\n"
+        address = metrics_address(sc)
+        want = 10 * len(conns)
+
+        def scraped() -> dict[str, float]:
+            status, text = http_get(address, "/metrics")
+            assert status == 200
+            return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith(("kvcache_worker_", "kvcache_reads_total{"))}
+        # the workers write their counters twice a second: /metrics shows them within that
+        wait_until(lambda: sum(v for k, v in scraped().items() if k.startswith("kvcache_worker_gets_total"))
+                   >= want, 10, f"{want} GETs in the workers counters", detail=lambda: repr(scraped()))
+        got = scraped()
+        each = {k: v for k, v in got.items() if k.startswith("kvcache_worker_gets_total")}
+        print(each)
+        assert set(each) == {'kvcache_worker_gets_total{worker="0"}', 'kvcache_worker_gets_total{worker="1"}'}
+        assert all(v > 0 for v in each.values())
+        assert got['kvcache_reads_total{bucket="wk",result="hit",source="local"}'] >= want
+        for c in conns:
+            c.close()
+        assert sc.stop() == 0

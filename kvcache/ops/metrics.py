@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -128,6 +129,9 @@ class Snapshot:
     nats: list[tuple[str, str, int, int]] = field(default_factory=list)
     lmdb: tuple[int, int, int] = (0, 0, 0)  # map size, used, max map size
     nats_last_move_s: float = 0.0  # the main connection's latest reconnect (Stats.nats_last_move_ms)
+    # workers > 1: per worker (its index as a label), its clients now, GETs it answered from the
+    # replica and seconds since it last wrote them (kvcache.supervisors.workers)
+    workers: list[tuple[int, int, int, float]] = field(default_factory=list)
 
 
 # What the collector reads of the read side and the server, a layer above ops/ (docs/
@@ -222,7 +226,11 @@ class SidecarCollector:
         get = latency.setdefault("get", Latency())
         get.add(*self.gets.latency())
         router = cmds.reads.router
+        now = time.time_ns()
         snap = Snapshot(
+            workers=[(i, w["clients"], w["gets_local"] + w["gets_notfound"],
+                      (now - w["written_ns"]) / 1e9 if w["written_ns"] else -1.0)
+                     for i, w in enumerate(workers.each if workers is not None else [])],
             build={"version": __version__, **{k: v.split()[0] for k, v in native.report().items()},
                    "lmdb": native.lmdb_version()},
             reads=reads, latency=latency,
@@ -305,6 +313,20 @@ def families(snap: Snapshot) -> Iterator[Metric]:
                             "written)", value=used)
     yield GaugeMetricFamily("kvcache_lmdb_max_map_size_bytes", "max_map_size_mb: the most the map may grow to",
                             value=max_size)
+    if snap.workers:
+        clients = GaugeMetricFamily("kvcache_worker_clients", "A worker process's open client connections",
+                                    labels=["worker"])
+        gets = CounterMetricFamily("kvcache_worker_gets", "GETs a worker process answered from the replica "
+                                   "(in kvcache_reads_total too)", labels=["worker"])
+        age = GaugeMetricFamily("kvcache_worker_report_age_seconds", "Since a worker process last wrote its "
+                                "counters (twice a second while it runs)", labels=["worker"])
+        for i, n_clients, n_gets, seconds in snap.workers:
+            clients.add_metric([str(i)], n_clients)
+            gets.add_metric([str(i)], n_gets)
+            age.add_metric([str(i)], seconds)
+        yield clients
+        yield gets
+        yield age
 
 
 # The per-bucket gauges: name, help, the BucketRow's value
