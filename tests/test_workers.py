@@ -248,6 +248,8 @@ def test_metrics_add_up_every_worker_and_show_each(nats_server, tmp_path):
         assert set(each) == {'kvcache_worker_gets_total{worker="0"}', 'kvcache_worker_gets_total{worker="1"}'}
         assert all(v > 0 for v in each.values())
         assert got['kvcache_reads_total{bucket="wk",result="hit",source="local"}'] >= want
+        assert {k.split("{")[0] for k in got if k.startswith("kvcache_worker_")} == {
+            "kvcache_worker_clients", "kvcache_worker_gets_total", "kvcache_worker_report_age_seconds"}
         for c in conns:
             c.close()
         assert sc.stop() == 0
