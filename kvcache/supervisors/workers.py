@@ -68,8 +68,11 @@ class Workers:
                           board=board_path(self.cfg.data_dir), main_path=main_socket_path(self.cfg.data_dir),
                           parent=os.getpid(), grace=self.grace)
         try:
+            # a session of its own: a terminal's Ctrl-C (SIGINT to the foreground group) reaches
+            # the sidecar alone, which stops its workers in order instead of seeing them exit
+            # and starting others; a worker whose sidecar is gone ends by itself (its pair closes)
             proc = subprocess.Popen([sys.executable, "-m", "kvcache.supervisors.worker"], stdin=subprocess.PIPE,
-                                    pass_fds=[theirs.fileno()], close_fds=True)
+                                    pass_fds=[theirs.fileno()], close_fds=True, start_new_session=True)
         finally:
             theirs.close()
         assert proc.stdin is not None
