@@ -135,7 +135,7 @@ def test_a_failed_request_is_counted_and_raised_as(exc, counted, raised):
 
 def test_accounted_turns_a_nats_failure_into_an_upstream_error():
     p = peer("m1")
-    with pytest.raises(UpstreamError, match="^peer m1: ConnectionResetError: gone$") as caught, p._accounted():
+    with pytest.raises(UpstreamError, match=r"^peer m1: ConnectionResetError: gone$") as caught, p._accounted():
         raise ConnectionResetError("gone")
     assert caught.value.__suppress_context__ and p.stats.errors == 1
     mine = UpstreamError("mine")
@@ -167,7 +167,8 @@ def test_keys_seen_with_a_message_are_remembered_up_to_known_keys():
 
 
 def msg(data: bytes = b"", **headers: str) -> Msg:
-    return Msg(None, subject="_INBOX.x", data=data, headers={k.replace("_", "-"): v for k, v in headers.items()} or None)  # type: ignore[arg-type]
+    hdrs = {k.replace("_", "-"): v for k, v in headers.items()} or None
+    return Msg(None, subject="_INBOX.x", data=data, headers=hdrs)  # type: ignore[arg-type]
 
 
 def test_an_entry_from_a_direct_get_reply():
@@ -179,9 +180,9 @@ def test_an_entry_from_a_direct_get_reply():
     assert (d.operation, d.value, d.revision, d.created) == (Operation.DEL, None, 7, 0)
     assert p._entry_from_msg(msg(b"V")) == Entry("b", "", b"V", 0, 0, 0, Operation.PUT, "m1", 0)
     assert p._entry_from_msg(msg(Status="404", Description="Message Not Found")) is None
-    with pytest.raises(UpstreamError, match="^peer m1: Direct Get failed: 408 Bad Request$"):
+    with pytest.raises(UpstreamError, match=r"^peer m1: Direct Get failed: 408 Bad Request$"):
         p._entry_from_msg(msg(Status="408", Description="Bad Request"))
-    with pytest.raises(UpstreamError, match="^peer m1: Direct Get failed: 503$"):
+    with pytest.raises(UpstreamError, match=r"^peer m1: Direct Get failed: 503$"):
         p._entry_from_msg(msg(Status="503"))
 
 

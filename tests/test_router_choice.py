@@ -119,7 +119,7 @@ def test_the_floors_and_fence_given_are_used():
     assert Router(1.0, max_age=lambda b: 7).floors.max_age(B) == 7
     fence = Fence(5, "k")
     assert Router(1.0, fence=lambda b: fence)._fence(B) is fence
-    with pytest.raises(UpstreamError, match="bucket b: no quorum"):
+    with pytest.raises(UpstreamError, match=r"bucket b: no quorum"):
         Router(1.0, fence=lambda b: None)._fence(B)
 
 
@@ -147,10 +147,10 @@ def test_bucket_peers_strong_takes_the_buckets_own_stream():
     r = router(up, mirror)
     assert r._bucket_peers(B, False) == [up, mirror]
     assert r._bucket_peers(B, True) == [up]
-    with pytest.raises(UpstreamError, match="^no peer can read bucket nope$"):
+    with pytest.raises(UpstreamError, match=r"^no peer can read bucket nope$"):
         r._bucket_peers("nope", False)
     r2 = router(mirror)
-    with pytest.raises(UpstreamError, match="^no peer can read bucket b from its leader$"):
+    with pytest.raises(UpstreamError, match=r"^no peer can read bucket b from its leader$"):
         r2._bucket_peers(B, True)
 
 
@@ -284,7 +284,7 @@ async def test_a_lone_peer_is_awaited_and_its_failures_counted():
     assert r._tokens == 1.25
     p.mode = "fail"
     for n in (1, 2):
-        with pytest.raises(UpstreamError, match="p failed"):
+        with pytest.raises(UpstreamError, match=r"p failed"):
             await r._route([p], lambda q: q.get("k", 1.0), hedge=True)
         assert r.health[p].failures == n and not r.health[p].ejected
     with pytest.raises(UpstreamError):
@@ -306,7 +306,7 @@ async def test_errors_fail_over_at_once_and_the_last_error_is_raised():
     assert (got.revision, by) == (2, b)
     assert r.health[a].failures == 1 and r.health[b].failures == 0 and not c.asked
     b.mode = "fail"
-    with pytest.raises(UpstreamError, match="^c failed$"):   # the last one tried
+    with pytest.raises(UpstreamError, match=r"^c failed$"):   # the last one tried
         await r._route([a, b, c], lambda q: q.get("k", 1.0), hedge=False)
     assert [len(p.asked) for p in (a, b, c)] == [2, 2, 1]
     b.mode = "boom"                                           # a bug is no failover
@@ -549,8 +549,8 @@ async def test_catch_up_asks_healthy_peers_then_the_leader_then_the_rest():
     for key in ("k", "j"):
         r.floors.saw(B, key, entry(key, 5))
     ps = [up, m1, m2, sick, stale]
-    with pytest.raises(UpstreamError, match="every reachable peer was behind a revision already read "
-                                            "of key k and 1 more$"):
+    with pytest.raises(UpstreamError, match=r"every reachable peer was behind a revision already read "
+                                             r"of key k and 1 more$"):
         await r._catch_up(B, ["k", "j"], stale, ps)
     order = [p.name for p in ps for _ in p.asked]
     assert not stale.asked
