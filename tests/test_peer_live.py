@@ -9,6 +9,7 @@ of a stream that does not exist (STALL): the request times out, as one to a stal
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -28,7 +29,9 @@ from kvcache.natsio.nats_connection import NatsConnection
 from kvcache.read import peer as peer_mod
 from kvcache.read.peer import Peer
 from kvcache.read.peerset import PeerConnections, configured_peers
-from kvcache.read.router import Router
+from kvcache.read.router import Router, RouterSettings
+
+pytestmark = pytest.mark.mutation   # in `make mutation`'s selection (pyproject.toml)
 
 TIMEOUT = 5.0
 BIG = 1025        # subjects under $KV.big.>: one more than a multi_last may match
@@ -48,7 +51,11 @@ def data(nats_server_module) -> dict:
         out["gone"] = (await js.stream_info("KV_pl")).state.last_seq
         out["pit"] = await kv.put("pit", b"old")
         out["pit2"] = await kv.put("pit", b"new")
-        out["last"] = out["pit2"]
+        await kv.put("w.1", b"w")
+        await kv.put("w.2", b"w")
+        out["empty"] = await kv.put("empty", b"")
+        out["last"] = out["empty"]
+        await js.create_key_value(bucket="plempty", direct=True)
         nd = await js.create_key_value(bucket="plnd")        # no allow_direct
         out["nd"] = await nd.put("k", b"K")
         await js.add_stream(StreamConfig(name="KV_pl_m", mirror=StreamSource(name="KV_pl"),
@@ -203,6 +210,8 @@ async def test_leader_get(nc, data):
     gone = await p.get("gone", TIMEOUT, leader=True)
     assert (gone.operation, gone.value, gone.revision) == (Operation.DEL, None, data["gone"])
     assert (p.stats.requests, p.stats.errors) == (4, 0)
+    empty = await p.get("empty", TIMEOUT, leader=True)      # a put of no bytes has no "data"
+    assert (empty.value, empty.revision) == (b"", data["empty"])
     for direct in (True, False):     # a stream that is not there is an error, not a miss
         missing = Peer("main", nc, "KV_nosuchbucket", "nosuchbucket", direct=direct)
         with pytest.raises(UpstreamError):
@@ -224,8 +233,10 @@ async def test_direct_request_forms_statuses_and_timeout(nc, plain, data):
     p = peer(nc)
     with pytest.raises(UpstreamError, match=r"^peer main.pl: Direct Get failed: 408"):
         await p.direct_request("a", json.dumps({"seq": 1}).encode(), TIMEOUT)
-    e = await p.direct_request(None, json.dumps({"last_by_subj": "$KV.pl.b"}).encode(), TIMEOUT)
-    assert (e.key, e.value, e.revision) == ("b", b"B", data["b"]) and not p._has_message
+    for conn in (nc, plain):
+        e = await peer(conn).direct_request(None, json.dumps({"last_by_subj": "$KV.pl.b"}).encode(), TIMEOUT)
+        assert (e.key, e.value, e.revision) == ("b", b"B", data["b"])
+    assert not p._has_message
     for conn in (nc, plain):
         await stalled(conn)
         s = Peer("stall", conn, "STALL", "pl")
@@ -274,10 +285,14 @@ async def test_a_server_behind_the_fence_is_refused(nc, data):
                                                f"below {data['last'] + 1} which a quorum had"):
             await p.get(key, TIMEOUT, fence=ahead)
         p._has_message["b"] = None
-    for fence in (Fence(1, ""), Fence(1, "nosuch")):   # nothing to anchor a not-found
+    for fence in (Fence(1, ""), Fence(1, "nosuch"), Fence(1, "alsomissing")):   # nothing to anchor a not-found
         with pytest.raises(BehindQuorum, match=r"no key to anchor the read"):
             await p.get("nosuch", TIMEOUT, fence=fence)
-    assert (p.stats.requests, p.stats.errors, p.inflight) == (5, 5, 0)
+    assert (p.stats.requests, p.stats.errors, p.inflight) == (6, 6, 0)
+    p._has_message["nosuch"] = None     # known, gone, and the anchored read again is behind:
+    with pytest.raises(BehindQuorum):   # no longer known either way
+        await p.get("nosuch", TIMEOUT, fence=ahead)
+    assert "nosuch" not in p._has_message
 
 
 async def test_a_fenced_read_that_cannot_show_the_key_fails(nc, plain, data, tap):
@@ -288,6 +303,8 @@ async def test_a_fenced_read_that_cannot_show_the_key_fails(nc, plain, data, tap
     with pytest.raises(UpstreamError, match=r"^peer main.pl: no reply showed key \* with the server's sequence$"):
         await p.get("*", TIMEOUT, fence=Fence(data["last"], "a"))
     assert [(subjects(r), r["batch"]) for r in await t.requests(2)] == [(["*", "a"], 2), (["*"], 1)]
+    with pytest.raises(UpstreamError, match=r"no reply showed key w\.\*"):   # one more pending, not the key
+        await p.get("w.*", TIMEOUT, fence=Fence(data["last"], "a"))
     big = Peer("big", nc, "BIGS", "big")
     with pytest.raises(UpstreamError, match=r"^peer big: multi_last failed: 413 Too Many Results$"):
         await big.get(">", TIMEOUT, fence=Fence(1, "0"))
@@ -341,13 +358,15 @@ async def test_a_batch_ended_early_is_asked_again_for_the_rest(nc, data, tap):
     pending; the keys still missing are asked again, at the first reply's sequence."""
     p = peer(nc)
     t = tap
-    got = await p.get_many(["a", "*"], TIMEOUT)
-    assert got["a"].value == b"A" and got["*"] is None
+    got = await p.get_many(["a", "w.*"], TIMEOUT)      # a, w.1, and one more pending
+    assert got["a"].value == b"A" and got["w.*"] is None
     reqs = await t.requests(2)
     assert [(subjects(r), r.get("up_to_seq")) for r in reqs] == [(["a", "*"], None), (["*"], data["last"])]
     await p.get_many(["a", "nosuch"], TIMEOUT)       # nothing pending: one request
     await p.get_many(["*", "nosuch"], TIMEOUT)        # no key answered: no second request
     assert len(await t.requests(2)) == 2
+    await p.get_many(["nosuch"], TIMEOUT, fence=Fence(0, "a"))   # no fence: no anchor
+    assert [subjects(r) for r in await t.requests(1)] == [["nosuch"]]
 
 
 async def test_multi_last_fences(nc, data):
@@ -393,6 +412,10 @@ async def test_values_are_charged_to_the_budget(nc, direct, data):
     with pytest.raises(ReplyTooLarge):
         await p.get_many(["a", "b"] if direct else ["k", "k"], TIMEOUT, budget=tight)
     assert tight.left == 1      # a failed attempt charges nothing
+    if not direct:              # found out on the way: the leader's answers are charged too
+        switching = ReplyBudget(10)
+        await peer(nc, "plnd").get_many(["k"], TIMEOUT, budget=switching)
+        assert switching.left == 9
 
 
 # --------------------------------------------------------------------------- peerset and router
@@ -438,3 +461,62 @@ async def test_last_revision_is_the_leaders(nc, data):
     r.add(peer(nc))
     assert await r.last_revision("pl") == (await jsapi.stream_info(nc, "KV_pl", TIMEOUT))["state"]["last_seq"]
     assert await r.last_revision("pl") >= data["last"]
+    empty = Router(TIMEOUT)
+    empty.add(peer(nc, "plempty"))
+    assert await empty.last_revision("plempty") == 0
+    far = Router(TIMEOUT)                       # asked through its domain's API, which nobody serves
+    far.add(Peer("far", nc, "KV_pl", "pl", domain="nowhere"))
+    with pytest.raises(UpstreamError, match=r"no JetStream responders for \$JS.nowhere.API.STREAM.INFO.KV_pl"):
+        await far.last_revision("pl")
+
+
+async def test_last_revision_waits_out_a_stalled_leader_then_fails_over(nc, data):
+    """No hedge (STREAM.INFO is no read to race): the router's timeout, then the next peer."""
+    await nc.subscribe("$JS.stalled.API.STREAM.INFO.KV_pl", cb=_ignore)
+    await nc.flush()
+    r = Router(0.3, RouterSettings(hedge_min_s=0.001, hedge_default_s=0.001))
+    stalled_peer = Peer("stalled", nc, "KV_pl", "pl", domain="stalled")
+    r.add(stalled_peer)
+    r.add(peer(nc))
+    got = await asyncio.wait_for(r.last_revision("pl"), 10)
+    assert got >= data["last"] and r.hedges_sent == 0 and r.health[stalled_peer].failures == 1
+
+
+async def test_a_stalled_leader_api_times_out_with_the_timeout_given(nc, data):
+    """The leader API of a domain nobody answers in time: every form waits the timeout it is
+    given, then fails (no Direct Get responders there: the single-key and many-key reads
+    switch to the leader API first)."""
+    await nc.subscribe("$JS.slow.API.STREAM.MSG.GET.KV_pl", cb=_ignore)
+    await nc.flush()
+    for p, read in ((Peer("slow", nc, "KV_pl", "pl", domain="slow"), "get"),
+                    (Peer("slow", nc, "KV_pl", "pl", domain="slow"), "many"),
+                    (Peer("slow", nc, "KV_pl", "pl", domain="slow", direct=False), "many"),
+                    (Peer("slow", nc, "KV_pl", "pl", domain="slow"), "leader")):
+        call = (p.get("a", 0.3, leader=read == "leader") if read != "many" else p.get_many(["a"], 0.3))
+        with pytest.raises(UpstreamError, match=r"JetStream API timed out: \$JS.slow.API.STREAM.MSG.GET.KV_pl"):
+            await asyncio.wait_for(call, 10)
+        assert p.direct == (read == "leader") and p.stats.errors == 1
+
+
+async def test_a_closed_connection_is_an_upstream_error(data):
+    conn = NatsConnection()
+    await conn.connect(servers=[data["url"]])
+    await conn.close()
+    p = peer(conn)
+    with pytest.raises(UpstreamError, match=r"^peer main.pl: ConnectionClosedError: "):
+        await p.get("a", TIMEOUT)
+    with pytest.raises(UpstreamError, match=r"^peer main.pl: ConnectionClosedError: "):
+        await p.get_many(["a"], TIMEOUT)
+    assert (p.stats.requests, p.stats.errors, p.inflight) == (2, 2, 0)
+
+
+async def test_a_slow_direct_get_is_waited_for_as_long_as_asked(plain, data):
+    """A Direct Get answered after a second is an answer to a read with a 5 s timeout (nats-py's
+    own default would give up at 0.5 s)."""
+    async def slow(msg):
+        await asyncio.sleep(1.0)       # the server's slowness itself, not a wait for state
+        await plain.publish(msg.reply, b"S", headers={"Nats-Subject": "$KV.pl.a", "Nats-Sequence": "9"})
+    await plain.subscribe("$JS.API.DIRECT.GET.SLOW.>", cb=slow)
+    await plain.flush()
+    e = await Peer("slow", plain, "SLOW", "pl").get("a", TIMEOUT)
+    assert (e.value, e.revision) == (b"S", 9)

@@ -112,6 +112,7 @@ def test_a_request_is_counted_timed_and_ended():
     assert start > 0 and p._started[rid] == start
     p._done(rid, start)
     assert p.inflight == 1 and len(p.stats.samples) == 1 and p.unanswered_since == 0.0
+    assert 0 <= p.stats.samples[0] < 60e6     # the time it took (µs), not a moment
 
 
 @pytest.mark.parametrize("exc, counted, raised", [
@@ -131,6 +132,13 @@ def test_a_failed_request_is_counted_and_raised_as(exc, counted, raised):
         assert str(err) == f"peer m1: {type(exc).__name__}: {exc}"
     else:
         assert err is exc
+
+
+def test_failures_add_up():
+    p = peer("m1")
+    for exc in (ConnectionResetError(), nats.errors.TimeoutError(), UpstreamError("x")):
+        p._error(p._begin()[0], exc)
+    assert (p.stats.requests, p.stats.errors) == (3, 3)
 
 
 def test_accounted_turns_a_nats_failure_into_an_upstream_error():
@@ -245,6 +253,7 @@ def test_mirrors_discovered_from_alternates():
         {"name": "KV_b_leaf", "domain": "leaf2"},
         {"name": "KV_b_leaf", "domain": "leaf2"},   # listed twice
         {"name": "", "domain": "leaf3"},
+        {"domain": "leaf4"},                        # no name
         {"name": "KV_b_nodom"},
     ]}
     got = discovered_peers(nc, "b", info, known)  # type: ignore[arg-type]

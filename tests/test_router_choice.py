@@ -41,11 +41,16 @@ class Scripted(Peer):
     asked: list
     gate: asyncio.Future | None
     cancelled: int
+    timeouts: list     # the timeout of each request
+    budgets: list      # get_many's budget
 
     async def get(self, key, timeout, leader=False, fence=NO_FENCE):
+        self.timeouts.append(timeout)
         return (await self._answer([key], leader, fence))[key]
 
     async def get_many(self, keys, timeout, up_to_seq=None, budget=None, fence=NO_FENCE):
+        self.timeouts.append(timeout)
+        self.budgets.append(budget)
         return await self._answer(keys, None, fence)
 
     async def _answer(self, keys, leader, fence):
@@ -68,7 +73,7 @@ class Scripted(Peer):
 def peer(name: str, bucket: str = B, stream: str | None = None, ewma: float = 0.0, **answers: int | None) -> Scripted:
     p = Scripted(name, Conn(), stream or f"KV_{bucket}", bucket)  # type: ignore[arg-type]
     p.answers = {k: None if r is None else entry(k, r, bucket, name) for k, r in answers.items()}
-    p.mode, p.asked, p.gate, p.cancelled = "ok", [], None, 0
+    p.mode, p.asked, p.gate, p.cancelled, p.timeouts, p.budgets = "ok", [], None, 0, [], []
     if ewma:
         measured(p, ewma)
     return p
@@ -118,9 +123,22 @@ def test_the_floors_and_fence_given_are_used():
     assert Router(1.0, floors=floors).floors is floors
     assert Router(1.0, max_age=lambda b: 7).floors.max_age(B) == 7
     fence = Fence(5, "k")
-    assert Router(1.0, fence=lambda b: fence)._fence(B) is fence
-    with pytest.raises(UpstreamError, match=r"bucket b: no quorum"):
-        Router(1.0, fence=lambda b: None)._fence(B)
+    assert Router(1.0, fence={B: fence}.get)._fence(B) is fence
+    with pytest.raises(UpstreamError, match=r"^bucket b: no quorum of its servers has shown its state within "
+                                            r"max_stale_ms \(a partition, or no stream leader\)$"):
+        Router(1.0, fence={"other": fence}.get)._fence(B)
+
+
+def test_the_rng_given_draws_every_choice():
+    def choices(r: Router, ps: list[Peer]) -> list[str]:
+        return [r.choose(ps).name for _ in range(60)]
+    ps = [peer("a", ewma=10), peer("b", ewma=11), peer("c", ewma=12)]
+    picks = [choices(router(*ps, seed=3), ps) for _ in range(2)]
+    assert picks[0] == picks[1] and set(picks[0]) == {"a", "b"}   # of two, never the costliest
+    unseeded = Router(1.0)
+    for p in ps:
+        unseeded.add(p)
+    assert unseeded.choose(ps) in ps
 
 
 def test_peers_state_and_info_rows():
@@ -131,14 +149,14 @@ def test_peers_state_and_info_rows():
     b.nc.is_connected = False
     r.health[c].ejected = True
     assert [r.state(p) for p in (a, b, c)] == ["up", "down", "ejected"]
-    for us in range(1, 101):
+    for us in range(1, 201):
         a.stats.samples.append(float(us))
     a._started[0] = 0.0
     a.stats.hedges_won, a.stats.ejections, a.stats.probes = 4, 5, 6
     r.requests, r.hedges_sent, r.hedges_won = 9, 8, 7
     rows = r.info_rows()
     assert rows[:4] == [("routed_requests", 9), ("hedges_sent", 8), ("hedges_won", 7), ("hedge_budget_ratio", 0.10)]
-    assert rows[4] == ("a", "p50_us=51,p95_us=96,p99_us=100,inflight=1,hedges_won=4,ejections=5,probes=6")
+    assert rows[4] == ("a", "p50_us=101,p95_us=191,p99_us=199,inflight=1,hedges_won=4,ejections=5,probes=6")
     assert [label for label, _ in rows[5:]] == ["b", "main.other"]
 
 
@@ -167,7 +185,7 @@ def test_choose_from_none_one_and_excluded():
 
 
 def test_an_unmeasured_peer_goes_first_unless_busy():
-    a, fresh = peer("a", ewma=10), peer("fresh")
+    a, fresh = peer("a", ewma=0.5), peer("fresh")   # both cost 1 µs (the floor)
     r = router(a, fresh)
     assert all(r.choose([a, fresh]) is fresh for _ in range(20))
     fresh._started[0] = 0.0  # its first request is on the way
@@ -242,11 +260,19 @@ def test_hedge_delay():
         a.stats.samples.append(us * 100.0)   # p95 9600 µs, p99 10000 µs
     a.stats.ewma_us, a.stats.last_sample = 5000.0, 1.0
     r = router(a, b, hedge_min_s=0.0001)
-    assert r.hedge_delay(a, [a]) == pytest.approx(0.0096)          # its own p95
+    assert r.hedge_delay(a, [a]) == 9600 / 1e6                     # its own p95
     measured(b, 9000.0)
     assert r.hedge_delay(a, [a, b]) == pytest.approx(0.0096)       # the alternative is not slower than its p99
+    measured(b, 10_000.0)
+    assert r.hedge_delay(a, [a, b]) == pytest.approx(0.0096)       # as slow as its p99 is not slower
     measured(b, 20_000.0)
     assert r.hedge_delay(a, [a, b]) == pytest.approx(0.020)        # ...it is: wait as long as it would take
+    d = peer("d")
+    for us in range(1, 201):
+        d.stats.samples.append(us * 100.0)  # p99 19900 µs, the slowest 20000
+    d.stats.last_sample = 1.0
+    measured(b, 19_950.0)
+    assert router(d, b).hedge_delay(d, [d, b]) == pytest.approx(0.01995)   # past its p99, not its slowest
     assert router(a, b, hedge_patience=False).hedge_delay(a, [a, b]) == pytest.approx(0.0096)
     assert router(a, b, hedge_percentile=0.5).hedge_delay(a, [a]) == pytest.approx(0.0051)
     # an unmeasured primary is timed by the best measured peer that is not ejected
@@ -305,6 +331,7 @@ async def test_errors_fail_over_at_once_and_the_last_error_is_raised():
     got, by = await r._route([a, b, c], lambda q: q.get("k", 1.0), hedge=False)
     assert (got.revision, by) == (2, b)
     assert r.health[a].failures == 1 and r.health[b].failures == 0 and not c.asked
+    assert (r.hedges_sent, r.hedges_won, b.stats.hedges_won) == (0, 0, 0)   # a failover is no hedge
     b.mode = "fail"
     with pytest.raises(UpstreamError, match=r"^c failed$"):   # the last one tried
         await r._route([a, b, c], lambda q: q.get("k", 1.0), hedge=False)
@@ -330,6 +357,10 @@ def test_failures_eject_once_with_a_backoff(monkeypatch):
     assert r.health[p] == PeerHealth(3, True, 5.0, 100.7, False) and p.stats.ejections == 1
     r._succeeded(p)
     assert r.health[p].failures == 0
+    r.health[p].ejected = False          # probed back
+    r._failed(p)
+    r._failed(p)
+    assert p.stats.ejections == 2
 
 
 def test_a_request_overtaken_by_its_hedge_counts_as_unanswered(monkeypatch):
@@ -359,6 +390,9 @@ async def test_a_late_request_is_hedged_to_the_best_other_peer_which_wins():
     await asyncio.sleep(0)   # the cancelled request's turn
     assert a.cancelled == 1 and a.unanswered_since > 0 and r.health[a].failures == 1
     assert len(a.stats.samples) == 2 and r._tokens == 9.0
+    a.unanswered_since, a.stats.ewma_us = 0.0, 10.0    # a is the one chosen again
+    await r._route([a, b, c], lambda q: q.get("k", 1.0), hedge=True)
+    assert (r.hedges_sent, r.hedges_won, b.stats.hedges, b.stats.hedges_won) == (2, 2, 2, 2)
     a.gate.cancel()
 
 
@@ -578,3 +612,134 @@ class _Log(list):
     def append(self, item) -> None:
         self.seq.append(self.name + ("!" if item[1] else ""))
         super().append(item)
+
+
+async def test_a_peer_passed_over_does_not_end_the_probes():
+    import time
+    busy, due = measured(peer("busy", k=1), 10.0), measured(peer("due", k=1), 10.0)
+    due.stats.last_sample = time.monotonic() - 1.0
+    r = router(busy, due)
+    r.health[busy].probing = True
+    await probed(r, [busy, due])
+    assert not busy.asked and len(due.asked) == 1
+
+
+async def test_reads_go_with_the_routers_timeout_budget_and_fence():
+    from kvcache.errors import ReplyBudget
+    fence = Fence(4, "a")
+    up, m = peer("up", ewma=10, k=1), peer("m", stream="KV_b_m", ewma=20, k=1)
+    r = Router(2.5, RouterSettings(), rng=random.Random(1), fence={B: fence}.get)
+    for p in (up, m):
+        r.add(p)
+    budget = ReplyBudget(100)
+    assert (await r.get_many(B, ["k", "j"], budget)) == {"k": up.answers["k"], "j": None}
+    assert up.budgets == [budget] and up.asked[-1] == (("k", "j"), None, fence)
+    await r.get(B, "k")
+    assert up.asked[-1] == (("k",), False, fence)
+    r.floors.saw(B, "k", entry("k", 2))
+    m.answers["k"] = entry("k", 2)
+    await r.get_from(B, "k")                           # read again: single key
+    await r.get_many_from(B, ["k", "j"])               # ...and many (j: at its floor)
+    r.floors.saw(B, "j", entry("j", 1))
+    m.answers["j"] = entry("j", 1)
+    await r.get_many_from(B, ["k", "j"])
+    assert m.asked[-1] == (("k", "j"), None, fence)
+    r2 = Router(2.5, rng=random.Random(1))
+    for p in (up, peer("up2", ewma=20, k=1)):
+        r2.add(p)
+    r2.floors.saw(B, "k", entry("k", 9))
+    with pytest.raises(UpstreamError):
+        await r2.get_from(B, "k")                      # ... and the leader's reads
+    m.stats.last_sample = up.stats.last_sample = 0.001
+    await r.get_from(B, "k")                           # and a probe
+    await asyncio.gather(*r._background)
+    assert {t for p in (up, m) for t in p.timeouts} == {2.5}
+    assert any(q[0] == ("k",) and q[1] is False for q in m.asked[-2:])
+
+
+async def test_a_strong_read_asks_only_the_buckets_own_stream():
+    up, m = peer("up", ewma=50, k=1), peer("m", stream="KV_b_m", ewma=1, k=2)
+    r = router(up, m, refresh_s=1e9)
+    for _ in range(5):
+        assert (await r.get_from(B, "k", strong=True)) == (up.answers["k"], "up")
+    assert not m.asked and all(q[1] is True for q in up.asked)
+    assert (await r.get(B, "k")).revision == 2                       # not strong by default
+    assert m.asked == [(("k",), False, NO_FENCE)]
+    lone = router(m)
+    assert await lone.get_many(B, ["k"]) == {"k": m.answers["k"]}    # MGET reads mirrors
+
+
+async def test_a_read_is_hedged_and_its_idle_peers_probed_on_the_way():
+    import time
+    a, b = peer("a", ewma=10, k=1), peer("b", ewma=20, k=2)
+    r = hedging(a, b)
+    b.stats.last_sample = time.monotonic() + 60
+    a.gate = asyncio.get_running_loop().create_future()
+    assert await r.get_from(B, "k") == (b.answers["k"], "b")
+    assert r.hedges_sent == 1
+    a.gate.cancel()
+    c = measured(peer("c", k=3), 10.0)
+    d = measured(peer("d", k=4), 10.0)
+    c.stats.last_sample = d.stats.last_sample = time.monotonic() - 10
+    r2 = router(c, d)
+    await r2.get_from(B, "key")
+    await asyncio.gather(*r2._background)
+    assert {q[0] for q in c.asked + d.asked} == {("key",)} and len(c.asked + d.asked) == 3
+
+
+@pytest.mark.parametrize("form", ["many", "leader"])
+async def test_no_hedge_for_mget_or_leader_reads(form):
+    a, b = peer("a", ewma=10, k=1), peer("b", ewma=20, k=2)
+    r = hedging(a, b)
+    a.gate = asyncio.get_running_loop().create_future()
+    if form == "many":
+        task = asyncio.ensure_future(r.get_many(B, ["k"]))
+    else:
+        task = asyncio.ensure_future(r._from_leader([a, b], ["k"], {}))
+    await asyncio.sleep(0.05)       # the hedge would be due after 1 ms (see above)
+    assert r.hedges_sent == 0 and not b.asked
+    a.gate.set_result(None)
+    await task
+
+
+async def test_an_answer_at_its_floor_keeps_its_source():
+    lag = peer("lag", ewma=10, k=5)
+    r = router(lag, peer("other", ewma=20, k=9), refresh_s=1e9)
+    r.floors.saw(B, "k", entry("k", 5))
+    assert (await r.get_from(B, "k")) == (lag.answers["k"], "lag")
+    assert (await r.get_many_from(B, ["k"]))[1] == {"k": "lag"}
+
+
+async def test_a_read_again_skips_peers_as_far_behind_and_raises_the_floor():
+    lag, mid, fresh = peer("lag", ewma=10, k=3), peer("mid", ewma=20, k=4), peer("fresh", ewma=1000, k=6)
+    r = router(lag, mid, fresh, refresh_s=1e9)
+    r.floors.saw(B, "k", entry("k", 5))
+    assert (await r.get_from(B, "k")) == (fresh.answers["k"], "")
+    fresh.answers["k"] = entry("k", 7)
+    got, answered = await r.get_many_from(B, ["k"])
+    assert got["k"].revision == 7 and answered == {"k": ""}
+    assert r.floors.below(B, "k", entry("k", 6))
+    assert len(lag.asked) == 2 and len(mid.asked) == 2   # the lagging one is not asked again
+
+
+async def test_catch_up_places_the_leader_before_any_unhealthy_peer_and_names_the_last_error():
+    up = peer("up", k=1)
+    sick = peer("sick", stream="KV_b_s", k=1)           # unmeasured: cost 0, like the leader's
+    stale = peer("stale", stream="KV_b_x", k=1)
+    r = router(up, sick, stale)
+    r.health[sick].ejected = True
+    r.health[up].ejected = True
+    r.floors.saw(B, "k", entry("k", 5))
+    seq: list[str] = []
+    for p in (up, sick, stale):
+        p.asked = _Log(seq, p.name)
+    sick.mode = "fail"
+    with pytest.raises(UpstreamError, match=r"^bucket b: every reachable peer was behind a revision already "
+                                            r"read of key k \(last error: sick failed\)$"):
+        await r._catch_up(B, ["k"], stale, [up, sick, stale])
+    assert seq == ["up!", "up", "sick"] and r.health[sick].failures == 1
+    up.mode = "fail"
+    with pytest.raises(UpstreamError, match=r"\(last error: up failed\)$"):
+        await r._catch_up(B, ["k"], stale, [up, stale])
+    with pytest.raises(UpstreamError, match=r"read of key k$"):
+        await router(stale)._catch_up(B, ["k"], stale, [stale])
