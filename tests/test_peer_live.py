@@ -31,7 +31,9 @@ from kvcache.read.peer import Peer
 from kvcache.read.peerset import PeerConnections, configured_peers
 from kvcache.read.router import Router, RouterSettings
 
-pytestmark = pytest.mark.mutation   # in `make mutation`'s selection (pyproject.toml)
+# In `make mutation`'s selection (pyproject.toml); a mutant that leaves a request waiting
+# forever fails in seconds (the server and its data included), not at the suite's 300 s.
+pytestmark = [pytest.mark.mutation, pytest.mark.timeout(30)]
 
 TIMEOUT = 5.0
 BIG = 1025        # subjects under $KV.big.>: one more than a multi_last may match

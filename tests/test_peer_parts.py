@@ -15,9 +15,11 @@ from nats.aio.msg import Msg
 from kvcache.entry import Entry, Operation
 from kvcache.errors import UpstreamError
 from kvcache.read import peer as peer_mod
-from kvcache.read.peer import KNOWN_KEYS, Peer, PeerStats
+from kvcache.read.peer import KNOWN_KEYS, Peer, PeerStats, header_int
 from kvcache.read.peerset import PeerConnections, bucket_of, discovered_peers
 from kvcache.store.record import NEVER
+
+pytestmark = pytest.mark.timeout(10)   # a mutant stuck in a loop fails in seconds
 
 STAMP = "2024-01-02 03:04:05.000000006 +0000 UTC"
 STAMP_NS = 1704164645_000000006
@@ -192,6 +194,14 @@ def test_an_entry_from_a_direct_get_reply():
         p._entry_from_msg(msg(Status="408", Description="Bad Request"))
     with pytest.raises(UpstreamError, match=r"^peer m1: Direct Get failed: 503$"):
         p._entry_from_msg(msg(Status="503"))
+
+
+def test_numbers_and_failures_of_a_batch_reply():
+    assert header_int({"Nats-Num-Pending": "7"}, "Nats-Num-Pending") == 7
+    assert header_int({}, "Nats-Num-Pending") == 0 and header_int({"Nats-Num-Pending": ""}, "Nats-Num-Pending") == 0
+    p = peer("m1")
+    assert str(p._batch_failed("413", {"Description": "Too Many Results"})) == "peer m1: multi_last failed: 413 Too Many Results"
+    assert str(p._batch_failed("503", {})) == "peer m1: multi_last failed: 503"
 
 
 def test_an_entrys_own_ttl():

@@ -22,6 +22,9 @@ from kvcache.read.ledger import Floors
 from kvcache.read.peer import Peer
 from kvcache.read.router import PeerHealth, Router, RouterSettings
 
+# A mutant that leaves a read waiting forever fails in seconds, not at the suite's 300 s.
+pytestmark = pytest.mark.timeout(10)
+
 B = "b"
 
 
@@ -639,6 +642,7 @@ async def test_reads_go_with_the_routers_timeout_budget_and_fence():
     r.floors.saw(B, "k", entry("k", 2))
     m.answers["k"] = entry("k", 2)
     await r.get_from(B, "k")                           # read again: single key
+    assert m.asked[-1] == (("k",), False, fence)
     await r.get_many_from(B, ["k", "j"])               # ...and many (j: at its floor)
     r.floors.saw(B, "j", entry("j", 1))
     m.answers["j"] = entry("j", 1)
