@@ -200,7 +200,8 @@ def test_numbers_and_failures_of_a_batch_reply():
     assert header_int({"Nats-Num-Pending": "7"}, "Nats-Num-Pending") == 7
     assert header_int({}, "Nats-Num-Pending") == 0 and header_int({"Nats-Num-Pending": ""}, "Nats-Num-Pending") == 0
     p = peer("m1")
-    assert str(p._batch_failed("413", {"Description": "Too Many Results"})) == "peer m1: multi_last failed: 413 Too Many Results"
+    too_many = p._batch_failed("413", {"Description": "Too Many Results"})
+    assert str(too_many) == "peer m1: multi_last failed: 413 Too Many Results"
     assert str(p._batch_failed("503", {})) == "peer m1: multi_last failed: 503"
 
 
