@@ -151,7 +151,7 @@ quick: install-test
 # mutant in ./mutants and runs only the tests that reach the mutated function. Then the score
 # per module and tests/mutation/survivors.md, which must give a reason for every mutant no test
 # kills: an unexplained survivor fails the target. From scratch each time (a result kept from
-# an earlier run would not see a test changed since); about MUTATION_MINUTES minutes on 2 busy cores.
+# an earlier run would not see a test changed since); about 22 minutes with one worker on 2 busy cores.
 # MUTATION_JOBS: mutmut's workers.
 MUTATION_JOBS ?= 2
 mutation: install-mutation
