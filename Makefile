@@ -161,11 +161,13 @@ quick: install-test
 	$(PYTHON) -m pytest -q -p no:cacheprovider -m quick $(PYTEST_ARGS)
 
 # Mutation testing of the modules that decide what a read may answer (pyproject.toml,
-# [tool.mutmut]: the modules, and the in-process tests run against them): mutmut makes each
+# [tool.mutmut]: the modules, and the tests run against them: in-process ones, and the router's
+# peers against one nats-server per test module): mutmut makes each
 # mutant in ./mutants and runs only the tests that reach the mutated function. Then the score
 # per module and tests/mutation/survivors.md, which must give a reason for every mutant no test
 # kills: an unexplained survivor fails the target. From scratch each time (a result kept from
-# an earlier run would not see a test changed since); about 12 minutes on 2 busy cores with one worker.
+# an earlier run would not see a test changed since); about 35 minutes with one worker on 2 busy
+# cores (reads.py about 12 of them, the router and its peers about 15).
 # MUTATION_JOBS: mutmut's workers.
 MUTATION_JOBS ?= 2
 mutation: install-mutation

@@ -46,6 +46,12 @@ RESORT_EVERY = 16      # percentiles are re-sorted after this many new samples
 KNOWN_KEYS = 4096      # keys a peer remembers having a message: fenced reads ask them without the anchor
 
 
+def header_int(hdrs: dict, name: str) -> int:
+    """A Direct Get reply's number (Nats-Sequence, Nats-UpTo-Sequence, Nats-Num-Pending); 0
+    when absent."""
+    return int(hdrs.get(name) or 0)
+
+
 @dataclass
 class PeerStats:
     """What INFO shows about a peer, and the latency figures the router decides on."""
@@ -273,16 +279,14 @@ class Peer:
                     if hdrs.get("Nats-Subject") == subject:
                         found = msg  # the anchor's own entry is no answer: only its batch's tail is
                 elif status == "204":
-                    tail = int(hdrs.get("Nats-UpTo-Sequence", 0) or 0)
-                    pending = int(hdrs.get("Nats-Num-Pending", 0) or 0)
+                    tail, pending = header_int(hdrs, "Nats-UpTo-Sequence"), header_int(hdrs, "Nats-Num-Pending")
                 elif status == "404":  # none of the subjects has a message: no sequence to check
                     if anchored or not can_anchor:
                         raise BehindQuorum(f"peer {self.label}: cannot show it holds stream "
                                            f"sequence {fence.seq} (no key to anchor the read)")
                     self._has_message.pop(key, None)
                 else:
-                    raise UpstreamError(f"peer {self.label}: multi_last failed: {status} "
-                                        f"{hdrs.get('Description', '')}".rstrip())
+                    raise self._batch_failed(status, hdrs)
             if tail < 0:               # the 404 of a key asked alone: again, anchored
                 anchored = True
                 continue
@@ -298,6 +302,10 @@ class Peer:
             self._saw(key, e is not None)
             return e
         raise UpstreamError(f"peer {self.label}: no reply showed key {key} with the server's sequence")
+
+    def _batch_failed(self, status: str, hdrs: dict) -> UpstreamError:
+        """A multi_last reply's error status (413: its wildcard matches too many subjects)."""
+        return UpstreamError(f"peer {self.label}: multi_last failed: {status} {hdrs.get('Description', '')}".rstrip())
 
     def _saw(self, key: str, has_message: bool) -> None:
         """Remember whether the key answered with a message (the oldest of KNOWN_KEYS goes)."""
@@ -319,7 +327,7 @@ class Peer:
                 f"peer {self.label}: Direct Get failed: {status} {hdrs.get('Description', '')}".rstrip())
         if key is None:
             key = hdrs.get("Nats-Subject", "")[len(jsapi.kv_subject(self.bucket, "")):]
-        return self._entry(key, msg.data, hdrs, int(hdrs.get("Nats-Sequence", 0) or 0),
+        return self._entry(key, msg.data, hdrs, header_int(hdrs, "Nats-Sequence"),
                            jsapi.parse_time_ns(hdrs.get("Nats-Time-Stamp", "")))
 
     async def _leader_get(self, key: str, timeout: float) -> Entry | None:
@@ -411,20 +419,19 @@ class Peer:
                 hdrs = msg.headers or {}
                 status = hdrs.get("Status")
                 if status == "204":  # EOB
-                    tail = int(hdrs.get("Nats-UpTo-Sequence", 0) or 0)
+                    tail = header_int(hdrs, "Nats-UpTo-Sequence")
                     if fence.seq and tail < fence.seq:
                         raise BehindQuorum(f"peer {self.label}: holds the stream up to {tail}, "
                                            f"below {fence.seq} which a quorum had within max_stale_ms")
                     fence = NO_FENCE
                     up_to = up_to or tail or None
-                    more = int(hdrs.get("Nats-Num-Pending", 0) or 0) > 0
+                    more = header_int(hdrs, "Nats-Num-Pending") > 0
                 elif status == "404":  # none of the subjects has a message
                     if fence.seq:  # and so no sequence of the server's to check
                         raise BehindQuorum(f"peer {self.label}: cannot show it holds stream "
                                            f"sequence {fence.seq} (no key to anchor the read)")
                 elif status:
-                    raise UpstreamError(f"peer {self.label}: multi_last failed: {status} "
-                                        f"{hdrs.get('Description', '')}".rstrip())
+                    raise self._batch_failed(status, hdrs)
                 else:
                     key = remaining.pop(hdrs.get("Nats-Subject", ""), None)
                     if key is not None:
