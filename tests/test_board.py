@@ -48,7 +48,7 @@ def states():
             f.caught_up, f.interrupted, f.last_msg_ns = caught_up, interrupted, last_msg
             f.quorum = quorum
             if ev is not None:
-                f.proofs.add(Evidence(ev[0], ev[1], "n0"), 10)
+                f.proofs.add(Evidence(as_of_ns=ev[1], seq=ev[0], leader="n0"), 10)
             yield (f"bound={bound} caught_up={caught_up} interrupted={interrupted} heard={bool(heard)} "
                    f"last_msg={bool(last_msg)} quorum={quorum} ev={ev}"), f, clock, bound
 
