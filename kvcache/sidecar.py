@@ -51,6 +51,7 @@ from .serve.resp_server import (
     bind_unix,
     claim_socket_path,
     direct_buckets,
+    listen_label,
     server_gets,
 )
 from .serve.streams import Streams
@@ -260,8 +261,7 @@ class Sidecar:
             except OSError as e:
                 unix.close()
                 raise KvcacheError(f"cannot listen on {self.cfg.listen}: {e.strerror}") from None
-            bound = tcp.getsockname()
-            self.stats.listen = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
+            self.stats.listen = listen_label(tcp)
         self.workers = Workers(self.cfg, self.board, unix, tcp)
         info.workers = self.workers.totals
         info.refresh = self.workers.refresh
@@ -285,8 +285,7 @@ class Sidecar:
         """New clients get ENOENT at once (the socket file goes first), the workers answer
         what is in flight (their links are this process's clients: its server stops after)."""
         if self.workers is not None:
-            self.workers.stop_accepting()
-            await self.workers.stop(self.workers.grace)
+            await self.workers.stop(self.workers.grace)  # (stop() begins with stop_accepting)
             self.workers = None
         if self.board is not None:
             self.board.close()

@@ -33,15 +33,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from typing import TYPE_CHECKING
 
 from .. import resp
 from ..errors import KvcacheError
 from .client_connection import ClientConnection
 from .command_table import listed_name
-
-if TYPE_CHECKING:
-    from ..config import Config
 
 log = logging.getLogger("kvcache.worker")
 
@@ -50,6 +46,12 @@ PIPED = frozenset({b"hello", b"multi", b"watch", b"subscribe", b"psubscribe", b"
                    b"reset", b"monitor", b"select"})
 PIPED_CLIENT = frozenset({b"tracking", b"reply", b"caching"})
 LINK_DOWN = "ERR kvcache: the feed's process did not answer (its worker link is closed)"
+
+
+def makes_pipe(args: list[bytes]) -> bool:
+    """Is the command one after which the connection is a pipe (PIPED, PIPED_CLIENT)?"""
+    name = args[0].lower()
+    return name in PIPED or (name == b"client" and len(args) > 1 and args[1].lower() in PIPED_CLIENT)
 
 
 def command_bytes(args: list[bytes]) -> bytes:
@@ -99,15 +101,13 @@ class MainLink(asyncio.Protocol):
     def __init__(self, conn: WorkerConnection, announce: bytes) -> None:
         self.conn = conn
         self.transport: asyncio.Transport | None = None
-        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # the replies awaited, in order; None: KVCACHE.LINK's, handled here as it comes
         self.waiting: deque[asyncio.Future[bytes] | None] = deque()
         self.buf = bytearray()
-        self.piped = False
         self.closed = False
         self.done = asyncio.Event()  # set once closed
         # sent before the link was up; first, the KVCACHE.LINK that says who the client is
-        # (its reply, +OK, is the link's first and nobody's: `waiting` starts with a future for it)
+        # (its reply is the link's first, and `_told`'s: `waiting` starts with None for it)
         self._queued: list[bytes] = [announce]
         self.waiting.append(None)
 
@@ -130,11 +130,9 @@ class MainLink(asyncio.Protocol):
         if self._queued:
             transport.write(b"".join(self._queued))  # type: ignore[attr-defined]
             self._queued.clear()
-        if not self.ready.done():
-            self.ready.set_result(None)
 
     def data_received(self, data: bytes) -> None:
-        if self.piped:
+        if self.conn.piped:
             self.conn.from_link(data)
             return
         buf = self.buf
@@ -157,9 +155,6 @@ class MainLink(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.done.set()
-        if not self.ready.done():
-            self.ready.set_exception(KvcacheError(LINK_DOWN))
-            self.ready.exception()  # retrieved: nobody may be waiting
         while self.waiting:
             fut = self.waiting.popleft()
             if fut is not None and not fut.done():
@@ -245,7 +240,6 @@ class WorkerConnection(ClientConnection):
             asyncio.get_running_loop().call_later(0.001, self.pipe, first)
             return
         self.piped = True
-        link.piped = True
         rest = self.reader.take_rest()
         pipe = RawPipe(self, link)
         self.transport.set_protocol(pipe)
@@ -331,26 +325,20 @@ class _NoStreams:
 
 
 class RelayCommands:
-    """A worker's command layer (the `commands` of its server): AUTH here, everything else over
+    """A worker's command layer (the `commands` of its server): QUIT here, everything else over
     the connection's link (see the module docstring)."""
 
     streams = _NoStreams()
     tracking = None
 
-    def __init__(self, cfg: Config) -> None:
-        self.cfg = cfg
-
     def pipelined_keys(self, args: list[bytes]) -> tuple | None:
         """Counted commands pipeline over the link: the feed's process answers a connection's
         commands in order, so the connection's request loop may send the ones buffered behind
         a command in flight (ClientConnection._run_ahead) with no key of its own to wait on
-        (the empty tuple). AUTH and QUIT, answered here, and a command that makes the
-        connection a pipe wait for every reply before them (None)."""
-        name = args[0].lower()
-        if name in PIPED or name in (b"auth", b"quit") or (
-                name == b"client" and len(args) > 1 and args[1].lower() in PIPED_CLIENT):
-            return None
-        return ()
+        (the empty tuple). QUIT, answered here, AUTH, whose +OK lets the GET path answer
+        here, and a command that makes the connection a pipe wait for every reply before them
+        (None)."""
+        return None if makes_pipe(args) or args[0].lower() in (b"auth", b"quit") else ()
 
     def forget(self, conn: WorkerConnection) -> None:
         if conn.link is not None:
@@ -365,7 +353,7 @@ class RelayCommands:
         link = conn.link
         if link is None:
             return resp.error(LINK_DOWN)
-        if name in PIPED or (name == b"client" and len(args) > 1 and args[1].lower() in PIPED_CLIENT):
+        if makes_pipe(args):
             # the request loop writes what is answered, then waits on this for ever: the pipe
             # takes the socket over at the next turn of the event loop
             never: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()

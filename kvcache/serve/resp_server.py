@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .server_get import ServerGets
 
 __all__ = ["FD_MARGIN", "ClientConnection", "RespServer", "bind_tcp", "bind_unix", "claim_socket_path",
-           "direct_buckets", "raise_fd_limit", "server_gets"]
+           "direct_buckets", "listen_label", "raise_fd_limit", "server_gets"]
 
 log = logging.getLogger("kvcache.server")
 
@@ -159,8 +159,7 @@ class RespServer:
             raise KvcacheError(f"cannot listen on {self.cfg.listen}: {e.strerror}") from None
         for sock in self._tcp.sockets:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        bound = self._tcp.sockets[0].getsockname()
-        self.stats.listen = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
+        self.stats.listen = listen_label(self._tcp.sockets[0])
         if self.cfg.requirepass:
             log.info("serving RESP on %s (TCP, AUTH required)", self.stats.listen)
         else:
@@ -262,6 +261,12 @@ def bind_unix(path: str, mode: int) -> tuple[socket.socket, tuple[int, int]]:
             pass
         raise
     return sock, (st.st_dev, st.st_ino)
+
+
+def listen_label(sock: socket.socket) -> str:
+    """A bound TCP listener's address as INFO's `listen` shows it (an IPv6 host in brackets)."""
+    host, port = sock.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:

@@ -45,6 +45,9 @@ BUCKET_WORDS = 2  # local_until_ns, max_age_ns
 WORKER_FIELDS = ("pid", "written_ns", "answered", "commands", "gets_local", "gets_notfound", "clients",
                  "connections_received", "rejected_connections", "protocol_errors", "clients_cut_off",
                  "reads_gathered")
+# the fields that count since the worker started (summed over workers, kept when one is
+# replaced); the others say where it is now
+WORKER_COUNTS = tuple(f for f in WORKER_FIELDS if f not in ("pid", "written_ns", "answered", "clients"))
 # then per bucket: GETs it answered found, and not found
 
 

@@ -64,7 +64,7 @@ class WorkerServer(RespServer):
     each a WorkerConnection. Nothing is bound, accepted or removed here."""
 
     def __init__(self, spec: WorkerSpec, stats: Stats, gets) -> None:
-        super().__init__(spec.cfg, RelayCommands(spec.cfg), stats, gets, {})  # type: ignore[arg-type]
+        super().__init__(spec.cfg, RelayCommands(), stats, gets, {})  # type: ignore[arg-type]
         self.main_path = spec.main_path
         self.spec = spec
         self.hand = socket.socket(fileno=spec.hand_fd)

@@ -26,7 +26,7 @@ import time
 from ..config import Config
 from ..errors import KvcacheError
 from ..stats import WorkerTotals
-from .board import Board, board_path, conns_path
+from .board import WORKER_COUNTS, Board, board_path, conns_path
 from .worker import WorkerSpec
 
 log = logging.getLogger("kvcache.workers")
@@ -147,12 +147,7 @@ class Workers:
                             f" in {pause:g}s" if pause else "")
                 self.procs[i] = None
                 self.restarts[i] += 1
-                for k, v in self.board.worker(i).items():
-                    if k not in ("pid", "written_ns", "answered", "clients"):
-                        self.retired[k] = self.retired.get(k, 0) + v
-                for bucket, (found, absent) in self.board.worker_reads(i).items():
-                    f0, a0 = self.retired_reads.get(bucket, (0, 0))
-                    self.retired_reads[bucket] = (f0 + found, a0 + absent)
+                self._add(i, self.retired, self.retired_reads)
                 if pause:
                     await asyncio.sleep(pause)
                 if not self._stopping:
@@ -188,9 +183,6 @@ class Workers:
             except (OSError, ValueError):
                 continue
         return seen
-
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs if p is not None and p.poll() is None]
 
     def stop_accepting(self) -> None:
         """The socket file removed (new clients get ENOENT at once, as from the sidecar's own
@@ -232,15 +224,17 @@ class Workers:
         """Every worker's counters from the board, and their sums with those of the workers
         replaced since start (INFO, /metrics)."""
         each = [self.board.worker(i) for i in range(self.cfg.workers)]
-        total: dict[str, int] = dict(self.retired)
-        for w in each:
-            for k, v in w.items():
-                if k not in ("pid", "written_ns", "answered"):
-                    total[k] = total.get(k, 0) + v
-        reads = {bucket: list(counts) for bucket, counts in self.retired_reads.items()}
+        total = dict(self.retired, clients=sum(w["clients"] for w in each))
+        reads = dict(self.retired_reads)
         for i in range(self.cfg.workers):
-            for bucket, (found, absent) in self.board.worker_reads(i).items():
-                r = reads.setdefault(bucket, [0, 0])
-                r[0] += found
-                r[1] += absent
-        return WorkerTotals(total, each, {b: (r[0], r[1]) for b, r in reads.items()})
+            self._add(i, total, reads)
+        return WorkerTotals(total, each, reads)
+
+    def _add(self, i: int, total: dict[str, int], reads: dict[str, tuple[int, int]]) -> None:
+        """Worker i's counts (WORKER_COUNTS, and its GETs per bucket) added to `total`, `reads`."""
+        w = self.board.worker(i)
+        for k in WORKER_COUNTS:
+            total[k] = total.get(k, 0) + w[k]
+        for bucket, (found, absent) in self.board.worker_reads(i).items():
+            f0, a0 = reads.get(bucket, (0, 0))
+            reads[bucket] = (f0 + found, a0 + absent)
