@@ -70,6 +70,9 @@ def two(nats_server, tmp_path: Path) -> Iterator[SidecarProcess]:
         wait_until(lambda: all(w["pid"] for w in workers_info(sc).values()), 30, "both workers serving")
         yield sc
         assert sc.stop() == 0
+    # nothing of the workers left in the data directory: the internal socket, the board, the
+    # connections' state CLIENT LIST had them write
+    assert sorted(p.name for p in (tmp_path / "sc").glob("workers*")) == []
 
 
 def get(c: socket.socket, k: str) -> bytes:

@@ -219,6 +219,11 @@ class Workers:
                 log.warning("worker pid %d did not stop within %gs: killed", p.pid, STOP_S)
                 p.kill()
                 p.wait()
+        for i in range(self.cfg.workers):  # what CLIENT LIST had them write (Board.ask)
+            try:
+                os.unlink(conns_path(self.cfg.data_dir, i))
+            except OSError:
+                pass
 
     def totals(self) -> WorkerTotals:
         """Every worker's counters from the board, and their sums with those of the workers
