@@ -287,7 +287,13 @@ class Sidecar:
         if self.workers is not None:
             await self.workers.stop(self.workers.grace)  # (stop() begins with stop_accepting)
             self.workers = None
+
+    def _close_board(self) -> None:
+        """The board unmapped and removed, once the feeds have stopped: they publish on it until
+        they are told not to (kvcache.supervisors.board.BoardPublisher)."""
         if self.board is not None:
+            for feed in self.feeds.values():  # (a reconnect's news may still reach a feed)
+                feed.on_state = None
             self.board.close()
             self.board = None
             try:
@@ -453,6 +459,7 @@ class Sidecar:
             await _step("shared stream state", self.share.close(), STOP_STEP_S)
         for name, feed in self.feeds.items():
             await _step(f"feed {name}", feed.stop(), STOP_STEP_S)
+        self._close_board()
         # the consumers' deletions, before the connection closes: a failed start (or a stop)
         # leaves no consumer behind for the server to reap a minute later
         await _step("consumer deletions", deletions_done(STOP_STEP_S), STOP_STEP_S)
