@@ -246,9 +246,6 @@ def validate(cfg: Config) -> None:
     if cfg.workers > 1 and len(os.fsencode(internal)) > MAX_SOCKET_PATH:
         raise ConfigError(f"data_dir is too long for workers: their internal socket {internal} would be "
                           f"over {MAX_SOCKET_PATH} bytes (a Unix socket's limit)")
-    if cfg.workers > 1 and cfg.access_log_rate > 0:
-        raise ConfigError("workers > 1 and access_log_rate cannot be combined yet: the access log is "
-                          "written by one process (set workers = 1 to record reads)")
     if not 0 <= cfg.embedded_port < 65536:
         raise ConfigError(f"embedded_port must be a TCP port (1-65535, or 0 for a free one), got {cfg.embedded_port}")
     if not 0 <= cfg.socket_mode <= 0o777:

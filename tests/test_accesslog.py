@@ -4,26 +4,16 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import pytest
 import redis
+from support.access_records import read_records
 from support.sidecar_proc import SidecarProcess
 from support.topology import nats_run
 
 from kvcache.config_sources import load as load_config
 from kvcache.errors import ConfigError
-from kvcache.ops.accesslog import FIELDS, AccessLog
-
-
-def read_records(directory: Path) -> list[dict[str, str]]:
-    """Every line of access.log*, oldest file first."""
-    files = sorted(directory.glob("access.log*"), key=lambda p: -int(p.suffix[1:]) if p.suffix[1:].isdigit() else 0)
-    out = []
-    for f in files:
-        for line in f.read_text().splitlines():
-            out.append(dict(zip(FIELDS, line.split("\t"), strict=True)))
-    return out
+from kvcache.ops.accesslog import AccessLog
 
 
 def test_off_by_default_and_opens_nothing(tmp_path):

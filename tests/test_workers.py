@@ -9,7 +9,8 @@ Against real nats-servers, with real clients (redis-py, redis-benchmark, raw soc
 - a worker killed with SIGKILL: its clients see a closed connection, never a wrong answer,
   another takes its place, and the others serve on;
 - CLIENT LIST sees every worker's clients, and CLIENT KILL closes one on another worker;
-- the settings: `auto`, a bad count, and what cannot be combined with workers yet.
+- with the access log on, every GET any worker's client makes is recorded, once;
+- the settings: `auto`, a bad count, a data directory too long for the internal socket.
 The same suites that test one process (server, tracking, streams, pub/sub, MULTI, CLIENT,
 AUTH, MINREV, the read matrix, partitions) run again with KVCACHE_WORKERS=2 in CI (`make
 test-workers`).
@@ -214,12 +215,45 @@ def test_the_workers_setting(tmp_path):
     for bad in ("0", "-1", "two"):
         with pytest.raises(ConfigError, match="KVCACHE_WORKERS must be a number of processes"):
             load(None, env={"KVCACHE_WORKERS": bad})
-    with pytest.raises(ConfigError, match="workers > 1 and access_log_rate cannot be combined"):
-        load(None, env={"KVCACHE_WORKERS": "2", "KVCACHE_ACCESS_LOG_RATE": "0.5"})
+    both = load(None, env={"KVCACHE_WORKERS": "2", "KVCACHE_ACCESS_LOG_RATE": "0.5"})
+    assert (both.workers, both.access_log_rate) == (2, 0.5)
     long_dir = "/tmp/" + "d" * 95
     with pytest.raises(ConfigError, match="data_dir is too long for workers"):
         load(None, env={"KVCACHE_WORKERS": "2", "KVCACHE_DATA_DIR": long_dir,
                         "KVCACHE_SOCKET": "/tmp/s.sock"})
+
+
+def test_the_access_log_records_every_get_on_every_worker(nats_server, tmp_path):
+    """The access log is written by the sidecar's process: with it on, the workers answer no
+    GET themselves (as without workers every GET then takes the command layer), so each GET a
+    client of any worker makes is one line, and its hits and misses are as the replica has them."""
+    from support.access_records import read_records
+    seed(nats_server.url)
+    sc = SidecarProcess(tmp_path / "sc", nats_server.url, [BUCKET],
+                        extra=["--workers", "2", "--access-log-rate", "1"])
+    with sc:
+        sc.start()
+        wait_until(lambda: all(w["pid"] for w in workers_info(sc).values()), 30, "both workers serving")
+        conns = spread(sc)
+        for c in conns:
+            for i in range(10):
+                assert get(c, key(i)) == b"$100\r\n" + VALUE + b"\r\n"
+            assert get(c, "nope") == b"$-1\r\n"
+        want = 11 * len(conns)
+        logs = tmp_path / "sc" / "access-logs"
+        # buffered, flushed within a second
+        wait_until(lambda: len(read_records(logs)) >= want, 10, f"{want} access log lines",
+                   detail=lambda: str(len(read_records(logs))))
+        records = read_records(logs)
+        print(f"{len(conns)} connections over both workers, {len(records)} lines")
+        assert len(records) == want
+        assert sorted((r["key"], r["hit"]) for r in records) == sorted(
+            [(key(i), "1") for i in range(10)] * len(conns) + [("nope", "0")] * len(conns))
+        assert {r["bucket"] for r in records} == {BUCKET} and {r["source"] for r in records} == {"local"}
+        assert all(int(w["gets_local"]) == 0 for w in workers_info(sc).values())
+        for c in conns:
+            c.close()
+        assert sc.stop() == 0
 
 
 def test_metrics_add_up_every_worker_and_show_each(nats_server, tmp_path):

@@ -135,10 +135,13 @@ class Worker:
         replica = Replica(os.path.join(cfg.data_dir, "replica"), readonly=True)
         # Only the buckets that replicate every key are answered here (no per-key plan, no
         # near cache: both live in the feed's process); any other key is planned False, so
-        # its GET goes over the link.
+        # its GET goes over the link. With the access log on, none: every read is recorded
+        # by the one process that writes the log, as without workers every GET then takes
+        # the command layer (kvcache.serve.resp_server.server_gets).
         gets = SERVER_GET.ServerGets(replica, lambda key: False, False)
-        gets.set_buckets([(b.name, board.witness(b.name), b.max_stale_ms, True)
-                          for b in cfg.buckets if list(b.keys) == [">"]], cfg.default_bucket)
+        answered = [] if cfg.access_log_rate > 0 else [b for b in cfg.buckets if list(b.keys) == [">"]]
+        gets.set_buckets([(b.name, board.witness(b.name), b.max_stale_ms, True) for b in answered],
+                         cfg.default_bucket)
         server = WorkerServer(spec, self.stats, gets)
         await server.start()
         orphaned = loop.create_task(server.orphaned.wait())
