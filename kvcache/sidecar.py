@@ -251,7 +251,7 @@ class Sidecar:
         path = os.path.abspath(self.cfg.socket_path)
         claim_socket_path(path)
         try:
-            unix, _ = bind_unix(path, self.cfg.socket_mode)
+            unix, inode = bind_unix(path, self.cfg.socket_mode)
         except OSError as e:
             raise KvcacheError(f"cannot listen on {path}: {e.strerror}") from None
         tcp = None
@@ -262,7 +262,7 @@ class Sidecar:
                 unix.close()
                 raise KvcacheError(f"cannot listen on {self.cfg.listen}: {e.strerror}") from None
             self.stats.listen = listen_label(tcp)
-        self.workers = Workers(self.cfg, self.board, unix, tcp)
+        self.workers = Workers(self.cfg, self.board, unix, inode, tcp)
         info.workers = self.workers.totals
         info.refresh = self.workers.refresh
         assert self.commands is not None
@@ -367,8 +367,9 @@ class Sidecar:
         while the socket, removed, cannot be made again (RespServer.socket_fault)."""
         if self._stopping.is_set():
             return False, "not ready: shutting down"
-        if self.server is not None and self.server.socket_fault:
-            return False, f"not ready: {self.server.socket_fault}"
+        fault = (self.server and self.server.socket_fault) or (self.workers and self.workers.file.fault)
+        if fault:
+            return False, f"not ready: {fault}"
         return readiness((BucketState(name, f.synced, f.lag_ms(), f.cfg.max_stale_ms, f.unwritable_ms())
                           for name, f in self.feeds.items()),
                          self.stats.nats_connected, self.cfg.ready_on_fallback)
@@ -386,7 +387,9 @@ class Sidecar:
                 self._fail(KvcacheError(why))
                 return
             if self.server is not None and not self.server.closing:
-                await self.server.check_socket()
+                await self.server.check_socket()  # with workers, the internal socket
+            if self.workers is not None:
+                self.workers.check_socket()
 
     def _warn_bounds_under_heartbeats(self) -> None:
         """A caught-up replica counts as behind only after two heartbeats of silence

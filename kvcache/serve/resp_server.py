@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from ..errors import KvcacheError
 from .client_connection import SERVER_GET, ClientConnection
 from .links import LinkConnection
+from .socket_file import SocketFile
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -64,9 +65,7 @@ class RespServer:
         self._tcp: asyncio.Server | None = None
         self._server: asyncio.AbstractServer | None = None
         self._ids = itertools.count(1)
-        self._inode: tuple[int, int] | None = None  # the socket file's (st_dev, st_ino) as bound
-        # why the socket is not served (removed, and it cannot be made again), else None: /readyz says it
-        self.socket_fault: str | None = None
+        self.file = SocketFile(self.path, self.mode)  # made again when removed (check_socket)
         self.closing = False
         self.write_stall_s = cfg.client_write_stall_ms / 1000
 
@@ -102,50 +101,35 @@ class RespServer:
             except OSError:
                 pass
             raise
-        self._inode = inode
+        self.file.bound(inode)
         return server
+
+    @property
+    def socket_fault(self) -> str | None:
+        """Why the socket is not served (removed, and it cannot be made again), else None:
+        /readyz says it."""
+        return self.file.fault
 
     async def check_socket(self) -> None:
         """Is the socket file still the one bound? (A stat: the sidecar asks every CHECK_S
-        seconds.) A socket removed under a running server (`rm`, a cleaner of old files, a
-        deployment script) leaves it listening on a file no client can reach while it looks
-        healthy; redis-server and nginx do not notice either. Here it is made again (a stale
-        socket at the path is replaced, as at start), with one line; when it cannot be (its
-        directory gone too, another process serving there, a file there), one line saying
-        why, and `socket_fault` set until it can (/readyz reports it)."""
-        if self._server is None or self.closing:  # not serving yet, or no more
-            return
-        try:
-            st = os.lstat(self.path)
-            if (st.st_dev, st.st_ino) == self._inode:
-                return
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            self._socket_fault(e.strerror or str(e))
+        seconds; kvcache.serve.socket_file says why.) Made again when it is not (a stale
+        socket at the path is replaced, as at start); when it cannot be (its directory gone
+        too, another process serving there, a file there), `socket_fault` until it can."""
+        if self._server is None or self.closing or not self.file.needs_remaking():
             return
         old = self._server
         try:
             claim_socket_path(self.path)
             self._server = await self._listen_unix()
         except KvcacheError as e:
-            self._socket_fault(str(e))
+            self.file.cannot(str(e))
             return
         except OSError as e:
-            self._socket_fault(e.strerror or str(e))
+            self.file.cannot(e.strerror or str(e))
             return
         if old is not None:
             old.close()  # the file it listened on is gone; its clients keep their connections
-        self.socket_fault = None
-        log.warning("socket %s was removed while serving; made it again (mode %o; connected clients "
-                    "kept their connections)", self.path, self.cfg.socket_mode)
-
-    def _socket_fault(self, why: str) -> None:
-        fault = (f"socket {self.path} was removed while serving and cannot be made again ({why}): "
-                 "clients cannot connect through it")
-        if fault != self.socket_fault:
-            log.error("%s", fault)
-        self.socket_fault = fault
+        self.file.remade(self.file.inode)  # type: ignore[arg-type]  # set by _listen_unix
 
     async def _listen_tcp(self, host: str, port: int) -> None:
         """The TCP listener (`listen`): for pods whose containers share no volume, and for
@@ -206,12 +190,7 @@ class RespServer:
                 c.transport.close()
 
     def _remove_socket(self) -> None:
-        try:
-            st = os.lstat(self.path)
-            if (st.st_dev, st.st_ino) == self._inode:
-                os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        self.file.remove()
 
 
 

@@ -25,6 +25,8 @@ import time
 
 from ..config import Config
 from ..errors import KvcacheError
+from ..serve.resp_server import bind_unix, claim_socket_path
+from ..serve.socket_file import SocketFile
 from ..stats import WorkerTotals
 from .board import WORKER_COUNTS, Board, board_path, conns_path
 from .worker import WorkerSpec
@@ -45,10 +47,14 @@ def main_socket_path(data_dir: str) -> str:
 class Workers:
     """N worker processes over the sockets `unix` and `tcp` (None: no TCP listener)."""
 
-    def __init__(self, cfg: Config, board: Board, unix: socket.socket, tcp: socket.socket | None) -> None:
+    def __init__(self, cfg: Config, board: Board, unix: socket.socket, inode: tuple[int, int],
+                 tcp: socket.socket | None) -> None:
         self.cfg = cfg
         self.board = board
         self.unix = unix
+        # the socket file `unix` is bound to (`inode`): made again when removed (check_socket)
+        self.file = SocketFile(os.path.abspath(cfg.socket_path), cfg.socket_mode)
+        self.file.bound(inode)
         self.tcp = tcp
         self.procs: list[subprocess.Popen | None] = [None] * cfg.workers
         self.hands: list[socket.socket | None] = [None] * cfg.workers  # our ends of the pairs
@@ -184,18 +190,35 @@ class Workers:
                 continue
         return seen
 
+    def check_socket(self) -> None:
+        """The socket file made again when removed under the workers (RespServer.check_socket
+        without workers; kvcache.serve.socket_file says why): accepted here, so only this
+        process's listener changes; the connections already handed over keep theirs."""
+        if self._stopping or self.unix.fileno() < 0 or not self.file.needs_remaking():
+            return
+        try:
+            claim_socket_path(self.file.path)
+            sock, inode = bind_unix(self.file.path, self.file.mode)
+        except KvcacheError as e:
+            self.file.cannot(str(e))
+            return
+        except OSError as e:
+            self.file.cannot(e.strerror or str(e))
+            return
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self.unix.fileno())
+        self.unix.close()
+        self.unix = sock
+        loop.add_reader(sock.fileno(), self._accept, sock, b"u")
+        self.file.remade(inode)
+
     def stop_accepting(self) -> None:
         """The socket file removed (new clients get ENOENT at once, as from the sidecar's own
         server), this process's copies of the listeners closed. Once only."""
         if self.unix.fileno() < 0:
             return
         loop = asyncio.get_running_loop()
-        try:
-            path = self.unix.getsockname()
-            if path and os.path.exists(path):
-                os.unlink(path)
-        except OSError:
-            pass
+        self.file.remove()
         for sock in (self.unix, self.tcp):
             if sock is not None:
                 loop.remove_reader(sock.fileno())
