@@ -138,16 +138,16 @@ test: system-deps install-test
 
 # The suites of what serves (the socket, tracking, streams, pub/sub, MULTI, CLIENT, AUTH,
 # MINREV, the read matrix, partitions) with every sidecar they start at workers = 2
-# (KVCACHE_WORKERS): their clients spread over two processes and the sidecar's own. Less
-# test_max_clients, whose wait for its probes' connections to be gone counts the sidecar's
-# links, which a closed client's worker may still be making: max_clients is then reached one
-# connection early (tests/test_workers.py covers the rest of workers itself).
+# (KVCACHE_WORKERS): their clients spread over two processes and the sidecar's own, and the
+# socket file removed while serving (tests/test_workers.py covers the rest of workers itself).
 WORKER_SUITES = tests/test_server.py tests/test_tracking.py tests/test_tracking_flush.py tests/test_streams.py \
     tests/test_pubsub.py tests/test_multi.py tests/test_client_list.py tests/test_client_reply.py tests/test_auth.py \
     tests/test_minrev_live.py tests/test_read_matrix_live.py tests/test_partition.py tests/test_redis_compat.py \
-    tests/test_pipelined_reads.py tests/test_staleness.py
+    tests/test_pipelined_reads.py tests/test_staleness.py \
+    tests/test_host_faults.py::test_removed_socket_is_made_again \
+    tests/test_host_faults.py::test_socket_that_cannot_be_made_again_is_not_ready
 test-workers: install-test
-	KVCACHE_WORKERS=2 $(PYTHON) -m pytest -q -p no:cacheprovider $(WORKER_SUITES) -k "not test_max_clients"
+	KVCACHE_WORKERS=2 $(PYTHON) -m pytest -q -p no:cacheprovider $(WORKER_SUITES)
 
 # The habits `make test` runs first, on their own: ruff (rules in pyproject.toml), mypy on kvcache/.
 lint: install-test

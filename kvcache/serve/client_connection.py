@@ -229,10 +229,11 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         self.transport = stream = cast(asyncio.Transport, transport)
         srv = self.srv
         srv.stats.connections_received += 1
-        if len(srv.connections) >= srv.cfg.max_clients or srv.closing:
+        refusal = self.refusal()
+        if refusal is not None:
             srv.stats.rejected_connections += 1
             self._closing = True
-            stream.write(SHUTTING_DOWN if srv.closing else TOO_MANY_CLIENTS)
+            stream.write(refusal)
             stream.close()
             return
         stream.set_write_buffer_limits(high=WRITE_HIGH_WATER)
@@ -240,6 +241,13 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         srv.by_id[self.id] = self
         srv.stats.connected_clients = len(srv.connections)
         srv.gets.defer = len(srv.connections) >= DEFER_FROM
+
+    def refusal(self) -> bytes | None:
+        """Why a connection just made is refused (over max_clients, or shutting down), else None."""
+        srv = self.srv
+        if srv.closing:
+            return SHUTTING_DOWN
+        return TOO_MANY_CLIENTS if len(srv.connections) >= srv.cfg.max_clients else None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._unregister()

@@ -13,6 +13,7 @@ here: on the sockets clients use it is unknown.
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable
 
 from .. import resp
@@ -26,15 +27,43 @@ LINK_BYTES = 4096  # two addresses: a socket path (at most 107 bytes) or an ip:p
 class LinkConnection(ClientConnection):
     """A worker's client, as the feed's process serves it (see the module docstring)."""
 
-    __slots__ = ("peer",)
+    __slots__ = ("peer", "refused")
 
     def __init__(self, srv, conn_id: int, tcp: bool = False) -> None:  # srv: a Listener
         super().__init__(srv, conn_id, tcp)
         self.peer: tuple[str, str] | None = None  # the client's (addr, laddr), once told
+        self.refused = False  # over max_clients or shutting down: see connection_made
         # room for KVCACHE.LINK itself under any max_args and max_request_bytes; the client's
         # own limits apply from the next command on (_link)
         self.reader.max_args = max(LINK_ARGS, srv.cfg.max_args)
         self.reader.max_request_bytes = max(LINK_BYTES, srv.cfg.max_request_bytes)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Refused as a client on the socket would be (max_clients counts every worker's
+        clients here), but half-closed: the worker's KVCACHE.LINK, and what its client sent
+        meanwhile, may be unread, and a Unix socket closed with unread data resets its peer,
+        whose read then loses the reply (the client saw a closed connection, not why). The
+        worker passes the reply on and closes the link; until then what it sends is dropped."""
+        refusal = self.refusal()
+        if refusal is None:
+            super().connection_made(transport)
+            return
+        self.transport = transport  # type: ignore[assignment]  # a stream's
+        self.srv.stats.connections_received += 1
+        self.srv.stats.rejected_connections += 1
+        self._closing = self.refused = True
+        self.transport.write(refusal)
+        self.transport.write_eof()
+
+    def data_received(self, data: bytes) -> None:
+        if not self.refused:
+            super().data_received(data)
+
+    def eof_received(self) -> bool:
+        if self.refused:
+            self.transport.close()
+            return False
+        return super().eof_received()
 
     def seen_in_worker(self, last_io: int, cmd: bytes) -> None:
         """What the worker saw of the client last: it reads every byte the client sends and

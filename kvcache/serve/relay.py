@@ -110,6 +110,9 @@ class MainLink(asyncio.Protocol):
         # (its reply is the link's first, and `_told`'s: `waiting` starts with None for it)
         self._queued: list[bytes] = [announce]
         self.waiting.append(None)
+        # the worker's links not yet closed: a client counts on its worker until its link is
+        # gone too, since until then it may still count in the feed's process (max_clients)
+        conn.srv.links.add(self)  # type: ignore[attr-defined]  # a WorkerServer's
 
     def _told(self, reply: bytes) -> None:
         """KVCACHE.LINK's answer, `:<id>`: the client's id in the feed's process. Anything else
@@ -155,6 +158,7 @@ class MainLink(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.done.set()
+        self.conn.srv.links.discard(self)  # type: ignore[attr-defined]
         while self.waiting:
             fut = self.waiting.popleft()
             if fut is not None and not fut.done():

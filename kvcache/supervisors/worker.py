@@ -34,7 +34,7 @@ from .. import native
 from ..config import Config
 from ..ops import logformat
 from ..serve.client_connection import SERVER_GET
-from ..serve.relay import RelayCommands, WorkerConnection
+from ..serve.relay import MainLink, RelayCommands, WorkerConnection
 from ..serve.resp_server import FD_MARGIN, RespServer, raise_fd_limit
 from ..stats import Stats
 from ..store.replica import Replica
@@ -71,6 +71,12 @@ class WorkerServer(RespServer):
         self.hand.setblocking(False)
         self.orphaned = asyncio.Event()  # the feed's process closed its end: it is gone
         self._adopting: set[asyncio.Task] = set()  # connect_accepted_socket calls under way
+        self.links: set[MainLink] = set()  # links not yet closed (kvcache.serve.relay.MainLink)
+
+    def clients(self) -> int:
+        """Client connections, and those closed whose link is not yet: what the feed's process
+        may still count of this worker's (max_clients counts links there)."""
+        return len(self.connections | {link.conn for link in self.links})
 
     async def start(self) -> None:
         raise_fd_limit(self.cfg.max_clients + FD_MARGIN)
@@ -175,7 +181,7 @@ class Worker:
         s = self.stats
         board.report(self.spec.index, {
             "pid": os.getpid(), "commands": s.commands, "gets_local": s.gets_local,
-            "gets_notfound": s.gets_notfound, "clients": len(server.connections),
+            "gets_notfound": s.gets_notfound, "clients": server.clients(),
             "connections_received": s.connections_received, "rejected_connections": s.rejected_connections,
             "protocol_errors": s.protocol_errors, "clients_cut_off": s.clients_cut_off,
             "reads_gathered": s.reads_gathered},
