@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import sys
 import time
+from pathlib import Path
 
 import nats
 import nats.js.errors
@@ -17,6 +19,8 @@ import pytest
 from nats.js.api import RePublish, StreamConfig
 from support.lossy_proxy import Dropper, Frame, FrameError, LossyProxy, ServerStream, subject_matches
 from support.poll import until
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # ------------------------------------------------------------------ quick: patterns and frames
 
@@ -372,3 +376,50 @@ def test_sync_proxy_in_a_thread(nats_server_module) -> None:
     with LossyProxy(nats_server_module.port, ["rp.>"]) as px:
         assert asyncio.run(go(px.url)) == b"ok"
         assert px.connections == 1
+
+
+async def test_standalone_proxy(nc, nats_server_module) -> None:
+    """`python -m tests.support.lossy_proxy`, as a bench runs it: the URL on its first line,
+    `drop_all` / `end` / `stats` on stdin, the counts as JSON, and again at `quit`."""
+    await _stream(nc, STREAM_NAME, "in.>", "rp.>")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.support.lossy_proxy", "--upstream", f"127.0.0.1:{nats_server_module.port}",
+        "--subject", "rp.>", cwd=ROOT, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+    assert proc.stdin and proc.stdout
+
+    async def say(line: str) -> dict:
+        proc.stdin.write(line.encode() + b"\n")
+        await proc.stdin.drain()
+        return json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
+    try:
+        url = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))["listening"]
+        sub_nc = await nats.connect(url, allow_reconnect=False)
+        try:
+            seen = Seen()
+            sub = await sub_nc.subscribe("rp.>", cb=seen.on_rp)
+            await sub_nc.flush()
+            js = nc.jetstream()
+            await say("drop_all")
+            for _ in range(3):
+                await js.publish("in.s", b"s")
+
+            async def matched(k: int) -> bool:
+                return (await say("stats"))["matched"] >= k
+            await until(lambda: matched(3), 30, "the proxy to see 3 messages")
+            await say("end")
+            await js.publish("in.s", b"s")
+            await until(lambda: matched(4), 30, "the proxy to see the 4th message")
+            await drained(sub_nc, sub)
+            stats = await say("stats")
+            assert (stats["dropped"], stats["dropped_seqs"], stats["window_drops"]) == (3, [1, 2, 3], 3)
+            assert seen.seqs == [4]
+        finally:
+            await sub_nc.close()
+        proc.stdin.write(b"quit\n")
+        await proc.stdin.drain()
+        assert json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))["dropped"] == 3
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
