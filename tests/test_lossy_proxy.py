@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import socket
 import sys
 import time
 from pathlib import Path
@@ -127,6 +128,33 @@ def test_frames_report_subject_and_sequence() -> None:
 def test_not_nats_is_an_error(bad) -> None:
     with pytest.raises(FrameError):
         ServerStream().feed(bad)
+
+
+async def test_the_proxy_puts_a_trickled_stream_together() -> None:
+    """The proxy's own I/O, not only its parser: a server that sends the stream a byte per
+    write (TCP_NODELAY, a loop turn between writes) reaches the client as the frames it
+    forwards, with the rp.> ones dropped and recorded."""
+    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i in range(len(STREAM)):
+            writer.write(STREAM[i:i + 1])
+            await writer.drain()
+            await asyncio.sleep(0)
+        await reader.read()          # until the client goes
+        writer.close()
+
+    server = await asyncio.start_server(trickle, "127.0.0.1", 0)
+    try:
+        async with LossyProxy(server.sockets[0].getsockname()[1], ["rp.>"]) as px:
+            px.drop_all()
+            reader, writer = await asyncio.open_connection("127.0.0.1", px.port)
+            got = await asyncio.wait_for(reader.readexactly(len(FORWARDED)), 30)
+            writer.close()
+        assert got == FORWARDED
+        assert [(d.subject, d.seq) for d in px.dropped] == DROPS
+    finally:
+        server.close()
 
 
 def test_probability_out_of_range() -> None:
