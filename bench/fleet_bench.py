@@ -2,6 +2,7 @@
 
     python bench/fleet_bench.py --sizes 10,30 --buckets 2 --keys 2000 --rate 50 --window 30
     python bench/fleet_bench.py --sizes 2,3 --window 5 --skip-storm --skip-rolling   # a quick look
+    python bench/fleet_bench.py --sizes 10,30 --republish    # buckets whose streams RePublish
 
 A 3-node JetStream cluster on 127.0.0.1 (tests/support/topology.py) holds `--buckets` R3
 buckets of `--keys` keys (100-byte values). For each fleet size N of `--sizes`, in the same run:
@@ -14,7 +15,14 @@ buckets of `--keys` keys (100-byte values). For each fleet size N of `--sizes`, 
     watchers (one connection per "host", `kv.watchall()` per bucket, in a child process) with
     the writer; then N sidecars (`kvcache serve`, each its own data directory and socket,
     `--max-stale-ms 2000 --heartbeat-ms 1000`, started a few at a time), idle and with the
-    writer. Consumers per stream from STREAM.INFO (state.consumer_count).
+    writer. Consumers per stream from STREAM.INFO (state.consumer_count), sampled from outside
+    before, between and after the fleet's windows; their sum over the buckets' streams is the
+    consumers the fleet holds on the cluster at steady state (a sidecar that keeps a consumer
+    per bucket: N x buckets; one that follows the stream's RePublish: none of its own).
+  * with --republish, the buckets are made with RePublish (`$KV.<bucket>.>` onto
+    `kvrp.<bucket>.>`, what an operator sets on the bucket), and the plain watchers are plain
+    core subscribers to that subject (one connection per host, one subscription per bucket):
+    the least a host can cost the servers to get every write of a bucket.
   * a storm (unless --skip-storm): every sidecar SIGKILLed and all started again at once,
     the writer on: the time until every sidecar reports synced=1 for every bucket, the
     JetStream API requests of the first 70 s, the warnings in the sidecars' logs (those
@@ -30,9 +38,10 @@ buckets of `--keys` keys (100-byte values). For each fleet size N of `--sizes`, 
     consumers placed (pulled from) apart from placement retries and reconcile passes.
 
 It prints the cost per sidecar (API requests/s per sidecar per bucket; server CPU per sidecar
-above the baseline, idle and with writes, beside a plain watcher's), the slope between the
-sizes and a projection to 10,000 hosts x 20 buckets. Every process it starts is stopped by
-its own PID on every exit path; every loop is bounded in count and time.
+above the baseline, idle and with writes, beside a plain watcher's; the consumers on the
+cluster), the slope between the sizes and a projection to 10,000 hosts x 20 buckets. Every
+process it starts is stopped by its own PID on every exit path; every loop is bounded in count
+and time.
 """
 from __future__ import annotations
 
@@ -61,6 +70,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import nats
 import nats.errors
+from nats.js.api import RePublish
 from support.sidecar_proc import SidecarProcess, check_src
 from support.topology import Cluster, replicated_kv, settled, start_cluster, wait_stream_current
 
@@ -74,6 +84,7 @@ HOSTS, HOST_BUCKETS = 10_000, 20  # the projection
 SHARED_FROM = 16                  # kvcache.feed.statepoll.SHARED_FROM (not imported: --sidecar-src)
 SETTLE_S = 5.0                    # after a fleet is up or the writer starts, before a window
 QUIET_S = 5.0                     # after each rolling-restart step (3 heartbeats + backoff)
+REPUBLISH_DEST = "kvrp.{bucket}.>"   # --republish: where a bucket's stream RePublishes its messages
 STORM_SAMPLES = (0.0, 12.0, 70.0)
 STORM_TIMEOUT_S = 300.0
 STOPPED_KEY = "right after the fleet's SIGTERM"
@@ -298,8 +309,9 @@ class ApiCounter:
 class Control:
     """The bench's own connection (not counted): buckets, stream state, and the writer."""
 
-    def __init__(self, urls: list[str], buckets: list[str], keys: int) -> None:
+    def __init__(self, urls: list[str], buckets: list[str], keys: int, republish: bool = False) -> None:
         self.urls, self.buckets, self.keys = urls, buckets, keys
+        self.republish = republish
         self.nc = None
         self.js = None
         self.kvs: dict = {}
@@ -319,7 +331,9 @@ class Control:
     async def make_buckets(self) -> None:
         pad = b"x" * VALUE_SIZE
         for b in self.buckets:
-            kv = await replicated_kv(self.js, bucket=b, history=1, replicas=3)
+            extra = ({"republish": RePublish(src=f"$KV.{b}.>", dest=REPUBLISH_DEST.format(bucket=b))}
+                     if self.republish else {})
+            kv = await replicated_kv(self.js, bucket=b, history=1, replicas=3, **extra)
             self.kvs[b] = kv
             for i in range(0, self.keys, 250):
                 await asyncio.gather(*(settled(lambda k=k, kv=kv: kv.put(f"k{k}", pad), 30)
@@ -337,6 +351,16 @@ class Control:
                 out[b] = info.state.consumer_count
             except Exception:
                 out[b] = None
+        return out
+
+    async def republish_of(self) -> dict[str, dict | None]:
+        """Each bucket's stream's RePublish as the servers hold it (None: not set): the run
+        reports what it measured, not what it asked for."""
+        out: dict[str, dict | None] = {}
+        for b in self.buckets:
+            info = await settled(lambda b=b: self.js.stream_info(f"KV_{b}"), 10)
+            rp = info.config.republish
+            out[b] = {"src": rp.src, "dest": rp.dest, "headers_only": bool(rp.headers_only)} if rp else None
         return out
 
     async def delete_consumers(self, deliver_prefix: str) -> int:
@@ -428,9 +452,10 @@ class Control:
 
 # ------------------------------------------------------------------ plain watchers (child process)
 
-def _watchers_main(urls: list[str], buckets: list[str], n: int, max_s: float, conn) -> None:
+def _watchers_main(urls: list[str], buckets: list[str], n: int, max_s: float, conn,
+                   core: list[str] | None = None) -> None:
     try:
-        asyncio.run(_watchers(urls, buckets, n, max_s, conn))
+        asyncio.run(_watchers(urls, buckets, n, max_s, conn, core))
     except BaseException as e:  # the parent reads it instead of "ready"
         try:
             conn.send(("error", f"{type(e).__name__}: {e}"))
@@ -438,9 +463,12 @@ def _watchers_main(urls: list[str], buckets: list[str], n: int, max_s: float, co
             pass
 
 
-async def _watchers(urls: list[str], buckets: list[str], n: int, max_s: float, conn) -> None:
-    """n connections (hosts), each watching every bucket with `kv.watchall()`; "ready" once
-    every watch has delivered its initial values; ends on "stop", a gone parent or max_s."""
+async def _watchers(urls: list[str], buckets: list[str], n: int, max_s: float, conn,
+                    core: list[str] | None = None) -> None:
+    """n connections (hosts), each watching every bucket with `kv.watchall()`, or with `core`
+    (one subject per bucket) subscribing to each of those core subjects instead; "ready" once
+    every watch has delivered its initial values (every subscription is in place); ends on
+    "stop", a gone parent or max_s."""
     parent = os.getppid()
     t0 = time.monotonic()
     ncs, tasks = [], []
@@ -465,11 +493,20 @@ async def _watchers(urls: list[str], buckets: list[str], n: int, max_s: float, c
     async def quiet(e: Exception) -> None:
         pass
 
+    async def count(msg) -> None:
+        updates[0] += 1
+
     try:
         for i in range(n):
             nc = await nats.connect(servers=urls, name=f"fleet-watcher-{i}", inbox_prefix=WATCH_INBOX,
                                     allow_reconnect=True, max_reconnect_attempts=-1, error_cb=quiet)
             ncs.append(nc)
+            if core is not None:
+                for subject in core:
+                    await nc.subscribe(subject, cb=count)
+                await nc.flush()
+                initial[0] += len(buckets)
+                continue
             js = nc.jetstream(timeout=10)
             for b in buckets:
                 kv = await js.key_value(b)
@@ -497,9 +534,11 @@ async def _watchers(urls: list[str], buckets: list[str], n: int, max_s: float, c
 class Watchers:
     """The plain-watcher fleet in a child process (its CPU apart from the bench's)."""
 
-    def __init__(self, urls: list[str], buckets: list[str], n: int, max_s: float) -> None:
+    def __init__(self, urls: list[str], buckets: list[str], n: int, max_s: float,
+                 core: list[str] | None = None) -> None:
         self.conn, child = mp.Pipe()
-        self.proc = mp.get_context("spawn").Process(target=_watchers_main, args=(urls, buckets, n, max_s, child),
+        self.proc = mp.get_context("spawn").Process(target=_watchers_main,
+                                                    args=(urls, buckets, n, max_s, child, core),
                                                     daemon=True, name="fleet-watchers")
         self.proc.start()
 
@@ -717,6 +756,11 @@ def wait_no_consumers(ctx: Ctx, timeout: float = 120.0) -> dict:
         if all(v == 0 for v in counts.values()) or time.monotonic() > deadline:
             return counts
         time.sleep(2)
+
+
+def on_cluster(counts: dict[str, int | None]) -> int | None:
+    """The consumers on the cluster: the sum over the buckets' streams (None: one unknown)."""
+    return None if any(v is None for v in counts.values()) else sum(v or 0 for v in counts.values())
 
 
 def connections_per_server(ctx: Ctx) -> str:
@@ -978,6 +1022,19 @@ class SizeResult:
     stop_problems: list[str] = field(default_factory=list)
     leftover: dict = field(default_factory=dict)
     setup: str = ""
+    consumers: list[tuple[str, dict]] = field(default_factory=list)  # (when, per stream) at steady state
+
+    @property
+    def steady(self) -> dict:
+        """Consumers per stream at steady state: the last sample."""
+        return self.consumers[-1][1] if self.consumers else {}
+
+    @property
+    def on_cluster(self) -> int | None:
+        """Consumers on the cluster at steady state: the most any sample saw (a consumer seen
+        at any of them counts), None when a sample could not be read."""
+        totals = [on_cluster(c) for _, c in self.consumers]
+        return None if not totals or None in totals else max(t for t in totals if t is not None)
 
     def per_sidecar(self, nb: int) -> dict[str, float]:
         w = self.windows
@@ -1007,7 +1064,8 @@ def run_size(ctx: Ctx, n: int) -> SizeResult:
     ws["baseline + writes"] = measure(ctx, "baseline + writes")
     writer_off(ctx)
 
-    wt = Watchers(ctx.cluster.urls, ctx.buckets, n, max_s=a.window + 600)
+    core = [REPUBLISH_DEST.format(bucket=b) for b in ctx.buckets] if a.republish else None
+    wt = Watchers(ctx.cluster.urls, ctx.buckets, n, max_s=a.window + 600, core=core)
     ctx.watchers.append(wt)
     try:
         wt.wait_ready(300)
@@ -1016,7 +1074,8 @@ def run_size(ctx: Ctx, n: int) -> SizeResult:
         ws["watchers + writes"] = measure(ctx, "watchers + writes", [wt.proc.pid])
         writer_off(ctx)
     finally:
-        wt.stop()
+        got = wt.stop()
+        log(f"  {watcher_kind(ctx)} hosts: {got} updates received in all (after their initial values)")
         ctx.bg.run(ctx.ctl.delete_consumers(WATCH_INBOX), 120)
     wait_no_consumers(ctx, 60)
 
@@ -1024,18 +1083,25 @@ def run_size(ctx: Ctx, n: int) -> SizeResult:
     scs, res.setup = start_fleet(ctx, n)
     try:
         time.sleep(SETTLE_S)
-        res.leftover["consumers at steady state"] = ctx.bg.run(ctx.ctl.consumer_counts(), 60)
+
+        def sample(when: str) -> None:
+            counts = ctx.bg.run(ctx.ctl.consumer_counts(), 60)
+            res.consumers.append((when, counts))
+            log(f"  consumers {when}: {on_cluster(counts)} on the cluster ({counts} per stream)")
+        sample("before the idle window")
         ws["sidecars idle"] = measure(ctx, "sidecars idle", [sc.pid for sc in scs])
+        sample("after the idle window")
         writer_on(ctx, a.window + 60)
         ws["sidecars + writes"] = measure(ctx, "sidecars + writes", [sc.pid for sc in scs])
         writer_off(ctx)
+        sample("after the window with writes")
         print(report_size(ctx, res), flush=True)
         if not a.skip_storm:
             res.storm = storm(ctx, scs)
-            print(report_storm(ctx, n, res.storm), flush=True)
+            print(report_storm(ctx, n, res.storm, res.steady), flush=True)
         if not a.skip_rolling:
             res.rolling = rolling(ctx, scs)
-            print(report_rolling(ctx, n, res.rolling), flush=True)
+            print(report_rolling(ctx, n, res.rolling, res.steady), flush=True)
     finally:
         res.stop_problems = stop_fleet(scs)
     if res.stop_problems:
@@ -1058,8 +1124,9 @@ def report_size(ctx: Ctx, r: SizeResult) -> str:
     lines = [f"\n=== {r.n} sidecars x {nb} buckets (R3, {ctx.args.keys} keys, {VALUE_SIZE} B values), "
              f"windows of {ctx.args.window:g}s; writes {ctx.args.rate:g}/s across the buckets",
              f"set-up: {r.setup}",
-             f"consumers per stream at steady state: {r.leftover.get('consumers at steady state')}; right after "
-             f"the fleet's SIGTERM: {r.leftover.get(STOPPED_KEY, '(not yet)')}",
+             f"consumers on the cluster at steady state: {r.on_cluster} (a consumer per sidecar per bucket would "
+             f"be {r.n * nb}; sampled {', '.join(f'{w}: {on_cluster(c)}' for w, c in r.consumers)}); per stream "
+             f"{r.steady}; right after the fleet's SIGTERM: {r.leftover.get(STOPPED_KEY, '(not yet)')}",
              "| window | API req/s | servers' CPU, % of a core (3 summed) | per server | fleet processes' CPU % | "
              "writes acked/s |",
              "|---|---:|---:|---|---:|---:|"]
@@ -1088,7 +1155,7 @@ def report_size(ctx: Ctx, r: SizeResult) -> str:
     return "\n".join(lines)
 
 
-def report_storm(ctx: Ctx, n: int, s: StormResult) -> str:
+def report_storm(ctx: Ctx, n: int, s: StormResult, steady: dict) -> str:
     nb = len(ctx.buckets)
     lines = [f"--- storm, {n} sidecars SIGKILLed and started at once (writer on, {ctx.args.rate:g} writes/s)"]
     if s.all_synced_s is not None:
@@ -1099,8 +1166,8 @@ def report_storm(ctx: Ctx, n: int, s: StormResult) -> str:
     if s.exited:
         lines.append(f"  exited: {s.exited}")
     for at, counts in s.consumers:
-        lines.append(f"  consumers per stream {at:5.1f}s after: {counts} (the fleet needs {n}; "
-                     f"{'OK' if all(v == n for v in counts.values()) else 'other than ' + str(n)})")
+        lines.append(f"  consumers per stream {at:5.1f}s after: {counts}, {on_cluster(counts)} on the cluster "
+                     f"(at steady state: {steady}; {'OK' if counts == steady else 'other than at steady state'})")
     total = sum(s.api.values())
     lines.append(f"  JetStream API requests in the first {s.api_s:.0f}s: {total:,} "
                  f"({total / (n * nb):.1f} per sidecar per bucket)"
@@ -1115,7 +1182,7 @@ def report_storm(ctx: Ctx, n: int, s: StormResult) -> str:
     return "\n".join(lines)
 
 
-def report_rolling(ctx: Ctx, n: int, r: RollingResult) -> str:
+def report_rolling(ctx: Ctx, n: int, r: RollingResult, steady: dict) -> str:
     nb = len(ctx.buckets)
     lines = [f"--- rolling restart of the 3 servers, {n} sidecars (writer on): each stopped (SIGTERM), started, "
              f"the cluster ready and every stream current, then {QUIET_S:g}s more. Feed consumers placed per "
@@ -1149,7 +1216,7 @@ def report_rolling(ctx: Ctx, n: int, r: RollingResult) -> str:
         api.update(st.api)
     lines.append("  JetStream API requests during it: " + ", ".join(f"{v} {k:,}" for v, k in api.most_common()))
     lines.append(f"  servers' /jsz api.errors during it: {r.jsz_errors}; writer: {dict(r.writes)}; "
-                 f"afterwards: {r.after}; consumers per stream then: {r.consumers} (the fleet needs {n}; a "
+                 f"afterwards: {r.after}; consumers per stream then: {r.consumers} (at steady state: {steady}; a "
                  "consumer whose sidecar could not delete it while its server was down stays until its "
                  "inactive threshold)")
     lines.append("  sidecars' logs during it:")
@@ -1163,13 +1230,14 @@ def report_summary(ctx: Ctx, results: list[SizeResult]) -> str:
     lines = [f"\n=== cost per sidecar ({nb} buckets each; CPU in % of one core, all three servers summed, "
              "above the no-sidecar baseline of the same size's run)",
              "| sidecars | API req/s per sidecar per bucket, idle | with writes | servers' CPU % per sidecar, idle "
-             "| with writes | plain watcher host, with writes | sidecar's own CPU %, idle / writes |",
-             "|---:|---:|---:|---:|---:|---:|---|"]
+             f"| with writes | {watcher_kind(ctx)} host, with writes | sidecar's own CPU %, idle / writes "
+             "| consumers on the cluster at steady state |",
+             "|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in results:
         p = r.per_sidecar(nb)
         lines.append(f"| {r.n} | {fmt(p['api_idle'], 3)} | {fmt(p['api_writes'], 3)} | {fmt(p['cpu_idle'], 3)} | "
                      f"{fmt(p['cpu_writes'], 3)} | {fmt(p['cpu_watch'], 3)} | "
-                     f"{fmt(p['sc_cpu_idle'], 2)} / {fmt(p['sc_cpu_writes'], 2)} |")
+                     f"{fmt(p['sc_cpu_idle'], 2)} / {fmt(p['sc_cpu_writes'], 2)} | {r.on_cluster} |")
     slopes: dict[str, float] = {}
     if len(results) >= 2:
         a, b = results[0], results[-1]
@@ -1210,6 +1278,7 @@ def report_summary(ctx: Ctx, results: list[SizeResult]) -> str:
         f"x {HOSTS:,}; a plain watcher host costs {fmt(p['cpu_watch'], 3)}% in all, "
         f"{fmt(p['cpu_watch'] / 100 * HOSTS, 1)} cores for {HOSTS:,}); scales with the write rate",
     ]
+    lines.append("  " + consumers_projection(results, nb))
     if slopes:
         lines.append(
             f"  from the slope instead (what each sidecar added from {results[0].n} to {big.n} cost; a cost the fleet "
@@ -1217,6 +1286,34 @@ def report_summary(ctx: Ctx, results: list[SizeResult]) -> str:
             f"{fmt(slopes['cpu_idle'] / nb / 100 * pairs, 1)} cores idle, + "
             f"{fmt(max(0.0, slopes['cpu_writes'] - slopes['cpu_idle']) / 100 * HOSTS, 1)} cores with writes")
     return "\n".join(lines)
+
+
+def watcher_kind(ctx: Ctx) -> str:
+    return "plain core subscriber (RePublish)" if ctx.args.republish else "plain watcher (kv.watchall)"
+
+
+def consumers_projection(results: list[SizeResult], nb: int) -> str:
+    """The consumers a 10,000-host fleet would hold: flat when the sizes measured agree,
+    else the slope between the smallest and the largest size, beside a consumer per sidecar
+    per bucket."""
+    pairs = HOSTS * HOST_BUCKETS
+    known = [r for r in results if r.on_cluster is not None]
+    head = f"consumers on the cluster: a consumer per sidecar per bucket would be {pairs:,}; measured "
+    if not known:
+        return head + "nothing (a sample could not be read)"
+    seen = ", ".join(f"{r.on_cluster} at {r.n}" for r in known)
+    a, b = known[0], known[-1]
+    if a.on_cluster == b.on_cluster and len(known) > 1:
+        per_bucket = (b.on_cluster or 0) / nb
+        return (head + f"{seen} sidecars: independent of the fleet's size, so {fmt(per_bucket * HOST_BUCKETS, 0)} "
+                f"for {HOST_BUCKETS} buckets ({fmt(per_bucket, 1)} per bucket)")
+    if len(known) > 1 and b.n != a.n:
+        slope = ((b.on_cluster or 0) - (a.on_cluster or 0)) / (b.n - a.n) / nb   # per added sidecar-bucket
+        fixed = (b.on_cluster or 0) / nb - slope * b.n                            # per bucket, shared
+        return (head + f"{seen} sidecars: {fmt(slope, 2)} per added sidecar per bucket, so "
+                f"{fmt(fixed * HOST_BUCKETS + slope * pairs, 0)} at {HOSTS:,} x {HOST_BUCKETS}")
+    return (head + f"{seen} sidecars (one size: linear from none, "
+            f"{fmt((b.on_cluster or 0) / (b.n * nb) * pairs, 0)} at {HOSTS:,} x {HOST_BUCKETS})")
 
 
 # ------------------------------------------------------------------ main
@@ -1231,6 +1328,10 @@ def main() -> int:
     p.add_argument("--start-batch", type=int, default=3, help="sidecars started together at set-up")
     p.add_argument("--sidecar-settings", default="--max-stale-ms 2000 --heartbeat-ms 1000",
                    help="the sidecars' flags (what a fleet's cost depends on)")
+    p.add_argument("--republish", action="store_true",
+                   help="make the buckets with RePublish ($KV.<bucket>.> onto "
+                        f"{REPUBLISH_DEST.format(bucket='<bucket>')}); the plain watchers are then core "
+                        "subscribers to it")
     p.add_argument("--skip-storm", action="store_true")
     p.add_argument("--skip-rolling", action="store_true")
     p.add_argument("--sidecar-src", type=Path, default=None, metavar="DIR",
@@ -1261,13 +1362,13 @@ def main() -> int:
     t_start = time.monotonic()
     try:
         cluster = start_cluster(work / "nats", n=3, domain=None, name="fleet")
-        ctl = Control(cluster.urls, buckets, a.keys)
+        ctl = Control(cluster.urls, buckets, a.keys, republish=a.republish)
         bg.run(ctl.connect(), 30)
         bg.run(api.start(cluster.urls), 30)
         t0 = time.monotonic()
         bg.run(ctl.make_buckets(), 600)
         log(f"cluster up, {a.buckets} R3 buckets of {a.keys} keys written in {time.monotonic() - t0:.1f}s; "
-            f"stream leaders: {bg.run(ctl.leaders(), 60)}")
+            f"stream leaders: {bg.run(ctl.leaders(), 60)}; RePublish: {bg.run(ctl.republish_of(), 60)}")
         ctx = Ctx(a, work, sockdir, cluster, bg, api, ctl, buckets)
         results = []
         for n in sizes:
@@ -1275,9 +1376,9 @@ def main() -> int:
         for r in results:
             print(report_size(ctx, r))
             if r.storm:
-                print(report_storm(ctx, r.n, r.storm))
+                print(report_storm(ctx, r.n, r.storm, r.steady))
             if r.rolling:
-                print(report_rolling(ctx, r.n, r.rolling))
+                print(report_rolling(ctx, r.n, r.rolling, r.steady))
         print(report_summary(ctx, results))
         if api.errors:
             print(f"API subscriber's connection errors: {collections.Counter(api.errors).most_common(5)}")
