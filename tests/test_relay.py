@@ -290,3 +290,54 @@ async def test_one_relay_per_bucket_and_another_when_it_dies(nats_server):
 
 async def _only(js, stream: str, name: str) -> bool:
     return await _relay_consumers(js, stream) == [name]
+
+
+# ----------------------------------------------------------------------------- whole sidecars
+
+async def test_sidecars_with_relays_on_elect_one_and_hand_it_over(nats_server, tmp_path):
+    """Two sidecars (in this process) with relays on, one bucket with no RePublish: one relays,
+    INFO says which, a put reaches the changes subject; the relay stopped (gracefully), the
+    other takes over and the stream holds only its consumer named for a relay."""
+    from kvcache.config_sources import load as load_config
+    from kvcache.sidecar import Sidecar
+
+    b = new_bucket()
+    stream = f"KV_{b}"
+    admin = await nats.connect(nats_server.url, connect_timeout=5)
+    sidecars: list[Sidecar] = []
+    try:
+        js = admin.jetstream()
+        kv = await js.create_key_value(KeyValueConfig(bucket=b, history=64))
+        await kv.put("a", b"1")
+        seen = _Collect()
+        await admin.subscribe(changes_subject(None, b), cb=seen.add)
+        env = {"KVCACHE_NATS_SERVERS": nats_server.url, "KVCACHE_BUCKETS": b, "KVCACHE_MAX_STALE_MS": "2000"}
+        for i in range(2):
+            cfg = load_config(env=env, overrides={"data_dir": str(tmp_path / f"s{i}")})
+            s = Sidecar(cfg, relay=True)
+            sidecars.append(s)
+            await s.start()
+
+        def relaying() -> list[Sidecar]:
+            return [s for s in sidecars if s.relays is not None and s.relays.relaying(b)]
+
+        async def one() -> bool:
+            return len(relaying()) == 1 and len(await _relay_consumers(js, stream)) == 1
+        await until(one, what="one sidecar relaying")
+        first = relaying()[0]
+        assert first.commands is not None
+        buckets = first.commands.info_source.text({"buckets"})
+        assert f"{b}:" in buckets and "relaying=1," in buckets, buckets
+        seq = await kv.put("b", b"2")
+        await until(lambda: seq in seen.seqs(), what="the put relayed")
+        await first.stop()
+        other = next(s for s in sidecars if s is not first)
+        await until(lambda: relaying() == [other], what="the other sidecar relaying")
+        assert other.relays is not None
+        await until(lambda: _only(js, stream, other.relays.name), what="only the new relay's consumer")
+        seq = await kv.put("c", b"3")
+        await until(lambda: seq in seen.seqs(), what="the next put relayed")
+    finally:
+        for s in sidecars:
+            await s.stop()
+        await admin.close()

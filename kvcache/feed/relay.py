@@ -44,6 +44,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..errors import KvcacheError
 from ..natsio import jetstream as jsapi
@@ -268,6 +269,15 @@ class Relay:
         self._wake.set()
 
 
+class RelayNumbers(NamedTuple):
+    """One bucket's relay as this sidecar sees it (INFO, the metrics)."""
+
+    relaying: int       # 1 while this sidecar relays the bucket
+    relayed: int        # messages it has published on the changes subject since start
+    lag: int            # stream messages not yet relayed (0 when not relaying)
+    role_changes: int   # times it took or left the role since start
+
+
 @dataclass
 class Seat:
     """One bucket's place in the election, as this sidecar sees it."""
@@ -341,6 +351,14 @@ class RelayElection:
         if relay is None:
             return 0
         return max(0, max(seat.newest(), relay.stream_last) - relay.last_seq)
+
+    def numbers(self, bucket: str) -> RelayNumbers | None:
+        """INFO's and the metrics' view of `bucket`'s relay on this sidecar; None when this
+        sidecar takes no part in it (relays off, or the stream RePublishes itself)."""
+        seat = self.seats.get(bucket)
+        if seat is None:
+            return None
+        return RelayNumbers(int(seat.relaying), self.relayed(bucket), self.lag(bucket), seat.role_changes)
 
     async def close(self) -> None:
         """Leave every role (consumers deleted, the fleet told), then stop listening."""
