@@ -311,7 +311,8 @@ async def test_sidecars_with_relays_on_elect_one_and_hand_it_over(nats_server, t
         await kv.put("a", b"1")
         seen = _Collect()
         await admin.subscribe(changes_subject(None, b), cb=seen.add)
-        env = {"KVCACHE_NATS_SERVERS": nats_server.url, "KVCACHE_BUCKETS": b, "KVCACHE_MAX_STALE_MS": "2000"}
+        env = {"KVCACHE_NATS_SERVERS": nats_server.url, "KVCACHE_BUCKETS": b, "KVCACHE_MAX_STALE_MS": "2000",
+               "KVCACHE_METRICS_LISTEN": "127.0.0.1:0"}
         for i in range(2):
             cfg = load_config(env=env, overrides={"data_dir": str(tmp_path / f"s{i}")})
             s = Sidecar(cfg, relay=True)
@@ -330,6 +331,10 @@ async def test_sidecars_with_relays_on_elect_one_and_hand_it_over(nats_server, t
         assert f"{b}:" in buckets and "relaying=1," in buckets, buckets
         seq = await kv.put("b", b"2")
         await until(lambda: seq in seen.seqs(), what="the put relayed")
+        for s in sidecars:  # each says whether it relays; the relay counts what it relayed
+            samples = await _relay_samples(s, b)
+            assert samples["kvcache_relay_active"] == (s is first)
+            assert (samples["kvcache_relay_messages_total"] >= 1) == (s is first)
         await first.stop()
         other = next(s for s in sidecars if s is not first)
         await until(lambda: relaying() == [other], what="the other sidecar relaying")
@@ -341,3 +346,15 @@ async def test_sidecars_with_relays_on_elect_one_and_hand_it_over(nats_server, t
         for s in sidecars:
             await s.stop()
         await admin.close()
+
+
+async def _relay_samples(sidecar, bucket: str) -> dict[str, float]:
+    """The sidecar's kvcache_relay_* samples for `bucket`, scraped from its /metrics (in a
+    thread: the sidecar serves it on this event loop)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from support.scrape import http_get
+
+    status, body = await asyncio.to_thread(http_get, sidecar.stats.metrics_listen, "/metrics")
+    assert status == 200
+    return {s.name: s.value for fam in text_string_to_metric_families(body) for s in fam.samples
+            if s.name.startswith("kvcache_relay_") and s.labels.get("bucket") == bucket}

@@ -346,6 +346,15 @@ REPLICA_GAUGES: tuple[tuple[str, str, Callable[[BucketRow], float]], ...] = (
      "lag is within it", lambda b: b.max_stale_s))
 
 
+# The fleet relay's families (kvcache.feed.relay), in RelayNumbers' order: only for buckets
+# this sidecar stands for the relay of
+RELAY_FAMILIES: tuple[tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], str, str], ...] = (
+    (GaugeMetricFamily, "kvcache_relay_active", "1 while this sidecar relays the bucket's stream for the fleet"),
+    (CounterMetricFamily, "kvcache_relay_messages", "Stream messages this sidecar relayed for the fleet"),
+    (GaugeMetricFamily, "kvcache_relay_lag_messages", "Stream messages not yet relayed (0 when not relaying)"),
+    (CounterMetricFamily, "kvcache_relay_role_changes", "Times this sidecar took or left the bucket's relay"))
+
+
 def _filled(family: GaugeMetricFamily | CounterMetricFamily, rows: Iterable[tuple[list[str], T]],
             value: Callable[[T], float]) -> Metric:
     """`family` with one sample per row: the row's label values, and `value` of its data."""
@@ -387,17 +396,9 @@ def _replica(snap: Snapshot) -> Iterator[Metric]:
     for i, (kind, name, doc) in enumerate(cache_families):
         yield _filled(kind(name, doc, labels=labels), cached, itemgetter(i))
     relayed = [(lv, b.relay) for lv, b in rows if b.relay is not None]
-    for i, (kind, name, doc) in enumerate(RELAY_FAMILIES):
+    for i, (kind, name, doc) in enumerate(RELAY_FAMILIES if relayed else ()):  # with relays on only
         yield _filled(kind(name, doc, labels=labels), relayed, itemgetter(i))
 
-
-# The fleet relay's families (kvcache.feed.relay), in RelayNumbers' order: only for buckets
-# this sidecar stands for the relay of
-RELAY_FAMILIES: tuple[tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], str, str], ...] = (
-    (GaugeMetricFamily, "kvcache_relay_active", "1 while this sidecar relays the bucket's stream for the fleet"),
-    (CounterMetricFamily, "kvcache_relay_messages", "Stream messages this sidecar relayed for the fleet"),
-    (GaugeMetricFamily, "kvcache_relay_lag_messages", "Stream messages not yet relayed (0 when not relaying)"),
-    (CounterMetricFamily, "kvcache_relay_role_changes", "Times this sidecar took or left the bucket's relay"))
 
 
 def _peers(snap: Snapshot) -> Iterator[Metric]:
