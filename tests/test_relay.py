@@ -209,7 +209,8 @@ def test_a_new_relay_starts_where_the_last_one_stopped_or_its_replica_is():
 async def test_one_relay_per_bucket_and_another_when_it_dies(nats_server):
     """Three sidecars' elections on a bucket (each on its own connection): one relays, with
     the one consumer named for a relay on the stream; a subscriber gets every write. The
-    relay's connection is then cut (no goodbye, its consumer left behind): another takes over,
+    relay's connection is then cut (no goodbye reaches the fleet, its consumer is left
+    behind; the relay steps down, seeing its connection gone): another takes over,
     the subscriber misses no sequence (the new relay starts where the old one's last beat
     said it was), and the old consumer is reaped."""
     b = new_bucket()
@@ -252,9 +253,8 @@ async def test_one_relay_per_bucket_and_another_when_it_dies(nats_server):
         await until(lambda: first.relayed(b) >= 20, what="the relay relaying")
         # cut the relay off: its connection closes, nothing it does reaches the server now
         cut = time.monotonic()
-        for task in first._loops:
-            task.cancel()
         await first.nc.close()
+        await until(lambda: not first.relaying(b), what="the cut-off relay stepping down")
         others = [e for e in elections if e is not first]
         await until(lambda: any(e.relaying(b) for e in others), what="another relay")
         took = time.monotonic() - cut

@@ -163,7 +163,17 @@ class Relay:
 
     async def _create(self) -> None:
         """CONSUMER.CREATE under the relay's name; one of the name left by an earlier run (a
-        killed relay of this sidecar) is deleted and ours made."""
+        killed relay of this sidecar) is deleted and ours made. A start past the stream's end
+        (a stream recreated or rewound since the replica last applied) starts at its end
+        instead: the followers' feeds replan on such a stream, and a relay waiting for
+        sequences the stream will reach only later would relay nothing meanwhile."""
+        state = (await jsapi.stream_info(self.nc, self.stream, self.timeout, self.api)).get("state") or {}
+        last = int(state.get("last_seq", 0) or 0)
+        self.stream_last = last
+        if self.start_seq > last + 1:
+            log.info("%s: the relay starts at the stream's end (%d), not at %d", self.stream, last + 1,
+                     self.start_seq)
+            self.start_seq, self.last_seq = last + 1, last
         cfg = {
             "name": self.name,
             "ack_policy": "none",
@@ -180,7 +190,6 @@ class Relay:
         self._created = True
         try:
             info = await jsapi.api_request(self.nc, subject, request, self.timeout)
-            log.debug("%s: relay consumer %s: %s", self.stream, self.name, info)
         except jsapi.ApiError as e:
             if e.err_code not in NAME_TAKEN:
                 raise
