@@ -217,12 +217,8 @@ class Relay:
         want = RELAY_BATCH - self._pending
         if want <= 0:
             return
-        # A pull request pending on the server keeps the consumer active however long its
-        # client is gone: it expires well within inactive_threshold, so that a killed relay's
-        # consumer is reaped that long after it, not after PULL_EXPIRES_S.
-        expires = max(2 * self.heartbeat_s, min(PULL_EXPIRES_S, self.inactive_s / 2))
         req = {"batch": want, "max_bytes": max(PULL_MAX_BYTES, 2 * (self.nc.max_payload or 0)),
-               "expires": int(expires * 1e9), "idle_heartbeat": int(self.heartbeat_s * 1e9)}
+               "expires": int(PULL_EXPIRES_S * 1e9), "idle_heartbeat": int(self.heartbeat_s * 1e9)}
         self._pending += want
         await self.nc.publish(f"{self.api}.CONSUMER.MSG.NEXT.{self.stream}.{self.name}",
                               json.dumps(req).encode(), reply=inbox)
