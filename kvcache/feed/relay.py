@@ -218,7 +218,8 @@ class Relay:
         if want <= 0:
             return
         req = {"batch": want, "max_bytes": max(PULL_MAX_BYTES, 2 * (self.nc.max_payload or 0)),
-               "expires": int(PULL_EXPIRES_S * 1e9), "idle_heartbeat": int(self.heartbeat_s * 1e9)}
+               "expires": int(max(PULL_EXPIRES_S, 4 * self.heartbeat_s) * 1e9),
+               "idle_heartbeat": int(self.heartbeat_s * 1e9)}
         self._pending += want
         await self.nc.publish(f"{self.api}.CONSUMER.MSG.NEXT.{self.stream}.{self.name}",
                               json.dumps(req).encode(), reply=inbox)
