@@ -20,7 +20,7 @@ from support.checkers import new_bucket
 from support.poll import until
 
 from kvcache.feed.names import RELAY_SUFFIX, relay_name
-from kvcache.feed.relay import Relay, RelayElection, Seat, changes_subject, rfc3339_ns
+from kvcache.feed.relay import Relay, RelayElection, RelayLost, Seat, changes_subject, rfc3339_ns
 from kvcache.natsio.nats_connection import NatsConnection
 
 pytestmark = pytest.mark.timeout(180)
@@ -119,6 +119,26 @@ async def test_the_relay_publishes_what_the_stream_republishes(nats_server):
             ops.add(ours.headers.get("KV-Operation", "PUT"))
         assert ops == {"PUT", "DEL", "PURGE"}
         assert relay.relayed == last - 1 and relay.missed == 0
+    finally:
+        await nc.close()
+
+
+async def test_a_relay_that_delivers_nothing_the_stream_holds_is_lost(nats_server):
+    """A consumer that heartbeats but delivers nothing while the sidecar knows the stream
+    holds more (one on a replica cut off from its group's writes; here, a sidecar told of a
+    sequence the relay's consumer does not reach) ends the relay after three heartbeats, so
+    that the fleet elects again rather than following a relay that relays nothing."""
+    b = new_bucket()
+    nc = await _connect(nats_server.url)
+    try:
+        kv = await nc.jetstream().create_key_value(KeyValueConfig(bucket=b, history=64))
+        last = await kv.put("a", b"1")
+        relay = Relay(nc, b, subject=changes_subject(None, b), name=relay_name("0123456789abcdef", "t"),
+                      start_seq=1, heartbeat_s=0.3, newest=lambda: last + 5)
+        with pytest.raises(RelayLost, match=f"holds sequence {last + 5}"):
+            await asyncio.wait_for(relay.run(), 30)
+        assert relay.last_seq == last, "what the stream held was relayed first"
+        assert await _relay_consumers(nc.jetstream(), f"KV_{b}") == [], "its consumer deleted"
     finally:
         await nc.close()
 

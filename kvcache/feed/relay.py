@@ -26,6 +26,11 @@ moment: the followers drop the duplicate sequences. A relay whose NATS connectio
 steps down at once (its consumer's pull went with the connection; the consumer is deleted when
 possible, else reaped by its inactive_threshold).
 
+**A relay that relays nothing** is lost (RelayLost): silent for three heartbeats, ended by
+the server, or heartbeating while delivering nothing for three heartbeats though its sidecar
+knows the stream holds more (a consumer on a replica cut off from its group's writes). It
+steps down and the fleet elects again.
+
 **Where it starts.** After the newest sequence its sidecar's replica holds for the bucket
 (the followers dedupe), or after the last one the previous relay said it published when that
 is lower (so a relay's failover leaves no gap the followers must fill), never more than
@@ -103,7 +108,7 @@ class Relay:
 
     def __init__(self, nc: NatsConnection, bucket: str, *, subject: str, name: str, start_seq: int,
                  api: str = "$JS.API", heartbeat_s: float = 2.0, timeout: float = 5.0,
-                 inactive_s: float = RELAY_INACTIVE_S) -> None:
+                 inactive_s: float = RELAY_INACTIVE_S, newest: Callable[[], int] | None = None) -> None:
         self.nc = nc
         self.bucket = bucket
         self.stream = jsapi.kv_stream(bucket)
@@ -125,6 +130,13 @@ class Relay:
         self._wake = asyncio.Event()
         self._last_activity = time.monotonic()
         self._created = False
+        # The newest stream sequence the sidecar knows of (its feed, the state polls), and
+        # since when it has been past what this relay delivered: a consumer that heartbeats
+        # but delivers nothing the stream holds (one on a replica cut off from its group's
+        # writes) is lost after three heartbeats of that, and the fleet elects again.
+        self.newest = newest or (lambda: 0)
+        self._behind_since: float | None = None
+        self._last_delivery = time.monotonic()
 
     def stop(self) -> None:
         self._done = True
@@ -146,9 +158,11 @@ class Relay:
                     break
                 if self._failure:
                     raise RelayLost(self._failure)
-                silent = time.monotonic() - self._last_activity
+                now = time.monotonic()
+                silent = now - self._last_activity
                 if silent > 3 * self.heartbeat_s:
                     raise RelayLost(f"no heartbeat for {silent:.1f}s")
+                self._check_behind(now)
                 if self._pending <= RELAY_BATCH // 2:
                     await self._pull(inbox)
         finally:
@@ -160,6 +174,17 @@ class Relay:
             if self._created:
                 # shielded: a cancelled run (the sidecar stopping) still deletes its consumer
                 await asyncio.shield(self._delete(1.0))
+
+    def _check_behind(self, now: float) -> None:
+        newest = self.newest()
+        if newest <= self.last_seq:
+            self._behind_since = None
+            return
+        if self._behind_since is None:
+            self._behind_since = now
+        elif now - max(self._behind_since, self._last_delivery) > 3 * self.heartbeat_s:
+            raise RelayLost(f"the stream holds sequence {newest}, and nothing past {self.last_seq} "
+                            f"was delivered for {now - self._last_delivery:.1f}s")
 
     async def _create(self) -> None:
         """CONSUMER.CREATE under the relay's name; one of the name left by an earlier run (a
@@ -249,6 +274,7 @@ class Relay:
             return
         self.relayed += 1
         self.last_seq = meta.stream_seq
+        self._last_delivery = self._last_activity
         self.stream_last = max(self.stream_last, meta.stream_seq + meta.pending)
         if self._pending <= RELAY_BATCH // 2:
             self._wake.set()
@@ -475,7 +501,7 @@ class RelayElection:
         start = self._start_seq(seat)
         seat.relay = Relay(self.nc, seat.bucket, subject=changes_subject(self.domain, seat.bucket),
                            name=self.name, start_seq=start, heartbeat_s=self.heartbeat_s,
-                           timeout=self.timeout, inactive_s=self.inactive_s)
+                           timeout=self.timeout, inactive_s=self.inactive_s, newest=seat.newest)
         seat.role_changes += 1
         log.info("bucket %s: relaying for the fleet (from sequence %d)", seat.bucket, start)
         await self._beat(seat, True)  # the others back off before the consumer exists
