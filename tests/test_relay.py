@@ -378,3 +378,91 @@ async def _relay_samples(sidecar, bucket: str) -> dict[str, float]:
     assert status == 200
     return {s.name: s.value for fam in text_string_to_metric_families(body) for s in fam.samples
             if s.name.startswith("kvcache_relay_") and s.labels.get("bucket") == bucket}
+
+
+async def test_a_relay_whose_server_hangs_is_replaced_and_the_fleet_misses_nothing(nats_cluster):
+    """3-node cluster, R3 bucket, three elections each on its own server. The relay's server
+    hangs (SIGSTOP: its sockets stay open, nothing is answered or forwarded): the others hear
+    no beat and one takes over; a subscriber on another server, written to all along, misses
+    no sequence. The server resumes: the fleet settles back on one relay and one consumer
+    named for a relay."""
+    from support.topology import replicated_kv, settled
+
+    b = new_bucket()
+    stream = f"KV_{b}"
+    conns: list[NatsConnection] = []
+    elections: list[RelayElection] = []
+    writer: asyncio.Task | None = None
+    paused = None
+    seen = _Collect()
+    try:
+        for url in nats_cluster.urls:
+            conns.append(await _connect(url))
+        js = conns[0].jetstream(timeout=10)
+        kv = await replicated_kv(js, bucket=b, replicas=3, history=64)
+        await settled(lambda: kv.put("k", b"v"))
+        held = lambda: max(seen.seqs(), default=0)  # noqa: E731  # the followers' replica
+        for nc in conns:
+            sid = os.urandom(8).hex()
+            e = RelayElection(nc, sid=sid, name=relay_name(sid, "t"), heartbeat_s=1.0, inactive_s=4.0)
+            await e.follow(b, PERIOD_S, held, lambda: True)
+            elections.append(e)
+        await until(lambda: [e.relaying(b) for e in elections].count(True) == 1, 60, what="one relay")
+        first = next(e for e in elections if e.relaying(b))
+        i = elections.index(first)
+        # the subscriber and the writer on another server than the relay's
+        other = conns[(i + 1) % 3]
+        await other.subscribe(changes_subject(None, b), cb=seen.add)
+        await other.flush()
+        okv = await other.jetstream(timeout=10).key_value(b)
+
+        async def write() -> None:
+            n = 0
+            while True:
+                try:
+                    await okv.put(f"k{n % 20}", f"v{n}".encode())
+                    n += 1
+                except Exception:  # a new stream leader being elected: go on writing
+                    pass
+                await asyncio.sleep(0.02)
+        writer = asyncio.ensure_future(write())
+        await until(lambda: len(seen.msgs) >= 20, 30, what="writes relayed")
+        first_seen = seen.seqs()[0]
+        paused = nats_cluster.servers[i]
+        paused.pause()
+        cut = time.monotonic()
+        others = [e for e in elections if e is not first]
+        await until(lambda: any(e.relaying(b) for e in others), 60, what="a relay on the other servers")
+        took = time.monotonic() - cut
+        mark = held()
+        await until(lambda: held() >= mark + 20, 60, what="writes relayed by the new relay")
+        paused.resume()
+        paused = None
+
+        def one_relay() -> RelayElection | None:
+            now = [e for e in elections if e.relaying(b)]
+            return now[0] if len(now) == 1 else None
+        await until(one_relay, 60, what="one relay again")
+        writer.cancel()
+        writer = None
+        info = await settled(lambda: other.jetstream(timeout=10).stream_info(stream))
+        last = info.state.last_seq
+        await until(lambda: held() >= last, 60, what="every write relayed")
+        relay = one_relay()
+        assert relay is not None
+        await until(lambda: _only(other.jetstream(timeout=10), stream, relay.name), 60,
+                    what="one consumer named for a relay")
+        got = set(seen.seqs())
+        missed = sorted(set(range(first_seen, last + 1)) - got)
+        print(f"takeover {took:.2f}s after the hang ({took / PERIOD_S:.1f} periods); {last} writes, "
+              f"{len(seen.msgs) - len(got)} duplicates, missed {missed[:20]}")
+        assert missed == []
+    finally:
+        if paused is not None:
+            paused.resume()
+        if writer is not None:
+            writer.cancel()
+        for e in elections:
+            await e.close()
+        for nc in conns:
+            await nc.close()
