@@ -23,8 +23,8 @@ id steps down; one of higher id it ignores (that one steps down). So after about
 one relay serves a bucket, and another within about 2.5 periods if it goes away or is cut off.
 Two relays at once (a race, a partition healing) only cost the cluster one more consumer for a
 moment: the followers drop the duplicate sequences. A relay whose NATS connection is lost
-steps down at once (its consumer's pull went with the connection; the consumer is deleted when
-possible, else reaped by its inactive_threshold).
+steps down at its next look, within a quarter period (its consumer's pull went with the
+connection; the consumer is deleted when possible, else reaped by its inactive_threshold).
 
 **A relay that relays nothing** is lost (RelayLost): silent for three heartbeats, ended by
 the server, or heartbeating while delivering nothing for three heartbeats though its sidecar
@@ -104,7 +104,9 @@ class Relay:
     (or, unanswered, left to its inactive_threshold).
 
     A delivery the relay's client missed (a consumer-sequence gap) is not chased: the
-    followers find the same gap in the stream sequences and fill it themselves."""
+    followers find the same gap in the stream sequences and fill it themselves. The stored
+    headers are those nats-py hands over: a header name the message repeats keeps its last
+    value only (KV's own headers are never repeated)."""
 
     def __init__(self, nc: NatsConnection, bucket: str, *, subject: str, name: str, start_seq: int,
                  api: str = "$JS.API", heartbeat_s: float = 2.0, timeout: float = 5.0,
@@ -318,7 +320,7 @@ class Seat:
     period: float
     position: Callable[[], int]     # the replica's applied sequence
     eligible: Callable[[], bool]    # may this sidecar relay now (its replica synced)?
-    newest: Callable[[], int]       # the newest stream sequence the state polls showed
+    newest: Callable[[], int]       # the newest stream sequence the sidecar's feed saw
     silent_since: float             # when the silence this sidecar waits out began
     heard: dict[str, float] = field(default_factory=dict)  # relay id -> when its last beat came
     previous_last: int | None = None  # the last sequence the previous relay published
@@ -327,8 +329,7 @@ class Seat:
     last_beat: float = 0.0
     role_changes: int = 0
     relayed: int = 0                # by this sidecar's relays before the current one
-    missed: int = 0
-    lag: int = 0                    # the last relay lag seen (0 when not relaying)
+    missed: int = 0                 # deliveries its relays' client did not receive (the followers fill them)
 
     @property
     def relaying(self) -> bool:
