@@ -380,6 +380,37 @@ async def _relay_samples(sidecar, bucket: str) -> dict[str, float]:
             if s.name.startswith("kvcache_relay_") and s.labels.get("bucket") == bucket}
 
 
+async def test_the_relay_consumer_is_placed_on_the_stream_leader(nats_cluster):
+    """R3 stream: nats-server puts an R1 consumer on a random replica; the relay's is made
+    again until it is on the leader (each round lands there with chance 1/3: four rounds all
+    on it by chance, p = 1.2%, would hide a relay that does not look)."""
+    from support.topology import replicated_kv, settled
+
+    b = new_bucket()
+    stream = f"KV_{b}"
+    nc = await _connect(nats_cluster.urls[0])
+    try:
+        js = nc.jetstream(timeout=10)
+        kv = await replicated_kv(js, bucket=b, replicas=3, history=64)
+        await settled(lambda: kv.put("k", b"v"))
+        retries = 0
+        for _ in range(4):
+            relay = Relay(nc, b, subject=changes_subject(None, b), name=relay_name("0123456789abcdef", "t"),
+                          start_seq=1, heartbeat_s=1.0)
+            task = asyncio.ensure_future(relay.run())
+            await until(lambda r=relay: r.last_seq >= 1, 60, what="the relay relaying")
+            consumer = await js.consumer_info(stream, relay.name)
+            leader = (await js.stream_info(stream)).cluster.leader
+            assert consumer.cluster.leader == leader
+            retries += relay.placement_retries
+            relay.stop()
+            await asyncio.wait_for(task, 30)
+        print(f"{retries} consumers made again in 4 rounds to land on the leader")
+        assert retries > 0
+    finally:
+        await nc.close()
+
+
 async def test_a_relay_whose_server_hangs_is_replaced_and_the_fleet_misses_nothing(nats_cluster):
     """3-node cluster, R3 bucket, three elections each on its own server. The relay's server
     hangs (SIGSTOP: its sockets stay open, nothing is answered or forwarded): the others hear

@@ -71,6 +71,7 @@ PULL_EXPIRES_S = 60.0
 RELAY_INACTIVE_S = 30.0
 # A new relay republishes at most this many messages its followers may already hold.
 REPLAY_MAX = 10_000
+PLACEMENT_TRIES = 8  # consumers made to get one on the stream leader, at most
 
 
 def changes_subject(domain: str | None, bucket: str) -> str:
@@ -123,6 +124,7 @@ class Relay:
         self.inactive_s = inactive_s
         self.relayed = 0        # messages published
         self.missed = 0         # deliveries the client did not receive (consumer-sequence gaps)
+        self.placement_retries = 0  # consumers made again to get one on the stream leader
         self.last_seq = self.start_seq - 1  # the last stream sequence published
         self.stream_last = 0    # the stream's last sequence as the deliveries showed it
         self._next_cseq = 1
@@ -189,12 +191,19 @@ class Relay:
                             f"was delivered for {now - self._last_delivery:.1f}s")
 
     async def _create(self) -> None:
-        """CONSUMER.CREATE under the relay's name; one of the name left by an earlier run (a
-        killed relay of this sidecar) is deleted and ours made. A start past the stream's end
+        """The relay's consumer, on the stream leader when a few tries get it there.
+
+        nats-server puts an R1 consumer on a random replica of the stream, which reads that
+        replica's store: one that lags or is cut off from its group relays late or nothing
+        (the latter ends the relay: `_check_behind`). So, as the feed's consumers are
+        (kvcache.feed.consumer), a misplaced one is deleted and made again, PLACEMENT_TRIES
+        times at most (R3: all miss with p = 0.03); then the last one is kept, since a relay
+        a little behind costs the followers only Direct Gets. A start past the stream's end
         (a stream recreated or rewound since the replica last applied) starts at its end
         instead: the followers' feeds replan on such a stream, and a relay waiting for
         sequences the stream will reach only later would relay nothing meanwhile."""
-        state = (await jsapi.stream_info(self.nc, self.stream, self.timeout, self.api)).get("state") or {}
+        stream_info = await jsapi.stream_info(self.nc, self.stream, self.timeout, self.api, need_leader=True)
+        state = stream_info.get("state") or {}
         last = int(state.get("last_seq", 0) or 0)
         self.stream_last = last
         if self.start_seq > last + 1:
@@ -212,8 +221,22 @@ class Relay:
             "opt_start_seq": self.start_seq,
             "filter_subject": f"$KV.{self.bucket}.>",
         }
-        subject = f"{self.api}.CONSUMER.CREATE.{self.stream}.{self.name}"
         request = {"stream_name": self.stream, "config": cfg, "action": "create"}
+        for attempt in range(PLACEMENT_TRIES):
+            info = await self._create_named(request)
+            why = jsapi.misplaced(info, stream_info)
+            if why is None:
+                return
+            if attempt == PLACEMENT_TRIES - 1:
+                log.debug("%s: relay consumer kept off the leader: %s", self.stream, why)
+                return
+            self.placement_retries += 1
+            await self._delete(self.timeout)
+
+    async def _create_named(self, request: dict) -> dict:
+        """CONSUMER.CREATE under the relay's name; one of the name left by an earlier run (a
+        killed relay of this sidecar) is deleted and ours made."""
+        subject = f"{self.api}.CONSUMER.CREATE.{self.stream}.{self.name}"
         self._created = True
         try:
             info = await jsapi.api_request(self.nc, subject, request, self.timeout)
@@ -222,11 +245,11 @@ class Relay:
                 raise
         else:
             if not ((info.get("delivered") or {}).get("consumer_seq", 0) or info.get("num_waiting", 0)):
-                return
+                return info
         log.info("%s: replacing relay consumer %s left by an earlier run", self.stream, self.name)
         await self._delete(self.timeout)
         self._created = True
-        await jsapi.api_request(self.nc, subject, request, self.timeout)
+        return await jsapi.api_request(self.nc, subject, request, self.timeout)
 
     async def _delete(self, timeout: float) -> None:
         try:
