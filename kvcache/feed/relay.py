@@ -71,7 +71,8 @@ PULL_EXPIRES_S = 60.0
 RELAY_INACTIVE_S = 30.0
 # A new relay republishes at most this many messages its followers may already hold.
 REPLAY_MAX = 10_000
-PLACEMENT_TRIES = 8  # consumers made to get one on the stream leader, at most
+EARLY_503_RETRIES = 5  # pulls answered by no responders right after the creation, asked again
+PLACEMENT_TRIES = 16  # consumers made to get one on the stream leader, at most
 
 
 def changes_subject(domain: str | None, bucket: str) -> str:
@@ -131,6 +132,9 @@ class Relay:
         self._pending = 0       # messages asked for and not yet delivered
         self._failure: str | None = None
         self._done = False
+        self._heard = False     # has the server answered a pull yet (a delivery, a status)?
+        self._early_503 = 0     # pulls answered by no responders before that (see _status)
+        self._repull_at = 0.0   # when to pull again after one (monotonic; 0: not waiting)
         self._wake = asyncio.Event()
         self._last_activity = time.monotonic()
         self._created = False
@@ -167,6 +171,10 @@ class Relay:
                 if silent > 3 * self.heartbeat_s:
                     raise RelayLost(f"no heartbeat for {silent:.1f}s")
                 self._check_behind(now)
+                if self._repull_at:
+                    await asyncio.sleep(max(0.0, self._repull_at - now))
+                    self._repull_at = 0.0
+                    self._last_activity = time.monotonic()
                 if self._pending <= RELAY_BATCH // 2:
                     await self._pull(inbox)
         finally:
@@ -197,7 +205,7 @@ class Relay:
         replica's store: one that lags or is cut off from its group relays late or nothing
         (the latter ends the relay: `_check_behind`). So, as the feed's consumers are
         (kvcache.feed.consumer), a misplaced one is deleted and made again, PLACEMENT_TRIES
-        times at most (R3: all miss with p = 0.03); then the last one is kept, since a relay
+        times at most (R3: all miss with p = 0.002); then the last one is kept, since a relay
         a little behind costs the followers only Direct Gets. A start past the stream's end
         (a stream recreated or rewound since the replica last applied) starts at its end
         instead: the followers' feeds replan on such a stream, and a relay waiting for
@@ -283,6 +291,7 @@ class Relay:
             self._status(msg.headers or {})
             return
         self._pending -= 1
+        self._heard = True
         if meta.consumer_seq != self._next_cseq:
             self.missed += max(0, meta.consumer_seq - self._next_cseq)
             log.debug("%s: relay missed deliveries %d..%d", self.stream, self._next_cseq, meta.consumer_seq - 1)
@@ -307,6 +316,7 @@ class Relay:
     def _status(self, headers: dict) -> None:
         status = headers.get("Status", "")
         desc = headers.get("Description", "")
+        self._heard = self._heard or status != "503"
         if status == "100":
             last_c = int(headers.get("Nats-Last-Consumer", 0) or 0)
             if last_c >= self._next_cseq:  # deliveries lost on the way: the followers fill them
@@ -316,6 +326,14 @@ class Relay:
         if status in ("404", "408") or (status == "409" and any(d in desc for d in REQUEST_ENDED)):
             pending = headers.get("Nats-Pending-Messages")
             self._pending = max(0, self._pending - int(pending or 0)) if pending is not None else 0
+            self._wake.set()
+            return
+        if status == "503" and not self._heard and self._early_503 < EARLY_503_RETRIES:
+            # No responders to a pull right after the creation: on a cluster the new consumer's
+            # interest may not have reached this client's server yet. Asked again shortly.
+            self._early_503 += 1
+            self._pending = 0
+            self._repull_at = time.monotonic() + 0.1 * self._early_503
             self._wake.set()
             return
         if status in ("409", "400", "503"):
