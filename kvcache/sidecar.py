@@ -10,7 +10,7 @@ import logging
 import os
 import shutil
 import signal
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
 import nats
 
@@ -23,11 +23,13 @@ from .feed.consumer import deletions_done
 from .feed.feed import Feed
 from .feed.fleet import StateShare
 from .feed.freshness import SILENT_HEARTBEATS
-from .feed.names import consumer_name, sidecar_id
+from .feed.names import consumer_name, relay_name, sidecar_id
 from .feed.quorum import NO_FENCE
+from .feed.relay import RelayElection
 from .feed.statepoll import SHARED_FROM, StatePoll
 from .natsio import jetstream as jsapi
 from .natsio.embedded import EmbeddedNats
+from .natsio.nats_connection import NatsConnection
 from .natsio.upstream import Upstream
 from .ops.accesslog import AccessLog
 from .ops.datadir import CHECK_S, LOCK_FILE, NO_SPACE, DataDirLock, check_room, no_room, short_of_room
@@ -73,8 +75,12 @@ class Sidecar:
     embedded nats-server, a feed's fatal error, signals) and stops them in reverse order,
     whatever state each is in. Nothing below it holds a reference back to it."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, relay: bool = False) -> None:
         self.cfg = cfg
+        # Take part in the fleet's relays (kvcache.feed.relay) for the buckets whose stream has
+        # no RePublish of its own. Off until the followers of the relayed subject are in.
+        self.relay = relay
+        self.relays: RelayElection | None = None
         self.stats = Stats()
         self.embedded: EmbeddedNats | None = None
         self.replica: Replica | None = None
@@ -200,6 +206,8 @@ class Sidecar:
                 await share.follow(feed)
             self.router.add(Peer("main", nc, feed.stream, b.name,
                                  direct=bool(feed.stream_config.get("allow_direct"))))
+        if self.relay:
+            await self._join_relays(nc, sid, timeout)
         if shared_watch:
             self.state_poll = StatePoll(nc, self.feeds.values(), timeout, self.stats, share)
             self.state_poll.start()
@@ -219,6 +227,7 @@ class Sidecar:
         reads = Reads(self.cfg, policy, self.router, self.stats, access)
         info = Info(self.cfg, self.stats, self.replica, self.feeds, self.router, access, tracking, pubsub,
                     gets.cache_reads, streams)
+        info.relays = self.relays
         self.commands = Commands(self.cfg, reads, self.stats, tracking, pubsub, transactions, info,
                                  streams, clients.values)
         hub.start_watch(self.feeds.values())
@@ -240,6 +249,17 @@ class Sidecar:
         # buckets) lives as long as the process: out of the cyclic GC's sight, so that a full
         # collection (which a scrape's allocations can set off) walks only what came after.
         gc.freeze()
+
+    async def _join_relays(self, nc: NatsConnection, sid: str, timeout: float) -> None:
+        """Stand for the relay of each bucket whose stream does not RePublish (a stream that
+        does serves the fleet itself). A sidecar relays only while its replica is synced, from
+        its applied sequence; the relay's lag counts from the newest sequence its feed saw."""
+        relays = self.relays = RelayElection(nc, sid=sid, name=relay_name(sid),
+                                             heartbeat_s=self.cfg.heartbeat_ms / 1000, timeout=timeout)
+        for name, feed in self.feeds.items():
+            if feed.stream_config.get("republish"):
+                continue
+            await relays.follow(name, feed.watch_period(), *_relay_views(feed))
 
     # ------------------------------------------------------------------ workers
 
@@ -351,6 +371,7 @@ class Sidecar:
         collector = SidecarCollector(self.cfg, self.stats, self.commands, self.server.gets, self._connections)
         if self.workers is not None:
             collector.workers = self.workers.totals  # /metrics adds up every worker
+        collector.relays = self.relays
         self.metrics = MetricsServer(lambda accept: exposition(collector.snapshot(), accept), self.readiness)
         self.stats.metrics_listen = await self.metrics.start(host, port, self.cfg.metrics_listen)
         log.info("serving metrics on http://%s/metrics (and /healthz, /readyz)", self.stats.metrics_listen)
@@ -460,6 +481,8 @@ class Sidecar:
             await _step("stream state poll", self.state_poll.stop(), STOP_STEP_S)
         if self.share is not None:
             await _step("shared stream state", self.share.close(), STOP_STEP_S)
+        if self.relays is not None:  # the fleet is told, and the consumer deleted, before NATS closes
+            await _step("fleet relays", self.relays.close(), STOP_STEP_S)
         for name, feed in self.feeds.items():
             await _step(f"feed {name}", feed.stop(), STOP_STEP_S)
         self._close_board()
@@ -562,6 +585,12 @@ class StartTrail:
                 os.rmdir(d)
             except OSError:  # not empty: something else put a file there
                 pass
+
+
+def _relay_views(feed: Feed) -> tuple[Callable[[], int], Callable[[], bool], Callable[[], int]]:
+    """What a bucket's relay election reads of its feed: the applied sequence (where a relay
+    starts), whether the replica is synced (who may relay), the newest sequence seen (lag)."""
+    return (lambda: feed.meta.applied_seq), (lambda: feed.synced), (lambda: feed.upstream_seq)
 
 
 def _entries(directory: str) -> set[str]:

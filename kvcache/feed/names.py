@@ -28,6 +28,8 @@ _ID = re.compile(r"[0-9a-f]{16}")
 # The feed's consumer is `kvcache_<digest>`; the reconcile pass's headers-only one (run beside
 # it after a restart or a reconnect) takes this suffix.
 RECONCILE_SUFFIX = "_r"
+# The fleet relay's consumer (relay_name) takes this one.
+RELAY_SUFFIX = "_relay"
 
 
 def sidecar_id(data_dir: str) -> str:
@@ -58,3 +60,10 @@ def consumer_name(sid: str, host: str | None = None) -> str:
     """The feed consumers' name on every bucket's stream (a stream's names are its own)."""
     digest = hashlib.sha256(f"{host if host is not None else socket.gethostname()}\0{sid}".encode())
     return "kvcache_" + digest.hexdigest()[:16]
+
+
+def relay_name(sid: str, host: str | None = None) -> str:
+    """The consumer this sidecar's relay (kvcache.feed.relay) holds on a bucket's stream while
+    it relays for the fleet: its own name, so that a restarted relay replaces what a killed
+    one left, and an operator can tell the fleet's one consumer per bucket from the others."""
+    return consumer_name(sid, host) + RELAY_SUFFIX

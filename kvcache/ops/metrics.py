@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
     from ..config import Config
     from ..feed.feed import Feed
+    from ..feed.relay import RelayElection
     from ..stats import Stats, WorkerTotals
     from ..store.replica import Replica
     from .accesslog import AccessLog
@@ -113,6 +114,7 @@ class BucketRow:
     resyncs: tuple[int, ...]  # by RESYNC_REASONS
     recreations: tuple[int, ...]  # by RECREATION_REASONS
     cache: tuple[int, ...] | None  # keys, bytes, then CACHE_COUNTERS; None: no near cache
+    relay: tuple[int, int, int, int] | None = None  # RelayNumbers; None: no part in a fleet relay
 
 
 @dataclass
@@ -202,6 +204,7 @@ class SidecarCollector:
         self.connections = connections
         # workers > 1: their counters (kvcache.supervisors.workers.Workers.totals), added in
         self.workers: Callable[[], WorkerTotals] | None = None
+        self.relays: RelayElection | None = None  # the fleet's relays this sidecar stands for
 
     def snapshot(self) -> Snapshot:
         """Copy the numbers (on the event loop: see the module docstring)."""
@@ -256,7 +259,7 @@ class SidecarCollector:
                 f.cfg.max_stale_ms / 1000, f.removed_upstream, f.state_polls,
                 tuple(f.resync_reasons[r] for r in RESYNC_REASONS),
                 tuple(f.recreations[r] for r in RECREATION_REASONS),
-                cache)
+                cache, self.relays.numbers(name) if self.relays is not None else None)
         for p in router.peers():
             snap.peers.append(((p.name, p.bucket, p.stream), int(router.state(p) == "up"), p.stats.ewma_us / 1e6,
                                p.inflight, tuple(getattr(p.stats, k) for k, _ in PEER_COUNTERS)))
@@ -343,6 +346,15 @@ REPLICA_GAUGES: tuple[tuple[str, str, Callable[[BucketRow], float]], ...] = (
      "lag is within it", lambda b: b.max_stale_s))
 
 
+# The fleet relay's families (kvcache.feed.relay), in RelayNumbers' order: only for buckets
+# this sidecar stands for the relay of
+RELAY_FAMILIES: tuple[tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], str, str], ...] = (
+    (GaugeMetricFamily, "kvcache_relay_active", "1 while this sidecar relays the bucket's stream for the fleet"),
+    (CounterMetricFamily, "kvcache_relay_messages", "Stream messages this sidecar relayed for the fleet"),
+    (GaugeMetricFamily, "kvcache_relay_lag_messages", "Stream messages not yet relayed (0 when not relaying)"),
+    (CounterMetricFamily, "kvcache_relay_role_changes", "Times this sidecar took or left the bucket's relay"))
+
+
 def _filled(family: GaugeMetricFamily | CounterMetricFamily, rows: Iterable[tuple[list[str], T]],
             value: Callable[[T], float]) -> Metric:
     """`family` with one sample per row: the row's label values, and `value` of its data."""
@@ -383,6 +395,10 @@ def _replica(snap: Snapshot) -> Iterator[Metric]:
         *((CounterMetricFamily, f"kvcache_cache_{k}", doc) for k, doc in CACHE_COUNTERS)]
     for i, (kind, name, doc) in enumerate(cache_families):
         yield _filled(kind(name, doc, labels=labels), cached, itemgetter(i))
+    relayed = [(lv, b.relay) for lv, b in rows if b.relay is not None]
+    for i, (kind, name, doc) in enumerate(RELAY_FAMILIES if relayed else ()):  # with relays on only
+        yield _filled(kind(name, doc, labels=labels), relayed, itemgetter(i))
+
 
 
 def _peers(snap: Snapshot) -> Iterator[Metric]:

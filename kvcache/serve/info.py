@@ -16,6 +16,7 @@ from .. import __version__, native
 if TYPE_CHECKING:
     from ..config import Config
     from ..feed.feed import Feed
+    from ..feed.relay import RelayElection
     from ..ops.accesslog import AccessLog
     from ..read.router import Router
     from ..stats import Stats, WorkerTotals
@@ -73,6 +74,7 @@ class Info:
         # this process's; None: no workers
         self.workers: Callable[[], WorkerTotals] | None = None
         self.refresh: Callable[[], Awaitable[None]] | None = None  # their counters written now
+        self.relays: RelayElection | None = None  # the fleet's relays this sidecar stands for
 
     def sections(self) -> dict[str, list[tuple[str, object]]]:
         st, cfg, router = self.stats, self.cfg, self.router
@@ -127,7 +129,8 @@ class Info:
                 upstream_seq=max(f.upstream_seq, f.meta.applied_seq), lag_ms=f.lag_ms(),
                 max_stale_ms=f.cfg.max_stale_ms, unwritable_ms=f.unwritable_ms(),
                 resyncs=f.meta.resyncs, removed_upstream=f.removed_upstream,
-                state_polls=f.state_polls, state_shared=f.state_shared, **_cache_fields(f, fast.get(name, (0, 0)))))
+                state_polls=f.state_polls, state_shared=f.state_shared, **_cache_fields(f, fast.get(name, (0, 0))),
+                **_relay_fields(self.relays, name)))
                 for name, f in self.feeds.items()],
             "peers": [(p.label, _fields(
                 stream=p.stream, state=router.state(p), ewma_us=int(p.stats.ewma_us),
@@ -156,6 +159,14 @@ class Info:
             lines += [f"{k}:{v}" for k, v in items]
             lines.append("")
         return "\r\n".join(lines)
+
+
+def _relay_fields(relays: RelayElection | None, bucket: str) -> dict[str, int]:
+    """The bucket's fleet relay (kvcache.feed.relay), when this sidecar stands for it."""
+    n = relays.numbers(bucket) if relays is not None else None
+    if n is None:
+        return {}
+    return {"relaying": n.relaying, "relayed": n.relayed, "relay_lag": n.lag, "relay_role_changes": n.role_changes}
 
 
 def _cache_fields(feed, fast: tuple[int, int]) -> dict[str, int]:
