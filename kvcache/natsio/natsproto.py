@@ -76,6 +76,7 @@ __all__ = [
     "ProtocolError",
     "Run",
     "decode_headers",
+    "fold_delivery",
     "mark_op",
     "parse_ack",
     "status_headers",
@@ -325,6 +326,14 @@ def _deliver(events: list, sid: int, ack: AckMeta, key: bytes, header_block: byt
     run.top_sseq = max(run.top_sseq, ack.stream_seq)
     run.last_ts = ack.timestamp_ns
     run.last_pending = ack.pending
+
+
+def fold_delivery(events: list, ack: AckMeta, key: bytes, header_block: bytes, payload: bytes) -> None:
+    """The fast lane's own rule for one delivery, for messages that reach the feed another way
+    (a stream's RePublish, a Direct Get batch: kvcache.feed.follow): folded into the Run at the
+    end of `events` (consumer sequence `ack.consumer_seq` continuing it) or a new one, so that
+    they are decoded exactly as a consumer's delivery of the same message would be."""
+    _deliver(events, 0, ack, key, header_block, payload)
 
 
 def _limit(name: str, value: int) -> int:
