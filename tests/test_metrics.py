@@ -30,6 +30,8 @@ pytestmark = pytest.mark.timeout(240)
 ROOT = Path(__file__).resolve().parent.parent
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvcache.json"
+# Families whose series appear only once their reason first happens (a fresh sidecar shows none)
+SPARSE = ("kvcache_consumer_recreations_total", "kvcache_feed_follow_ends_total")
 
 
 def metrics_address(sc: SidecarProcess) -> str:
@@ -91,7 +93,7 @@ def test_prometheus_scrapes_what_info_shows(nats_server, tmp_path, capsys):
         relays_only = {n for n in documented if n.startswith("kvcache_relay_")}
         assert set(exposed) == set(documented) - workers_only - relays_only
         for name, labels in exposed.items():  # a family with no series yet shows no labels
-            assert labels == documented[name] or (not labels and name == "kvcache_consumer_recreations_total"), name
+            assert labels == documented[name] or (not labels and name in SPARSE), name
 
         # promtool's lint of the exposition (names, units, help texts)
         promtool = shutil.which("promtool")
@@ -341,25 +343,31 @@ def test_http_edges(nats_server, tmp_path):
 
 def test_every_consumer_loss_has_its_reason():
     """kvcache_consumer_recreations_total's `reason`: every ConsumerLost kvcache raises, every
-    failure a consumer records, carries one of RECREATION_REASONS."""
+    failure a consumer records, carries one of RECREATION_REASONS; kvcache_feed_follow_ends_total's,
+    every end of a follower, one of FOLLOW_END_REASONS (each of them used)."""
     import ast
 
     from kvcache.errors import BucketNotFound, UpstreamError
     from kvcache.feed.consumer import ConsumerLost
     from kvcache.feed.feed import RECREATION_REASONS, _recreation_reason
+    from kvcache.feed.follow import FOLLOW_END_REASONS
 
     reasons: list[str] = []
-    for f in ("feed/consumer.py", "feed/feed.py"):
+    follow_reasons: list[str] = []  # a follower's end (kvcache_feed_follow_ends_total's `reason`)
+    for f in ("feed/consumer.py", "feed/feed.py", "feed/follow.py"):
         for node in ast.walk(ast.parse((ROOT / "kvcache" / f).read_text())):
-            call = isinstance(node, ast.Call) and (getattr(node.func, "id", None) == "ConsumerLost"
+            call = isinstance(node, ast.Call) and (getattr(node.func, "id", None) in ("ConsumerLost", "FollowEnded")
                                                    or getattr(node.func, "attr", None) == "fail")
-            if call and not any(isinstance(a, ast.Starred) for a in node.args):
+            passed_on = call and len(node.args) == 2 and ast.unparse(node.args[1]) == "reason"  # Follower.fail
+            if call and not passed_on and not any(isinstance(a, ast.Starred) for a in node.args):
                 assert len(node.args) == 2 and isinstance(node.args[1], ast.Constant), ast.unparse(node)
-                reasons.append(node.args[1].value)
+                follows = f == "feed/follow.py" or "follower" in ast.unparse(node.func)
+                (follow_reasons if follows else reasons).append(node.args[1].value)
             if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "self._failure" \
                     and isinstance(node.value, ast.Tuple):
                 reasons.append(node.value.elts[1].value)
     assert len(reasons) >= 8 and set(reasons) <= set(RECREATION_REASONS), reasons
+    assert set(follow_reasons) == set(FOLLOW_END_REASONS), follow_reasons
     assert {"heartbeat", "gap", "connection", "placement", "ended", "stream_recreated"} <= set(reasons)
     assert _recreation_reason(ConsumerLost("no heartbeat for 6.0s", "heartbeat")) == "heartbeat"
     assert _recreation_reason(BucketNotFound("gone")) == "bucket_missing"

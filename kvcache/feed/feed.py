@@ -43,6 +43,7 @@ from ..store.replica import BucketMeta, Replica
 from .cachekeeper import CacheKeeper
 from .changes import ChangeHub
 from .consumer import ConsumerLost, PullConsumer, Run
+from .follow import FollowEnded, Follower, republish_subject
 from .freshness import Freshness
 from .position import Position
 from .quorum import ANCHOR_MAX_BYTES, NO_FENCE, QUORUM_HEARTBEAT_S, Evidence, Fence
@@ -104,6 +105,18 @@ class Feed(Maintenance):
         self._reconnected = False
         self._retry_now = asyncio.Event()  # cuts the wait between consumers short (reconnected)
         self._consumer: PullConsumer | None = None
+        # Following the stream's RePublish with no consumer (kvcache.feed.follow): the follower
+        # while it follows; `_handoff` is set when a consumer has caught up (Feed._consume).
+        self._follower: Follower | None = None
+        self._handoff = asyncio.Event()
+        self._republish_denied = False  # the server refused the subscription: keep a consumer
+        self.follow_received = 0     # messages received on the RePublish subject
+        self.follow_duplicates = 0   # ...at or below the replica's position (or twice)
+        self.follow_foreign = 0      # ...not of this stream (ignored)
+        self.gaps_filled = 0         # gaps found and filled with Direct Get batches
+        self.gap_fill_messages = 0   # messages those fills applied
+        self.gap_fill_seconds = 0.0  # time spent filling
+        self.follow_ends: Counter[str] = Counter()  # back to a consumer, by FOLLOW_END_REASONS
         # Since when (monotonic) a quorum has shown the stream past the replica (`_behind`)
         self._behind_since: float | None = None
         self._task: asyncio.Task | None = None
@@ -297,6 +310,8 @@ class Feed(Maintenance):
         self._reconnected = True
         if self._consumer:
             self._consumer.fail("connection lost", "connection")
+        if self._follower is not None:  # what the subject carried meanwhile is lost to it
+            self._follower.fail("connection lost", "connection")
 
     def reconnected(self) -> None:
         """Called on reconnect. The consumer of the lost connection was failed at the
@@ -392,6 +407,8 @@ class Feed(Maintenance):
         pending and keep heartbeating): it is made again, where the leader is."""
         fresh = self.freshness
         ev = fresh.note(info, sent_ns, self.meta.applied_seq)
+        if self._follower is not None:  # the follower's word on the replica's freshness
+            self._follower.word(info, sent_ns)
         if ev is None:
             self._state()  # (whether the stream needs quorum evidence may have changed)
             return None
@@ -440,9 +457,15 @@ class Feed(Maintenance):
                 progressed = True
                 try:
                     self.consumers_created += 1
-                    await consumer.run()
+                    follower = await self._consume(consumer)
+                    if follower is not None:
+                        backoff = 0.1
+                        await self._follow(follower)
                 except asyncio.CancelledError:
                     raise
+                except FollowEnded as e:
+                    log.info("bucket %s: back to a consumer: %s", self.bucket, e)
+                    self.follow_ends[e.reason] += 1
                 except ReplicaError as e:
                     # Nothing past the failed batch is applied, so nothing is skipped: the
                     # next consumer starts again right after the last batch that made it.
@@ -468,6 +491,119 @@ class Feed(Maintenance):
             self._retry_now.clear()
             backoff = min(backoff * 2, 5.0)
             planned = await self._replan()
+
+    async def _consume(self, consumer: PullConsumer) -> Follower | None:
+        """Run `consumer` until it ends (its error raised), or until it has caught up on a
+        stream whose RePublish can carry the bucket (kvcache.feed.follow): then subscribe to
+        that subject first and end the consumer after (deleted: PullConsumer.run), so that no
+        message falls between the two; the follower, holding what arrived meanwhile, is
+        returned. A subscription that fails keeps the consumer."""
+        run = asyncio.create_task(consumer.run(), name=f"consumer:{self.bucket}")
+        self._handoff.clear()
+        try:
+            while True:
+                waiter = asyncio.ensure_future(self._handoff.wait())
+                try:
+                    await asyncio.wait({run, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+                self._handoff.clear()
+                if run.done():
+                    run.result()
+                    return None
+                subject = None if self._republish_denied else republish_subject(self.stream_config, self.bucket)
+                if subject is None:
+                    await run  # nothing to follow: this consumer goes on until it ends
+                    return None
+                if not self.freshness.caught_up or self._full:
+                    continue
+                follower = Follower(self, subject)
+                try:
+                    await follower.subscribe()
+                except Exception as e:
+                    await follower.close()
+                    log.warning("bucket %s: cannot subscribe to the stream's RePublish subject %s (%s): "
+                                "keeping the consumer", self.bucket, subject, e)
+                    await run
+                    return None
+                if self._republish_denied:  # the server's refusal comes before the subscription's round trip ends
+                    await follower.close()
+                    await run
+                    return None
+                consumer.finish()
+                try:
+                    await run
+                except BaseException:
+                    await follower.close()
+                    raise
+                return follower
+        finally:
+            if not run.done():
+                await _cancelled(run)
+
+    async def _follow(self, follower: Follower) -> None:
+        """Follow the stream's RePublish subject until the follower ends (FollowEnded: back to
+        a consumer). The replica stays caught up; its freshness is what the stream's state
+        answers prove (Follower.word), which come every watch_period: silence past two of them
+        ages it, as a consumer's missing heartbeats would."""
+        self._consumer = None
+        self._follower = follower
+        self.freshness.expect_heartbeats(self.follow_period())
+        self._state()
+        log.info("bucket %s: following the stream's RePublish subject %s, with no consumer",
+                 self.bucket, follower.subject)
+        try:
+            await follower.follow()
+        finally:
+            self._follower = None
+            await follower.close()
+
+    def follow_period(self) -> float:
+        """How often a following feed hears the stream's state (Freshness.expect_heartbeats):
+        the state poll's period, at most half of max_stale_ms (silence then ages the replica
+        within the bound)."""
+        return min(self.watch_period(), self.cfg.max_stale_ms / 2000)
+
+    def follow_proven(self, as_of_ns: int) -> None:
+        """The follower showed the replica held every message of the stream as of `as_of_ns`
+        (a state answer asked then, whose last sequence it holds): the replica's word, as a
+        caught-up consumer's heartbeat is (Feed._on_idle)."""
+        fresh = self.freshness
+        if as_of_ns > fresh.heard_ns:
+            fresh.heard_ns = as_of_ns
+        m = self.meta
+        m.fresh_at_ns = max(m.fresh_at_ns, fresh.proven_with(m.applied_seq, as_of_ns))
+        now = fresh.clock()
+        if now - self._last_meta_write >= META_TOUCH_INTERVAL_NS:
+            self._last_meta_write = now
+            try:
+                self.replica.put_meta(self.bucket, m)
+                self.unwritable.written()
+            except ReplicaError as e:  # as in _on_idle: only LocalReader's freshness touch is lost
+                self.unwritable.failed(e)
+        self._applied()
+
+    def republish_denied(self, subject: str) -> bool:
+        """The server refused this connection a subscription to `subject` (a permissions
+        violation): if it is this feed's RePublish subject, the feed stops following it and
+        keeps a consumer from now on (one warning). False when the subject is not ours."""
+        follower = self._follower
+        ours = follower.subject if follower is not None else republish_subject(self.stream_config, self.bucket)
+        if subject != ours:
+            return False
+        if not self._republish_denied:
+            self._republish_denied = True
+            log.warning("bucket %s: NATS permission denied: subscribe to \"%s\" (the stream's RePublish "
+                        "subject): the bucket keeps a consumer of its own (README: Permissions)",
+                        self.bucket, subject)
+        if follower is not None:
+            follower.fail("permission denied on the RePublish subject", "denied")
+        return True
+
+    @property
+    def follow_mode(self) -> str:
+        """How the feed follows its stream now: `republish` (no consumer) or `consumer`."""
+        return "republish" if self._follower is not None else "consumer"
 
     def _new_consumer(self) -> PullConsumer:
         start = None if self._full else self.meta.applied_seq + 1
@@ -551,7 +687,10 @@ class Feed(Maintenance):
         last = runs[-1]
         top = max(self.meta.applied_seq, max(r.top_sseq for r in runs))
         now = self.freshness.clock()
-        caught_up = last.last_pending == 0
+        # A follower's batch says nothing of what else the stream holds: its freshness comes
+        # from state answers (follow_proven), so it leaves caught up and heard as they are.
+        following = self._follower is not None
+        caught_up = last.last_pending == 0 and not following
         # The new position is ours only once the batch is written: a failed write must leave
         # the feed where it was, so that the next consumer starts at this batch again. So is
         # the freshness it brings: caught up counts once written (`_unapplied`).
@@ -597,7 +736,8 @@ class Feed(Maintenance):
         self._last_meta_write = now
         self.freshness.last_msg_ns = last.last_ts
         self.upstream_seq = max(self.upstream_seq, top)
-        self.freshness.caught_up = caught_up
+        if not following:
+            self.freshness.caught_up = caught_up
         if caught_up:
             self.freshness.heard_ns = now
             self.unwritable.written()
@@ -666,6 +806,7 @@ class Feed(Maintenance):
             m.synced = True
             self.replica.put_meta(self.bucket, m)
         self._synced_event.set()
+        self._handoff.set()  # a consumer caught up: the feed may follow without it (_consume)
         if self._reconcile_pending:
             self._reconcile_pending = False
             if self._reconcile_task and not self._reconcile_task.done():

@@ -49,6 +49,8 @@ class BucketFeed(Protocol):
 
     def reconnected(self) -> None: ...
 
+    def republish_denied(self, subject: str) -> bool: ...
+
 
 class Upstream:
     """The main NATS connection (`open`, then `nc` and `url`) and the peers' (`connect`).
@@ -207,6 +209,8 @@ class Upstream:
         if not m:
             return False
         op, subject = m.group(1).lower(), m.group(2)
+        if op == "subscription" and any([feed.republish_denied(subject) for feed in self.feeds.values()]):
+            return True  # a bucket's RePublish subject: that feed keeps a consumer (it says so)
         optional = _OPTIONAL_SUBSCRIBE.search(subject) if op == "subscription" else (
             not _FEED_PUBLISH.search(subject))
         what = f"NATS permission denied: {'publish' if op == 'publish' else 'subscribe'} to \"{subject}\""

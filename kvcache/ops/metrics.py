@@ -40,6 +40,7 @@ from prometheus_client.exposition import choose_encoder
 
 from .. import __version__, native
 from ..feed.feed import RECREATION_REASONS, RESYNC_REASONS
+from ..feed.follow import FOLLOW_END_REASONS
 from .latency import BOUNDS_NS, Latency
 
 if TYPE_CHECKING:
@@ -115,6 +116,11 @@ class BucketRow:
     recreations: tuple[int, ...]  # by RECREATION_REASONS
     cache: tuple[int, ...] | None  # keys, bytes, then CACHE_COUNTERS; None: no near cache
     relay: tuple[int, int, int, int] | None = None  # RelayNumbers; None: no part in a fleet relay
+    following: bool = False  # on the stream's RePublish, with no consumer (kvcache.feed.follow)
+    gaps: int = 0
+    gap_messages: int = 0
+    gap_seconds: float = 0.0
+    follow_ends: tuple[int, ...] = field(default_factory=lambda: (0,) * len(FOLLOW_END_REASONS))
 
 
 @dataclass
@@ -259,7 +265,9 @@ class SidecarCollector:
                 f.cfg.max_stale_ms / 1000, f.removed_upstream, f.state_polls,
                 tuple(f.resync_reasons[r] for r in RESYNC_REASONS),
                 tuple(f.recreations[r] for r in RECREATION_REASONS),
-                cache, self.relays.numbers(name) if self.relays is not None else None)
+                cache, self.relays.numbers(name) if self.relays is not None else None,
+                f.follow_mode == "republish", f.gaps_filled, f.gap_fill_messages, f.gap_fill_seconds,
+                tuple(f.follow_ends[r] for r in FOLLOW_END_REASONS))
         for p in router.peers():
             snap.peers.append(((p.name, p.bucket, p.stream), int(router.state(p) == "up"), p.stats.ewma_us / 1e6,
                                p.inflight, tuple(getattr(p.stats, k) for k, _ in PEER_COUNTERS)))
@@ -387,6 +395,22 @@ def _replica(snap: Snapshot) -> Iterator[Metric]:
             if n:  # eleven reasons a bucket: only those that happened (resyncs: every one, at 0)
                 recreations.add_metric([bucket, reason], n)
     yield recreations
+    yield _filled(GaugeMetricFamily("kvcache_feed_follow", "1 while the bucket is followed on its stream's "
+                                    "RePublish subject with no consumer, 0 with a consumer", labels=labels),
+                  rows, lambda b: int(b.following))
+    yield _filled(CounterMetricFamily("kvcache_feed_gaps", "Gaps in the RePublish subject's sequence found "
+                                      "and filled with Direct Get batches", labels=labels), rows, lambda b: b.gaps)
+    yield _filled(CounterMetricFamily("kvcache_feed_gap_fill_messages", "Messages applied by gap fills",
+                                      labels=labels), rows, lambda b: b.gap_messages)
+    yield _filled(CounterMetricFamily("kvcache_feed_gap_fill_seconds", "Time spent filling gaps",
+                                      labels=labels), rows, lambda b: b.gap_seconds)
+    ends = CounterMetricFamily("kvcache_feed_follow_ends", "Times following the RePublish subject ended and "
+                               "the feed went back to a consumer, by reason", labels=["bucket", "reason"])
+    for [bucket], b in rows:
+        for reason, n in zip(FOLLOW_END_REASONS, b.follow_ends, strict=True):
+            if n:
+                ends.add_metric([bucket, reason], n)
+    yield ends
     cached = [(lv, b.cache) for lv, b in rows if b.cache is not None]
     cache_families: list[tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], str, str]] = [
         (GaugeMetricFamily, "kvcache_cache_keys", "Keys in the bucket's near cache"),

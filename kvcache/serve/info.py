@@ -129,8 +129,9 @@ class Info:
                 upstream_seq=max(f.upstream_seq, f.meta.applied_seq), lag_ms=f.lag_ms(),
                 max_stale_ms=f.cfg.max_stale_ms, unwritable_ms=f.unwritable_ms(),
                 resyncs=f.meta.resyncs, removed_upstream=f.removed_upstream,
-                state_polls=f.state_polls, state_shared=f.state_shared, **_cache_fields(f, fast.get(name, (0, 0))),
-                **_relay_fields(self.relays, name)))
+                state_polls=f.state_polls, state_shared=f.state_shared, follow=f.follow_mode,
+                gaps_filled=f.gaps_filled, gap_fill_messages=f.gap_fill_messages,
+                **_cache_fields(f, fast.get(name, (0, 0))), **_relay_fields(self.relays, name)))
                 for name, f in self.feeds.items()],
             "peers": [(p.label, _fields(
                 stream=p.stream, state=router.state(p), ewma_us=int(p.stats.ewma_us),

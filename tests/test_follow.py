@@ -1,0 +1,347 @@
+"""A bucket whose stream has RePublish is followed with no consumer of the sidecar's own
+(kvcache.feed.follow): real nats-server, real Feeds over a real connection.
+
+Lost messages are made two ways: by dropping chosen messages from what the connection hands
+the follower (as a link that loses core messages would: the server sends them), and by a
+message published on the RePublish subject with a forged, future sequence. Either way the
+replica must end equal to the stream, and a replica that misses messages must not count as
+fresh.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import AsyncExitStack
+
+import pytest
+from nats.js.api import KeyValueConfig, RePublish
+from support.checkers import new_bucket, upstream_state
+from support.poll import until
+
+from kvcache.config import BucketConfig
+from kvcache.feed.feed import Feed
+from kvcache.natsio.nats_connection import NatsConnection
+from kvcache.store.replica import Replica
+
+pytestmark = pytest.mark.timeout(180)
+
+MAX_STALE_MS = 2000
+
+
+async def _opened(stack: AsyncExitStack, url: str, tmp_path, buckets: list[str]) -> tuple[Replica, NatsConnection]:
+    replica = Replica(str(tmp_path / "replica"), buckets=len(buckets))
+    replica.set_buckets(buckets)
+    stack.callback(replica.close)
+    nc = NatsConnection()
+    await nc.connect(servers=[url], connect_timeout=5)
+    stack.push_async_callback(nc.close)
+    return replica, nc
+
+
+async def _kv(nc, bucket: str, republish: bool = True, direct: bool = True):
+    js = nc.jetstream(timeout=10)
+    rp = RePublish(src=f"$KV.{bucket}.>", dest=f"rp.{bucket}.>") if republish else None
+    return await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, republish=rp, direct=direct))
+
+
+async def _started(stack: AsyncExitStack, nc, replica, bucket: str, keys: list[str] | None = None) -> Feed:
+    feed = Feed(nc, BucketConfig(bucket, keys=keys or [">"], max_stale_ms=MAX_STALE_MS), replica,
+                heartbeat_s=1.0)
+    await feed.start()
+    stack.push_async_callback(feed.stop)
+    await feed.wait_synced(30)
+    return feed
+
+
+async def _consumers(nc, bucket: str) -> int:
+    info = await nc.jetstream(timeout=10).stream_info(f"KV_{bucket}")
+    return info.state.consumer_count
+
+
+def _state(replica: Replica, bucket: str) -> dict[str, tuple[bytes, int]]:
+    out = {}
+    for _, key in replica.iter_keys(bucket):
+        rec = replica.get(bucket, key)
+        if rec is not None:
+            out[rec.key] = (rec.value, rec.revision)
+    return out
+
+
+async def _converged(replica: Replica, kv, bucket: str, timeout: float = 30.0) -> dict:
+    async def same():
+        want = await upstream_state(kv)
+        return want if _state(replica, bucket) == want else None
+    return await until(same, timeout, f"replica of {bucket} equal to the stream")
+
+
+async def _following(nc, feed: Feed) -> None:
+    async def ok():
+        return feed.follow_mode == "republish" and await _consumers(nc, feed.bucket) == 0
+    await until(ok, 30, f"bucket {feed.bucket} followed with no consumer on the stream")
+
+
+def _drop_on_follower(nc: NatsConnection, feed: Feed, drop) -> list[int]:
+    """From now on the follower's lane loses the messages `drop(seq)` picks (the server sends
+    them; the link loses them): the sequences dropped are listed in what is returned."""
+    follower = feed._follower
+    assert follower is not None
+    lanes = nc._parser.lanes
+    (sid,) = [sid for sid, (_, h) in lanes.items() if getattr(h, "__self__", None) is follower]
+    n, handler = lanes[sid]
+    dropped: list[int] = []
+
+    def lossy(batch: list) -> None:
+        kept = []
+        for ev in batch:
+            seq = int((getattr(ev, "headers", None) or {}).get("Nats-Sequence", 0) or 0)
+            if seq and drop(seq):
+                dropped.append(seq)
+            else:
+                kept.append(ev)
+        if kept:
+            handler(kept)
+
+    lanes[sid] = (n, lossy)
+    return dropped
+
+
+async def test_followed_with_no_consumer(nats_server, tmp_path):
+    """Synced by a consumer, then followed on the RePublish subject with none on the stream;
+    puts, deletes, purges and a whole-stream purge reach the replica, and the replica stays
+    fresh on the state answers alone."""
+    b = new_bucket()
+    async with AsyncExitStack() as stack:
+        replica, nc = await _opened(stack, nats_server.url, tmp_path, [b])
+        kv = await _kv(nc, b)
+        for i in range(50):
+            await kv.put(f"k.{i}", f"v{i}".encode())
+        feed = await _started(stack, nc, replica, b)
+        await _following(nc, feed)
+        assert feed.consumers_created == 1
+        for i in range(0, 50, 3):
+            await kv.put(f"k.{i}", f"w{i}".encode())
+        for i in range(1, 50, 7):
+            await kv.delete(f"k.{i}")
+        await kv.purge("k.2")
+        await kv.put("new", b"n")
+        await _converged(replica, kv, b)
+        assert feed.follow_received > 0 and feed.gaps_filled == 0
+        # fresh on the state answers alone, across more than two poll periods
+        t_end = time.monotonic() + 3 * feed.follow_period()
+        while time.monotonic() < t_end:
+            await until(lambda: feed.fresh_within(MAX_STALE_MS), 10, "fresh while following")
+            await asyncio.sleep(0.2)
+        await nc.jetstream(timeout=10).purge_stream(f"KV_{b}")
+        await until(lambda: replica.count(b) == 0, 30, "the stream's purge reached the replica")
+        await kv.put("after", b"a")
+        await _converged(replica, kv, b)
+        assert await _consumers(nc, b) == 0 and feed.follow_mode == "republish"
+        assert feed.consumers_created == 1, "followed all along"
+
+
+async def test_bucket_without_republish_keeps_its_consumer(nats_server, tmp_path):
+    b = new_bucket()
+    async with AsyncExitStack() as stack:
+        replica, nc = await _opened(stack, nats_server.url, tmp_path, [b])
+        kv = await _kv(nc, b, republish=False)
+        await kv.put("a", b"1")
+        feed = await _started(stack, nc, replica, b)
+        await kv.put("b", b"2")
+        await _converged(replica, kv, b)
+        assert feed.follow_mode == "consumer"
+        assert await _consumers(nc, b) == 1
+
+
+async def test_lost_messages_are_filled_by_direct_get(nats_server, tmp_path):
+    """Every third message lost on the way: each gap is found from the next message and
+    filled by a Direct Get batch; the feed never goes back to a consumer."""
+    b = new_bucket()
+    async with AsyncExitStack() as stack:
+        replica, nc = await _opened(stack, nats_server.url, tmp_path, [b])
+        kv = await _kv(nc, b)
+        await kv.put("seed", b"s")
+        feed = await _started(stack, nc, replica, b)
+        await _following(nc, feed)
+        dropped = _drop_on_follower(nc, feed, lambda seq: seq % 3 == 0)
+        for i in range(200):
+            await kv.put(f"k.{i % 40}", f"v{i}".encode())
+        await kv.delete("k.3")
+        await _converged(replica, kv, b)
+        print(f"dropped {len(dropped)}, gaps filled {feed.gaps_filled} with {feed.gap_fill_messages} "
+              f"messages in {feed.gap_fill_seconds * 1000:.1f} ms")
+        assert dropped and feed.gaps_filled > 0 and feed.gap_fill_messages > 0
+        assert feed.follow_mode == "republish" and feed.consumers_created == 1
+        assert not feed.follow_ends
+
+
+async def test_a_silent_subject_is_filled_from_the_state_answers(nats_server, tmp_path):
+    """Everything lost, so no later message shows the gap: the state answers do (their last
+    sequence past the replica's, past the grace), and the replica ages meanwhile."""
+    b = new_bucket()
+    async with AsyncExitStack() as stack:
+        replica, nc = await _opened(stack, nats_server.url, tmp_path, [b])
+        kv = await _kv(nc, b)
+        await kv.put("seed", b"s")
+        feed = await _started(stack, nc, replica, b)
+        await _following(nc, feed)
+        dropped = _drop_on_follower(nc, feed, lambda seq: True)
+        await kv.put("lost", b"l")
+        await _converged(replica, kv, b)
+        assert dropped and feed.gaps_filled >= 1 and feed.follow_mode == "republish"
+
+
+async def test_silence_ages_the_replica(nats_server, tmp_path):
+    """No state answers (the poll stopped): a following replica is not vouched for past two
+    periods of silence."""
+    b = new_bucket()
+    async with AsyncExitStack() as stack:
+        replica, nc = await _opened(stack, nats_server.url, tmp_path, [b])
+        kv = await _kv(nc, b)
+        await kv.put("seed", b"s")
+        feed = await _started(stack, nc, replica, b)
+        await _following(nc, feed)
+        await until(lambda: feed.fresh_within(MAX_STALE_MS), 10, "fresh while following")
+        assert feed._watch_task is not None
+        feed._watch_task.cancel()
+        await until(lambda: not feed.fresh_within(MAX_STALE_MS), 10, "stale once the state answers stop")
+        print(f"lag once silent: {feed.lag_ms()} ms")
+
+
+async def test_a_forged_future_sequence_does_not_skip_real_messages(nats_server, tmp_path):
+    """A message on the RePublish subject naming a sequence the stream does not hold: the
+    fill cannot show the sequences below it absent, so the feed goes back to a consumer from
+    its position, and follows again once caught up; the forged value is never applied."""
+    b = new_bucket()
+    async with AsyncExitStack() as stack:
+        replica, nc = await _opened(stack, nats_server.url, tmp_path, [b])
+        kv = await _kv(nc, b)
+        await kv.put("seed", b"s")
+        feed = await _started(stack, nc, replica, b)
+        await _following(nc, feed)
+        last = feed.meta.applied_seq
+        await nc.publish(f"rp.{b}.forged", b"evil", headers={
+            "Nats-Stream": f"KV_{b}", "Nats-Subject": f"$KV.{b}.forged", "Nats-Sequence": str(last + 1000),
+            "Nats-Time-Stamp": "2026-01-01T00:00:00Z", "Nats-Last-Sequence": "0"})
+        await kv.put("real", b"r")
+        await until(lambda: feed.follow_ends["fill"] >= 1, 30, "the fill gave up on the forged gap")
+        await _converged(replica, kv, b)
+        assert replica.get(b, "forged") is None
+        await _following(nc, feed)
+        await kv.put("later", b"l")
+        await _converged(replica, kv, b)
+        assert feed.consumers_created == 2
+
+
+async def test_filtered_bucket_keeps_only_its_keys(nats_server, tmp_path):
+    b = new_bucket()
+    async with AsyncExitStack() as stack:
+        replica, nc = await _opened(stack, nats_server.url, tmp_path, [b])
+        kv = await _kv(nc, b)
+        await kv.put("in.a", b"1")
+        await kv.put("out.a", b"1")
+        feed = await _started(stack, nc, replica, b, keys=["in.>"])
+        await _following(nc, feed)
+        _drop_on_follower(nc, feed, lambda seq: seq % 4 == 0)
+        for i in range(40):
+            await kv.put(f"{'in' if i % 2 else 'out'}.{i}", b"x")
+        top = (await nc.jetstream(timeout=10).stream_info(f"KV_{b}")).state.last_seq
+        await until(lambda: feed.meta.applied_seq == top, 30, "position at the stream's last sequence")
+        want = {k: v for k, v in (await upstream_state(kv)).items() if k.startswith("in.")}
+        assert _state(replica, b) == want
+
+
+async def test_no_direct_get_falls_back_to_a_consumer(nats_server, tmp_path):
+    """A stream without allow_direct cannot fill a gap by Direct Get: the feed goes back to a
+    consumer from its position (it catches up), then follows again with none."""
+    b = new_bucket()
+    async with AsyncExitStack() as stack:
+        replica, nc = await _opened(stack, nats_server.url, tmp_path, [b])
+        kv = await _kv(nc, b, direct=False)
+        await kv.put("seed", b"s")
+        feed = await _started(stack, nc, replica, b)
+        await _following(nc, feed)
+        dropped = _drop_on_follower(nc, feed, lambda seq: seq == feed.meta.applied_seq + 1)
+        await kv.put("lost", b"l")
+        await kv.put("next", b"n")
+        await _converged(replica, kv, b)
+        assert dropped and feed.follow_ends["fill"] == 1 and feed.gaps_filled == 0
+        await _following(nc, feed)
+        assert feed.consumers_created == 2
+
+
+async def test_sidecar_follows_with_no_consumer(nats_server, tmp_path, sidecars):
+    """`kvcache serve` on a bucket with RePublish: no consumer on the stream once synced;
+    reads (redis-py over the socket, MINREV too) see writes, deletes and purges; INFO says
+    how the bucket is followed."""
+    import nats
+    import redis
+
+    nc = await nats.connect(nats_server.url)
+    try:
+        b = new_bucket()
+        kv = await _kv(nc, b)
+        for i in range(20):
+            await kv.put(f"k.{i}", f"v{i}".encode())
+        sc = sidecars(nats_server.url, b).start(wait_synced=False)
+
+        async def followed():
+            row = sc.buckets().get(b) or {}
+            return row.get("follow") == "republish" and await _consumers(nc, b) == 0
+        await until(followed, 60, f"{b} followed with no consumer", detail=sc.log)
+        r = redis.Redis(unix_socket_path=sc.socket, socket_timeout=30)
+        rev = await kv.put("k.1", b"new")
+        value, got, *_ = r.execute_command("KV.GET", f"{b}:k.1", "MINREV", rev)
+        assert (value, got) == (b"new", rev)
+        await kv.delete("k.2")
+        await kv.purge("k.3")
+        await until(lambda: r.get(f"{b}:k.2") is None and r.get(f"{b}:k.3") is None, 30,
+                    "delete and purge seen by reads")
+        assert r.get(f"{b}:k.4") == b"v4"
+        row = sc.buckets()[b]
+        print({k: row[k] for k in row if k.startswith(("follow", "gap"))})
+        assert await _consumers(nc, b) == 0
+    finally:
+        await nc.close()
+
+
+async def test_republish_subject_denied_keeps_a_consumer(tmp_path, sidecars):
+    """A user not allowed to subscribe to the RePublish subject: one warning, the bucket keeps
+    a consumer of its own (the sidecar does not end: the subject is not one it needs)."""
+    import json
+
+    import nats
+
+    from kvcache.natsio.nats_server import NatsServer
+
+    b = new_bucket()
+    s = f"KV_{b}"
+    pub = [f"$JS.API.STREAM.INFO.{s}", f"$JS.API.CONSUMER.CREATE.{s}.>", f"$JS.API.CONSUMER.MSG.NEXT.{s}.>",
+           f"$JS.API.CONSUMER.DELETE.{s}.>", f"$JS.API.DIRECT.GET.{s}", f"$JS.API.DIRECT.GET.{s}.>",
+           f"$JS.API.STREAM.MSG.GET.{s}"]
+    users = [{"user": "admin", "password": "adminpw"},
+             {"user": "kv", "password": "kvpw",
+              "permissions": {"publish": {"allow": pub}, "subscribe": {"allow": ["_INBOX.>"]}}}]
+    server = NatsServer(tmp_path / "js", server_name="deny",
+                        extra_conf=f"authorization {{ users = {json.dumps(users)} }}").start()
+    try:
+        nc = await nats.connect(server.url, user="admin", password="adminpw")
+        try:
+            kv = await _kv(nc, b)
+            await kv.put("a", b"1")
+            sc = sidecars(server.url, b)
+            sc.args += ["--user", "kv", "--password", "kvpw"]
+            sc.start(wait_synced=False)
+            await until(lambda: "RePublish subject" in sc.log(), 60, "the denial reported", detail=sc.log)
+            await kv.put("b", b"2")
+            def read_back() -> bool:
+                with sc.client() as c:
+                    return c.get(f"{b}:b") == b"2"
+            await until(read_back, 30, "a write read back", detail=sc.log)
+            assert sc.buckets()[b]["follow"] == "consumer"
+            assert await _consumers(nc, b) == 1
+            assert sc.log().count("RePublish subject") == 1
+            assert sc.proc is not None and sc.proc.poll() is None
+        finally:
+            await nc.close()
+    finally:
+        server.stop()
