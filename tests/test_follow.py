@@ -345,3 +345,44 @@ async def test_republish_subject_denied_keeps_a_consumer(tmp_path, sidecars):
             await nc.close()
     finally:
         server.stop()
+
+
+async def test_replicated_stream_followed_across_a_leader_kill(nats_cluster, tmp_path):
+    """R3 with RePublish: followed with no consumer, fresh on the quorum's evidence; messages
+    lost on the way and a killed stream leader (the new leader republishes; Direct Get may be
+    answered by any replica) still leave the replica equal to the stream."""
+    from support.checkers import kill_stream_leader
+    from support.topology import replicated_kv, settled
+
+    b = new_bucket()
+    async with AsyncExitStack() as stack:
+        replica = Replica(str(tmp_path / "replica"), buckets=1)
+        replica.set_buckets([b])
+        stack.callback(replica.close)
+        nc = NatsConnection()
+        await nc.connect(servers=nats_cluster.urls, connect_timeout=5)
+        stack.push_async_callback(nc.close)
+        js = nc.jetstream(timeout=10)
+        kv = await replicated_kv(js, bucket=b, replicas=3, direct=True,
+                                 republish=RePublish(src=f"$KV.{b}.>", dest=f"rp.{b}.>"))
+        await settled(lambda: kv.put("seed", b"s"))
+        feed = await _started(stack, nc, replica, b)
+        await _following(nc, feed)
+        assert feed.quorum
+        await until(lambda: feed.fresh_within(MAX_STALE_MS), 20, "fresh on the quorum's evidence")
+        _drop_on_follower(nc, feed, lambda seq: seq % 5 == 0)
+        for i in range(50):
+            await settled(lambda i=i: kv.put(f"k.{i % 10}", f"v{i}".encode()))
+        await _converged(replica, kv, b)
+        victim = await kill_stream_leader(js, nats_cluster, f"KV_{b}")
+        try:
+            for i in range(50, 100):
+                await settled(lambda i=i: kv.put(f"k.{i % 10}", f"v{i}".encode()))
+            await _converged(replica, kv, b, timeout=60)
+            await until(lambda: feed.fresh_within(MAX_STALE_MS), 30, "fresh again after the leader change")
+        finally:
+            victim.start()
+        print(f"gaps {feed.gaps_filled} ({feed.gap_fill_messages} messages), back to a consumer "
+              f"{dict(feed.follow_ends)}, consumers made {feed.consumers_created}")
+        assert feed.gaps_filled > 0
+        await _following(nc, feed)
