@@ -386,3 +386,52 @@ async def test_replicated_stream_followed_across_a_leader_kill(nats_cluster, tmp
               f"{dict(feed.follow_ends)}, consumers made {feed.consumers_created}")
         assert feed.gaps_filled > 0
         await _following(nc, feed)
+
+
+async def test_writes_during_the_hand_over_all_arrive(nats_server, tmp_path):
+    """Writes keep coming while the consumer syncs and hands over to the follower: each
+    reaches the replica by one path or the other (or a gap fill), none is lost."""
+    b = new_bucket()
+    async with AsyncExitStack() as stack:
+        replica, nc = await _opened(stack, nats_server.url, tmp_path, [b])
+        kv = await _kv(nc, b)
+        for i in range(200):
+            await kv.put(f"k.{i}", b"x" * 200)
+        stop = asyncio.Event()
+
+        async def writer() -> int:
+            n = 0
+            while not stop.is_set():
+                await kv.put(f"w.{n % 50}", f"{n}".encode())
+                n += 1
+            return n
+        task = asyncio.create_task(writer())
+        feed = await _started(stack, nc, replica, b)
+        await _following(nc, feed)
+        await kv.put("after", b"a")
+        stop.set()
+        n = await task
+        await _converged(replica, kv, b)
+        print(f"{n} writes during the sync and hand-over; gaps filled {feed.gaps_filled}")
+        assert feed.consumers_created == 1 and feed.follow_mode == "republish"
+
+
+async def test_a_recreated_stream_is_resynced(nats_server, tmp_path):
+    """The bucket deleted and made again while followed: its sequences start over (every
+    message at or below the replica's position would look like a duplicate); the state
+    answer's `created` shows it, and the feed resyncs with a consumer."""
+    b = new_bucket()
+    async with AsyncExitStack() as stack:
+        replica, nc = await _opened(stack, nats_server.url, tmp_path, [b])
+        kv = await _kv(nc, b)
+        for i in range(30):
+            await kv.put(f"old.{i}", b"o")
+        feed = await _started(stack, nc, replica, b)
+        await _following(nc, feed)
+        await nc.jetstream(timeout=10).delete_key_value(b)
+        kv = await _kv(nc, b)
+        await kv.put("new", b"n")
+        await until(lambda: feed.follow_ends["stream_changed"] >= 1, 30, "the recreation seen")
+        await _converged(replica, kv, b)
+        assert feed.resync_reasons["recreated"] == 1
+        await _following(nc, feed)

@@ -210,6 +210,12 @@ class Feed(Maintenance):
                 if time.monotonic() >= deadline:
                     raise
                 await asyncio.sleep(0.1)
+            except BucketNotFound:
+                # No consumer to lose: a follower would take the messages of a stream made
+                # again under the name for the old one's until a state answer showed it.
+                if self._follower is not None:
+                    self._follower.fail("the stream is gone", "stream_changed")
+                raise
 
     def _choose_start(self, info: dict, reconcile: bool = False) -> None:
         """Resume or resync (start_decision), and set the feed up for it. `reconcile`: also
