@@ -140,6 +140,7 @@ async def test_followed_with_no_consumer(nats_server, tmp_path):
 
 
 async def test_bucket_without_republish_keeps_its_consumer(nats_server, tmp_path):
+    """No RePublish: the feed keeps its consumer; one added later is followed from then on."""
     b = new_bucket()
     async with AsyncExitStack() as stack:
         replica, nc = await _opened(stack, nats_server.url, tmp_path, [b])
@@ -150,6 +151,15 @@ async def test_bucket_without_republish_keeps_its_consumer(nats_server, tmp_path
         await _converged(replica, kv, b)
         assert feed.follow_mode == "consumer"
         assert await _consumers(nc, b) == 1
+        # the operator adds a RePublish: taken up from the next state answer, no restart
+        js = nc.jetstream(timeout=10)
+        config = (await js.stream_info(f"KV_{b}")).config
+        config.republish = RePublish(src=f"$KV.{b}.>", dest=f"rp.{b}.>")
+        await js.update_stream(config)
+        await _following(nc, feed)
+        await kv.put("c", b"3")
+        await _converged(replica, kv, b)
+        assert feed.consumers_created == 1
 
 
 async def test_lost_messages_are_filled_by_direct_get(nats_server, tmp_path):

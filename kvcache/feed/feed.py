@@ -415,6 +415,8 @@ class Feed(Maintenance):
         ev = fresh.note(info, sent_ns, self.meta.applied_seq)
         if self._follower is not None:  # the follower's word on the replica's freshness
             self._follower.word(info, sent_ns)
+        else:
+            self._republish_seen(info)
         if ev is None:
             self._state()  # (whether the stream needs quorum evidence may have changed)
             return None
@@ -517,12 +519,9 @@ class Feed(Maintenance):
                 if run.done():
                     run.result()
                     return None
-                subject = None if self._republish_denied else republish_subject(self.stream_config, self.bucket)
-                if subject is None:
-                    await run  # nothing to follow: this consumer goes on until it ends
-                    return None
-                if not self.freshness.caught_up or self._full:
-                    continue
+                subject = self._republish_subject()
+                if subject is None or not self.freshness.caught_up or self._full:
+                    continue  # (a RePublish added later is seen in a state answer: note_evidence)
                 follower = Follower(self, subject)
                 try:
                     await follower.subscribe()
@@ -605,6 +604,20 @@ class Feed(Maintenance):
         if follower is not None:
             follower.fail("permission denied on the RePublish subject", "denied")
         return True
+
+    def _republish_subject(self) -> str | None:
+        """The RePublish subject to follow the stream on (kvcache.feed.follow), if any."""
+        return None if self._republish_denied else republish_subject(self.stream_config, self.bucket)
+
+    def _republish_seen(self, info: dict) -> None:
+        """A state answer of the stream: a RePublish the operator added (or changed) since the
+        feed planned is taken up by a caught-up consumer at once, not at the next replan."""
+        republish = (info.get("config") or {}).get("republish")
+        if republish == self.stream_config.get("republish") or not self.same_stream(info):
+            return
+        self.stream_config = {**self.stream_config, "republish": republish}
+        if self.freshness.caught_up and not self._full and self._republish_subject() is not None:
+            self._handoff.set()
 
     @property
     def follow_mode(self) -> str:
@@ -812,7 +825,8 @@ class Feed(Maintenance):
             m.synced = True
             self.replica.put_meta(self.bucket, m)
         self._synced_event.set()
-        self._handoff.set()  # a consumer caught up: the feed may follow without it (_consume)
+        if self._republish_subject() is not None:
+            self._handoff.set()  # a consumer caught up: the feed may follow without it (_consume)
         if self._reconcile_pending:
             self._reconcile_pending = False
             if self._reconcile_task and not self._reconcile_task.done():
