@@ -60,3 +60,64 @@ def test_decoded_as_a_consumer_delivery_would_be(name, wire, expected):
 
 def test_republish_time_stamp_to_the_nanosecond():
     assert parse_time_ns("2026-11-29T04:45:54.481956667Z") % 1_000_000_000 == 481956667
+
+
+class _Feed:
+    """What a Follower asks of its feed, with batches recorded instead of written."""
+
+    def __init__(self) -> None:
+        from kvcache.config import BucketConfig
+        from kvcache.store.replica import BucketMeta
+
+        self.cfg = BucketConfig("b")
+        self.stream, self.prefix, self.bucket = "KV_b", "$KV.b.", "b"
+        self.cache = None
+        self.nc = None
+        self.timeout = 1.0
+        self.meta = BucketMeta()
+        self.follow_received = self.follow_duplicates = self.follow_foreign = 0
+        self.applied: list[bytes] = []  # the keys of the items batches brought
+
+    def _on_batch(self, runs: list) -> bool:
+        self.applied += [lk for r in runs for lk, _ in r.items]
+        self.meta.applied_seq = max(self.meta.applied_seq, max(r.top_sseq for r in runs))
+        return False
+
+
+def _msg(seq: int, stream: str = "KV_b") -> tuple[dict, None, bytes]:
+    return ({"Nats-Stream": stream, "Nats-Subject": f"$KV.b.k{seq}", "Nats-Sequence": str(seq),
+             "Nats-Time-Stamp": "2026-11-29T04:45:54.481956667Z"}, None, b"v")
+
+
+def _follower(monkeypatch, limit: int):
+    from kvcache.feed import follow
+
+    monkeypatch.setattr(follow, "BUFFER_MSGS", limit)
+    feed = _Feed()
+    f = follow.Follower(feed, "rp.b.>")  # type: ignore[arg-type]  # the parts it uses
+    f._holding = False
+    return f, feed
+
+
+def test_in_order_messages_never_fill_the_buffer(monkeypatch):
+    """A turn's worth of consecutive messages is applied as it comes, however many: only
+    what waits on a gap counts against the bound."""
+    f, feed = _follower(monkeypatch, 3)
+    f._on_messages([_msg(s) for s in range(1, 51)])
+    assert f._ended is None and feed.meta.applied_seq == 50 and len(feed.applied) == 50
+
+
+def test_what_waits_on_a_gap_is_bounded(monkeypatch):
+    from kvcache.feed.follow import FollowEnded
+
+    f, feed = _follower(monkeypatch, 3)
+    f._on_messages([_msg(1), _msg(3), _msg(4), _msg(5)])
+    assert f._ended is None and feed.meta.applied_seq == 1 and f._gap_end() == 2
+    f._on_messages([_msg(6)])
+    assert isinstance(f._ended, FollowEnded) and f._ended.reason == "buffer"
+
+
+def test_duplicates_and_other_streams_are_ignored(monkeypatch):
+    f, feed = _follower(monkeypatch, 3)
+    f._on_messages([_msg(1), _msg(2), _msg(1), _msg(3, stream="KV_other"), _msg(3)])
+    assert feed.meta.applied_seq == 3 and feed.follow_duplicates == 1 and feed.follow_foreign == 1

@@ -194,13 +194,19 @@ class Follower:
         if self._ended is not None:
             return
         feed = self.feed
-        applied = feed.meta.applied_seq
+        feed.follow_received += len(msgs)
+        nxt = feed.meta.applied_seq + 1
+        run: list[tuple[int, str, dict, dict | None, bytes]] = []  # continuing the replica: applied
         for headers, multi, payload in msgs:
             seq = self._sequence(headers)
             if seq is None:
                 continue
-            if seq <= applied or seq in self._buffer:
+            if seq < nxt or seq in self._buffer:
                 feed.follow_duplicates += 1
+                continue
+            if seq == nxt and not self._holding and not self._buffer:
+                run.append((seq, headers["Nats-Subject"], headers, multi, payload))
+                nxt += 1
                 continue
             if len(self._buffer) >= BUFFER_MSGS or self._bytes + len(payload) > BUFFER_BYTES:
                 self.fail(f"more than {BUFFER_MSGS} messages or {BUFFER_BYTES >> 20} MiB waiting on a gap",
@@ -208,9 +214,10 @@ class Follower:
                 return
             self._buffer[seq] = (headers["Nats-Subject"], headers, multi, payload)
             self._bytes += len(payload)
-        feed.follow_received += len(msgs)
         if not self._holding:
             try:
+                if run:
+                    self._apply(run)
                 self._drain()
             except BaseException:  # kept in _ended: follow() raises it (not the connection's reader)
                 pass
