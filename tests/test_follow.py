@@ -445,3 +445,70 @@ async def test_a_recreated_stream_is_resynced(nats_server, tmp_path):
         await _converged(replica, kv, b)
         assert feed.resync_reasons["recreated"] == 1
         await _following(nc, feed)
+
+
+LOSSY_MAX_STALE_MS = 1000
+
+
+@pytest.mark.parametrize("loss", ["1% dropped", "all dropped for 3 s"])
+async def test_sidecar_behind_a_lossy_link(nats_server, tmp_path, sidecars, loss):
+    """`kvcache serve` connected through a proxy that drops messages on the RePublish subject
+    (tests/support/lossy_proxy.py), writes going straight to the server: every gap is filled,
+    the replica ends equal to the stream, no read answers older than max_stale_ms allows (nor
+    goes back), and no consumer is made again."""
+    import nats
+    import redis
+    from support.checkers import converged
+    from support.lossy_proxy import LossyProxy
+    from support.staleness_check import Acks, Read, judge
+
+    b = new_bucket()
+    nc = await nats.connect(nats_server.url)
+    try:
+        kv = await _kv(nc, b)
+        await kv.put("seed", b"s")
+        random_drop = 0.01 if loss.startswith("1%") else 0.0
+        # on a thread of its own: starting the sidecar blocks this loop until it serves
+        with LossyProxy(nats_server.port, [f"rp.{b}.>"], drop=random_drop, seed=7) as px:
+            sc = sidecars(px.url, b)
+            sc.args += ["--max-stale-ms", str(LOSSY_MAX_STALE_MS)]
+            sc.start(wait_synced=False)
+
+            async def followed():
+                return (sc.buckets().get(b) or {}).get("follow") == "republish" and await _consumers(nc, b) == 0
+            await until(followed, 60, f"{b} followed with no consumer", detail=sc.log)
+            if not random_drop:
+                px.drop_all(3.0)
+            # each put acknowledged, then a read of an earlier key through the sidecar: judged
+            # as the partition bench judges its reads (support.staleness_check)
+            acks: list[tuple[str, int, int, float]] = []
+            reads: list[Read] = []
+            r = redis.Redis(unix_socket_path=sc.socket, socket_timeout=10)
+            t0 = time.monotonic()
+            i = 0
+            while i < 1500 or time.monotonic() - t0 < 3.5:
+                key = f"k.{i % 300}"
+                rev = await kv.put(key, b"%d" % i)
+                acks.append((key, i, rev, time.monotonic()))
+                read_key = f"k.{(i * 7) % 300}"
+                sent = time.monotonic()
+                value = r.get(f"{b}:{read_key}")
+                reads.append(Read(1, "get", read_key, sent, time.monotonic(), "nil" if value is None else "ok",
+                                  -1 if value is None else int(value)))
+                i += 1
+            t1 = time.monotonic()
+            await converged(sc, kv, b, timeout=60)
+            verdict = judge(Acks.of(acks), reads, LOSSY_MAX_STALE_MS, (t0, t1), t0)
+            print(f"{loss}: {len(reads)} reads, {len(verdict.stale)} stale beyond {LOSSY_MAX_STALE_MS} ms "
+                  f"(worst {verdict.worst_stale}), {len(verdict.regressions)} regressions")
+            assert not verdict.stale and not verdict.regressions
+            row = sc.buckets()[b]
+            gaps = row["gaps_filled"]
+            print(f"{loss}: {i} writes, {len(px.dropped)} dropped by the proxy, {gaps} gaps filled with "
+                  f"{row['gap_fill_messages']} messages in {row['gap_fill_ms']} ms "
+                  f"({row['gap_fill_ms'] / max(gaps, 1):.1f} ms each), follow={row['follow']}")
+            assert px.dropped and gaps >= 1 and row["gap_fill_messages"] >= 1
+            assert row["follow"] == "republish" and await _consumers(nc, b) == 0
+            assert "back to a consumer" not in sc.log()
+    finally:
+        await nc.close()
