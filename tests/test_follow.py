@@ -341,15 +341,19 @@ async def test_republish_subject_denied_keeps_a_consumer(tmp_path, sidecars):
             sc = sidecars(server.url, b)
             sc.args += ["--user", "kv", "--password", "kvpw"]
             sc.start(wait_synced=False)
-            await until(lambda: "RePublish subject" in sc.log(), 60, "the denial reported", detail=sc.log)
+            denial = "the bucket keeps a consumer of its own"
+            await until(lambda: denial in sc.log(), 60, "the denial reported", detail=sc.log)
             await kv.put("b", b"2")
             def read_back() -> bool:
                 with sc.client() as c:
                     return c.get(f"{b}:b") == b"2"
             await until(read_back, 30, "a write read back", detail=sc.log)
-            assert sc.buckets()[b]["follow"] == "consumer"
-            assert await _consumers(nc, b) == 1
-            assert sc.log().count("RePublish subject") == 1
+            assert sc.buckets()[b]["follow"] == "consumer", sc.log()
+
+            async def one_consumer() -> bool:
+                return await _consumers(nc, b) == 1
+            await until(one_consumer, 30, "the bucket's one consumer", detail=sc.log)
+            assert sc.log().count(denial) == 1
             assert sc.proc is not None and sc.proc.poll() is None
         finally:
             await nc.close()

@@ -525,6 +525,9 @@ class Feed(Maintenance):
                 follower = Follower(self, subject)
                 try:
                     await follower.subscribe()
+                except asyncio.CancelledError:
+                    await follower.close()
+                    raise
                 except Exception as e:
                     await follower.close()
                     log.warning("bucket %s: cannot subscribe to the stream's RePublish subject %s (%s): "
@@ -551,6 +554,9 @@ class Feed(Maintenance):
         a consumer). The replica stays caught up; its freshness is what the stream's state
         answers prove (Follower.word), which come every watch_period: silence past two of them
         ages it, as a consumer's missing heartbeats would."""
+        if self._republish_denied:  # refused after the subscription's round trip, before now
+            await follower.close()
+            raise FollowEnded("permission denied on the RePublish subject", "denied")
         self._consumer = None
         self._follower = follower
         self.freshness.expect_heartbeats(self.follow_period())
