@@ -516,3 +516,37 @@ async def test_sidecar_behind_a_lossy_link(nats_server, tmp_path, sidecars, loss
             assert "back to a consumer" not in sc.log()
     finally:
         await nc.close()
+
+
+async def test_near_cache_kept_true_by_the_follower(nats_server, tmp_path):
+    """A bucket with a near cache for keys outside its filters: what the follower applies,
+    gap fills included, replaces the cached records of keys outside the filters too."""
+    from kvcache.store.nearcache import NearCache
+    from kvcache.store.record import decode_record, item
+
+    b = new_bucket()
+    async with AsyncExitStack() as stack:
+        replica, nc = await _opened(stack, nats_server.url, tmp_path, [b])
+        kv = await _kv(nc, b)
+        rev = await kv.put("out.a", b"old")
+        await kv.put("in.a", b"1")
+        feed = Feed(nc, BucketConfig(b, keys=["in.>"], max_stale_ms=MAX_STALE_MS), replica, heartbeat_s=1.0)
+        cache = NearCache(replica, b, max_keys=100)
+        feed.set_cache(cache)
+        await feed.start()
+        stack.push_async_callback(feed.stop)
+        await feed.wait_synced(30)
+        await _following(nc, feed)
+        lk, rec = item(b"out.a", b"old", rev, 0)
+        assert cache.offer(lk, rec)
+        _drop_on_follower(nc, feed, lambda seq: seq % 2 == 0)
+        for i in range(10):
+            await kv.put("out.a", f"new{i}".encode())
+            await kv.put(f"in.{i}", b"x")
+        top = (await nc.jetstream(timeout=10).stream_info(f"KV_{b}")).state.last_seq
+        await until(lambda: feed.meta.applied_seq == top, 30, "position at the stream's last sequence")
+        cached = cache.get(lk)
+        assert cached is not None and decode_record(lk, cached).value == b"new9"
+        assert feed.gaps_filled > 0
+        want = {k: v for k, v in (await upstream_state(kv)).items() if k.startswith("in.")}
+        assert _state(replica, b) == want
