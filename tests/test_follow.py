@@ -550,3 +550,44 @@ async def test_near_cache_kept_true_by_the_follower(nats_server, tmp_path):
         assert feed.gaps_filled > 0
         want = {k: v for k, v in (await upstream_state(kv)).items() if k.startswith("in.")}
         assert _state(replica, b) == want
+
+
+async def test_two_sidecars_follow_on_one_poll(nats_server, tmp_path, sidecars):
+    """Two sidecars on a RePublish bucket, sharing the stream-state polls (the default): no
+    consumer on the stream, one of them polls, and the other is kept fresh by the shared
+    answers alone (its `lag_ms` stays 0 across many periods while it hardly asks itself)."""
+    import nats
+
+    b = new_bucket()
+    nc = await nats.connect(nats_server.url)
+    try:
+        kv = await _kv(nc, b)
+        await kv.put("a", b"1")
+        scs = [sidecars(nats_server.url, b, name=f"sc{i}") for i in range(2)]
+        for sc in scs:
+            sc.args += ["--max-stale-ms", "2000"]
+            sc.start(wait_synced=False)
+
+        async def followed():
+            rows = [sc.buckets().get(b) or {} for sc in scs]
+            return all(r.get("follow") == "republish" for r in rows) and await _consumers(nc, b) == 0
+        await until(followed, 60, "both followed with no consumer")
+        await until(lambda: any(sc.buckets()[b]["state_shared"] > 4 for sc in scs), 30,
+                    "one sidecar taking the other's answers")
+        taker = max(scs, key=lambda sc: sc.buckets()[b]["state_shared"])
+        row0 = taker.buckets()[b]
+        t_end = time.monotonic() + 6
+        while time.monotonic() < t_end:
+            row = taker.buckets()[b]
+            assert row["lag_ms"] == 0, row
+            await asyncio.sleep(0.2)
+        row = taker.buckets()[b]
+        own = (row["state_polls"] - row["state_shared"]) - (row0["state_polls"] - row0["state_shared"])
+        print(f"in 6 s the taker asked {own} times itself, took {row['state_shared'] - row0['state_shared']}")
+        assert row["state_shared"] - row0["state_shared"] > own
+        await kv.put("b", b"2")
+        for sc in scs:
+            with sc.client() as c:
+                await until(lambda c=c: c.get(f"{b}:b") == b"2", 30, "the write served")
+    finally:
+        await nc.close()
