@@ -3,7 +3,10 @@
 It manages its own consumer (kvcache.feed.consumer) instead of nats-py's `watch()`: a push watch
 with nats-py's default pending limits drops messages as a slow consumer on big buckets and
 never recovers. Here the consumer is pull-based, so nothing can be dropped and memory stays
-bounded by one pull window.
+bounded by one pull window. A bucket whose stream has a RePublish covering it is followed on
+that core subject once the consumer has caught up, and the consumer deleted
+(kvcache.feed.follow: `_consume`, `_follow`): a consumer per sidecar per bucket is what a fleet
+would otherwise cost the cluster.
 
 This module holds the sync itself: choosing a start (`start_decision`: resume from the stored
 sequence, or a full resync when the stream no longer holds it, was recreated or rewound), and applying each
