@@ -38,7 +38,7 @@ import json
 import logging
 import re
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import nats.errors
 from nats.aio.subscription import Subscription
@@ -49,7 +49,9 @@ from ..natsio.nats_connection import NatsConnection, proto
 from ..natsio.natsproto import AckMeta, Run, fold_delivery
 
 if TYPE_CHECKING:
-    from .feed import Feed
+    from ..config import BucketConfig
+    from ..store.nearcache import NearCache
+    from ..store.replica import BucketMeta
 
 log = logging.getLogger("kvcache.feed")
 
@@ -70,6 +72,32 @@ FOLLOW_END_REASONS = ("fill", "buffer", "connection", "stream_changed", "republi
 
 _HMsg = proto.HMsg
 _MAPPING = re.compile(r"\{\{.*\}\}|\$\d")
+
+
+class FollowedFeed(Protocol):
+    """What a Follower reads and tells of its feed (kvcache.feed.feed.Feed, which imports
+    this module: a protocol, not an import back)."""
+
+    nc: NatsConnection
+    cfg: BucketConfig
+    bucket: str
+    stream: str
+    prefix: str
+    timeout: float
+    meta: BucketMeta
+    cache: NearCache | None
+    follow_received: int
+    follow_duplicates: int
+    follow_foreign: int
+    gaps_filled: int
+    gap_fill_messages: int
+    gap_fill_seconds: float
+
+    def same_stream(self, info: dict) -> bool: ...
+
+    def _on_batch(self, runs: list[Run]) -> bool: ...
+
+    def follow_proven(self, as_of_ns: int) -> None: ...
 
 
 class FollowEnded(KvcacheError):
@@ -126,7 +154,7 @@ class Follower:
     hands it each state answer of the stream; `fail()` ends it from outside (a lost
     connection)."""
 
-    def __init__(self, feed: Feed, subject: str) -> None:
+    def __init__(self, feed: FollowedFeed, subject: str) -> None:
         self.feed = feed
         self.subject = subject
         self.nc: NatsConnection = feed.nc
