@@ -361,7 +361,8 @@ def test_every_consumer_loss_has_its_reason():
             passed_on = call and len(node.args) == 2 and ast.unparse(node.args[1]) == "reason"  # Follower.fail
             if call and not passed_on and not any(isinstance(a, ast.Starred) for a in node.args):
                 assert len(node.args) == 2 and isinstance(node.args[1], ast.Constant), ast.unparse(node)
-                follows = f == "feed/follow.py" or "follower" in ast.unparse(node.func)
+                func = ast.unparse(node.func)
+                follows = f == "feed/follow.py" or "follower" in func or func == "FollowEnded"
                 (follow_reasons if follows else reasons).append(node.args[1].value)
             if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "self._failure" \
                     and isinstance(node.value, ast.Tuple):
