@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -62,15 +63,22 @@ def seed(url: str, bucket: str = BUCKET) -> None:
     nats_run(url, setup)
 
 
-@pytest.fixture
-def two(nats_server, tmp_path: Path) -> Iterator[SidecarProcess]:
-    seed(nats_server.url)
-    sc = SidecarProcess(tmp_path / "sc", nats_server.url, [BUCKET], extra=["--workers", "2"])
+@contextmanager
+def two_workers(url: str, data: Path, *extra: str) -> Iterator[SidecarProcess]:
+    """A sidecar with two workers on the seeded bucket, both serving; stopped cleanly after."""
+    seed(url)
+    sc = SidecarProcess(data, url, [BUCKET], extra=["--workers", "2", *extra])
     with sc:
         sc.start()
         wait_until(lambda: all(w["pid"] for w in workers_info(sc).values()), 30, "both workers serving")
         yield sc
         assert sc.stop() == 0
+
+
+@pytest.fixture
+def two(nats_server, tmp_path: Path) -> Iterator[SidecarProcess]:
+    with two_workers(nats_server.url, tmp_path / "sc") as sc:
+        yield sc
     # nothing of the workers left in the data directory: the internal socket, the board, the
     # connections' state CLIENT LIST had them write
     assert sorted(p.name for p in (tmp_path / "sc").glob("workers*")) == []
@@ -102,6 +110,15 @@ def spread(sc: SidecarProcess, most: int = 64) -> list[socket.socket]:
             return conns
     counts = {n: w["clients"] for n, w in workers_info(sc).items()}
     pytest.fail(f"{most} connections, and not every worker got one: {counts}")
+
+
+def ten_gets_on_both(sc: SidecarProcess) -> list[socket.socket]:
+    """Connections on both workers (spread), each having read keys 0-9 once."""
+    conns = spread(sc)
+    for c in conns:
+        for i in range(10):
+            assert get(c, key(i)) == b"$100\r\n" + VALUE + b"\r\n"
+    return conns
 
 
 @pytest.mark.skipif(REDIS_BENCHMARK is None, reason="redis-benchmark not installed (make system-deps)")
@@ -228,16 +245,9 @@ def test_the_access_log_records_every_get_on_every_worker(nats_server, tmp_path)
     GET themselves (as without workers every GET then takes the command layer), so each GET a
     client of any worker makes is one line, and its hits and misses are as the replica has them."""
     from support.access_records import read_records
-    seed(nats_server.url)
-    sc = SidecarProcess(tmp_path / "sc", nats_server.url, [BUCKET],
-                        extra=["--workers", "2", "--access-log-rate", "1"])
-    with sc:
-        sc.start()
-        wait_until(lambda: all(w["pid"] for w in workers_info(sc).values()), 30, "both workers serving")
-        conns = spread(sc)
+    with two_workers(nats_server.url, tmp_path / "sc", "--access-log-rate", "1") as sc:
+        conns = ten_gets_on_both(sc)
         for c in conns:
-            for i in range(10):
-                assert get(c, key(i)) == b"$100\r\n" + VALUE + b"\r\n"
             assert get(c, "nope") == b"$-1\r\n"
         want = 11 * len(conns)
         logs = tmp_path / "sc" / "access-logs"
@@ -253,21 +263,12 @@ def test_the_access_log_records_every_get_on_every_worker(nats_server, tmp_path)
         assert all(int(w["gets_local"]) == 0 for w in workers_info(sc).values())
         for c in conns:
             c.close()
-        assert sc.stop() == 0
 
 
 def test_metrics_add_up_every_worker_and_show_each(nats_server, tmp_path):
     from support.scrape import http_get, metrics_address
-    seed(nats_server.url)
-    sc = SidecarProcess(tmp_path / "sc", nats_server.url, [BUCKET],
-                        extra=["--workers", "2", "--metrics-listen", "127.0.0.1:0"])
-    with sc:
-        sc.start()
-        wait_until(lambda: all(w["pid"] for w in workers_info(sc).values()), 30, "both workers serving")
-        conns = spread(sc)
-        for c in conns:
-            for i in range(10):
-                assert get(c, key(i)) == b"$100\r\n" + VALUE + b"\r\n"
+    with two_workers(nats_server.url, tmp_path / "sc", "--metrics-listen", "127.0.0.1:0") as sc:
+        conns = ten_gets_on_both(sc)
         address = metrics_address(sc)
         want = 10 * len(conns)
 
@@ -289,4 +290,3 @@ def test_metrics_add_up_every_worker_and_show_each(nats_server, tmp_path):
             "kvcache_worker_clients", "kvcache_worker_gets_total", "kvcache_worker_report_age_seconds"}
         for c in conns:
             c.close()
-        assert sc.stop() == 0

@@ -121,11 +121,8 @@ class RespServer:
         try:
             claim_socket_path(self.path)
             self._server = await self._listen_unix()
-        except KvcacheError as e:
-            self.file.cannot(str(e))
-            return
-        except OSError as e:
-            self.file.cannot(e.strerror or str(e))
+        except (KvcacheError, OSError) as e:
+            self.file.cannot_bind(e)
             return
         if old is not None:
             old.close()  # the file it listened on is gone; its clients keep their connections

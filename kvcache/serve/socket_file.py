@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import os
 
+from ..errors import KvcacheError
+
 log = logging.getLogger("kvcache.server")
 
 
@@ -55,6 +57,11 @@ class SocketFile:
         if fault != self.fault:
             log.error("%s", fault)
         self.fault = fault
+
+    def cannot_bind(self, error: KvcacheError | OSError) -> None:
+        """`cannot`, for what claiming the path again (claim_socket_path: another process
+        serving there, a file there) or binding it (its directory gone) raised."""
+        self.cannot(str(error) if isinstance(error, KvcacheError) else (error.strerror or str(error)))
 
     def remove(self) -> None:
         """At stop: the file goes if it is still the one bound (not another process's since)."""

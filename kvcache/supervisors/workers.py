@@ -199,11 +199,8 @@ class Workers:
         try:
             claim_socket_path(self.file.path)
             sock, inode = bind_unix(self.file.path, self.file.mode)
-        except KvcacheError as e:
-            self.file.cannot(str(e))
-            return
-        except OSError as e:
-            self.file.cannot(e.strerror or str(e))
+        except (KvcacheError, OSError) as e:
+            self.file.cannot_bind(e)
             return
         loop = asyncio.get_running_loop()
         loop.remove_reader(self.unix.fileno())
