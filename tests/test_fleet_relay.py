@@ -16,7 +16,7 @@ import nats
 import pytest
 import redis
 from nats.js.api import KeyValueConfig
-from support.checkers import converged, new_bucket
+from support.checkers import converged, new_bucket, upstream_state
 from support.poll import until
 from support.staleness_check import Acks, Read, judge
 
@@ -221,3 +221,75 @@ async def test_a_restart_storm_ends_with_one_consumer(nats_server, sidecars):
             await converged(sc, kv, b)
     finally:
         await nc.close()
+
+
+# ----------------------------------------------------------------------------- no relay heard
+
+async def test_a_follower_that_hears_no_relay_takes_a_consumer_and_hands_back(nats_server, tmp_path):
+    """A feed following the relay's subject (a real Relay publishing it) whose relay goes
+    unheard goes back to a consumer of its own within a few periods (reason `relay`), keeps
+    the replica equal to the stream meanwhile, and follows the relay again once one is heard."""
+    import asyncio
+    from contextlib import AsyncExitStack
+
+    from kvcache.config import BucketConfig
+    from kvcache.feed.feed import Feed
+    from kvcache.feed.relay import Relay, changes_subject
+    from kvcache.natsio.nats_connection import NatsConnection
+    from kvcache.store.replica import Replica
+
+    b = new_bucket()
+    subject = changes_subject(None, b)
+    async with AsyncExitStack() as stack:
+        admin = await nats.connect(nats_server.url)
+        stack.push_async_callback(admin.close)
+        kv = await _kv(admin, b)
+        await kv.put("a", b"1")
+        relay_nc = NatsConnection()
+        await relay_nc.connect(servers=[nats_server.url], connect_timeout=5)
+        stack.push_async_callback(relay_nc.close)
+        relay = Relay(relay_nc, b, subject=subject, name="test" + RELAY_SUFFIX, start_seq=1, heartbeat_s=1.0)
+        relay_task = asyncio.create_task(relay.run())
+
+        async def stop_relay() -> None:
+            relay.stop()
+            await relay_task
+        stack.push_async_callback(stop_relay)
+        replica = Replica(str(tmp_path / "replica"), buckets=1)
+        replica.set_buckets([b])
+        stack.callback(replica.close)
+        nc = NatsConnection()
+        await nc.connect(servers=[nats_server.url], connect_timeout=5)
+        stack.push_async_callback(nc.close)
+        feed = Feed(nc, BucketConfig(b, keys=[">"], max_stale_ms=MAX_STALE_MS), replica, heartbeat_s=1.0)
+        heard = {"on": True}
+        feed.follow_relay(subject, lambda seconds: heard["on"])
+        await feed.start()
+        stack.push_async_callback(feed.stop)
+        await feed.wait_synced(30)
+
+        async def mode(want: str, consumers: int) -> bool:
+            return feed.follow_mode == want and len(await _consumers(admin, b)) == consumers
+        await until(lambda: mode("relay", 1), 30, "following the relay")
+        seq = await kv.put("b", b"2")
+        await until(lambda: feed.meta.applied_seq >= seq, 10, "a put through the relay")
+        heard["on"] = False  # the fleet's relay gone silent
+        t0 = time.monotonic()
+        await until(lambda: mode("consumer", 2), 30, "back to a consumer")
+        print(f"back to a consumer {time.monotonic() - t0:.1f} s after the relay went unheard "
+              f"(period {feed.watch_period():.2f} s)")
+        assert feed.follow_ends["relay"] == 1
+        seq = await kv.put("c", b"3")
+        await until(lambda: feed.meta.applied_seq >= seq and feed.fresh_within(MAX_STALE_MS), 10,
+                    "a put through the consumer")
+        heard["on"] = True
+        feed.relay_heard()
+        await until(lambda: mode("relay", 1), 30, "following the relay again")
+        seq = await kv.put("d", b"4")
+        await until(lambda: feed.meta.applied_seq >= seq, 10, "a put through the relay again")
+        state = {}
+        for _, key in replica.iter_keys(b):
+            rec = replica.get(b, key)
+            if rec is not None:
+                state[rec.key] = (rec.value, rec.revision)
+        assert state == await upstream_state(kv)
