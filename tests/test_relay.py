@@ -341,9 +341,10 @@ async def _only(js, stream: str, name: str) -> bool:
 # ----------------------------------------------------------------------------- whole sidecars
 
 async def test_sidecars_with_relays_on_elect_one_and_hand_it_over(nats_server, tmp_path):
-    """Two sidecars (in this process) with relays on, one bucket with no RePublish: one relays,
-    INFO says which, a put reaches the changes subject; the relay stopped (gracefully), the
-    other takes over and the stream holds only its consumer named for a relay."""
+    """Two sidecars (in this process) with relays on, one bucket with no RePublish (and Direct
+    Get allowed, which the followers fill gaps with): one relays, INFO says which, a put
+    reaches the changes subject; the relay stopped (gracefully), the other takes over and the
+    stream holds only its consumer named for a relay."""
     from kvcache.config_sources import load as load_config
     from kvcache.sidecar import Sidecar
 
@@ -353,7 +354,7 @@ async def test_sidecars_with_relays_on_elect_one_and_hand_it_over(nats_server, t
     sidecars: list[Sidecar] = []
     try:
         js = admin.jetstream()
-        kv = await js.create_key_value(KeyValueConfig(bucket=b, history=64))
+        kv = await js.create_key_value(KeyValueConfig(bucket=b, history=64, direct=True))
         await kv.put("a", b"1")
         seen = _Collect()
         await admin.subscribe(changes_subject(None, b), cb=seen.add)
