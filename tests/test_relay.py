@@ -382,6 +382,11 @@ async def test_sidecars_with_relays_on_elect_one_and_hand_it_over(nats_server, t
             samples = await _relay_samples(s, b)
             assert samples["kvcache_relay_active"] == (s is first)
             assert (samples["kvcache_relay_messages_total"] >= 1) == (s is first)
+        # every feed follows the relay's subject, the relay's own too: its consumer is the only one
+        await until(lambda: all(s.feeds[b].follow_mode == "relay" for s in sidecars), what="both following the relay")
+        for s in sidecars:
+            assert await _follow_samples(s, b) == {"relay": 1.0}
+        assert len(await js.consumers_info(stream)) == 1
         await first.stop()
         other = next(s for s in sidecars if s is not first)
         await until(lambda: relaying() == [other], what="the other sidecar relaying")
@@ -405,6 +410,17 @@ async def _relay_samples(sidecar, bucket: str) -> dict[str, float]:
     assert status == 200
     return {s.name: s.value for fam in text_string_to_metric_families(body) for s in fam.samples
             if s.name.startswith("kvcache_relay_") and s.labels.get("bucket") == bucket}
+
+
+async def _follow_samples(sidecar, bucket: str) -> dict[str, float]:
+    """The sidecar's kvcache_feed_follow samples for `bucket`, by `source`."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from support.scrape import http_get
+
+    status, body = await asyncio.to_thread(http_get, sidecar.stats.metrics_listen, "/metrics")
+    assert status == 200
+    return {s.labels["source"]: s.value for fam in text_string_to_metric_families(body) for s in fam.samples
+            if s.name == "kvcache_feed_follow" and s.labels.get("bucket") == bucket}
 
 
 async def test_the_relay_consumer_is_placed_on_the_stream_leader(nats_cluster):
