@@ -69,14 +69,16 @@ def _relaying(fleet: list, bucket: str) -> list:
     return [sc for sc in fleet if _row(sc, bucket).get("relaying") == 1]
 
 
-async def _write_and_read(kv, bucket: str, sc, n: int) -> tuple[int, int]:
-    """`n` puts (and a delete every 10th) on the bucket, each followed by a read of an earlier
-    key through `sc`; every read judged against the acknowledged writes: (stale, regressions)."""
+async def _write_and_read(kv, bucket: str, sc, n: int, min_s: float = 0.0) -> tuple[int, int]:
+    """`n` puts at least, for `min_s` seconds at least (and a delete every 10th) on the bucket,
+    each followed by a read of an earlier key through `sc`; every read judged against the
+    acknowledged writes: (stale, regressions)."""
     acks: list[tuple[str, int, int, float]] = []
     reads: list[Read] = []
     r = redis.Redis(unix_socket_path=sc.socket, socket_timeout=10)
     t0 = time.monotonic()
-    for i in range(n):
+    i = 0
+    while i < n or time.monotonic() - t0 < min_s:
         key = f"k.{i % 100}"
         rev = await kv.put(key, b"%d" % i)
         acks.append((key, i, rev, time.monotonic()))
@@ -87,6 +89,7 @@ async def _write_and_read(kv, bucket: str, sc, n: int) -> tuple[int, int]:
         value = r.get(f"{bucket}:{read_key}")
         reads.append(Read(1, "get", read_key, sent, time.monotonic(), "nil" if value is None else "ok",
                           -1 if value is None else int(value)))
+        i += 1
     verdict = judge(Acks.of(acks), reads, MAX_STALE_MS, (t0, time.monotonic()), t0)
     print(f"{len(reads)} reads through {sc.data_dir.name}: {len(verdict.stale)} stale beyond {MAX_STALE_MS} ms "
           f"(worst {verdict.worst_stale}), {len(verdict.regressions)} regressions")
@@ -159,10 +162,11 @@ async def test_relay_off_keeps_a_consumer_per_sidecar(nats_server, sidecars):
         await nc.close()
 
 
-async def test_a_follower_behind_a_lossy_link_fills_its_gaps(nats_server, sidecars):
-    """2 sidecars; the second connected through a proxy dropping 1% of `kvcache.changes.>`:
-    its gaps are filled by Direct Get, its replica ends equal to the stream, no stale read,
-    still one consumer."""
+@pytest.mark.parametrize("loss", ["1% dropped", "all dropped for 5 s"])
+async def test_a_follower_behind_a_lossy_link_fills_its_gaps(nats_server, sidecars, loss):
+    """2 sidecars; the second connected through a proxy dropping 1% of `kvcache.changes.>`
+    (or all of it for 5 s): its gaps are filled by Direct Get, its replica ends equal to the
+    stream, no stale read, still one consumer, and it never went back to a consumer."""
     from support.lossy_proxy import LossyProxy
 
     b = new_bucket()
@@ -173,20 +177,24 @@ async def test_a_follower_behind_a_lossy_link_fills_its_gaps(nats_server, sideca
         [direct] = _fleet(sidecars, nats_server.url, b, 1)
         direct.start(wait_synced=False)
         await _one_relay_followed(nc, b, [direct])
-        with LossyProxy(nats_server.port, ["kvcache.changes.>"], drop=0.01, seed=11) as px:
+        window = not loss.startswith("1%")
+        with LossyProxy(nats_server.port, ["kvcache.changes.>"], drop=0.0 if window else 0.01, seed=11) as px:
             lossy = sidecars(px.url, b, name="lossy")
             lossy.args += FLAGS
             lossy.start(wait_synced=False)
             await _one_relay_followed(nc, b, [direct, lossy])
             assert _relaying([direct, lossy], b) == [direct]
-            stale, regressions = await _write_and_read(kv, b, lossy, 1500)
+            if window:
+                px.drop_all(5.0)
+            stale, regressions = await _write_and_read(kv, b, lossy, 1500, 6.0 if window else 0.0)
             await converged(lossy, kv, b, timeout=60)
             row = _row(lossy, b)
-            print(f"{len(px.dropped)} dropped by the proxy, {row['gaps_filled']} gaps filled with "
+            print(f"{loss}: {len(px.dropped)} dropped by the proxy, {row['gaps_filled']} gaps filled with "
                   f"{row['gap_fill_messages']} messages in {row['gap_fill_ms']} ms")
             assert (stale, regressions) == (0, 0)
             assert px.dropped and row["gaps_filled"] >= 1
             assert row["follow"] == "relay" and len(await _consumers(nc, b)) == 1
+            assert "back to a consumer" not in lossy.log()
         await converged(direct, kv, b)
     finally:
         await nc.close()
