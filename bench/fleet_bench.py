@@ -3,6 +3,7 @@
     python bench/fleet_bench.py --sizes 10,30 --buckets 2 --keys 2000 --rate 50 --window 30
     python bench/fleet_bench.py --sizes 2,3 --window 5 --skip-storm --skip-rolling   # a quick look
     python bench/fleet_bench.py --sizes 10,30 --republish    # buckets whose streams RePublish
+    python bench/fleet_bench.py --sizes 10,30 --relay        # no RePublish: the fleet's relay
 
 A 3-node JetStream cluster on 127.0.0.1 (tests/support/topology.py) holds `--buckets` R3
 buckets of `--keys` keys (100-byte values). For each fleet size N of `--sizes`, in the same run:
@@ -309,9 +310,11 @@ class ApiCounter:
 class Control:
     """The bench's own connection (not counted): buckets, stream state, and the writer."""
 
-    def __init__(self, urls: list[str], buckets: list[str], keys: int, republish: bool = False) -> None:
+    def __init__(self, urls: list[str], buckets: list[str], keys: int, republish: bool = False,
+                 direct: bool = False) -> None:
         self.urls, self.buckets, self.keys = urls, buckets, keys
         self.republish = republish
+        self.direct = direct
         self.nc = None
         self.js = None
         self.kvs: dict = {}
@@ -333,6 +336,8 @@ class Control:
         for b in self.buckets:
             extra = ({"republish": RePublish(src=f"$KV.{b}.>", dest=REPUBLISH_DEST.format(bucket=b))}
                      if self.republish else {})
+            if self.direct:
+                extra["direct"] = True
             kv = await replicated_kv(self.js, bucket=b, history=1, replicas=3, **extra)
             self.kvs[b] = kv
             for i in range(0, self.keys, 250):
@@ -1332,6 +1337,9 @@ def main() -> int:
                    help="make the buckets with RePublish ($KV.<bucket>.> onto "
                         f"{REPUBLISH_DEST.format(bucket='<bucket>')}); the plain watchers are then core "
                         "subscribers to it")
+    p.add_argument("--relay", action="store_true",
+                   help="make the buckets with Direct Get allowed (as `nats kv add` does), which the sidecars' "
+                        "fleet relay needs (on by default; --sidecar-settings '... --no-relay': off)")
     p.add_argument("--skip-storm", action="store_true")
     p.add_argument("--skip-rolling", action="store_true")
     p.add_argument("--sidecar-src", type=Path, default=None, metavar="DIR",
@@ -1362,7 +1370,7 @@ def main() -> int:
     t_start = time.monotonic()
     try:
         cluster = start_cluster(work / "nats", n=3, domain=None, name="fleet")
-        ctl = Control(cluster.urls, buckets, a.keys, republish=a.republish)
+        ctl = Control(cluster.urls, buckets, a.keys, republish=a.republish, direct=a.relay)
         bg.run(ctl.connect(), 30)
         bg.run(api.start(cluster.urls), 30)
         t0 = time.monotonic()

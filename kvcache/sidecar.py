@@ -22,10 +22,11 @@ from .feed.changes import ChangeHub
 from .feed.consumer import deletions_done
 from .feed.feed import Feed
 from .feed.fleet import StateShare
+from .feed.follow import republish_subject
 from .feed.freshness import SILENT_HEARTBEATS
 from .feed.names import consumer_name, relay_name, sidecar_id
 from .feed.quorum import NO_FENCE
-from .feed.relay import RelayElection
+from .feed.relay import RelayElection, changes_subject
 from .feed.statepoll import SHARED_FROM, StatePoll
 from .natsio import jetstream as jsapi
 from .natsio.embedded import EmbeddedNats
@@ -75,11 +76,11 @@ class Sidecar:
     embedded nats-server, a feed's fatal error, signals) and stops them in reverse order,
     whatever state each is in. Nothing below it holds a reference back to it."""
 
-    def __init__(self, cfg: Config, relay: bool = False) -> None:
+    def __init__(self, cfg: Config, relay: bool | None = None) -> None:
         self.cfg = cfg
         # Take part in the fleet's relays (kvcache.feed.relay) for the buckets whose stream has
-        # no RePublish of its own. Off until the followers of the relayed subject are in.
-        self.relay = relay
+        # no usable RePublish of its own, and follow them: the `relay` setting, unless given.
+        self.relay = cfg.relay if relay is None else relay
         self.relays: RelayElection | None = None
         self.stats = Stats()
         self.embedded: EmbeddedNats | None = None
@@ -251,15 +252,20 @@ class Sidecar:
         gc.freeze()
 
     async def _join_relays(self, nc: NatsConnection, sid: str, timeout: float) -> None:
-        """Stand for the relay of each bucket whose stream does not RePublish (a stream that
-        does serves the fleet itself). A sidecar relays only while its replica is synced, from
-        its applied sequence; the relay's lag counts from the newest sequence its feed saw."""
+        """Stand for the relay of each bucket whose stream has no usable RePublish (a stream
+        that has one serves the fleet itself) and allows Direct Get (how a follower fills what
+        core NATS dropped: without it every gap would cost a consumer), and follow the relay's
+        subject whenever one is heard: the relay's own feed too, so that the cluster holds one
+        consumer per bucket for the whole fleet. A sidecar relays only while its replica is
+        synced, from its applied sequence; the relay's lag counts from the newest sequence its
+        feed saw."""
         relays = self.relays = RelayElection(nc, sid=sid, name=relay_name(sid),
                                              heartbeat_s=self.cfg.heartbeat_ms / 1000, timeout=timeout)
         for name, feed in self.feeds.items():
-            if feed.stream_config.get("republish"):
+            if republish_subject(feed.stream_config, name) is not None or not feed.stream_config.get("allow_direct"):
                 continue
-            await relays.follow(name, feed.watch_period(), *_relay_views(feed))
+            feed.follow_relay(changes_subject(relays.domain, name), functools.partial(relays.heard_within, name))
+            await relays.follow(name, feed.watch_period(), *_relay_views(feed), on_relay=feed.relay_heard)
 
     # ------------------------------------------------------------------ workers
 

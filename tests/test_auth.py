@@ -39,10 +39,11 @@ def kv_permissions(bucket: str = BUCKET, strong_reads: bool = True) -> tuple[lis
     s = f"KV_{bucket}"
     pub = [f"$JS.API.STREAM.INFO.{s}", f"$JS.API.CONSUMER.CREATE.{s}.>", f"$JS.API.CONSUMER.MSG.NEXT.{s}.>",
            f"$JS.API.CONSUMER.DELETE.{s}.>", f"$JS.API.DIRECT.GET.{s}", f"$JS.API.DIRECT.GET.{s}.>",
-           f"kvcache.state._.{bucket}"]
+           f"kvcache.state._.{bucket}", f"kvcache.relay._.{bucket}", f"kvcache.changes._.{bucket}"]
     if strong_reads:
         pub.append(f"$JS.API.STREAM.MSG.GET.{s}")
-    sub = ["_INBOX.>", f"$JS.API.STREAM.PURGE.{s}", f"$JS.API.STREAM.MSG.DELETE.{s}", f"kvcache.state._.{bucket}"]
+    sub = ["_INBOX.>", f"$JS.API.STREAM.PURGE.{s}", f"$JS.API.STREAM.MSG.DELETE.{s}", f"kvcache.state._.{bucket}",
+           f"kvcache.relay._.{bucket}", f"kvcache.changes._.{bucket}"]
     return pub, sub
 
 

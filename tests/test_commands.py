@@ -579,10 +579,13 @@ def test_info(env, r, kc):
     assert all(v in ("native", "twin") and (expected is None or v == expected) for v in info["native"].values())
     buckets = r.info("buckets")
     assert set(buckets) == {"main", "second", "nodirect", "many"}
-    for _name, row in buckets.items():
+    for name, row in buckets.items():
+        # the fleet relay's fields on the buckets this sidecar stands for it: those whose stream
+        # allows Direct Get (the relay's followers fill gaps with it)
+        relay = set() if name == "nodirect" else {"relaying", "relayed", "relay_lag", "relay_role_changes"}
         assert set(row) == {"synced", "keys", "applied_seq", "upstream_seq", "lag_ms", "max_stale_ms",
                             "unwritable_ms", "resyncs", "removed_upstream", "state_polls", "state_shared",
-                            "follow", "gaps_filled", "gap_fill_messages", "gap_fill_ms"}
+                            "follow", "gaps_filled", "gap_fill_messages", "gap_fill_ms"} | relay, name
         assert row["synced"] == 1 and row["resyncs"] == 0
         assert row["upstream_seq"] >= row["applied_seq"]
     assert buckets["second"]["keys"] >= 2 and buckets["many"]["keys"] == 0

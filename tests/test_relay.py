@@ -341,9 +341,10 @@ async def _only(js, stream: str, name: str) -> bool:
 # ----------------------------------------------------------------------------- whole sidecars
 
 async def test_sidecars_with_relays_on_elect_one_and_hand_it_over(nats_server, tmp_path):
-    """Two sidecars (in this process) with relays on, one bucket with no RePublish: one relays,
-    INFO says which, a put reaches the changes subject; the relay stopped (gracefully), the
-    other takes over and the stream holds only its consumer named for a relay."""
+    """Two sidecars (in this process) with relays on, one bucket with no RePublish (and Direct
+    Get allowed, which the followers fill gaps with): one relays, INFO says which, a put
+    reaches the changes subject; the relay stopped (gracefully), the other takes over and the
+    stream holds only its consumer named for a relay."""
     from kvcache.config_sources import load as load_config
     from kvcache.sidecar import Sidecar
 
@@ -353,7 +354,7 @@ async def test_sidecars_with_relays_on_elect_one_and_hand_it_over(nats_server, t
     sidecars: list[Sidecar] = []
     try:
         js = admin.jetstream()
-        kv = await js.create_key_value(KeyValueConfig(bucket=b, history=64))
+        kv = await js.create_key_value(KeyValueConfig(bucket=b, history=64, direct=True))
         await kv.put("a", b"1")
         seen = _Collect()
         await admin.subscribe(changes_subject(None, b), cb=seen.add)
@@ -381,6 +382,11 @@ async def test_sidecars_with_relays_on_elect_one_and_hand_it_over(nats_server, t
             samples = await _relay_samples(s, b)
             assert samples["kvcache_relay_active"] == (s is first)
             assert (samples["kvcache_relay_messages_total"] >= 1) == (s is first)
+        # every feed follows the relay's subject, the relay's own too: its consumer is the only one
+        await until(lambda: all(s.feeds[b].follow_mode == "relay" for s in sidecars), what="both following the relay")
+        for s in sidecars:
+            assert await _follow_samples(s, b) == {"relay": 1.0}
+        assert len(await js.consumers_info(stream)) == 1
         await first.stop()
         other = next(s for s in sidecars if s is not first)
         await until(lambda: relaying() == [other], what="the other sidecar relaying")
@@ -404,6 +410,17 @@ async def _relay_samples(sidecar, bucket: str) -> dict[str, float]:
     assert status == 200
     return {s.name: s.value for fam in text_string_to_metric_families(body) for s in fam.samples
             if s.name.startswith("kvcache_relay_") and s.labels.get("bucket") == bucket}
+
+
+async def _follow_samples(sidecar, bucket: str) -> dict[str, float]:
+    """The sidecar's kvcache_feed_follow samples for `bucket`, by `source`."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from support.scrape import http_get
+
+    status, body = await asyncio.to_thread(http_get, sidecar.stats.metrics_listen, "/metrics")
+    assert status == 200
+    return {s.labels["source"]: s.value for fam in text_string_to_metric_families(body) for s in fam.samples
+            if s.name == "kvcache_feed_follow" and s.labels.get("bucket") == bucket}
 
 
 async def test_the_relay_consumer_is_placed_on_the_stream_leader(nats_cluster):

@@ -50,12 +50,18 @@ from .follow import FollowEnded, Follower, republish_subject
 from .freshness import Freshness
 from .position import Position
 from .quorum import ANCHOR_MAX_BYTES, NO_FENCE, QUORUM_HEARTBEAT_S, Evidence, Fence
+from .relay import HEARD_WITHIN_PERIODS
 from .sweeps import Maintenance
 from .unwritable import Unwritable
 
 log = logging.getLogger("kvcache.feed")
 
 META_TOUCH_INTERVAL_NS = 1_000_000_000
+# A follower of the fleet's relay that has heard no relay for this many state-poll periods
+# goes back to its own consumer (a new relay is elected within about 2.5 of them).
+RELAY_SILENT_PERIODS = 3.0
+# How the log lines name each core subject a feed follows
+_SOURCES = {"republish": "stream's RePublish", "relay": "fleet relay's"}
 
 
 class Feed(Maintenance):
@@ -113,6 +119,11 @@ class Feed(Maintenance):
         self._follower: Follower | None = None
         self._handoff = asyncio.Event()
         self._republish_denied = False  # the server refused the subscription: keep a consumer
+        # The fleet's relay for a bucket whose stream has no usable RePublish (kvcache.feed.relay,
+        # set by the sidecar with `follow_relay`): its changes subject, and whether a relay was
+        # heard within so many seconds (or this sidecar relays the bucket itself).
+        self.relay_subject: str | None = None
+        self._relay_heard: Callable[[float], bool] | None = None
         self.follow_received = 0     # messages received on the RePublish subject
         self.follow_duplicates = 0   # ...at or below the replica's position (or twice)
         self.follow_foreign = 0      # ...not of this stream (ignored)
@@ -522,10 +533,11 @@ class Feed(Maintenance):
                 if run.done():
                     run.result()
                     return None
-                subject = self._republish_subject()
-                if subject is None or not self.freshness.caught_up or self._full:
+                source = self._follow_source()
+                if source is None or not self.freshness.caught_up or self._full:
                     continue  # (a RePublish added later is seen in a state answer: note_evidence)
-                follower = Follower(self, subject)
+                subject, mode = source
+                follower = Follower(self, subject, mode, alive=self._relay_alive if mode == "relay" else None)
                 try:
                     await follower.subscribe()
                 except asyncio.CancelledError:
@@ -533,8 +545,8 @@ class Feed(Maintenance):
                     raise
                 except Exception as e:
                     await follower.close()
-                    log.warning("bucket %s: cannot subscribe to the stream's RePublish subject %s (%s): "
-                                "keeping the consumer", self.bucket, subject, e)
+                    log.warning("bucket %s: cannot subscribe to the %s subject %s (%s): keeping the consumer",
+                                self.bucket, _SOURCES[mode], subject, e)
                     await run
                     return None
                 if self._republish_denied:  # the server's refusal comes before the subscription's round trip ends
@@ -559,13 +571,13 @@ class Feed(Maintenance):
         ages it, as a consumer's missing heartbeats would."""
         if self._republish_denied:  # refused after the subscription's round trip, before now
             await follower.close()
-            raise FollowEnded("permission denied on the RePublish subject", "denied")
+            raise FollowEnded(f"permission denied on the {_SOURCES[follower.mode]} subject", "denied")
         self._consumer = None
         self._follower = follower
         self.freshness.expect_heartbeats(self.follow_period())
         self._state()
-        log.info("bucket %s: following the stream's RePublish subject %s, with no consumer",
-                 self.bucket, follower.subject)
+        log.info("bucket %s: following the %s subject %s, with no consumer",
+                 self.bucket, _SOURCES[follower.mode], follower.subject)
         try:
             await follower.follow()
         finally:
@@ -602,21 +614,19 @@ class Feed(Maintenance):
         violation): if it is this feed's RePublish subject, the feed stops following it and
         keeps a consumer from now on (one warning). False when the subject is not ours."""
         follower = self._follower
-        ours = follower.subject if follower is not None else republish_subject(self.stream_config, self.bucket)
-        if subject != ours:
+        ours = {follower.subject} if follower is not None else {
+            republish_subject(self.stream_config, self.bucket), self.relay_subject}
+        if subject not in ours:
             return False
+        what = _SOURCES["relay" if subject == self.relay_subject else "republish"]
         if not self._republish_denied:
             self._republish_denied = True
-            log.warning("bucket %s: NATS permission denied: subscribe to \"%s\" (the stream's RePublish "
-                        "subject): the bucket keeps a consumer of its own (README: Permissions)",
-                        self.bucket, subject)
+            log.warning("bucket %s: NATS permission denied: subscribe to \"%s\" (the %s subject): "
+                        "the bucket keeps a consumer of its own (README: Permissions)",
+                        self.bucket, subject, what)
         if follower is not None:
-            follower.fail("permission denied on the RePublish subject", "denied")
+            follower.fail(f"permission denied on the {what} subject", "denied")
         return True
-
-    def _republish_subject(self) -> str | None:
-        """The RePublish subject to follow the stream on (kvcache.feed.follow), if any."""
-        return None if self._republish_denied else republish_subject(self.stream_config, self.bucket)
 
     def _republish_seen(self, info: dict) -> None:
         """A state answer of the stream: a RePublish the operator added (or changed) since the
@@ -625,13 +635,50 @@ class Feed(Maintenance):
         if republish == self.stream_config.get("republish") or not self.same_stream(info):
             return
         self.stream_config = {**self.stream_config, "republish": republish}
-        if self.freshness.caught_up and not self._full and self._republish_subject() is not None:
+        if self.freshness.caught_up and not self._full and self._follow_source() is not None:
             self._handoff.set()
 
     @property
     def follow_mode(self) -> str:
-        """How the feed follows its stream now: `republish` (no consumer) or `consumer`."""
-        return "republish" if self._follower is not None else "consumer"
+        """How the feed follows its stream now: `republish` or `relay` (a core subject, no
+        consumer), or `consumer`."""
+        follower = self._follower
+        return follower.mode if follower is not None else "consumer"
+
+    def follow_relay(self, subject: str, heard: Callable[[float], bool]) -> None:
+        """Follow the fleet's relay of this bucket (kvcache.feed.relay) on `subject` whenever
+        `heard(seconds)` says a relay was heard within HEARD_WITHIN_PERIODS state-poll periods
+        and the stream has no usable RePublish of its own (which comes first). The sidecar sets
+        it when it stands in the bucket's relay election."""
+        self.relay_subject = subject
+        self._relay_heard = heard
+
+    def relay_heard(self) -> None:
+        """A relay of this bucket was heard (or this sidecar took the role): a caught-up
+        consumer hands over to the relay's subject now, not at its next batch."""
+        if self._follower is None and self.freshness.caught_up and not self._full \
+                and self._follow_source() is not None:
+            self._handoff.set()
+
+    def _follow_source(self) -> tuple[str, str] | None:
+        """The core subject to follow the stream on with no consumer, and its mode: the
+        stream's usable RePublish, else the fleet's relay while one is heard; None: a consumer."""
+        if self._republish_denied:
+            return None
+        subject = republish_subject(self.stream_config, self.bucket)
+        if subject is not None:
+            return subject, "republish"
+        heard = self._relay_heard
+        if self.relay_subject is not None and heard is not None and heard(HEARD_WITHIN_PERIODS * self.watch_period()):
+            return self.relay_subject, "relay"
+        return None
+
+    def _relay_alive(self) -> bool:
+        """May a follower of the relay's subject go on? Not once no relay has been heard for
+        RELAY_SILENT_PERIODS periods (and this sidecar does not relay): the feed goes back to
+        its own consumer rather than age, and hands over again when a relay is heard."""
+        heard = self._relay_heard
+        return heard is not None and heard(RELAY_SILENT_PERIODS * self.watch_period())
 
     def _new_consumer(self) -> PullConsumer:
         start = None if self._full else self.meta.applied_seq + 1
@@ -834,7 +881,7 @@ class Feed(Maintenance):
             m.synced = True
             self.replica.put_meta(self.bucket, m)
         self._synced_event.set()
-        if self._republish_subject() is not None:
+        if self._follow_source() is not None:
             self._handoff.set()  # a consumer caught up: the feed may follow without it (_consume)
         if self._reconcile_pending:
             self._reconcile_pending = False

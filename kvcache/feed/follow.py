@@ -28,6 +28,11 @@ consumer (deleted, not left to the server's reaper), and a `Follower` applies wh
   the position. For a replicated stream the quorum's evidence bounds the age as before
   (kvcache.feed.freshness): a replica that missed messages is behind, never fresh.
 
+The fleet's relay (kvcache.feed.relay) publishes a stream with no usable RePublish in the same
+shape on `kvcache.changes.<domain or _>.<bucket>`: a Follower in mode `relay` follows that
+subject exactly so, and also ends when no relay has been heard for a while (`alive`), so that
+a fleet whose relay went away takes consumers again rather than ageing.
+
 Anyone allowed to publish on the RePublish subject can inject messages the follower would
 apply: the subject must be publishable by the server only (README, permissions).
 """
@@ -38,6 +43,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import nats.errors
@@ -68,7 +74,7 @@ GRACE_MIN_S = 0.05
 # How often a follower with nothing to do looks at its grace deadlines anyway.
 IDLE_CHECK_S = 1.0
 # Why a follower ended (a metrics label, kvcache.ops.metrics): the feed went back to a consumer.
-FOLLOW_END_REASONS = ("fill", "buffer", "connection", "stream_changed", "republish_changed", "denied")
+FOLLOW_END_REASONS = ("fill", "buffer", "connection", "stream_changed", "republish_changed", "denied", "relay")
 
 _HMsg = proto.HMsg
 _MAPPING = re.compile(r"\{\{.*\}\}|\$\d")
@@ -154,9 +160,15 @@ class Follower:
     hands it each state answer of the stream; `fail()` ends it from outside (a lost
     connection)."""
 
-    def __init__(self, feed: FollowedFeed, subject: str) -> None:
+    def __init__(self, feed: FollowedFeed, subject: str, mode: str = "republish",
+                 alive: Callable[[], bool] | None = None) -> None:
         self.feed = feed
         self.subject = subject
+        # `republish`: the stream's own RePublish subject; `relay`: the fleet relay's
+        # (kvcache.feed.relay), the same shape, which `alive` says is still relayed (checked
+        # every IDLE_CHECK_S: once it is not, the follower ends and the feed takes a consumer).
+        self.mode = mode
+        self.alive = alive
         self.nc: NatsConnection = feed.nc
         self._sid: int | None = None
         self._sub: Subscription | None = None
@@ -201,6 +213,8 @@ class Follower:
         while True:
             if self._ended is not None:
                 raise self._ended
+            if self.alive is not None and not self.alive():
+                raise FollowEnded("no relay heard", "relay")
             end = self._gap_end()
             if end:
                 await self._fill(end)
@@ -324,7 +338,8 @@ class Follower:
         if not feed.same_stream(info):
             self.fail("the stream was recreated", "stream_changed")
             return
-        if republish_subject(info.get("config") or {}, feed.bucket) != self.subject:
+        republished = republish_subject(info.get("config") or {}, feed.bucket)
+        if republished != (self.subject if self.mode == "republish" else None):
             self.fail("the stream's RePublish changed", "republish_changed")
             return
         last = int((info.get("state") or {}).get("last_seq", 0) or 0)

@@ -370,6 +370,8 @@ class Seat:
     last_beat: float = 0.0
     role_changes: int = 0
     relayed: int = 0                # by this sidecar's relays before the current one
+    last_heard: float = float("-inf")  # when a relay's beat last came (kept when it leaves)
+    on_relay: Callable[[], None] | None = None  # told when a relay is heard or this sidecar takes the role
     missed: int = 0                 # deliveries its relays' client did not receive (the followers fill them)
 
     @property
@@ -399,9 +401,13 @@ class RelayElection:
         self._loops: list[asyncio.Task] = []
 
     async def follow(self, bucket: str, period: float, position: Callable[[], int],
-                     eligible: Callable[[], bool], newest: Callable[[], int] | None = None) -> None:
-        """Take part in `bucket`'s election, deciding every quarter `period`."""
-        seat = Seat(bucket, period, position, eligible, newest or (lambda: 0), silent_since=self._clock())
+                     eligible: Callable[[], bool], newest: Callable[[], int] | None = None,
+                     on_relay: Callable[[], None] | None = None) -> None:
+        """Take part in `bucket`'s election, deciding every quarter `period`; `on_relay` is
+        called at each beat of a relay and when this sidecar takes the role (its feed may
+        then follow the relay's subject: kvcache.feed.feed.Feed.follow_relay)."""
+        seat = Seat(bucket, period, position, eligible, newest or (lambda: 0), silent_since=self._clock(),
+                    on_relay=on_relay)
         self.seats[bucket] = seat
 
         async def on_beat(msg) -> None:
@@ -412,6 +418,16 @@ class RelayElection:
     def relaying(self, bucket: str) -> bool:
         seat = self.seats.get(bucket)
         return seat is not None and seat.relaying
+
+    def heard_within(self, bucket: str, seconds: float) -> bool:
+        """Is `bucket` relayed for the fleet, as far as this sidecar knows: it relays it
+        itself, or a relay's beat came within `seconds`?"""
+        seat = self.seats.get(bucket)
+        if seat is None:
+            return False
+        if seat.relaying:
+            return True
+        return self._clock() - seat.last_heard <= seconds
 
     def relayed(self, bucket: str) -> int:
         seat = self.seats[bucket]
@@ -488,7 +504,9 @@ class RelayElection:
         now = self._clock()
         seat.previous_last = last
         if relaying:
-            seat.heard[sender] = now
+            seat.heard[sender] = seat.last_heard = now
+            if seat.on_relay is not None:
+                seat.on_relay()
         elif seat.heard.pop(sender, None) is not None:
             # a relay left: if it was the only one heard, the silence is as long as a lost
             # relay's would be by now
@@ -548,6 +566,8 @@ class RelayElection:
         log.info("bucket %s: relaying for the fleet (from sequence %d)", seat.bucket, start)
         await self._beat(seat, True)  # the others back off before the consumer exists
         seat.task = asyncio.get_running_loop().create_task(seat.relay.run(), name=f"relay-run:{seat.bucket}")
+        if seat.on_relay is not None:  # its own feed follows the relay's subject too
+            seat.on_relay()
 
     async def _leave(self, seat: Seat, why: str) -> None:
         relay, task = seat.relay, seat.task
@@ -567,6 +587,8 @@ class RelayElection:
         seat.relay, seat.task = None, None
         seat.role_changes += 1
         seat.silent_since = self._clock()  # not again before a full wait
+        # its own feed, following the subject, waits for the next relay as the fleet does
+        seat.last_heard = max(seat.last_heard, seat.silent_since)
         log.info("bucket %s: no longer relaying (%s)", seat.bucket, why)
         await self._beat(seat, False, relay.last_seq)
 

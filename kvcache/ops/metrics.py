@@ -116,7 +116,7 @@ class BucketRow:
     recreations: tuple[int, ...]  # by RECREATION_REASONS
     cache: tuple[int, ...] | None  # keys, bytes, then CACHE_COUNTERS; None: no near cache
     relay: tuple[int, int, int, int] | None = None  # RelayNumbers; None: no part in a fleet relay
-    following: bool = False  # on the stream's RePublish, with no consumer (kvcache.feed.follow)
+    follow: str = "consumer"  # or `republish`, `relay`: a core subject, no consumer (kvcache.feed.follow)
     gaps: int = 0
     gap_messages: int = 0
     gap_seconds: float = 0.0
@@ -266,7 +266,7 @@ class SidecarCollector:
                 tuple(f.resync_reasons[r] for r in RESYNC_REASONS),
                 tuple(f.recreations[r] for r in RECREATION_REASONS),
                 cache, self.relays.numbers(name) if self.relays is not None else None,
-                f.follow_mode == "republish", f.gaps_filled, f.gap_fill_messages, f.gap_fill_seconds,
+                f.follow_mode, f.gaps_filled, f.gap_fill_messages, f.gap_fill_seconds,
                 tuple(f.follow_ends[r] for r in FOLLOW_END_REASONS))
         for p in router.peers():
             snap.peers.append(((p.name, p.bucket, p.stream), int(router.state(p) == "up"), p.stats.ewma_us / 1e6,
@@ -395,9 +395,12 @@ def _replica(snap: Snapshot) -> Iterator[Metric]:
             if n:  # eleven reasons a bucket: only those that happened (resyncs: every one, at 0)
                 recreations.add_metric([bucket, reason], n)
     yield recreations
-    yield _filled(GaugeMetricFamily("kvcache_feed_follow", "1 while the bucket is followed on its stream's "
-                                    "RePublish subject with no consumer, 0 with a consumer", labels=labels),
-                  rows, lambda b: int(b.following))
+    follow = GaugeMetricFamily("kvcache_feed_follow", "1 while the bucket is followed on a core subject with "
+                               "no consumer (source: republish, relay), 0 with a consumer (source: consumer)",
+                               labels=["bucket", "source"])
+    for [bucket], b in rows:
+        follow.add_metric([bucket, b.follow], int(b.follow != "consumer"))
+    yield follow
     yield _filled(CounterMetricFamily("kvcache_feed_gaps", "Gaps in the RePublish subject's sequence found "
                                       "and filled with Direct Get batches", labels=labels), rows, lambda b: b.gaps)
     yield _filled(CounterMetricFamily("kvcache_feed_gap_fill_messages", "Messages applied by gap fills",
