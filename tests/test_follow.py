@@ -62,6 +62,18 @@ async def _no_consumers(nc, bucket: str) -> bool:
     return await _consumers(nc, bucket) == 0
 
 
+async def _followed(stack: AsyncExitStack, url: str, tmp_path, direct: bool = True) -> tuple:
+    """A new bucket with RePublish and one key, its feed synced and following it:
+    (bucket, replica, connection, kv, feed)."""
+    b = new_bucket()
+    replica, nc = await _opened(stack, url, tmp_path, [b])
+    kv = await _kv(nc, b, direct=direct)
+    await kv.put("seed", b"s")
+    feed = await _started(stack, nc, replica, b)
+    await _following(nc, feed)
+    return b, replica, nc, kv, feed
+
+
 def _state(replica: Replica, bucket: str) -> dict[str, tuple[bytes, int]]:
     out = {}
     for _, key in replica.iter_keys(bucket):
@@ -172,13 +184,8 @@ async def test_bucket_without_republish_keeps_its_consumer(nats_server, tmp_path
 async def test_lost_messages_are_filled_by_direct_get(nats_server, tmp_path):
     """Every third message lost on the way: each gap is found from the next message and
     filled by a Direct Get batch; the feed never goes back to a consumer."""
-    b = new_bucket()
     async with AsyncExitStack() as stack:
-        replica, nc = await _opened(stack, nats_server.url, tmp_path, [b])
-        kv = await _kv(nc, b)
-        await kv.put("seed", b"s")
-        feed = await _started(stack, nc, replica, b)
-        await _following(nc, feed)
+        b, replica, nc, kv, feed = await _followed(stack, nats_server.url, tmp_path)
         dropped = _drop_on_follower(nc, feed, lambda seq: seq % 3 == 0)
         for i in range(200):
             await kv.put(f"k.{i % 40}", f"v{i}".encode())
@@ -194,13 +201,8 @@ async def test_lost_messages_are_filled_by_direct_get(nats_server, tmp_path):
 async def test_a_silent_subject_is_filled_from_the_state_answers(nats_server, tmp_path):
     """Everything lost, so no later message shows the gap: the state answers do (their last
     sequence past the replica's, past the grace), and the replica ages meanwhile."""
-    b = new_bucket()
     async with AsyncExitStack() as stack:
-        replica, nc = await _opened(stack, nats_server.url, tmp_path, [b])
-        kv = await _kv(nc, b)
-        await kv.put("seed", b"s")
-        feed = await _started(stack, nc, replica, b)
-        await _following(nc, feed)
+        b, replica, nc, kv, feed = await _followed(stack, nats_server.url, tmp_path)
         dropped = _drop_on_follower(nc, feed, lambda seq: True)
         await kv.put("lost", b"l")
         await _converged(replica, kv, b)
@@ -210,13 +212,8 @@ async def test_a_silent_subject_is_filled_from_the_state_answers(nats_server, tm
 async def test_silence_ages_the_replica(nats_server, tmp_path):
     """No state answers (the poll stopped): a following replica is not vouched for past two
     periods of silence."""
-    b = new_bucket()
     async with AsyncExitStack() as stack:
-        replica, nc = await _opened(stack, nats_server.url, tmp_path, [b])
-        kv = await _kv(nc, b)
-        await kv.put("seed", b"s")
-        feed = await _started(stack, nc, replica, b)
-        await _following(nc, feed)
+        *_, feed = await _followed(stack, nats_server.url, tmp_path)
         await until(lambda: feed.fresh_within(MAX_STALE_MS), 10, "fresh while following")
         assert feed._watch_task is not None
         feed._watch_task.cancel()
@@ -228,13 +225,8 @@ async def test_a_forged_future_sequence_does_not_skip_real_messages(nats_server,
     """A message on the RePublish subject naming a sequence the stream does not hold: the
     fill cannot show the sequences below it absent, so the feed goes back to a consumer from
     its position, and follows again once caught up; the forged value is never applied."""
-    b = new_bucket()
     async with AsyncExitStack() as stack:
-        replica, nc = await _opened(stack, nats_server.url, tmp_path, [b])
-        kv = await _kv(nc, b)
-        await kv.put("seed", b"s")
-        feed = await _started(stack, nc, replica, b)
-        await _following(nc, feed)
+        b, replica, nc, kv, feed = await _followed(stack, nats_server.url, tmp_path)
         last = feed.meta.applied_seq
         await nc.publish(f"rp.{b}.forged", b"evil", headers={
             "Nats-Stream": f"KV_{b}", "Nats-Subject": f"$KV.{b}.forged", "Nats-Sequence": str(last + 1000),
@@ -270,13 +262,8 @@ async def test_filtered_bucket_keeps_only_its_keys(nats_server, tmp_path):
 async def test_no_direct_get_falls_back_to_a_consumer(nats_server, tmp_path):
     """A stream without allow_direct cannot fill a gap by Direct Get: the feed goes back to a
     consumer from its position (it catches up), then follows again with none."""
-    b = new_bucket()
     async with AsyncExitStack() as stack:
-        replica, nc = await _opened(stack, nats_server.url, tmp_path, [b])
-        kv = await _kv(nc, b, direct=False)
-        await kv.put("seed", b"s")
-        feed = await _started(stack, nc, replica, b)
-        await _following(nc, feed)
+        b, replica, nc, kv, feed = await _followed(stack, nats_server.url, tmp_path, direct=False)
         dropped = _drop_on_follower(nc, feed, lambda seq: seq == feed.meta.applied_seq + 1)
         await kv.put("lost", b"l")
         await kv.put("next", b"n")

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import KvcacheError
 from ..natsio import jetstream as jsapi
-from ..natsio.nats_connection import NatsConnection, proto
+from ..natsio.nats_connection import NatsConnection, proto, unsubscribe_quietly
 
 log = logging.getLogger("kvcache.feed")
 
@@ -186,10 +186,7 @@ class PullConsumer:
             # the await below, which a repeated cancel (Feed.stop) may cut short
             if self._requested:
                 _delete_in_background(self)
-            try:
-                await sub.unsubscribe()
-            except Exception:  # the connection may be gone; the server drops the interest anyway
-                pass
+            await unsubscribe_quietly(sub)
 
     def _check_silence(self, now: float) -> None:
         """Lose the consumer if the server has been silent too long: three idle heartbeats,

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from ..config import BucketConfig
 from ..errors import BucketNotFound, ReplicaError, UpstreamError
 from ..natsio import jetstream as jsapi
-from ..natsio.nats_connection import NatsConnection
+from ..natsio.nats_connection import NatsConnection, unsubscribe_quietly
 from ..store.nearcache import NearCache, drop_store
 from ..store.record import decode_key
 from ..store.replica import BucketMeta, Replica
@@ -305,11 +305,7 @@ class Feed(Maintenance):
                 self.on_fatal(exc)
 
     async def stop(self) -> None:
-        for sub in self._api_subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # the connection may be gone already
-                pass
+        await unsubscribe_quietly(*self._api_subs)
         for task in (self._task, self._reconcile_task, self._sweep_task, self._watch_task,
                      self._anchor_task, *self._hint_tasks):
             if task and not task.done():

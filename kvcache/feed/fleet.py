@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from ..natsio.nats_connection import NatsConnection
+from ..natsio.nats_connection import NatsConnection, unsubscribe_quietly
 from .quorum import evidence, needs_quorum
 
 log = logging.getLogger("kvcache.feed")
@@ -97,11 +97,7 @@ class StateShare:
     async def close(self) -> None:
         for task in self._applying.values():
             task.cancel()
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # the connection is closing anyway
-                pass
+        await unsubscribe_quietly(*self._subs)
         self._subs.clear()
 
     def should_poll(self, bucket: str, period: float) -> bool:

@@ -51,7 +51,7 @@ from nats.aio.subscription import Subscription
 
 from ..errors import KvcacheError
 from ..natsio.jetstream import parse_time_ns
-from ..natsio.nats_connection import NatsConnection, proto
+from ..natsio.nats_connection import NatsConnection, proto, unsubscribe_quietly
 from ..natsio.natsproto import AckMeta, Run, fold_delivery
 
 if TYPE_CHECKING:
@@ -196,11 +196,7 @@ class Follower:
         if self._sid is not None:
             self.nc.remove_lane(self._sid)
         sub, self._sub = self._sub, None
-        if sub is not None:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # the connection may be gone; the server drops the interest anyway
-                pass
+        await unsubscribe_quietly(sub)
 
     def fail(self, message: str, reason: str) -> None:
         if self._ended is None:

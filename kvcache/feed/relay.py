@@ -53,7 +53,7 @@ from typing import NamedTuple
 
 from ..errors import KvcacheError
 from ..natsio import jetstream as jsapi
-from ..natsio.nats_connection import NatsConnection
+from ..natsio.nats_connection import NatsConnection, unsubscribe_quietly
 from ..natsio.natsproto import parse_ack
 from .consumer import NAME_TAKEN, PULL_MAX_BYTES, REQUEST_ENDED
 
@@ -179,10 +179,7 @@ class Relay:
                     await self._pull(inbox)
         finally:
             self._done = True
-            try:
-                await sub.unsubscribe()
-            except Exception:  # the connection may be gone; the server drops the interest anyway
-                pass
+            await unsubscribe_quietly(sub)
             if self._created:
                 # shielded: a cancelled run (the sidecar stopping) still deletes its consumer
                 await asyncio.shield(self._delete(1.0))
@@ -460,11 +457,7 @@ class RelayElection:
         for seat in self.seats.values():
             if seat.relaying:
                 await self._leave(seat, "stopping")
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # the connection is closing anyway
-                pass
+        await unsubscribe_quietly(*self._subs)
         self._subs.clear()
 
     # ------------------------------------------------------------------ the decision

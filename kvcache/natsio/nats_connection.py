@@ -118,6 +118,19 @@ class _Parser:
             lane[1](batch)
 
 
+
+async def unsubscribe_quietly(*subs) -> None:
+    """Each subscription's interest withdrawn (None: none to withdraw). One whose connection is
+    gone or closing is left be: the server drops a closed connection's interest by itself, and
+    a stop must go on."""
+    for sub in subs:
+        if sub is None:
+            continue
+        try:
+            await sub.unsubscribe()
+        except Exception:  # the connection may be gone
+            pass
+
 def _expire(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_exception(nats.errors.TimeoutError())
