@@ -53,6 +53,21 @@ def _fleet(sidecars, url: str, bucket: str, n: int, extra: list[str] | None = No
     return made
 
 
+async def _seeded(nc, bucket: str, keys: int):
+    """The bucket made (Direct Get on, no RePublish) with keys k.0 .. k.<keys-1>: its KV handle."""
+    kv = await _kv(nc, bucket)
+    for i in range(keys):
+        await kv.put(f"k.{i}", b"%d" % i)
+    return kv
+
+
+def _started(fleet: list) -> list:
+    """Every sidecar of `fleet` started, not waiting for their sync (the tests wait on the relay)."""
+    for sc in fleet:
+        sc.start(wait_synced=False)
+    return fleet
+
+
 async def _one_relay_followed(nc, bucket: str, fleet: list) -> None:
     """Until every sidecar of `fleet` follows the relay's subject and the stream holds one
     consumer, named for a relay."""
@@ -104,12 +119,8 @@ async def test_a_fleet_holds_one_consumer_and_the_relay_moves_when_killed(nats_s
     b = new_bucket()
     nc = await nats.connect(nats_server.url)
     try:
-        kv = await _kv(nc, b)
-        for i in range(50):
-            await kv.put(f"k.{i}", b"%d" % i)
-        fleet = _fleet(sidecars, nats_server.url, b, 3)
-        for sc in fleet:
-            sc.start(wait_synced=False)
+        kv = await _seeded(nc, b, 50)
+        fleet = _started(_fleet(sidecars, nats_server.url, b, 3))
         t0 = time.monotonic()
         await _one_relay_followed(nc, b, fleet)
         print(f"one relay consumer, 3 followers after {time.monotonic() - t0:.1f} s")
@@ -206,12 +217,8 @@ async def test_a_restart_storm_ends_with_one_consumer(nats_server, sidecars):
     b = new_bucket()
     nc = await nats.connect(nats_server.url)
     try:
-        kv = await _kv(nc, b)
-        for i in range(100):
-            await kv.put(f"k.{i}", b"%d" % i)
-        fleet = _fleet(sidecars, nats_server.url, b, 3)
-        for sc in fleet:
-            sc.start(wait_synced=False)
+        kv = await _seeded(nc, b, 100)
+        fleet = _started(_fleet(sidecars, nats_server.url, b, 3))
         await _one_relay_followed(nc, b, fleet)
         for sc in fleet:
             sc.kill()
