@@ -130,9 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                        default=None, help="share stream-state polls with the other sidecars of each bucket "
                        "(core subject kvcache.state.>): one STREAM.INFO per bucket per period for the fleet")
     serve.add_argument("--relay", action=argparse.BooleanOptionalAction, dest="relay",
-                       default=None, help="follow buckets whose stream has no RePublish on the fleet's relay "
-                       "(core subject kvcache.changes.>), one consumer per bucket for the fleet; --no-relay: "
-                       "a consumer per sidecar")
+                       default=None, help="experimental, off by default: follow buckets whose stream has no "
+                       "RePublish on the fleet's relay (core subject kvcache.changes.>), one consumer per "
+                       "bucket for the fleet (docs/configuration.md says why it is not for production yet)")
     serve.add_argument("--socket-mode", type=_octal, dest="socket_mode", metavar="MODE",
                        help="the socket's file mode, octal: who may read")
     serve.add_argument("--max-args", type=int, dest="max_args", metavar="N",

@@ -107,9 +107,9 @@ class Config:
     # STREAM.INFO per bucket per period for the whole fleet instead of one per sidecar.
     share_stream_state: bool = True
     # Follow each bucket whose stream has no usable RePublish on the fleet's relay, one sidecar
-    # per bucket relaying it (kvcache.feed.relay): one consumer per bucket for the fleet. Off:
-    # a consumer per sidecar per bucket.
-    relay: bool = True
+    # per bucket relaying it (kvcache.feed.relay): one consumer per bucket for the fleet. Off
+    # (the default while it is experimental: docs/configuration.md): a consumer per sidecar per bucket.
+    relay: bool = False
     serve_stale: bool = False  # default of [[bucket]] serve_stale (see BucketConfig)
     cache_max_keys: int = 0  # default of [[bucket]] cache_max_keys: the near cache (store/nearcache.py)
     cache_max_bytes: int = 0  # default of [[bucket]] cache_max_bytes

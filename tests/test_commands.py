@@ -580,9 +580,9 @@ def test_info(env, r, kc):
     buckets = r.info("buckets")
     assert set(buckets) == {"main", "second", "nodirect", "many"}
     for name, row in buckets.items():
-        # the fleet relay's fields on the buckets this sidecar stands for it: those whose stream
-        # allows Direct Get (the relay's followers fill gaps with it)
-        relay = set() if name == "nodirect" else {"relaying", "relayed", "relay_lag", "relay_role_changes"}
+        # the fleet relay's fields only where a sidecar stands for it (`relay` on, off by
+        # default): none here
+        relay: set[str] = set()
         assert set(row) == {"synced", "keys", "applied_seq", "upstream_seq", "lag_ms", "max_stale_ms",
                             "unwritable_ms", "resyncs", "removed_upstream", "state_polls", "state_shared",
                             "follow", "gaps_filled", "gap_fill_messages", "gap_fill_ms"} | relay, name

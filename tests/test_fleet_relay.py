@@ -25,7 +25,7 @@ from kvcache.feed.names import RELAY_SUFFIX
 pytestmark = pytest.mark.timeout(300)
 
 MAX_STALE_MS = 2000
-FLAGS = ["--max-stale-ms", str(MAX_STALE_MS)]
+FLAGS = ["--max-stale-ms", str(MAX_STALE_MS), "--relay"]
 
 
 async def _kv(nc, bucket: str):
@@ -112,7 +112,7 @@ async def _write_and_read(kv, bucket: str, sc, n: int, min_s: float = 0.0) -> tu
 
 
 async def test_a_fleet_holds_one_consumer_and_the_relay_moves_when_killed(nats_server, sidecars):
-    """3 sidecars, relay on by default: one consumer on the stream (the relay's), INFO `follow:
+    """3 sidecars with the relay on: one consumer on the stream (the relay's), INFO `follow:
     relay` on each (the relay's own too), writes and deletes reach every replica, no stale
     read; the relay's sidecar killed (-9): another relays, the consumers back to one (the
     killed relay's reaped), the replicas equal to the stream."""
