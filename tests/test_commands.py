@@ -585,7 +585,7 @@ def test_info(env, r, kc):
         relay: set[str] = set()
         assert set(row) == {"synced", "keys", "applied_seq", "upstream_seq", "lag_ms", "max_stale_ms",
                             "unwritable_ms", "resyncs", "removed_upstream", "state_polls", "state_shared",
-                            "follow", "gaps_filled", "gap_fill_messages", "gap_fill_ms"} | relay, name
+                            "follow", "gaps_filled", "gap_fill_messages", "gap_fill_ms", "gap_fill_skips"} | relay, name
         assert row["synced"] == 1 and row["resyncs"] == 0
         assert row["upstream_seq"] >= row["applied_seq"]
     assert buckets["second"]["keys"] >= 2 and buckets["many"]["keys"] == 0

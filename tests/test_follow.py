@@ -198,6 +198,51 @@ async def test_lost_messages_are_filled_by_direct_get(nats_server, tmp_path):
         assert not feed.follow_ends
 
 
+async def test_a_fill_that_skips_holds_the_position_below_the_skip(nats_server, tmp_path):
+    """A fill finds a lost message superseded since (history 1: gone from the stream) and the
+    message that superseded it lost too, past what the fill returns. The records written
+    past the skip are then no state the stream was ever in: key `a` at its old revision while
+    the stream, at every sequence from s1 on, held a newer one. The feed's position (what
+    MINREV, the ledger's holds, the state answers and the sweeps go by) must stay below the
+    skip until a state answer asked after it is reached, and then the replica equals the
+    stream. Checked at every move of the position: `a`'s record is never older than the
+    stream's `a` at that sequence."""
+    async with AsyncExitStack() as stack:
+        b, replica, nc, kv, feed = await _followed(stack, nats_server.url, tmp_path)
+        s0 = await kv.put("a", b"old")
+        await _converged(replica, kv, b)
+        revisions_of_a = [s0]
+        broken: list[tuple[int, int]] = []
+
+        def check(meta) -> None:
+            want = max(r for r in revisions_of_a if r <= meta.applied_seq)
+            rec = replica.get(b, "a")
+            if rec is None or rec.revision < want:
+                broken.append((meta.applied_seq, rec.revision if rec else 0))
+        feed.on_applied = check
+
+        held: list = []
+        follower = feed._follower
+        lanes = nc._parser.lanes
+        (sid,) = [sid for sid, (_, h) in lanes.items() if getattr(h, "__self__", None) is follower]
+        n, handler = lanes[sid]
+        lanes[sid] = (n, held.extend)  # everything lost on the way, kept to hand over later
+        s1 = await kv.put("a", b"new")       # lost, then superseded by s3
+        s2 = await kv.put("b", b"b")         # lost, handed over below: shows the gap at s1
+        s3 = await kv.put("a", b"newer")     # lost
+        await kv.put("c", b"c")              # lost
+        revisions_of_a += [s1, s3]
+        (ev_s2,) = [ev for ev in held if int(ev.headers.get("Nats-Sequence", 0)) == s2]
+        lanes[sid] = (n, handler)
+        handler([ev_s2])
+        await until(lambda: replica.get(b, "b") is not None, 10, "the fill to apply b")
+        assert feed.meta.applied_seq < s1, "the position passed a skipped sequence"
+        await _converged(replica, kv, b)
+        await until(lambda: feed.meta.applied_seq >= s3, 10, "the position past the skip")
+        assert not broken, f"(position, a's revision) at which `a` was older than the stream's: {broken}"
+        assert feed.skips_pinned == 1 and feed.follow_mode == "republish"
+
+
 async def test_a_silent_subject_is_filled_from_the_state_answers(nats_server, tmp_path):
     """Everything lost, so no later message shows the gap: the state answers do (their last
     sequence past the replica's, past the grace), and the replica ages meanwhile."""

@@ -130,6 +130,7 @@ class Feed(Maintenance):
         self.gaps_filled = 0         # gaps found and filled with Direct Get batches
         self.gap_fill_messages = 0   # messages those fills applied
         self.gap_fill_seconds = 0.0  # time spent filling
+        self.skips_pinned = 0  # fills that skipped sequences no longer in the stream (Follower._pin)
         self.follow_ends: Counter[str] = Counter()  # back to a consumer, by FOLLOW_END_REASONS
         # Since when (monotonic) a quorum has shown the stream past the replica (`_behind`)
         self._behind_since: float | None = None
@@ -603,6 +604,21 @@ class Feed(Maintenance):
                 self.unwritable.written()
             except ReplicaError as e:  # as in _on_idle: only LocalReader's freshness touch is lost
                 self.unwritable.failed(e)
+        self._applied()
+
+    def follow_advance(self, seq: int) -> None:
+        """The follower's records up to `seq` are the stream's state again (Follower._unpin):
+        the position, held below a fill's skip, moves there."""
+        m = self.meta
+        if seq <= m.applied_seq:
+            return
+        m.applied_seq = seq
+        self.upstream_seq = max(self.upstream_seq, seq)
+        try:
+            self.replica.put_meta(self.bucket, m)
+            self._last_meta_write = self.freshness.clock()
+        except ReplicaError as e:  # the position is kept in memory; the next batch writes it
+            self.unwritable.failed(e)
         self._applied()
 
     def republish_denied(self, subject: str) -> bool:

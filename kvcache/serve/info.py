@@ -131,7 +131,7 @@ class Info:
                 resyncs=f.meta.resyncs, removed_upstream=f.removed_upstream,
                 state_polls=f.state_polls, state_shared=f.state_shared, follow=f.follow_mode,
                 gaps_filled=f.gaps_filled, gap_fill_messages=f.gap_fill_messages,
-                gap_fill_ms=int(f.gap_fill_seconds * 1000),
+                gap_fill_ms=int(f.gap_fill_seconds * 1000), gap_fill_skips=f.skips_pinned,
                 **_cache_fields(f, fast.get(name, (0, 0))), **_relay_fields(self.relays, name)))
                 for name, f in self.feeds.items()],
             "peers": [(p.label, _fields(
