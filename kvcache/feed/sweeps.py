@@ -290,7 +290,11 @@ class Maintenance:
                 self.first_seq = first
             # Wait for what the snapshot holds: a key's newer revision may still be on its way,
             # and dropping the old one meanwhile would answer "not found" for a key that exists.
-            elif await self.wait_applied(last, self.timeout):
+            # Holding `last` is not enough while the consumer is behind: it passes messages
+            # superseded after the snapshot, and what superseded them may be in a later batch
+            # (a follower's position stays below such a skip: kvcache.feed.follow). Only once
+            # caught up, all of that is applied; until then the next look tries again.
+            elif await self.wait_applied(last, self.timeout) and self.caught_up:
                 removed = await self._drop_below(first, last)
                 self.first_seq = first
             if self.on_removed is not None:
