@@ -42,6 +42,8 @@ def main() -> int:
                                                             ).replace("%", "%%"))
     p.add_argument("--sidecar-src", default=None,
                    help="run the sidecar from this source tree (PYTHONPATH) instead of the installed kvcache")
+    p.add_argument("--sidecar-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for the sidecar, e.g. --sidecar-arg=--relay (repeatable)")
     p.add_argument("--workdir", default=None, help="keep logs here (default: a temporary directory)")
     a = p.parse_args()
     faults = [f.strip() for f in a.faults.split(",") if f.strip()]
@@ -55,7 +57,8 @@ def main() -> int:
     print(f"logs under {work}", flush=True)
     cfg = RunConfig(keys=a.keys, rate=a.rate, hold=a.hold, warmup=a.warmup, tail=a.tail,
                     max_stale_ms=a.max_stale_ms, heartbeat_ms=a.heartbeat_ms, read_rate=a.read_rate,
-                    conns=a.conns, restart_down=a.restart_down, sidecar_src=a.sidecar_src)
+                    conns=a.conns, restart_down=a.restart_down, sidecar_src=a.sidecar_src,
+                    sidecar_extra=a.sidecar_arg)
     summary: dict[str, list] = {f: [] for f in faults}
     t0 = time.monotonic()
     with PartitionEnv(work) as env:
