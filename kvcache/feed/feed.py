@@ -131,6 +131,10 @@ class Feed(Maintenance):
         self.gap_fill_messages = 0   # messages those fills applied
         self.gap_fill_seconds = 0.0  # time spent filling
         self.skips_pinned = 0  # fills that skipped sequences no longer in the stream (Follower._pin)
+        # Behind, past a jump in the stream's sequences (_jumped_past): the position stays
+        # below the jump, and the highest sequence written is kept apart.
+        self._jumped = False
+        self._written_seq = 0
         self.follow_ends: Counter[str] = Counter()  # back to a consumer, by FOLLOW_END_REASONS
         # Since when (monotonic) a quorum has shown the stream past the replica (`_behind`)
         self._behind_since: float | None = None
@@ -693,6 +697,8 @@ class Feed(Maintenance):
         return heard is not None and heard(RELAY_SILENT_PERIODS * self.watch_period())
 
     def _new_consumer(self) -> PullConsumer:
+        # A consumer starts after the position: past a jump (_jumped_past), at the jump again
+        self._jumped, self._written_seq = False, 0
         start = None if self._full else self.meta.applied_seq + 1
         if self._full and not self.cfg.keys:
             # A bucket that replicates nothing has no initial set to sync: its near cache
@@ -772,16 +778,19 @@ class Feed(Maintenance):
 
     def _on_batch(self, runs: list[Run]) -> bool:
         last = runs[-1]
-        top = max(self.meta.applied_seq, max(r.top_sseq for r in runs))
+        prev = self.meta.applied_seq
+        written = max(prev, self._written_seq)
+        top = max(written, max(r.top_sseq for r in runs))
         now = self.freshness.clock()
         # A follower's batch says nothing of what else the stream holds: its freshness comes
         # from state answers (follow_proven), so it leaves caught up and heard as they are.
         following = self._follower is not None
         caught_up = last.last_pending == 0 and not following
+        jumped = self._jumped_past(runs, written, top, caught_up or following)
         # The new position is ours only once the batch is written: a failed write must leave
         # the feed where it was, so that the next consumer starts at this batch again. So is
         # the freshness it brings: caught up counts once written (`_unapplied`).
-        m = dataclasses.replace(self.meta, applied_seq=top, last_update_ns=now)
+        m = dataclasses.replace(self.meta, applied_seq=prev if jumped else top, last_update_ns=now)
         if caught_up:
             m.fresh_at_ns = max(m.fresh_at_ns, self.freshness.proven_with(top, now))
             if self._full and self._seen is None:
@@ -795,7 +804,7 @@ class Feed(Maintenance):
         hub = self.hub
         outside: list[tuple[str, str]] = []
         if self._keeper is not None:
-            items, outside = self._keeper.split(items, top, self.meta.applied_seq)
+            items, outside = self._keeper.split(items, top, written)
             entries = None  # the items the replica keeps are some of them
         changes = self.replica.changes_of(self.bucket, items) if hub is not None and hub.active else None
         if outside and changes is not None:
@@ -821,7 +830,9 @@ class Feed(Maintenance):
             self._seen.update(lk for lk, _ in items)
         self._note_anchor(last.items)
         self._last_meta_write = now
-        self.freshness.last_msg_ns = last.last_ts
+        self._jumped, self._written_seq = jumped, top
+        if not jumped:
+            self.freshness.last_msg_ns = last.last_ts
         self.upstream_seq = max(self.upstream_seq, top)
         if not following:
             self.freshness.caught_up = caught_up
@@ -831,6 +842,27 @@ class Feed(Maintenance):
             self._reached_end()
         self._applied()
         return False
+
+    def _jumped_past(self, runs: list[Run], written: int, top: int, caught_up: bool) -> bool:
+        """Is the consumer behind past a jump in the stream's sequences? Whole-bucket
+        deliveries that skip sequences skip messages gone from the stream (superseded since
+        they were stored, removed), and what superseded one may come in a later batch: until
+        it does, a key reads as the revision before the skipped one, though the stream held
+        the skipped one at every sequence past it. The replica is then no state of the stream
+        past the jump, and until the consumer is caught up (every successor applied) the
+        feed's position stays where it was before it (what MINREV, the ledger's holds, the
+        quorum evidence and the sweeps go by), and so does its age (Freshness.last_msg_ns).
+        A filtered consumer's deliveries skip the bucket's other keys as a matter of course,
+        and a full sync comes in subject order; neither is judged (a sync is not served
+        before it ends; a filtered feed's age while behind counts from its newest message)."""
+        if caught_up or self._full:
+            return False
+        if self._jumped:
+            return True
+        if self.filters != [self.prefix + ">"]:
+            return False
+        delivered = sum(max(len(r.items), r.last_cseq - r.first_cseq + 1) for r in runs)
+        return top - written > delivered
 
     def _unapplied(self, error: ReplicaError) -> None:
         """Deliveries were received and could not be written (kvcache.feed.unwritable): the
@@ -850,6 +882,9 @@ class Feed(Maintenance):
         self.freshness.caught_up = True
         now = self.freshness.clock()
         m = self.meta
+        if self._jumped:  # caught up: whatever superseded a skipped message is applied
+            self._jumped = False
+            m.applied_seq = max(m.applied_seq, self._written_seq)
         if last_stream_seq > m.applied_seq and not self._full:
             m.applied_seq = last_stream_seq
             self.upstream_seq = max(self.upstream_seq, last_stream_seq)
