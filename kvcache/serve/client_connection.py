@@ -234,7 +234,7 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
             srv.stats.rejected_connections += 1
             self._closing = True
             stream.write(refusal)
-            stream.close()
+            self._refused(stream)
             return
         stream.set_write_buffer_limits(high=WRITE_HIGH_WATER)
         srv.connections.add(self)
@@ -248,6 +248,10 @@ class ClientConnection(_GetConnection, asyncio.Protocol):
         if srv.closing:
             return SHUTTING_DOWN
         return TOO_MANY_CLIENTS if len(srv.connections) >= srv.cfg.max_clients else None
+
+    def _refused(self, stream: asyncio.Transport) -> None:
+        """The refusal is written: the connection closes once it is sent."""
+        stream.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._unregister()

@@ -38,22 +38,14 @@ class LinkConnection(ClientConnection):
         self.reader.max_args = max(LINK_ARGS, srv.cfg.max_args)
         self.reader.max_request_bytes = max(LINK_BYTES, srv.cfg.max_request_bytes)
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+    def _refused(self, stream: asyncio.Transport) -> None:
         """Refused as a client on the socket would be (max_clients counts every worker's
         clients here), but half-closed: the worker's KVCACHE.LINK, and what its client sent
         meanwhile, may be unread, and a Unix socket closed with unread data resets its peer,
         whose read then loses the reply (the client saw a closed connection, not why). The
         worker passes the reply on and closes the link; until then what it sends is dropped."""
-        refusal = self.refusal()
-        if refusal is None:
-            super().connection_made(transport)
-            return
-        self.transport = transport  # type: ignore[assignment]  # a stream's
-        self.srv.stats.connections_received += 1
-        self.srv.stats.rejected_connections += 1
-        self._closing = self.refused = True
-        self.transport.write(refusal)
-        self.transport.write_eof()
+        self.refused = True
+        stream.write_eof()
 
     def data_received(self, data: bytes) -> None:
         if not self.refused:
