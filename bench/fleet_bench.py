@@ -1339,7 +1339,7 @@ def main() -> int:
                         "subscribers to it")
     p.add_argument("--relay", action="store_true",
                    help="make the buckets with Direct Get allowed (as `nats kv add` does), which the sidecars' "
-                        "fleet relay needs (on by default; --sidecar-settings '... --no-relay': off)")
+                        "fleet relay needs, and turn the relay on (adds --relay to the sidecars' flags)")
     p.add_argument("--skip-storm", action="store_true")
     p.add_argument("--skip-rolling", action="store_true")
     p.add_argument("--sidecar-src", type=Path, default=None, metavar="DIR",
@@ -1348,6 +1348,8 @@ def main() -> int:
                    help="state and logs (the sidecars' too) go here (default: a new temporary directory, kept)")
     a = p.parse_args()
     sizes = [int(x) for x in a.sizes.split(",") if x.strip()]
+    if a.relay and not {"--relay", "--no-relay"} & set(a.sidecar_settings.split()):
+        a.sidecar_settings += " --relay"  # off by default (docs/configuration.md)
     if not sizes or min(sizes) < 1 or a.buckets < 1 or a.keys < 1 or a.rate <= 0 or a.window <= 0:
         p.error("sizes, buckets, keys, rate and window must be positive")
     if a.sidecar_src:
