@@ -106,3 +106,15 @@ def test_an_idle_heartbeat_after_a_jump_moves_the_position_to_what_was_written(t
     assert feed.meta.applied_seq == 2
     feed._on_idle(0)
     assert feed.meta.applied_seq == 6
+
+
+def test_the_position_stays_below_a_jump_until_the_consumer_is_caught_up(tmp_path):
+    """A later batch with no jump of its own, still behind, leaves the position below the
+    jump: whatever superseded another skipped message may still be pending."""
+    clock = [T0 + 100 * MS]
+    feed = _feed(tmp_path, clock)
+    feed._on_batch([_run([(4, "f", 1200), (5, "f", 1400)], pending=3)])
+    feed._on_batch([_run([(6, "k", 1500)], pending=2)])
+    assert feed.meta.applied_seq == 2 and feed.written_seq == 6 and feed.pinned_ns
+    feed._on_batch([_run([(7, "f", 1600), (8, "f", 1700)], pending=0)])
+    assert feed.meta.applied_seq == 8 and not feed.pinned_ns

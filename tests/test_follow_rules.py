@@ -77,6 +77,11 @@ class _Feed:
         self.meta = BucketMeta()
         self.follow_received = self.follow_duplicates = self.follow_foreign = 0
         self.applied: list[bytes] = []  # the keys of the items batches brought
+        self.pinned_ns = 0
+
+    @property
+    def written_seq(self) -> int:
+        return self.meta.applied_seq
 
     def _on_batch(self, runs: list) -> bool:
         self.applied += [lk for r in runs for lk, _ in r.items]

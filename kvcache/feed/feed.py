@@ -130,11 +130,12 @@ class Feed(Maintenance):
         self.gaps_filled = 0         # gaps found and filled with Direct Get batches
         self.gap_fill_messages = 0   # messages those fills applied
         self.gap_fill_seconds = 0.0  # time spent filling
-        self.skips_pinned = 0  # fills that skipped sequences no longer in the stream (Follower._pin)
-        # Behind, past a jump in the stream's sequences (_jumped_past): the position stays
-        # below the jump, and the highest sequence written is kept apart.
-        self._jumped = False
+        self.skips_pinned = 0  # fills that skipped sequences no longer in the stream (Follower._fill)
+        # The highest sequence written to the replica (`written_seq`), and the pin (`pin`):
+        # when the latest jump over sequences gone from the stream was seen (wall clock, ns),
+        # 0 when the position is the highest sequence written.
         self._written_seq = 0
+        self.pinned_ns = 0
         self.follow_ends: Counter[str] = Counter()  # back to a consumer, by FOLLOW_END_REASONS
         # Since when (monotonic) a quorum has shown the stream past the replica (`_behind`)
         self._behind_since: float | None = None
@@ -600,30 +601,67 @@ class Feed(Maintenance):
             fresh.heard_ns = as_of_ns
         m = self.meta
         m.fresh_at_ns = max(m.fresh_at_ns, fresh.proven_with(m.applied_seq, as_of_ns))
-        now = fresh.clock()
-        if now - self._last_meta_write >= META_TOUCH_INTERVAL_NS:
-            self._last_meta_write = now
-            try:
-                self.replica.put_meta(self.bucket, m)
-                self.unwritable.written()
-            except ReplicaError as e:  # as in _on_idle: only LocalReader's freshness touch is lost
-                self.unwritable.failed(e)
+        self._touch_meta()
         self._applied()
 
-    def follow_advance(self, seq: int) -> None:
-        """The follower's records up to `seq` are the stream's state again (Follower._unpin):
-        the position, held below a fill's skip, moves there."""
+    # ------------------------------------------------------------------ the pin
+
+    @property
+    def written_seq(self) -> int:
+        """The highest sequence the replica holds: the position, or past it while pinned."""
+        return max(self.meta.applied_seq, self._written_seq)
+
+    def pin(self) -> None:
+        """Records past a jump over sequences the stream no longer holds are being written:
+        messages superseded (a key's newer revision, history), deleted or expired since they
+        were stored, skipped by a fill (Follower._fill) or by a consumer that is behind
+        (`_held`). What superseded a skipped message may lie past everything applied so far;
+        until the replica holds it, the records past the jump are newer than some and older
+        than others of the stream at any one moment: no state the stream was ever in (a key
+        whose skipped revision was current would read as its older one, or as missing once
+        the sweeps drop it). Reads that wait for a sequence (MINREV, a held key's ledger), the
+        state answers that prove freshness and the sweeps all go by the position
+        (meta.applied_seq), which therefore stays below the jump, with the replica's age
+        (Freshness.last_msg_ns), while the records are written. It moves (`unpin`) once the
+        replica is the stream's state again: a consumer caught up (every successor applied),
+        or for a follower a state answer asked after the latest jump (`pinned_ns`), whose last
+        sequence is at or past whatever superseded a skipped message, reached. A new consumer
+        starts at the position, below the jump, and drops the pin (_new_consumer)."""
+        self.pinned_ns = time.time_ns()
+
+    def unpin(self) -> None:
+        """The replica is the stream's state again up to the highest sequence written: the
+        position moves there, and is written at once (it is what MINREV and holds wait for)."""
+        if self._release():
+            self._touch_meta(force=True)
+            self._applied()
+
+    def _release(self) -> bool:
+        """Drop the pin, moving the position (in memory) to the highest sequence written;
+        True when it moved."""
+        self.pinned_ns = 0
         m = self.meta
-        if seq <= m.applied_seq:
+        if self._written_seq <= m.applied_seq:
+            return False
+        m.applied_seq = self._written_seq
+        self.upstream_seq = max(self.upstream_seq, m.applied_seq)
+        return True
+
+    def _touch_meta(self, force: bool = False) -> None:
+        """Write the meta record when `force`, or when it was last written over
+        META_TOUCH_INTERVAL_NS ago (what a batch brings is written with the batch). A failure
+        loses only LocalReader's view of the position and freshness, kept in memory and
+        written with the next batch; it is counted (kvcache.feed.unwritable) rather than
+        ending the feed, which would make a current replica count as stale."""
+        now = self.freshness.clock()
+        if not force and now - self._last_meta_write < META_TOUCH_INTERVAL_NS:
             return
-        m.applied_seq = seq
-        self.upstream_seq = max(self.upstream_seq, seq)
+        self._last_meta_write = now
         try:
-            self.replica.put_meta(self.bucket, m)
-            self._last_meta_write = self.freshness.clock()
-        except ReplicaError as e:  # the position is kept in memory; the next batch writes it
+            self.replica.put_meta(self.bucket, self.meta)
+            self.unwritable.written()
+        except ReplicaError as e:
             self.unwritable.failed(e)
-        self._applied()
 
     def republish_denied(self, subject: str) -> bool:
         """The server refused this connection a subscription to `subject` (a permissions
@@ -697,8 +735,8 @@ class Feed(Maintenance):
         return heard is not None and heard(RELAY_SILENT_PERIODS * self.watch_period())
 
     def _new_consumer(self) -> PullConsumer:
-        # A consumer starts after the position: past a jump (_jumped_past), at the jump again
-        self._jumped, self._written_seq = False, 0
+        # A consumer starts after the position: below a jump (`pin`), at the jump again
+        self.pinned_ns, self._written_seq = 0, 0
         start = None if self._full else self.meta.applied_seq + 1
         if self._full and not self.cfg.keys:
             # A bucket that replicates nothing has no initial set to sync: its near cache
@@ -779,18 +817,19 @@ class Feed(Maintenance):
     def _on_batch(self, runs: list[Run]) -> bool:
         last = runs[-1]
         prev = self.meta.applied_seq
-        written = max(prev, self._written_seq)
+        written = self.written_seq
         top = max(written, max(r.top_sseq for r in runs))
         now = self.freshness.clock()
         # A follower's batch says nothing of what else the stream holds: its freshness comes
         # from state answers (follow_proven), so it leaves caught up and heard as they are.
         following = self._follower is not None
         caught_up = last.last_pending == 0 and not following
-        jumped = self._jumped_past(runs, written, top, caught_up or following)
+        jumps = self._jumps(runs, written, top, caught_up, following)
+        held = jumps or (bool(self.pinned_ns) and not caught_up)
         # The new position is ours only once the batch is written: a failed write must leave
         # the feed where it was, so that the next consumer starts at this batch again. So is
         # the freshness it brings: caught up counts once written (`_unapplied`).
-        m = dataclasses.replace(self.meta, applied_seq=prev if jumped else top, last_update_ns=now)
+        m = dataclasses.replace(self.meta, applied_seq=prev if held else top, last_update_ns=now)
         if caught_up:
             m.fresh_at_ns = max(m.fresh_at_ns, self.freshness.proven_with(top, now))
             if self._full and self._seen is None:
@@ -830,8 +869,11 @@ class Feed(Maintenance):
             self._seen.update(lk for lk, _ in items)
         self._note_anchor(last.items)
         self._last_meta_write = now
-        self._jumped, self._written_seq = jumped, top
-        if not jumped:
+        self._written_seq = top
+        if jumps:
+            self.pin()
+        elif not held:
+            self.pinned_ns = 0  # caught up with this batch: its position is the top
             self.freshness.last_msg_ns = last.last_ts
         self.upstream_seq = max(self.upstream_seq, top)
         if not following:
@@ -843,25 +885,18 @@ class Feed(Maintenance):
         self._applied()
         return False
 
-    def _jumped_past(self, runs: list[Run], written: int, top: int, caught_up: bool) -> bool:
-        """Is the consumer behind past a jump in the stream's sequences? Whole-bucket
-        deliveries that skip sequences skip messages gone from the stream (superseded since
-        they were stored, removed), and what superseded one may come in a later batch: until
-        it does, a key reads as the revision before the skipped one, though the stream held
-        the skipped one at every sequence past it. The replica is then no state of the stream
-        past the jump, and until the consumer is caught up (every successor applied) the
-        feed's position stays where it was before it (what MINREV, the ledger's holds, the
-        quorum evidence and the sweeps go by), and so does its age (Freshness.last_msg_ns).
-        A filtered consumer's deliveries skip the bucket's other keys as a matter of course,
-        and a full sync comes in subject order; neither is judged (a sync is not served
-        before it ends; a filtered feed's age while behind counts from its newest message)."""
-        if caught_up or self._full:
+    def _jumps(self, runs: list[Run], written: int, top: int, caught_up: bool, following: bool) -> bool:
+        """Does this batch of a consumer that is behind jump over sequences (`pin`)? A
+        whole-bucket consumer delivers every message the stream holds, so deliveries that
+        skip sequences skip messages gone from it, and what superseded one may come in a
+        later batch. A follower pins for itself (its fills see the jump); a caught-up batch
+        has every successor; a filtered consumer's deliveries skip the bucket's other keys
+        as a matter of course, and a full sync comes in subject order: neither is judged (a
+        sync is not served before it ends; a filtered feed's age while behind counts from its
+        newest message)."""
+        if caught_up or following or self._full or self.filters != [self.prefix + ">"]:
             return False
-        if self._jumped:
-            return True
-        if self.filters != [self.prefix + ">"]:
-            return False
-        delivered = sum(max(len(r.items), r.last_cseq - r.first_cseq + 1) for r in runs)
+        delivered = sum(r.last_cseq - r.first_cseq + 1 for r in runs)
         return top - written > delivered
 
     def _unapplied(self, error: ReplicaError) -> None:
@@ -882,25 +917,14 @@ class Feed(Maintenance):
         self.freshness.caught_up = True
         now = self.freshness.clock()
         m = self.meta
-        if self._jumped:  # caught up: whatever superseded a skipped message is applied
-            self._jumped = False
-            m.applied_seq = max(m.applied_seq, self._written_seq)
+        self._release()  # caught up: whatever superseded a skipped message is applied
         if last_stream_seq > m.applied_seq and not self._full:
             m.applied_seq = last_stream_seq
             self.upstream_seq = max(self.upstream_seq, last_stream_seq)
         self.freshness.heard_ns = now
         m.fresh_at_ns = max(m.fresh_at_ns, self.freshness.proven_with(m.applied_seq, now))
         self._reached_end()
-        if now - self._last_meta_write >= META_TOUCH_INTERVAL_NS:
-            self._last_meta_write = now
-            try:
-                self.replica.put_meta(self.bucket, m)
-                self.unwritable.written()
-            except ReplicaError as e:
-                # The replica holds everything received: only the touch of its freshness for
-                # LocalReader (fresh_at_ns) is lost, and readers there see it age. Ending the
-                # consumer for it would make a current replica count as stale.
-                self.unwritable.failed(e)
+        self._touch_meta()
         self._applied()
 
     def _flush(self, why: str) -> None:

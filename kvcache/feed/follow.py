@@ -99,6 +99,10 @@ class FollowedFeed(Protocol):
     gap_fill_messages: int
     gap_fill_seconds: float
     skips_pinned: int
+    pinned_ns: int
+
+    @property
+    def written_seq(self) -> int: ...
 
     def same_stream(self, info: dict) -> bool: ...
 
@@ -106,7 +110,9 @@ class FollowedFeed(Protocol):
 
     def follow_proven(self, as_of_ns: int) -> None: ...
 
-    def follow_advance(self, seq: int) -> None: ...
+    def pin(self) -> None: ...
+
+    def unpin(self) -> None: ...
 
 
 class FollowEnded(KvcacheError):
@@ -183,12 +189,6 @@ class Follower:
         # state answers past the position: (last sequence, asked at ns, gap after monotonic)
         self._words: list[tuple[int, int, float]] = []
         self._whole = feed.cache is not None or list(feed.cfg.keys) == [">"]
-        # The highest sequence written to the replica. Equal to the feed's applied sequence
-        # unless a fill skipped sequences the stream no longer held (`_fill`): then the
-        # replica is a prefix of the stream only up to the feed's position, which stays
-        # pinned below the skip until a state answer asked after it is reached (`_unpin`).
-        self._top = 0
-        self._skip_ns = 0  # when the latest skip was seen (wall clock, ns); 0: none pinned
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -242,7 +242,7 @@ class Follower:
             return
         feed = self.feed
         feed.follow_received += len(msgs)
-        nxt = self._written() + 1
+        nxt = feed.written_seq + 1
         run: list[tuple[int, str, dict, dict | None, bytes]] = []  # continuing the replica: applied
         for headers, multi, payload in msgs:
             seq = self._sequence(headers)
@@ -286,16 +286,9 @@ class Follower:
             return None
         return seq
 
-    def _written(self) -> int:
-        """The highest sequence the replica holds (at or above the feed's position)."""
-        return max(self.feed.meta.applied_seq, self._top)
-
-    def _pinned(self) -> bool:
-        return self._skip_ns != 0
-
     def _drain(self) -> None:
         """Apply the buffered messages that continue the replica without a gap."""
-        applied = self._written()
+        applied = self.feed.written_seq
         buf = self._buffer
         for seq in [s for s in buf if s <= applied]:
             self._bytes -= len(buf.pop(seq)[3])
@@ -313,7 +306,7 @@ class Follower:
         """One batch through the feed, decoded as a consumer's delivery (fold_delivery); keys
         outside a filtered bucket's filters advance the position and are not kept. Messages
         must continue the replica: the first is its next sequence, or a fill showed that
-        none is missing before it. While pinned (`_fill`) the records are written and the
+        none is missing before it. While pinned (Feed.pin) the records are written and the
         feed's position stays where it is. A failed write ends the follower (the feed's
         ReplicaError)."""
         feed = self.feed
@@ -333,7 +326,7 @@ class Follower:
         if not events:  # all outside the filters: the position moves all the same
             events.append(Run(0, 1))
             events[-1].last_ts = ts
-        events[-1].top_sseq = feed.meta.applied_seq if self._pinned() else max(events[-1].top_sseq, top)
+        events[-1].top_sseq = max(events[-1].top_sseq, top)
         try:
             feed._on_batch(events)
         except BaseException as e:
@@ -341,7 +334,6 @@ class Follower:
                 self._ended = e
             self._wake.set()
             raise
-        self._top = max(self._top, top)
         self._reached()
 
     # ------------------------------------------------------------------ freshness
@@ -360,8 +352,8 @@ class Follower:
         last = int((info.get("state") or {}).get("last_seq", 0) or 0)
         now = time.time_ns()
         sent_ns = min(sent_ns, now)
-        if self._pinned() and sent_ns >= self._skip_ns and last <= self._top:
-            self._unpin()
+        if feed.pinned_ns and sent_ns >= feed.pinned_ns and last <= feed.written_seq:
+            feed.unpin()
         if last <= feed.meta.applied_seq:
             self._proven(sent_ns)
             return
@@ -371,38 +363,15 @@ class Follower:
 
     def _reached(self) -> None:
         """The words the replica now holds make it current as of when they were asked; one
-        asked after the latest skip, once held, unpins the position first."""
-        if self._pinned() and any(w[1] >= self._skip_ns and w[0] <= self._top for w in self._words):
-            self._unpin()
-        applied = self.feed.meta.applied_seq
+        asked after the latest skip, once held, unpins the position first (Feed.pin)."""
+        feed = self.feed
+        if feed.pinned_ns and any(w[1] >= feed.pinned_ns and w[0] <= feed.written_seq for w in self._words):
+            feed.unpin()
+        applied = feed.meta.applied_seq
         reached = [w for w in self._words if w[0] <= applied]
         if reached:
             self._words = [w for w in self._words if w[0] > applied]
             self._proven(max(w[1] for w in reached))
-
-    def _pin(self) -> None:
-        """A fill is about to skip sequences the stream no longer holds: superseded (a key's
-        newer revision, history), deleted or expired since they were stored. What superseded
-        one may lie past everything applied so far; until the replica holds it, the records
-        written past the skip are newer than some and older than others of the stream at any
-        one moment: not a state the stream was ever in (a key whose skipped revision was
-        current would read as its older one, or as missing once the sweeps drop it). Reads
-        that wait for a sequence (MINREV, a held key's ledger), the state answers that prove
-        freshness and the sweeps that drop keys with no message left all go by the feed's
-        position, which therefore stays where it is, below the skip, while the records are
-        written. Whatever superseded a skipped message was stored before the fill's answer
-        came, so a state answer asked after that has a last sequence at or past it: once the
-        replica holds that, it is the stream's state again (`_unpin`)."""
-        if not self._pinned():
-            self.feed.skips_pinned += 1
-            log.debug("bucket %s: a fill skipped sequences after %d: the position stays there until a "
-                      "state answer asked from now on is reached", self.feed.bucket, self.feed.meta.applied_seq)
-        self._skip_ns = time.time_ns()  # the latest skip: an answer asked after it is needed
-
-    def _unpin(self) -> None:
-        """A state answer asked after the latest skip is held: the position moves to the top."""
-        self._skip_ns = 0
-        self.feed.follow_advance(self._top)
 
     def _proven(self, as_of_ns: int) -> None:
         self.feed.follow_proven(as_of_ns)
@@ -411,7 +380,7 @@ class Follower:
         """The last sequence a fill must reach now (0: none): below the lowest buffered
         message when the replica does not continue into it, or a state answer past the
         replica whose grace is over."""
-        applied = self._written()
+        applied = self.feed.written_seq
         end = 0
         if self._buffer:
             low = min(self._buffer)
@@ -430,14 +399,14 @@ class Follower:
         holds nothing more up to `end`; then the buffer. Raises FollowEnded when it cannot."""
         feed = self.feed
         started = time.monotonic()
-        first = self._written() + 1
+        first = feed.written_seq + 1
         got_total = 0
         self._holding = True
         try:
-            while self._written() < end:
+            while feed.written_seq < end:
                 if self._ended is not None:
                     raise self._ended
-                start = self._written() + 1
+                start = feed.written_seq + 1
                 msgs = await self._batch(start, min(end - start + 1, FILL_BATCH))
                 if self._ended is not None:
                     raise self._ended
@@ -449,8 +418,13 @@ class Follower:
                 cont = next((i for i, m in enumerate(fresh) if m[0] != start + i), len(fresh))
                 if cont:
                     self._apply(fresh[:cont])
-                if cont < len(fresh):
-                    self._pin()
+                if cont < len(fresh):  # the stream no longer holds start + cont: skipped
+                    if not feed.pinned_ns:
+                        feed.skips_pinned += 1
+                        log.debug("bucket %s: a fill skipped sequences after %d: the position stays "
+                                  "there until a state answer asked from now on is reached",
+                                  feed.bucket, feed.meta.applied_seq)
+                    feed.pin()  # the latest skip: an answer asked after it is needed
                     self._apply(fresh[cont:])
         finally:
             self._holding = False

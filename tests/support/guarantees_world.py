@@ -467,6 +467,7 @@ class World:
             run.items.append((lk, rec))
             run.entries.append(put_entry(lk, w.seq))
             run.last_ts = self.clock.ns(w.at_ms)
+        run.last_cseq = len(seqs)  # one consumer sequence per message, as a real delivery has
         run.top_sseq = max(seqs)
         run.last_pending = pending
         return run
