@@ -1,6 +1,7 @@
 """Network partitions, full form: a 3-node JetStream cluster and the sidecar, each in its own
 network namespace, faults injected with iptables in a router namespace between them, and every
-read judged against the writer's acknowledgements (tests/support/partition.py,
+read judged against the writer's acknowledgements, a strong read (`--strong-share`) with a
+bound of 0 (tests/support/partition.py,
 tests/support/staleness_check.py; bench/README.md, "Network partitions").
 
     python bench/partition_bench.py --runs 1 --hold 20 --keys 2000 --rate 300 \\
@@ -32,6 +33,9 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=300.0, help="writes/s")
     p.add_argument("--read-rate", type=float, default=2000.0, help="reads/s over all reader connections")
     p.add_argument("--conns", type=int, default=4, help="reader connections")
+    p.add_argument("--strong-share", type=float, default=0.1,
+                   help="share of the reads sent KV.GET ... CONSISTENCY strong, judged with a bound of 0 "
+                        "(they are left out of availability: they need the leader)")
     p.add_argument("--max-stale-ms", type=int, default=2000)
     p.add_argument("--heartbeat-ms", type=int, default=1000)
     p.add_argument("--warmup", type=float, default=3.0, help="seconds of reads before each fault")
@@ -58,6 +62,7 @@ def main() -> int:
     cfg = RunConfig(keys=a.keys, rate=a.rate, hold=a.hold, warmup=a.warmup, tail=a.tail,
                     max_stale_ms=a.max_stale_ms, heartbeat_ms=a.heartbeat_ms, read_rate=a.read_rate,
                     conns=a.conns, restart_down=a.restart_down, sidecar_src=a.sidecar_src,
+                    strong_share=a.strong_share,
                     sidecar_extra=a.sidecar_arg)
     summary: dict[str, list] = {f: [] for f in faults}
     t0 = time.monotonic()
@@ -73,7 +78,8 @@ def main() -> int:
                   f"max_stale_ms {a.max_stale_ms}, heartbeat_ms {a.heartbeat_ms}):\n{table(rows)}\n", flush=True)
     print(f"summary over {a.runs} run(s), {time.monotonic() - t0:.0f}s:")
     print("fault | runs with stale | stale reads (total) | regressions (total) | availability % (min–max) "
-          "| longest outage s (max) | recovery s (max) | description")
+          "| longest outage s (max) | recovery s (max) | strong reads answered / stale at bound 0 (total) "
+          "| description")
     failed = False
     for f, vs in summary.items():
         stale_runs = sum(1 for v in vs if v.stale)
@@ -82,7 +88,8 @@ def main() -> int:
         av = [100 * v.availability for v in vs]
         print(f"{f} | {stale_runs}/{len(vs)} | {sum(len(v.stale) for v in vs):,} | "
               f"{sum(len(v.regressions) for v in vs):,} | {min(av):.1f}–{max(av):.1f} | "
-              f"{max(v.outage_s for v in vs):.2f} | {rec_s} | {FAULTS[f]}")
+              f"{max(v.outage_s for v in vs):.2f} | {rec_s} | {sum(v.strong_ok for v in vs):,} / "
+              f"{sum(v.strong_stale for v in vs):,} | {FAULTS[f]}")
         failed |= bool(stale_runs) or any(v.regressions for v in vs) or None in rec
         failed |= f == "c" and min(av) < 90.0
     print("verdict:", "FAIL (stale reads, regressions, no recovery, or (c) under 90% available)" if failed else "pass")

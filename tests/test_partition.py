@@ -2,7 +2,9 @@
 and the sidecar in a network namespace of its own (support/partition.py): the short forms of
 bench/partition_bench.py's faults. Every read is judged against the writer's acknowledgements
 (support/staleness_check.py): none may be older than a write acknowledged more than
-max_stale_ms before it was sent, none older than an earlier read of the key on its connection.
+max_stale_ms before it was sent (a tenth of them are `CONSISTENCY strong`: none older than a
+write acknowledged before it was sent), none older than an earlier read of the key on its
+connection.
 
 Needs root, `ip netns` and iptables (make system-deps); the delay/reordering faults also
 NetfilterQueue (the test extra). Skipped, saying which, where any is missing.
@@ -31,7 +33,7 @@ PARTITION_ROWS: list[dict[str, str]] = []
 # Short forms: a few hundred keys, a fault held 5 s (8 s where a new stream leader must be
 # elected and writes acknowledged by it age past max_stale_ms before the old one is healed).
 SHORT = dict(keys=300, rate=300.0, warmup=1.5, tail=5.0, max_stale_ms=2000, heartbeat_ms=1000,
-             read_rate=1000.0)
+             read_rate=1000.0, strong_share=0.1)
 HOLD = {"a": 5.0, "b": 5.0, "c": 5.0, "d": 8.0, "e": 5.0, "f": 8.0, "g": 8.0, "h": 0.0, "i": 8.0,
         "j": 8.0}
 # After a leader's heal nats-server itself takes seconds to be whole again (its black-holed
@@ -82,3 +84,5 @@ def test_the_checker_catches_an_injected_stale_reader(env):
     s = v.stale[0]
     assert s.read.counter < s.newest_counter or s.read.status == "nil"
     assert s.age_ms > 2000
+    # the strong reads' rule (bound 0) sees those answers too
+    assert r.plain_at_bound_0 >= len(v.stale) - v.strong_stale

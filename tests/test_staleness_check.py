@@ -71,3 +71,29 @@ def test_the_logs_round_trip(tmp_path):
     assert acks.count == 2 and len(reads) == 2 and reads[0].revision == 1
     v = judge(acks, reads, BOUND_MS, (0, 10), 0)
     assert len(v.stale) == 1 and v.failures == {"timeout": 1}
+
+
+def strong(sent, counter, conn=0, key="a", status="ok", recv=None):
+    return Read(conn, "strong", key, sent, sent + 0.001 if recv is None else recv, status, counter, 4)
+
+
+def test_a_strong_read_promises_every_write_acknowledged_before_it():
+    v = judge(ACKS, [strong(5.01, 0)], BOUND_MS, (0, 100), 0)   # counter 1 acknowledged 10 ms before
+    assert len(v.stale) == 1 and v.strong_stale == 1 and (v.strong_reads, v.strong_ok) == (1, 1)
+    assert not judge(ACKS, [strong(4.99, 0), strong(5.01, 1)], BOUND_MS, (0, 100), 0).stale
+    # the same answer to a plain read is within its bound
+    assert not one(r(5.01, 0)).stale
+
+
+def test_a_plain_read_after_a_strong_one_must_not_go_back():
+    v = judge(ACKS, [strong(5.5, 1), r(5.6, 0)], BOUND_MS, (0, 100), 0)
+    assert not v.stale and [(x.read.kind, x.before) for x in v.regressions] == [("get", 1)]
+
+
+def test_strong_reads_are_left_out_of_availability():
+    # a strong read failing (no leader in reach) between two plain reads costs nothing
+    reads = [r(0.0, 0, key="b", recv=0.1), strong(1.0, -1, key="b", status="timeout", recv=3.0),
+             r(1.0, 0, key="b", recv=1.1), r(2.0, 0, key="b", recv=2.0)]
+    v = judge(ACKS, reads, BOUND_MS, (0.0, 2.5), heal=0.5)
+    assert v.availability == 1.0 and v.recovery_s == 0.0 and v.failures == {"timeout": 1}
+    assert (v.strong_reads, v.strong_ok, v.window_reads) == (1, 0, 3)

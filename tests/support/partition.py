@@ -29,6 +29,7 @@ import asyncio
 import atexit
 import contextlib
 import ctypes
+import dataclasses
 import json
 import os
 import re
@@ -49,7 +50,7 @@ from typing import TypeVar
 from kvcache.natsio.nats_server import ClusterConfig, NatsServer, die_with_parent
 from support.poll import wait_until
 from support.sidecar_proc import SidecarProcess
-from support.staleness_check import Verdict, judge, read_acks, read_reads
+from support.staleness_check import STRONG, Verdict, judge, read_acks, read_reads
 from support.topology import Cluster
 
 HOSTS = ("n1", "n2", "n3", "sc", "w")
@@ -650,6 +651,7 @@ class RunConfig:
     read_rate: float = 2000.0      # reads/s over all reader connections
     conns: int = 4
     read_timeout: float = 5.0
+    strong_share: float = 0.0      # share of the reads sent CONSISTENCY strong (judged at bound 0)
     sidecar_first: str = "n1"
     sidecar_extra: list[str] = field(default_factory=list)
     restart_down: float = 2.0      # (h): how long each server stays down
@@ -668,6 +670,9 @@ class FaultResult:
     # when the cluster itself was whole again after the heal (the stream led, every replica
     # current), from the control client: the sidecar cannot recover before it
     t_current: float | None = None
+    # the strong rule's own check: the plain reads judged as if strong (bound 0). The replica
+    # trails the writes by milliseconds, so a checker that sees none of those is not judging.
+    plain_at_bound_0: int = 0
 
 
 FAULTS = {
@@ -809,6 +814,7 @@ def run_fault(env: PartitionEnv, fault: str, cfg: RunConfig, log: Callable[[str]
             sys.executable, str(HERE / "partition_load.py"), "readers", "--socket", sc.socket,
             "--bucket", bucket, "--keys", str(cfg.keys), "--rate", str(cfg.read_rate),
             "--conns", str(cfg.conns), "--timeout", str(cfg.read_timeout), "--seconds", str(total),
+            "--strong-share", str(cfg.strong_share),
             "--log", str(rlog)], stderr=open(work / "readers.err", "wb"))
         procs.append(readers)
         time.sleep(cfg.warmup)
@@ -846,8 +852,11 @@ def run_fault(env: PartitionEnv, fault: str, cfg: RunConfig, log: Callable[[str]
             env.ensure_running()
         env.delete_bucket(bucket)
     check = cfg.check_stale_ms if cfg.check_stale_ms is not None else cfg.max_stale_ms
-    verdict = judge(read_acks(wlog), read_reads(rlog), check, (t_fault, t_end), t_heal)
-    return FaultResult(fault, verdict, t_fault, t_heal, t_end, notes, sidecar_log, t_current)
+    acks, reads = read_acks(wlog), read_reads(rlog)
+    verdict = judge(acks, reads, check, (t_fault, t_end), t_heal)
+    as_strong = [dataclasses.replace(x, kind=STRONG) for x in reads if x.kind != STRONG]
+    probe = len(judge(acks, as_strong, check, (t_fault, t_end), t_heal).stale)
+    return FaultResult(fault, verdict, t_fault, t_heal, t_end, notes, sidecar_log, t_current, probe)
 
 
 def _readline(p: subprocess.Popen, timeout: float) -> str:
@@ -867,8 +876,14 @@ def describe(r: FaultResult) -> str:
         out.append(f"  stale e.g. {v.stale[0].describe(r.t_fault)}")
         if (w := v.worst_stale) is not v.stale[0]:
             out.append(f"  stale, oldest: {w.describe(r.t_fault)}")
+    if v.strong_stale:
+        first = next(x for x in v.stale if x.read.kind == STRONG)
+        out.append(f"  strong read stale e.g. {first.describe(r.t_fault)}")
     if v.regressions:
         out.append(f"  regression e.g. {v.regressions[0].describe(r.t_fault)}")
+    if v.strong_reads:
+        out.append(f"  strong reads: {v.strong_reads:,} sent, {v.strong_ok:,} answered, {v.strong_stale:,} stale "
+                   f"at bound 0 (the plain reads judged at bound 0, the rule's check: {r.plain_at_bound_0:,} stale)")
     if v.failures:
         out.append(f"  failed reads: {v.failures}")
     out += [f"  note: {n}" for n in r.notes]

@@ -12,10 +12,11 @@ may still have landed: its counter is then lower than the next one's, so the jud
 "older than an acknowledged counter" holds either way).
 
 The readers (in the root namespace, on the sidecar's Unix socket) run `--conns` connections,
-each sending one request at a time (alternately-by-chance `GET key` and `KV.GET bucket:key`)
-at `rate / conns` reads/s, and log `read <conn> <kind> <key> <sent> <received> <status>
-<counter> <revision>` for each; a read without a reply within `--timeout` closes its
-connection (its replies would no longer pair with its requests) and opens a new one.
+each sending one request at a time (by chance `GET key` or `KV.GET bucket:key`, and a
+`--strong-share` of them `KV.GET bucket:key CONSISTENCY strong`) at `rate / conns` reads/s,
+and log `read <conn> <kind> <key> <sent> <received> <status> <counter> <revision>` for each;
+a read without a reply within `--timeout` closes its connection (its replies would no longer
+pair with its requests) and opens a new one.
 
 Both stop on SIGTERM/SIGINT, after `--seconds`, or after `--max` operations, whichever comes
 first, and flush their logs on the way out. They import nothing of kvcache: the judge must not
@@ -166,9 +167,12 @@ async def readers(a: argparse.Namespace) -> None:
             k += 1
             budget[0] -= 1
             key = key_name(rnd.randrange(a.keys))
-            kind = "get" if rnd.random() < 0.5 else "kv.get"
-            req = _resp(b"GET", key.encode()) if kind == "get" else \
-                _resp(b"KV.GET", bucket + b":" + key.encode())
+            if a.strong_share and rnd.random() < a.strong_share:
+                kind, req = "strong", _resp(b"KV.GET", bucket + b":" + key.encode(), b"CONSISTENCY", b"strong")
+            elif rnd.random() < 0.5:
+                kind, req = "get", _resp(b"GET", key.encode())
+            else:
+                kind, req = "kv.get", _resp(b"KV.GET", bucket + b":" + key.encode())
             sent = now()
             status, counter, rev = "conn", -1, -1
             try:
@@ -239,6 +243,8 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--socket", required=True)
     r.add_argument("--conns", type=int, default=4)
     r.add_argument("--timeout", type=float, default=5.0)
+    r.add_argument("--strong-share", type=float, default=0.0,
+                   help="share of the reads sent as KV.GET ... CONSISTENCY strong")
     for s in (w, r):
         s.add_argument("--bucket", required=True)
         s.add_argument("--keys", type=int, required=True)

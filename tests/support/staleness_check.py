@@ -14,10 +14,16 @@ The rules, per read sent at `sent` answering counter `c` of key `k` (nil: no val
 - **stale**: `c` is lower than (or nil while there is) the counter of a put of `k`
   acknowledged more than `max_stale_ms` before `sent`. The sidecar promises nothing newer than
   that bound; anything older broke it.
+- **strong** reads (`KV.GET ... CONSISTENCY strong`, kind `strong`) promise every write
+  acknowledged before they were sent: they are judged by the same rule with a bound of 0.
 - **regression**: `c` is lower than (or nil after) a counter an earlier read of `k` on the same
-  connection answered. Keys are never deleted, so a nil after a value goes back too.
+  connection answered, whatever the kinds of the two reads (a plain read after a strong one
+  must not go back either). Keys are never deleted, so a nil after a value goes back too.
 - **succeeded**: the read had a reply that is not an error (a stale answer succeeded; it is
   counted as stale apart), within the reader's timeout.
+- **availability**, **recovery** and the longest outage are the plain reads' (`get`,
+  `kv.get`): a strong read needs the stream's leader and is expected to fail while the
+  sidecar cannot reach it; its successes are counted apart (`Verdict.strong_*`).
 - **availability**: each connection's timeline is cut at the moments it sent a read; the stretch
   from one read's send to the next read's send (the last one: to its reply) is available when
   that read succeeded. Availability is the available share of all connections' timelines inside
@@ -35,13 +41,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 OK, NIL = "ok", "nil"               # a value; no value (both are successful replies)
+STRONG = "strong"                   # the kind of a KV.GET ... CONSISTENCY strong read
 FAILED = ("err", "timeout", "conn")  # an error reply; no reply in time; could not connect/send
 
 
 @dataclass(frozen=True)
 class Read:
     conn: int
-    kind: str        # "get" or "kv.get"
+    kind: str        # "get", "kv.get" or "strong" (KV.GET ... CONSISTENCY strong)
     key: str
     sent: float
     recv: float
@@ -149,6 +156,9 @@ class Verdict:
     outage_s: float = 0.0
     acks: int = 0
     failures: dict[str, int] = field(default_factory=dict)
+    strong_reads: int = 0        # strong reads of the run (judged with a bound of 0)
+    strong_ok: int = 0           # of which succeeded
+    strong_stale: int = 0        # of which stale (also in `stale`)
 
     @property
     def succeeded_pct(self) -> float:
@@ -160,35 +170,50 @@ class Verdict:
 
 
 def judge(acks: Acks, reads: Iterable[Read], max_stale_ms: float, window: tuple[float, float],
-          heal: float) -> Verdict:
+          heal: float, strong_bound_ms: float = 0.0) -> Verdict:
     """Judge `reads` (any order) against `acks`; `window` = (fault start, end of the run),
-    `heal` = when the fault was healed (every time CLOCK_MONOTONIC seconds)."""
-    bound = max_stale_ms / 1000.0
-    w0, w1 = window
+    `heal` = when the fault was healed (every time CLOCK_MONOTONIC seconds). Plain reads are
+    judged at `max_stale_ms`, strong ones at `strong_bound_ms`."""
+    bounds = {STRONG: strong_bound_ms / 1000.0}
+    plain_bound = max_stale_ms / 1000.0
     v = Verdict(acks=acks.count)
     rows = sorted(reads, key=lambda r: (r.conn, r.sent))
     v.reads = len(rows)
     high: dict[tuple[int, str], int] = {}
+    bad: set[int] = set()   # the reads that failed or were stale
+    for i, r in enumerate(rows):
+        strong = r.kind == STRONG
+        v.strong_reads += strong
+        if not r.succeeded:
+            v.failures[r.status] = v.failures.get(r.status, 0) + 1
+            bad.add(i)
+            continue
+        v.strong_ok += strong
+        newest = acks.newest_by(r.key, r.sent - bounds.get(r.kind, plain_bound))
+        if newest is not None and (r.status == NIL or r.counter < newest[0]):
+            v.stale.append(StaleRead(r, *newest))
+            v.strong_stale += strong
+            bad.add(i)
+        have = r.counter if r.status == OK else -1
+        before = high.get((r.conn, r.key))
+        if before is not None and have < before:
+            v.regressions.append(Regression(r, before))
+        else:
+            high[(r.conn, r.key)] = have
+    _timeline(v, [(r, i not in bad) for i, r in enumerate(rows) if r.kind != STRONG], window, heal)
+    return v
+
+
+def _timeline(v: Verdict, rows: list[tuple[Read, bool]], window: tuple[float, float], heal: float) -> None:
+    """Availability, the longest outage and recovery from the plain reads, (read, fresh and
+    successful) in (connection, sent) order."""
+    w0, w1 = window
     bad_until = None       # reply time of the last failed or stale read
     last_good = None       # reply time of the last fresh successful read
     good: list[float] = []  # reply times of the fresh successful reads
     avail = total = 0.0
-    for i, r in enumerate(rows):
-        stale = False
-        if r.succeeded:
-            newest = acks.newest_by(r.key, r.sent - bound)
-            if newest is not None and (r.status == NIL or r.counter < newest[0]):
-                v.stale.append(StaleRead(r, *newest))
-                stale = True
-            have = r.counter if r.status == OK else -1
-            before = high.get((r.conn, r.key))
-            if before is not None and have < before:
-                v.regressions.append(Regression(r, before))
-            else:
-                high[(r.conn, r.key)] = have
-        else:
-            v.failures[r.status] = v.failures.get(r.status, 0) + 1
-        if not r.succeeded or stale:
+    for i, (r, fine) in enumerate(rows):
+        if not fine:
             bad_until = r.recv if bad_until is None else max(bad_until, r.recv)
         else:
             good.append(r.recv)
@@ -198,7 +223,7 @@ def judge(acks: Acks, reads: Iterable[Read], max_stale_ms: float, window: tuple[
             v.window_reads += 1
             v.window_ok += r.succeeded
         # this read's stretch of its connection's timeline, clipped to the window
-        nxt = rows[i + 1] if i + 1 < len(rows) and rows[i + 1].conn == r.conn else None
+        nxt = rows[i + 1][0] if i + 1 < len(rows) and rows[i + 1][0].conn == r.conn else None
         end = nxt.sent if nxt is not None else r.recv
         a, b = max(r.sent, w0), min(max(end, r.sent), w1)
         if b > a:
@@ -214,7 +239,6 @@ def judge(acks: Acks, reads: Iterable[Read], max_stale_ms: float, window: tuple[
         v.recovery_s = None
     else:
         v.recovery_s = bad_until - heal
-    return v
 
 
 # ----------------------------------------------------------------------------- the logs
@@ -242,7 +266,7 @@ def read_reads(path: str | Path) -> list[Read]:
 # ----------------------------------------------------------------------------- the table
 
 COLUMNS = ("fault", "reads", "succeeded %", "availability %", "longest outage s", "stale", "regressions",
-           "recovery s", "writes acked")
+           "recovery s", "writes acked", "strong ok/stale")
 
 
 def row(fault: str, v: Verdict) -> dict[str, str]:
@@ -250,7 +274,8 @@ def row(fault: str, v: Verdict) -> dict[str, str]:
     return {"fault": fault, "reads": f"{v.reads:,}", "succeeded %": f"{v.succeeded_pct:.1f}",
             "availability %": f"{100 * v.availability:.1f}", "longest outage s": f"{v.outage_s:.2f}",
             "stale": f"{len(v.stale):,}",
-            "regressions": f"{len(v.regressions):,}", "recovery s": rec, "writes acked": f"{v.acks:,}"}
+            "regressions": f"{len(v.regressions):,}", "recovery s": rec, "writes acked": f"{v.acks:,}",
+            "strong ok/stale": f"{v.strong_ok:,}/{v.strong_stale:,}"}
 
 
 def table(rows: list[dict[str, str]]) -> str:
