@@ -96,7 +96,8 @@ class Sidecar:
         self.ledger = Ledger(max_age=lambda bucket: feeds[bucket].max_age_ns if bucket in feeds else 0)
         self.router = Router(cfg.nats.request_timeout_ms / 1000,
                              fence=lambda bucket: feeds[bucket].fence() if bucket in feeds else NO_FENCE,
-                             floors=self.ledger.floors)
+                             floors=self.ledger.floors,
+                             proven=lambda bucket, ms: feeds[bucket].proven_within(ms) if bucket in feeds else True)
         self.hub = ChangeHub()  # the feeds' changes, to tracking, pub/sub and WATCH
         self.peer_conns: PeerConnections | None = None
         self.server: RespServer | None = None

@@ -276,6 +276,71 @@ async def test_sigstopped_cluster_member_is_hedged_around(cluster_bucket, router
         assert r.state(victim) == "up"
 
 
+async def test_a_strong_read_needs_evidence_its_leader_was_not_replaced(cluster_bucket, router_of):
+    """CONSISTENCY strong takes the believed leader's answer only while a quorum showed the
+    stream's state within STRONG_EVIDENCE_MS (Router.strong_gate): here no feed vouches, so
+    the gate asks the leader's STREAM.INFO itself, once for the reads that follow. With both
+    followers stopped (SIGSTOP: they can neither answer nor elect), the leader's evidence of
+    them ages from the stop, and no strong read is answered once it is older than that."""
+    from kvcache.errors import UpstreamError
+    from kvcache.feed.quorum import STRONG_EVIDENCE_MS
+
+    nats_cluster = cluster_bucket
+    probe = NatsConnection()
+    await probe.connect(servers=[nats_cluster.urls[0]], connect_timeout=5)
+    try:
+        leader = (await jsapi.stream_info(probe, "KV_rc", TIMEOUT))["cluster"]["leader"]
+    finally:
+        await close_quietly(probe)
+    async with AsyncExitStack() as stack:
+        nc = NatsConnection()
+        await nc.connect(servers=[nats_cluster.server(leader).url], connect_timeout=5, ping_interval=600)
+        stack.push_async_callback(close_quietly, nc)
+        r = router_of([Peer(leader, nc, "KV_rc", "rc")], timeout=0.5)
+        r.proven = lambda bucket, ms: False
+        for _ in range(3):
+            assert (await r.get("rc", "k", strong=True)).value == b"c"
+        assert r.strong_evidence_asked == 1  # the gate's own evidence serves the next reads
+        r._strong_as_of.clear()
+        followers = [s for s in nats_cluster.servers if s.server_name != leader]
+        answered: list[float] = []
+        refused: list[str] = []
+        for s in followers:
+            s.pause()                            # SIGSTOP
+        stopped = time.monotonic()
+        try:
+            while time.monotonic() < stopped + STRONG_EVIDENCE_MS / 1000 + 3.0:
+                r._strong_as_of.clear()  # every read asks, as the first after a poll would
+                sent = time.monotonic()
+                try:
+                    await r.get("rc", "k", strong=True)
+                    answered.append(sent - stopped)
+                except UpstreamError as e:
+                    refused.append(str(e))
+                await asyncio.sleep(0.05)
+        finally:
+            for s in followers:
+                s.resume()
+    # The evidence is never later than the stop (a stopped follower is not heard from), so a
+    # read sent past STRONG_EVIDENCE_MS after it cannot pass, however busy the host.
+    late = [t for t in answered if t > STRONG_EVIDENCE_MS / 1000 + 0.1]
+    assert not late, f"strong reads answered {late} s after both followers stopped"
+    assert refused and "strong read cannot show its leader was not replaced" in refused[-1], refused[-3:]
+    # the cluster whole again for the tests after this one
+    client = await nats.connect(nats_cluster.urls[0])
+    try:
+        async def current() -> bool:
+            try:
+                info = await client.jetstream().stream_info("KV_rc")
+            except Exception:  # no leader yet
+                return False
+            c = info.cluster
+            return bool(c and c.leader and c.replicas and all(x.current for x in c.replicas))
+        await until(current, 60, "KV_rc led and current again")
+    finally:
+        await client.close()
+
+
 # --------------------------------------------------------------------------- the sidecar, hub and leaves
 
 

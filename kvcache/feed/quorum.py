@@ -38,6 +38,16 @@ RAFT_HEARTBEAT_S = 1.0
 # and it reads every message of the stream (kvcache.feed.feed.Feed.consumer_heartbeat_s): a
 # backstop only, since a stalled consumer shows sooner as evidence it did not deliver.
 QUORUM_HEARTBEAT_S = 30.0
+# A strong read (KV.GET CONSISTENCY strong) is answered by the server that believes it leads
+# (MSG.GET), which shows every write acknowledged before the read only while no other leader
+# can have acknowledged one. Followers that lose the leader together elect another no sooner
+# than an election timeout (nats-server raft.go: 4-9 s) after they last heard from it, at most
+# a raft heartbeat before the leader's evidence of them ends. So while a quorum showed the
+# stream's state within STRONG_EVIDENCE_MS (evidence no older than 4 s less that heartbeat,
+# less a second for the read's own round trip), no such leader exists yet (Router.strong_gate;
+# docs/architecture.md, "What a strong read rests on").
+RAFT_ELECTION_MIN_S = 4.0
+STRONG_EVIDENCE_MS = int((RAFT_ELECTION_MIN_S - RAFT_HEARTBEAT_S - 1.0) * 1000)
 # Proofs kept that the replica has not reached yet (writes in flight): more than a poll's worth
 PENDING_MAX = 16
 # A Fence's anchor comes back, value and all, with each fenced read that asks for it: the

@@ -12,7 +12,8 @@ failures (errors, timeouts, hedges lost) **eject** a peer; it comes back after a
 probe, tried with exponential backoff. Peers idle for a while are probed too, so an estimate
 never goes stale because the peer stopped being chosen.
 
-Strong reads go to the leader API of a peer reaching the bucket's own stream (not a mirror).
+Strong reads go to the leader API of a peer reaching the bucket's own stream (not a mirror),
+once quorum evidence shows no other leader can have replaced it (`strong_gate`).
 Followers and mirrors lag: an answer older than a revision of the same key already read is
 read again from the bucket's other peers (another mirror is likely caught up), then from the
 leader; a key's reads never go back in time, and a read no reachable peer can answer at its
@@ -29,7 +30,7 @@ from typing import Any
 
 from ..entry import Entry
 from ..errors import ReplyBudget, UpstreamError
-from ..feed.quorum import NO_FENCE, Fence
+from ..feed.quorum import NO_FENCE, STRONG_EVIDENCE_MS, Fence, evidence
 from ..natsio import jetstream as jsapi
 from .ledger import FLOORS_MAX, Floors
 from .peer import MULTI_LAST_MAX, Peer, PeerStats
@@ -74,7 +75,8 @@ class Router:
 
     def __init__(self, timeout: float, settings: RouterSettings | None = None, rng: random.Random | None = None,
                  max_age: Callable[[str], int] | None = None,
-                 fence: Callable[[str], Fence | None] | None = None, floors: Floors | None = None) -> None:
+                 fence: Callable[[str], Fence | None] | None = None, floors: Floors | None = None,
+                 proven: Callable[[str, int], bool] | None = None) -> None:
         self.timeout = timeout
         self.settings = settings or RouterSettings()
         self._peers: dict[str, list[Peer]] = {}
@@ -87,6 +89,12 @@ class Router:
         # What a bucket's fallback answers must show (kvcache.feed.quorum.Fence; None: nothing can
         # show it current now): the sidecar passes the feeds' quorum evidence.
         self.fence: Callable[[str], Fence | None] = fence or (lambda bucket: NO_FENCE)
+        # Has a quorum shown a bucket's stream state within ms? The sidecar passes the feeds'
+        # (Feed.proven_within); strong reads need it within STRONG_EVIDENCE_MS (`strong_gate`).
+        self.proven: Callable[[str, int], bool] = proven or (lambda bucket, ms: True)
+        self._strong_as_of: dict[str, int] = {}  # bucket -> the gate's own newest evidence (wall ns)
+        self._strong_asks: dict[str, asyncio.Future] = {}  # bucket -> its STREAM.INFO in flight
+        self.strong_evidence_asked = 0  # STREAM.INFO requests the gate sent
         self.hedges_sent = 0
         self.hedges_won = 0
         self.requests = 0
@@ -137,6 +145,8 @@ class Router:
         source of its own; the near cache keeps one only from the bucket's own stream."""
         ps = self._bucket_peers(bucket, strong)
         fence = self._fence(bucket)
+        if strong:
+            await self.strong_gate(bucket, ps)
         self._schedule_probes(ps, key)
         e, by = await self._route(ps, lambda p: p.get(key, self.timeout, leader=strong, fence=fence), hedge=True)
         answered = by.label
@@ -172,6 +182,43 @@ class Router:
                 answered[key] = ""
                 self.floors.saw(bucket, key, e)
         return got, answered
+
+    async def strong_gate(self, bucket: str, leaders: list[Peer]) -> None:
+        """May a strong read of `bucket` take its believed leader's answer? Only while a quorum
+        of the stream's group showed its state within STRONG_EVIDENCE_MS (kvcache.feed.quorum):
+        the feed's evidence, or the gate's own; else one STREAM.INFO of the leader, shared by
+        the strong reads of the bucket that wait meanwhile, must show it. The feed's evidence
+        is kept within max_stale_ms, which may be longer than a cut-off leader takes to be
+        replaced. UpstreamError when no evidence shows it."""
+        span = STRONG_EVIDENCE_MS * 1_000_000
+        if self.proven(bucket, STRONG_EVIDENCE_MS) or self._strong_as_of.get(bucket, 0) >= time.time_ns() - span:
+            return
+        ask = self._strong_asks.get(bucket)
+        if ask is None:
+            ask = asyncio.ensure_future(self._ask_evidence(bucket, leaders))
+            self._strong_asks[bucket] = ask
+            ask.add_done_callback(lambda f: self._asked(bucket, f))
+        await asyncio.shield(ask)
+        if self._strong_as_of.get(bucket, 0) < time.time_ns() - span:
+            raise UpstreamError(f"bucket {bucket}: no quorum of its servers has shown its state within "
+                                f"{STRONG_EVIDENCE_MS} ms, so a strong read cannot show its leader was not replaced")
+
+    async def _ask_evidence(self, bucket: str, leaders: list[Peer]) -> None:
+        sent = time.time_ns()
+
+        async def fetch(p: Peer) -> dict:
+            return await jsapi.stream_info(p.nc, p.stream, self.timeout, p.api, need_leader=True)
+        self.strong_evidence_asked += 1
+        info, _ = await self._route(leaders, fetch, hedge=False)
+        ev = evidence(info, min(sent, time.time_ns()))
+        if ev is not None and ev.as_of_ns > self._strong_as_of.get(bucket, 0):
+            self._strong_as_of[bucket] = ev.as_of_ns
+
+    def _asked(self, bucket: str, f: asyncio.Future) -> None:
+        if self._strong_asks.get(bucket) is f:
+            del self._strong_asks[bucket]
+        if not f.cancelled():
+            f.exception()  # retrieved: each waiting read has raised it already
 
     async def last_revision(self, bucket: str) -> int:
         """The bucket's last revision (its stream's last sequence) as the stream's leader shows
