@@ -125,7 +125,8 @@ class Router:
         in-flight requests, hedges won, ejections and probes."""
         rows: list[tuple[str, object]] = [
             ("routed_requests", self.requests), ("hedges_sent", self.hedges_sent),
-            ("hedges_won", self.hedges_won), ("hedge_budget_ratio", self.settings.hedge_ratio)]
+            ("hedges_won", self.hedges_won), ("hedge_budget_ratio", self.settings.hedge_ratio),
+            ("strong_evidence_requests", self.strong_evidence_asked)]
         for p in self.peers():
             st = p.stats
             rows.append((p.label, ",".join(f"{k}={v}" for k, v in (
