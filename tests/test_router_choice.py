@@ -156,11 +156,12 @@ def test_peers_state_and_info_rows():
         a.stats.samples.append(float(us))
     a._started[0] = 0.0
     a.stats.hedges_won, a.stats.ejections, a.stats.probes = 4, 5, 6
-    r.requests, r.hedges_sent, r.hedges_won = 9, 8, 7
+    r.requests, r.hedges_sent, r.hedges_won, r.strong_evidence_asked = 9, 8, 7, 3
     rows = r.info_rows()
-    assert rows[:4] == [("routed_requests", 9), ("hedges_sent", 8), ("hedges_won", 7), ("hedge_budget_ratio", 0.10)]
-    assert rows[4] == ("a", "p50_us=101,p95_us=191,p99_us=199,inflight=1,hedges_won=4,ejections=5,probes=6")
-    assert [label for label, _ in rows[5:]] == ["b", "main.other"]
+    assert rows[:5] == [("routed_requests", 9), ("hedges_sent", 8), ("hedges_won", 7), ("hedge_budget_ratio", 0.10),
+                        ("strong_evidence_requests", 3)]
+    assert rows[5] == ("a", "p50_us=101,p95_us=191,p99_us=199,inflight=1,hedges_won=4,ejections=5,probes=6")
+    assert [label for label, _ in rows[6:]] == ["b", "main.other"]
 
 
 def test_bucket_peers_strong_takes_the_buckets_own_stream():
