@@ -615,7 +615,7 @@ class Feed(Maintenance):
         """Records past a jump over sequences the stream no longer holds are being written:
         messages superseded (a key's newer revision, history), deleted or expired since they
         were stored, skipped by a fill (Follower._fill) or by a consumer that is behind
-        (`_held`). What superseded a skipped message may lie past everything applied so far;
+        (`_jumps`). What superseded a skipped message may lie past everything applied so far;
         until the replica holds it, the records past the jump are newer than some and older
         than others of the stream at any one moment: no state the stream was ever in (a key
         whose skipped revision was current would read as its older one, or as missing once

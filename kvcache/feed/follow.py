@@ -352,7 +352,7 @@ class Follower:
         last = int((info.get("state") or {}).get("last_seq", 0) or 0)
         now = time.time_ns()
         sent_ns = min(sent_ns, now)
-        if feed.pinned_ns and sent_ns >= feed.pinned_ns and last <= feed.written_seq:
+        if self._releases(last, sent_ns):
             feed.unpin()
         if last <= feed.meta.applied_seq:
             self._proven(sent_ns)
@@ -365,13 +365,19 @@ class Follower:
         """The words the replica now holds make it current as of when they were asked; one
         asked after the latest skip, once held, unpins the position first (Feed.pin)."""
         feed = self.feed
-        if feed.pinned_ns and any(w[1] >= feed.pinned_ns and w[0] <= feed.written_seq for w in self._words):
+        if any(self._releases(last, sent_ns) for last, sent_ns, _ in self._words):
             feed.unpin()
         applied = feed.meta.applied_seq
         reached = [w for w in self._words if w[0] <= applied]
         if reached:
             self._words = [w for w in self._words if w[0] > applied]
             self._proven(max(w[1] for w in reached))
+
+    def _releases(self, last: int, sent_ns: int) -> bool:
+        """Does a state answer (its last sequence, asked at `sent_ns`) release the feed's pin?
+        Asked after the latest skip, and held by the replica (Feed.pin)."""
+        feed = self.feed
+        return bool(feed.pinned_ns) and sent_ns >= feed.pinned_ns and last <= feed.written_seq
 
     def _proven(self, as_of_ns: int) -> None:
         self.feed.follow_proven(as_of_ns)

@@ -206,11 +206,8 @@ class Router:
 
     async def _ask_evidence(self, bucket: str, leaders: list[Peer]) -> None:
         sent = time.time_ns()
-
-        async def fetch(p: Peer) -> dict:
-            return await jsapi.stream_info(p.nc, p.stream, self.timeout, p.api, need_leader=True)
         self.strong_evidence_asked += 1
-        info, _ = await self._route(leaders, fetch, hedge=False)
+        info = await self._leader_info(leaders)
         ev = evidence(info, min(sent, time.time_ns()))
         if ev is not None and ev.as_of_ns > self._strong_as_of.get(bucket, 0):
             self._strong_as_of[bucket] = ev.as_of_ns
@@ -227,11 +224,17 @@ class Router:
         lags, and numbers only what it copied). Only a MINREV read whose answer is below its
         revision asks (kvcache.read.reads): is that revision beyond the bucket, or is the key
         older than it? UpstreamError when no leader answers."""
-        async def fetch(p: Peer) -> int:
-            info = await jsapi.stream_info(p.nc, p.stream, self.timeout, p.api, need_leader=True)
-            return int((info.get("state") or {}).get("last_seq", 0) or 0)
-        last, _ = await self._route(self._bucket_peers(bucket, True), fetch, hedge=False)
-        return int(last)
+        info = await self._leader_info(self._bucket_peers(bucket, True))
+        return int((info.get("state") or {}).get("last_seq", 0) or 0)
+
+    async def _leader_info(self, leaders: list[Peer]) -> dict:
+        """One STREAM.INFO, answered by the server that believes it leads, through `leaders`
+        (peers reaching the bucket's own stream): MINREV's last revision, the strong gate's
+        evidence. UpstreamError when no leader answers."""
+        async def fetch(p: Peer) -> dict:
+            return await jsapi.stream_info(p.nc, p.stream, self.timeout, p.api, need_leader=True)
+        info, _ = await self._route(leaders, fetch, hedge=False)
+        return info
 
     async def _catch_up(self, bucket: str, keys: list[str], stale: Peer,
                         peers: list[Peer], fence: Fence = NO_FENCE) -> dict[str, Entry | None]:
